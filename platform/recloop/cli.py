@@ -1,0 +1,186 @@
+"""The ``recloop`` command.
+
+Human-readable output and progress bars go to stderr; with ``--json`` the command prints exactly one JSON
+object on stdout, for scripts and flows. Errors in what the user asked for exit with code 2 and a
+one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from recloop.ingest import FileResult, IngestSummary, ingest
+from recloop.schema import SpecError, load_spec
+from recloop.settings import Settings
+from recloop.simulate import DRIFT_SCENARIOS, SimulationSummary, WorldConfig, simulate
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="recloop: continuous retraining for GPU recommenders. Settings come from RECLOOP_* variables.",
+)
+console = Console(stderr=True)
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")]
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code=2)
+
+
+@contextmanager
+def _progress(description: str, total: int, quiet: bool) -> Iterator[Progress]:
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, disable=quiet, transient=False,
+    )
+    with progress:
+        progress.add_task(description, total=total)
+        yield progress
+
+
+def _parse_start(value: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as err:
+        raise _fail(f"--start {value!r} is not an ISO date such as 2026-01-01") from err
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def _run_simulation(config: WorldConfig, out: Path, quiet: bool) -> SimulationSummary:
+    with _progress("simulating hours", config.days * 24, quiet) as progress:
+        return simulate(config, out, on_hour=lambda day, hour: progress.advance(0))
+
+
+def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -> IngestSummary:
+    try:
+        spec = load_spec(spec_name)
+    except SpecError as err:
+        raise _fail(str(err)) from err
+    from recloop.ingest.run import discover
+
+    try:
+        total = len(discover(source))
+    except FileNotFoundError as err:
+        raise _fail(str(err)) from err
+
+    def on_file(result: FileResult) -> None:
+        progress.advance(0)
+        if result.status == "rejected":
+            console.print(f"[yellow]rejected[/] {result.path}: {result.error}")
+
+    with _progress(f"ingesting ({spec.name})", total, quiet) as progress:
+        return ingest(source, spec, settings, on_file=on_file)
+
+
+def _print_ingest(summary: IngestSummary) -> None:
+    table = Table(title=f"ingest {summary.source} (spec {summary.spec})", show_edge=False)
+    for column in ("files", "ingested", "skipped", "rejected", "rows in", "landed", "quarantined", "seconds"):
+        table.add_column(column, justify="right")
+    table.add_row(*map(str, (summary.files, summary.files_ingested, summary.files_skipped, summary.files_rejected,
+                             summary.rows_in, summary.rows_landed, summary.rows_quarantined, summary.seconds)))
+    console.print(table)
+    reasons: dict[str, int] = {}
+    for result in summary.results:
+        for code, count in result.reasons.items():
+            reasons[code] = reasons.get(code, 0) + count
+    if reasons:
+        console.print("quarantined rows by reason: " + ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())))
+    if summary.recovered:
+        console.print(f"finished {len(summary.recovered)} commit(s) left by an interrupted run")
+
+
+def _emit(payload: dict) -> None:
+    sys.stdout.write(json.dumps(payload, default=str) + "\n")
+
+
+@app.command("simulate")
+def simulate_command(
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: $RECLOOP_HOME/landing).")] = None,
+    days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 7,
+    events_per_day: Annotated[int, typer.Option(min=1, help="Impressions per day.")] = 100_000,
+    seed: Annotated[int, typer.Option(help="Random seed: the world is a function of it.")] = 0,
+    drift: Annotated[str, typer.Option(help=f"Drift scenario: {', '.join(DRIFT_SCENARIOS)}.")] = "none",
+    drift_day: Annotated[int, typer.Option(min=0, help="First drifted day, counted from 0.")] = 3,
+    start: Annotated[str, typer.Option(help="First simulated midnight (UTC), ISO date.")] = "2026-01-01",
+    json_out: JsonOption = False,
+) -> None:
+    """Write a synthetic world's events, one parquet file per simulated hour under OUT/YYYY-MM-DD/."""
+    if drift not in DRIFT_SCENARIOS:
+        raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
+    settings = Settings()
+    config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift,  # type: ignore[arg-type]
+                         drift_day=drift_day, start=_parse_start(start))
+    summary = _run_simulation(config, out or settings.landing_dir, quiet=json_out)
+    if json_out:
+        _emit({k: v for k, v in summary.to_dict().items() if k != "paths"})
+    else:
+        console.print(f"wrote {summary.events:,} events ({summary.clicks:,} clicks) in {summary.files} files "
+                      f"to {summary.out_dir}")
+
+
+@app.command("ingest")
+def ingest_command(
+    source: Annotated[Path | None, typer.Argument(help="File or folder (default: $RECLOOP_HOME/landing).")] = None,
+    spec: Annotated[str, typer.Option(help="Dataset spec: a shipped name (synthetic, criteo) or a YAML path.")] = (
+        "synthetic"
+    ),
+    json_out: JsonOption = False,
+) -> None:
+    """Validate and land parquet, CSV or Criteo TSV files into the lake; bad rows go to quarantine."""
+    settings = Settings()
+    summary = _run_ingest(source or settings.landing_dir, spec, settings, quiet=json_out)
+    if json_out:
+        _emit(summary.to_dict())
+    else:
+        _print_ingest(summary)
+
+
+@app.command("demo")
+def demo_command(
+    days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 3,
+    events_per_day: Annotated[int, typer.Option(min=1, help="Impressions per day.")] = 50_000,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    drift: Annotated[str, typer.Option(help=f"Drift scenario: {', '.join(DRIFT_SCENARIOS)}.")] = "sudden",
+    drift_day: Annotated[int, typer.Option(min=0, help="First drifted day, counted from 0.")] = 2,
+    json_out: JsonOption = False,
+) -> None:
+    """Run the loop on embedded defaults. Today: simulate a world into the landing zone and ingest it.
+
+    Later stages (features, training, gate, canary, drift monitor) join this command as they land.
+    """
+    if drift not in DRIFT_SCENARIOS:
+        raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
+    settings = Settings()
+    config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift,  # type: ignore[arg-type]
+                         drift_day=drift_day)
+    simulated = _run_simulation(config, settings.landing_dir, quiet=json_out)
+    ingested = _run_ingest(settings.landing_dir, "synthetic", settings, quiet=json_out)
+    if json_out:
+        _emit({"home": str(settings.home), "simulate": {k: v for k, v in simulated.to_dict().items() if k != "paths"},
+               "ingest": {k: v for k, v in ingested.to_dict().items() if k != "files_detail"}})
+        return
+    console.print(f"simulated {simulated.events:,} events over {simulated.days} days "
+                  f"(drift: {simulated.drift} from day {simulated.drift_day}) into {simulated.out_dir}")
+    _print_ingest(ingested)
+    console.print(f"lake: {settings.lake_events_dir}   quarantine: {settings.quarantine_dir}")
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

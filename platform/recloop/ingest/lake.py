@@ -1,0 +1,146 @@
+"""The event lake on disk: partitioned parquet, written so that no reader ever sees half a file.
+
+Layout under ``$RECLOOP_HOME``::
+
+    lake/events/date=2026-01-01/part-<sha16>.parquet    landed rows of one source file, for one date
+    lake/_ledger.sqlite                                 which source files are in (see ledger.py)
+    quarantine/date=<ingest date>/<sha16>.parquet       rejected rows, original values as text + reason
+
+The whole of ``lake/events`` reads as one dataset:
+``pyarrow.dataset.dataset(lake/events, partitioning="hive")``.
+
+How one source file is committed (``stage`` → ledger ``begin_commit`` → ``publish`` → ``finish_commit``):
+
+1. every output is written under a hidden temporary name (``.part-….parquet.<token>.tmp``) beside its
+   final place and flushed to disk; dataset readers skip names that start with a dot;
+2. the ledger records the outputs: this is the commit point;
+3. each temporary file is renamed to its final name (atomic within a file system);
+4. the ledger marks the file done.
+
+A crash before step 2 leaves only hidden temporaries, removed by the next run, which ingests the file
+again. A crash after it is finished by the next run's ``recover``, which completes the renames.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from recloop.ingest.ledger import Ledger
+
+TEMP_SUFFIX = ".tmp"
+
+
+def partition_dir(events_dir: Path, date: str) -> Path:
+    return events_dir / f"date={date}"
+
+
+def stage(table: pa.Table, final: Path, token: str) -> dict[str, str]:
+    """Write ``table`` under a hidden temporary name beside ``final``; return the pair to publish."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{token}{TEMP_SUFFIX}")
+    pq.write_table(table, tmp, compression="zstd")
+    with open(tmp, "rb+") as handle:
+        os.fsync(handle.fileno())
+    return {"tmp": str(tmp), "final": str(final)}
+
+
+def publish(outputs: Iterable[dict[str, str]]) -> None:
+    """Rename staged outputs into place. Safe to repeat: an output already in place is left alone."""
+    folders = set()
+    for output in outputs:
+        tmp, final = Path(output["tmp"]), Path(output["final"])
+        if tmp.exists():
+            os.replace(tmp, final)
+        elif not final.exists():
+            raise FileNotFoundError(f"staged output {tmp} is gone and {final} was never published")
+        folders.add(final.parent)
+    for folder in folders:
+        _fsync_dir(folder)
+
+
+def recover(ledger: Ledger, roots: Iterable[Path]) -> list[str]:
+    """Finish commits that a killed run left half done; delete temporaries no ledger row claims.
+
+    Returns:
+        The source paths whose commits were completed.
+    """
+    finished = []
+    claimed = set()
+    for entry in ledger.entries(status="committing"):
+        publish(entry.outputs)
+        ledger.finish_commit(entry.sha256)
+        finished.append(entry.path)
+        claimed.update(o["tmp"] for o in entry.outputs)
+    for root in roots:
+        if root.exists():
+            for stray in root.rglob(f".*{TEMP_SUFFIX}"):
+                if str(stray) not in claimed:
+                    stray.unlink()
+    return finished
+
+
+class LandedIds:
+    """Event ids already in the lake, per date partition, for duplicate detection during one run.
+
+    Ids are checked within the dates an incoming file covers: a replayed event carries its original
+    timestamp, so it falls in the same partition. A partition's ids are read from disk (one column)
+    the first time it is needed, then kept up to date in memory as the run lands more files.
+    """
+
+    def __init__(self, events_dir: Path, event_id: str):
+        self._events_dir = events_dir
+        self._event_id = event_id
+        self._by_date: dict[str, list[pa.Array]] = {}
+
+    def _load(self, date: str) -> list[pa.Array]:
+        if date not in self._by_date:
+            folder = partition_dir(self._events_dir, date)
+            files = sorted(folder.glob("part-*.parquet")) if folder.exists() else []
+            self._by_date[date] = [
+                chunk for f in files for chunk in pq.read_table(f, columns=[self._event_id])[self._event_id].chunks
+            ]
+        return self._by_date[date]
+
+    def contains(self, ids: pa.Array, dates: Iterable[str]) -> pa.Array:
+        """A boolean mask: which of ``ids`` are already landed in any of ``dates``."""
+        known = [chunk for date in sorted(set(dates)) for chunk in self._load(date)]
+        if not known:
+            return pa.array([False] * len(ids))
+        return pc.is_in(ids, value_set=pa.concat_arrays([c.cast(pa.string()) for c in known]))
+
+    def add(self, date: str, ids: pa.Array) -> None:
+        self._load(date).append(ids)
+
+
+def committed_event_files(ledger: Ledger, events_dir: Path) -> list[str]:
+    """Lake files that the ledger says are fully committed (a reader that trusts nothing else)."""
+    root = str(events_dir.resolve())
+    files = []
+    for entry in ledger.entries(status="done"):
+        files.extend(o["final"] for o in entry.outputs if str(Path(o["final"]).resolve()).startswith(root))
+    return sorted(files)
+
+
+def read_events(ledger: Ledger, events_dir: Path, columns: list[str] | None = None, filter=None) -> pa.Table:
+    """Read the committed events (optionally some columns, and a pyarrow dataset filter expression)."""
+    files = committed_event_files(ledger, events_dir)
+    if not files:
+        return pa.table({})
+    dataset = ds.dataset(files, format="parquet", partitioning=ds.partitioning(flavor="hive"),
+                         partition_base_dir=str(events_dir))
+    return dataset.to_table(columns=columns, filter=filter)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

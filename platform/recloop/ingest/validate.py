@@ -1,0 +1,299 @@
+"""Check every row of a source table against the dataset spec, and give each bad row its reasons.
+
+Two steps:
+
+1. **Coerce** each column to the spec's type. Text (CSV, TSV) is parsed; typed values (parquet) are cast.
+   A value that cannot be converted becomes null in the typed table and its row gets
+   ``invalid_type:<column>``. The fast path is one Arrow cast per column; only when it fails are the
+   values examined one by one to find which rows are bad.
+2. **Check** the typed values with a pandera schema generated from the spec: nulls, ranges, allowed
+   values, patterns, timestamps in the future.
+
+Reason codes (a row may have several, joined by ``"; "``)::
+
+    missing_column:<c>     unexpected_column:<c>   invalid_type:<c>   null:<c>
+    out_of_range:<c>       not_allowed:<c>         pattern_mismatch:<c>
+    future_timestamp:<c>   wrong_field_count:<got>/<expected>   duplicate_event_id
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from recloop.schema import ColumnSpec, DatasetSpec
+
+os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
+import pandera.pandas as pandera  # noqa: E402  (after the variable that silences its import warning)
+
+ARROW_TYPES: dict[str, pa.DataType] = {
+    "string": pa.string(),
+    "int8": pa.int8(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
+    "timestamp": pa.timestamp("us", tz="UTC"),
+    "list<int64>": pa.list_(pa.int64()),
+}
+_INT_BOUNDS = {"int8": (-(2**7), 2**7 - 1), "int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+
+
+def arrow_schema(spec: DatasetSpec) -> pa.Schema:
+    """The Arrow schema of landed events: the spec's columns with their types, in the spec's order."""
+    return pa.schema([pa.field(c.name, ARROW_TYPES[c.dtype], nullable=c.nullable) for c in spec.columns])
+
+
+@dataclass
+class RowProblems:
+    """Reasons collected per row; ``reasons()`` joins them into one string per bad row."""
+
+    num_rows: int
+
+    def __post_init__(self) -> None:
+        self._found: list[tuple[np.ndarray, str]] = []  # (row positions, code)
+
+    def add(self, rows: np.ndarray, code: str) -> None:
+        rows = np.asarray(rows)
+        if rows.dtype == bool:
+            rows = np.flatnonzero(rows)
+        if len(rows):
+            self._found.append((rows.astype(np.int64), code))
+
+    def add_all(self, code: str) -> None:
+        self.add(np.arange(self.num_rows), code)
+
+    def rows_with(self, code: str) -> np.ndarray:
+        hits = [rows for rows, c in self._found if c == code]
+        return np.concatenate(hits) if hits else np.empty(0, dtype=np.int64)
+
+    def bad_mask(self) -> np.ndarray:
+        mask = np.zeros(self.num_rows, dtype=bool)
+        for rows, _ in self._found:
+            mask[rows] = True
+        return mask
+
+    def reasons(self) -> np.ndarray:
+        """(num_rows,) object array: the joined reasons of each row, None for a good row."""
+        out = np.full(self.num_rows, None, dtype=object)
+        for rows, code in self._found:
+            current = out[rows]
+            out[rows] = [code if c is None else f"{c}; {code}" for c in current]
+        return out
+
+
+def check_rows(table: pa.Table, spec: DatasetSpec, now: datetime) -> tuple[pa.Table | None, RowProblems]:
+    """Coerce and check ``table`` (original values, columns by name) against ``spec``.
+
+    Returns:
+        The typed table (spec schema, one row per input row; unconvertible values null), or None when
+        the file's columns do not match the spec, and the problems found per row.
+    """
+    problems = RowProblems(table.num_rows)
+    present = set(table.column_names)
+    missing = [name for name in spec.names if name not in present]
+    extra = [name for name in table.column_names if name not in set(spec.names)]
+    for name in missing:
+        problems.add_all(f"missing_column:{name}")
+    if extra and spec.on_extra_columns == "quarantine":
+        for name in extra:
+            problems.add_all(f"unexpected_column:{name}")
+    if missing or (extra and spec.on_extra_columns == "quarantine"):
+        return None, problems
+
+    columns = {}
+    for col in spec.columns:
+        typed, bad = coerce_column(col, table[col.name])
+        columns[col.name] = typed
+        problems.add(bad, f"invalid_type:{col.name}")
+    typed_table = pa.Table.from_arrays(list(columns.values()), schema=arrow_schema(spec).remove_metadata())
+    _check_values(typed_table, spec, now, problems)
+    return typed_table, problems
+
+
+# --- coercion ------------------------------------------------------------------------------------------
+
+
+def coerce_column(col: ColumnSpec, values: pa.ChunkedArray | pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """Convert one column to ``col.dtype``. Returns the typed array and a mask of unconvertible rows."""
+    arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    target = ARROW_TYPES[col.dtype]
+    none_bad = np.zeros(len(arr), dtype=bool)
+    if arr.type == target:
+        return arr, none_bad
+    if pa.types.is_null(arr.type):
+        return pa.nulls(len(arr), target), none_bad
+    is_text = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+    if col.dtype == "string":
+        if is_text or pa.types.is_integer(arr.type) or pa.types.is_boolean(arr.type):
+            return arr.cast(pa.string()), none_bad
+        return _all_bad(arr, target)
+    if is_text:
+        return _parse_text(col, arr.cast(pa.string()), target)
+    if col.dtype == "timestamp":
+        if pa.types.is_timestamp(arr.type):  # naive timestamps are taken as UTC
+            return arr.cast(target), none_bad
+        return _all_bad(arr, target)
+    if col.dtype == "list<int64>":
+        if (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)) and pa.types.is_integer(
+            arr.type.value_type
+        ):
+            return arr.cast(target), none_bad
+        return _all_bad(arr, target)
+    if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
+        try:
+            return arr.cast(target), none_bad
+        except pa.ArrowInvalid:  # fractional values or out of range for the target: find which rows
+            as_float = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
+            return _from_floats(col, as_float, target)
+    return _all_bad(arr, target)
+
+
+def _all_bad(arr: pa.Array, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+    return pa.nulls(len(arr), target), np.asarray(arr.is_valid())
+
+
+def _from_floats(col: ColumnSpec, values: np.ndarray, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+    """Floats (NaN = missing) to the target type, marking fractional or out-of-range values bad."""
+    present = ~np.isnan(values)
+    if col.dtype in _INT_BOUNDS:
+        low, high = _INT_BOUNDS[col.dtype]
+        with np.errstate(invalid="ignore"):
+            ok = present & (np.floor(values) == values) & (values >= low) & (values <= high)
+    elif col.dtype == "bool":
+        ok = present & np.isin(values, (0.0, 1.0))
+    else:
+        ok = present
+    typed = pa.array(np.where(ok, values, 0), mask=~ok).cast(target)
+    return typed, present & ~ok
+
+
+def _parse_text(col: ColumnSpec, text: pa.Array, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+    stripped = pc.utf8_trim_whitespace(text)
+    present = np.asarray(stripped.is_valid())
+    if col.dtype == "list<int64>":
+        return _parse_int_lists(col, stripped, present)
+    if col.dtype == "bool":
+        lowered = pc.utf8_lower(stripped)
+        truthy = pc.is_in(lowered, pa.array(["true", "1", "t", "yes"]))
+        falsy = pc.is_in(lowered, pa.array(["false", "0", "f", "no"]))
+        ok = np.asarray(pc.or_(truthy, falsy).fill_null(False))
+        typed = pc.if_else(pa.array(ok), truthy, pa.scalar(None, pa.bool_()))
+        return typed, present & ~ok
+    try:
+        return stripped.cast(target), np.zeros(len(text), dtype=bool)
+    except pa.ArrowInvalid:
+        pass
+    if col.dtype == "timestamp":
+        series = pd.Series(stripped.to_numpy(zero_copy_only=False), dtype=object)
+        parsed = pd.to_datetime(series, utc=True, errors="coerce", format="ISO8601")
+        typed = pa.array(parsed, pa.timestamp("ns", tz="UTC")).cast(target, safe=False)
+        return typed, present & np.asarray(parsed.isna())
+    if col.dtype in _INT_BOUNDS:
+        # Exact integers: 18 digits always fit in int64; longer ones are out of range for every int type.
+        well_formed = np.asarray(pc.match_substring_regex(stripped, r"^[+-]?\d{1,18}$").fill_null(False))
+        as_int64 = pc.if_else(pa.array(well_formed), stripped, pa.scalar(None, pa.string())).cast(pa.int64())
+        values = as_int64.to_numpy(zero_copy_only=False)
+        low, high = _INT_BOUNDS[col.dtype]
+        with np.errstate(invalid="ignore"):
+            ok = well_formed & (values >= low) & (values <= high)
+        typed = pc.if_else(pa.array(ok), as_int64, pa.scalar(None, pa.int64())).cast(target)
+        return typed, present & ~ok
+    numbers = pd.to_numeric(pd.Series(stripped.to_numpy(zero_copy_only=False), dtype=object), errors="coerce")
+    values = numbers.to_numpy(dtype=np.float64, na_value=np.nan)
+    return _from_floats(col, values, target)
+
+
+def _parse_int_lists(col: ColumnSpec, text: pa.Array, present: np.ndarray) -> tuple[pa.Array, np.ndarray]:
+    """``"3|17|42"`` (the column's separator) to ``[3, 17, 42]``; anything else is invalid."""
+    sep = "\\" + col.separator if col.separator in r".^$*+?()[]{}|\\" else col.separator
+    item = r"\s*[+-]?\d{1,18}\s*"
+    well_formed = np.asarray(pc.match_substring_regex(text, f"^({item}({sep}{item})*)?$").fill_null(False))
+    kept = pc.if_else(pa.array(well_formed), text, pa.scalar(None, pa.string()))
+    parts = pc.split_pattern(kept, col.separator)
+    flat = pc.utf8_trim_whitespace(parts.flatten())
+    flat = pc.if_else(pc.equal(flat, ""), pa.scalar(None, pa.string()), flat)  # "" -> []
+    values = flat.drop_null().cast(pa.int64())
+    keep_counts = pc.list_value_length(parts).fill_null(0).to_numpy() - _nulls_per_list(parts, flat)
+    offsets = np.concatenate([[0], np.cumsum(keep_counts)]).astype(np.int32)
+    typed = pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(~np.asarray(kept.is_valid())))
+    return typed, present & ~well_formed
+
+
+def _nulls_per_list(parts: pa.ListArray, flat: pa.Array) -> np.ndarray:
+    """How many elements of each list became null (empty strings dropped from ``"1||2"`` or ``""``)."""
+    parents = pc.list_parent_indices(parts).to_numpy()
+    is_null = ~np.asarray(flat.is_valid())
+    return np.bincount(parents[is_null], minlength=len(parts))
+
+
+# --- value checks ----------------------------------------------------------------------------------------
+
+
+def _check_values(table: pa.Table, spec: DatasetSpec, now: datetime, problems: RowProblems) -> None:
+    scalar_columns = [c for c in spec.columns if c.dtype != "list<int64>"]
+    frame = table.select([c.name for c in scalar_columns]).to_pandas(types_mapper=pd.ArrowDtype)
+    schema = pandera.DataFrameSchema(
+        {c.name: pandera.Column(None, _value_checks(c, spec, now), nullable=c.nullable) for c in scalar_columns}
+    )
+    try:
+        schema.validate(frame, lazy=True)
+    except pandera.errors.SchemaErrors as err:
+        cases = err.failure_cases.dropna(subset=["index"])
+        for (column, check), group in cases.groupby(["column", "check"], sort=True):
+            code = "null" if check == "not_nullable" else str(check)
+            rows = group["index"].to_numpy(dtype=np.int64)
+            if code == "null":  # a value that failed conversion is null now; it already has its reason
+                rows = np.setdiff1d(rows, problems.rows_with(f"invalid_type:{column}"))
+            problems.add(rows, f"{code}:{column}")
+    for col in spec.columns:
+        if col.dtype == "list<int64>":
+            _check_list_column(col, table[col.name].combine_chunks(), problems)
+
+
+def _value_checks(col: ColumnSpec, spec: DatasetSpec, now: datetime) -> list[pandera.Check]:
+    checks = []
+    if col.dtype == "timestamp":
+        low, high = col.timestamp_bounds()
+        if low is not None:
+            checks.append(pandera.Check.ge(pd.Timestamp(low), error="out_of_range"))
+        if high is not None:
+            checks.append(pandera.Check.le(pd.Timestamp(high), error="out_of_range"))
+        if col.role == "timestamp":
+            limit = pd.Timestamp(now + timedelta(seconds=spec.max_future_seconds))
+            checks.append(pandera.Check.le(limit, error="future_timestamp"))
+    else:
+        if col.min is not None:
+            checks.append(pandera.Check.ge(col.min, error="out_of_range"))
+        if col.max is not None:
+            checks.append(pandera.Check.le(col.max, error="out_of_range"))
+    if col.allowed is not None:
+        checks.append(pandera.Check.isin(col.allowed, error="not_allowed"))
+    if col.pattern is not None:
+        checks.append(pandera.Check.str_matches(col.pattern, error="pattern_mismatch"))
+    return checks
+
+
+def _check_list_column(col: ColumnSpec, values: pa.ListArray, problems: RowProblems) -> None:
+    """Nulls and element bounds of a multi-hot column (pandera does not look inside lists)."""
+    if not col.nullable:
+        is_null = ~np.asarray(values.is_valid())
+        problems.add(np.setdiff1d(np.flatnonzero(is_null), problems.rows_with(f"invalid_type:{col.name}")),
+                     f"null:{col.name}")
+    flat = pc.list_flatten(values).to_numpy(zero_copy_only=False)
+    parents = pc.list_parent_indices(values).to_numpy()
+    out = np.zeros(len(flat), dtype=bool)
+    if col.min is not None:
+        out |= flat < float(col.min)
+    if col.max is not None:
+        out |= flat > float(col.max)
+    problems.add(np.unique(parents[out]), f"out_of_range:{col.name}")

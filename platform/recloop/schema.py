@@ -1,0 +1,275 @@
+"""The dataset spec: which columns an event has, what each one means, and what values are valid.
+
+A spec is a YAML file, validated when it is loaded, so a user can bring their own data by writing one.
+Two ship with recloop: ``synthetic`` (the simulator's events) and ``criteo`` (Criteo display-ads logs).
+
+Every column has a *role*:
+
+============  =====================================================================
+role          meaning
+============  =====================================================================
+event_id      unique id of the event (exactly one column)
+timestamp     when it happened, UTC (exactly one column)
+label         the training target, 0/1 (exactly one column)
+user_key      entity key of the user (at most one)
+item_key      entity key of the item (at most one)
+categorical   a categorical feature (one id per event)
+multi_hot     a list of categorical ids (for example a history of items)
+numeric       a numeric feature
+oracle        known ground truth (the simulator's click probability); never a feature
+============  =====================================================================
+
+Example::
+
+    spec = load_spec("synthetic")          # a shipped spec, or a path to your own YAML file
+    spec.event_id, spec.timestamp          # ('event_id', 'ts')
+    [c.name for c in spec.by_role("categorical")]
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+Role = Literal[
+    "event_id", "timestamp", "label", "user_key", "item_key", "categorical", "multi_hot", "numeric", "oracle"
+]
+DType = Literal["string", "int8", "int32", "int64", "float32", "float64", "bool", "timestamp", "list<int64>"]
+
+_SINGLE_ROLES = ("event_id", "timestamp", "label")
+_AT_MOST_ONE_ROLES = ("user_key", "item_key")
+_ROLE_DTYPES: dict[str, tuple[str, ...]] = {
+    "event_id": ("string",),
+    "timestamp": ("timestamp",),
+    "label": ("int8", "int32", "int64", "bool"),
+    "user_key": ("int64", "int32", "string"),
+    "item_key": ("int64", "int32", "string"),
+    "multi_hot": ("list<int64>",),
+    "numeric": ("int8", "int32", "int64", "float32", "float64"),
+    "oracle": ("float32", "float64"),
+}
+
+
+class SpecError(ValueError):
+    """A spec file is missing, is not valid YAML, or does not describe a usable dataset."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ColumnSpec(_Frozen):
+    """One column of the event table.
+
+    Args:
+        name: column name as it appears in the files.
+        role: what the column means (see the module docstring).
+        dtype: the type values are converted to on ingestion.
+        nullable: whether a missing value is allowed (the event id, timestamp and label never are).
+        min, max: inclusive bounds for numbers; ISO dates or datetimes for the timestamp.
+        allowed: the only values permitted (for example ``[0, 1]`` for a label).
+        pattern: a regular expression every string value must match in full.
+        separator: how a ``list<int64>`` value is written in text formats (CSV), e.g. ``"3|17|42"``.
+    """
+
+    name: str
+    role: Role
+    dtype: DType
+    nullable: bool = False
+    min: float | str | None = None
+    max: float | str | None = None
+    allowed: list[int | float | str | bool] | None = None
+    pattern: str | None = None
+    separator: str = "|"
+    description: str = ""
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern_compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"pattern {value!r} is not a valid regular expression: {err}") from err
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ColumnSpec:
+        allowed_dtypes = _ROLE_DTYPES.get(self.role)
+        if allowed_dtypes and self.dtype not in allowed_dtypes:
+            raise ValueError(f"column {self.name!r}: role {self.role} needs dtype in {allowed_dtypes}, not {self.dtype}")
+        if self.role in _SINGLE_ROLES and self.nullable:
+            raise ValueError(f"column {self.name!r}: the {self.role} column cannot be nullable")
+        if self.dtype == "timestamp":
+            for bound in (self.min, self.max):
+                if bound is not None:
+                    _parse_utc(bound, f"column {self.name!r} bound")
+        elif isinstance(self.min, str) or isinstance(self.max, str):
+            raise ValueError(f"column {self.name!r}: min/max must be numbers for dtype {self.dtype}")
+        if self.pattern is not None and self.dtype != "string":
+            raise ValueError(f"column {self.name!r}: pattern only applies to string columns")
+        return self
+
+    def timestamp_bounds(self) -> tuple[datetime | None, datetime | None]:
+        """(min, max) of a timestamp column as aware UTC datetimes."""
+        return (
+            _parse_utc(self.min, "min") if self.min is not None else None,
+            _parse_utc(self.max, "max") if self.max is not None else None,
+        )
+
+
+class CriteoOptions(_Frozen):
+    """How event ids and timestamps are derived for Criteo TSV files, which carry neither.
+
+    A file's day index is read from its name with ``day_pattern`` (``day_3`` → 3; 0 if it does not match);
+    its rows are spread evenly over that day, starting at ``start``. The event id is made of the file's
+    content hash and the row number, so re-reading a file gives the same ids whatever it is called.
+    """
+
+    start: datetime
+    day_pattern: str = r"day_(\d+)"
+
+    @field_validator("start")
+    @classmethod
+    def _utc(cls, value: datetime) -> datetime:
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+class DatasetSpec(_Frozen):
+    """A dataset: its columns, how its files are laid out, and how strict ingestion is.
+
+    Args:
+        name: short name (used in paths and logs).
+        format: ``table`` for parquet or CSV files with named columns; ``criteo_tsv`` for Criteo logs,
+            whose fields are the spec's columns in order, minus the derived event id and timestamp.
+        columns: the columns, see ``ColumnSpec``.
+        on_extra_columns: ``quarantine`` rows of a file that has columns the spec does not know
+            (the contract changed upstream: a person should look), or ``ignore`` those columns.
+        max_future_seconds: events stamped further than this past the ingest clock are quarantined.
+    """
+
+    name: str
+    description: str = ""
+    format: Literal["table", "criteo_tsv"] = "table"
+    columns: tuple[ColumnSpec, ...]
+    on_extra_columns: Literal["quarantine", "ignore"] = "quarantine"
+    max_future_seconds: int = 24 * 3600
+    criteo: CriteoOptions | None = None
+
+    @model_validator(mode="after")
+    def _roles(self) -> DatasetSpec:
+        names = [c.name for c in self.columns]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"columns listed twice: {duplicated}")
+        for role in _SINGLE_ROLES:
+            count = sum(c.role == role for c in self.columns)
+            if count != 1:
+                raise ValueError(f"a spec needs exactly one {role} column, found {count}")
+        for role in _AT_MOST_ONE_ROLES:
+            if sum(c.role == role for c in self.columns) > 1:
+                raise ValueError(f"a spec has at most one {role} column")
+        if self.format == "criteo_tsv" and self.criteo is None:
+            raise ValueError("format criteo_tsv needs a 'criteo:' section with the start time")
+        return self
+
+    # --- lookups ---------------------------------------------------------------------------------------
+
+    def column(self, name: str) -> ColumnSpec:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(f"spec {self.name!r} has no column {name!r}")
+
+    def by_role(self, role: Role) -> list[ColumnSpec]:
+        return [c for c in self.columns if c.role == role]
+
+    def _single(self, role: Role) -> str | None:
+        found = self.by_role(role)
+        return found[0].name if found else None
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    @property
+    def event_id(self) -> str:
+        return self._single("event_id")  # type: ignore[return-value]  # validated: exactly one
+
+    @property
+    def timestamp(self) -> str:
+        return self._single("timestamp")  # type: ignore[return-value]
+
+    @property
+    def label(self) -> str:
+        return self._single("label")  # type: ignore[return-value]
+
+    @property
+    def user_key(self) -> str | None:
+        return self._single("user_key")
+
+    @property
+    def item_key(self) -> str | None:
+        return self._single("item_key")
+
+    @property
+    def file_fields(self) -> list[str]:
+        """Columns present in the source files (all but the derived ones for Criteo)."""
+        if self.format == "criteo_tsv":
+            return [c.name for c in self.columns if c.role not in ("event_id", "timestamp")]
+        return self.names
+
+
+def _parse_utc(value: float | str, what: str) -> datetime:
+    if not isinstance(value, str):
+        raise ValueError(f"{what}: expected an ISO date or datetime, got {value!r}")
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as err:
+        raise ValueError(f"{what}: {value!r} is not an ISO date or datetime") from err
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+def builtin_specs() -> list[str]:
+    """Names of the specs that ship with recloop."""
+    folder = resources.files("recloop") / "specs"
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_spec(name_or_path: str | Path) -> DatasetSpec:
+    """Load and validate a spec: a shipped one by name (``synthetic``, ``criteo``) or a YAML file.
+
+    Raises:
+        SpecError: naming the file and every problem found in it.
+    """
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise SpecError(f"spec file {path} does not exist")
+        text, source = path.read_text(encoding="utf-8"), str(path)
+    else:
+        resource = resources.files("recloop") / "specs" / f"{name_or_path}.yaml"
+        if not resource.is_file():
+            raise SpecError(
+                f"unknown spec {str(name_or_path)!r}: give a path to a YAML file or one of {builtin_specs()}"
+            )
+        text, source = resource.read_text(encoding="utf-8"), f"builtin spec {name_or_path}"
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SpecError(f"{source} is not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: expected a mapping at the top level")
+    try:
+        return DatasetSpec.model_validate(raw)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in err.errors()
+        )
+        raise SpecError(f"{source} is not a valid dataset spec: {problems}") from err

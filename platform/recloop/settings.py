@@ -1,0 +1,85 @@
+"""Where recloop keeps its data and which services it talks to, read from the environment.
+
+Every value can be overridden by an environment variable named ``RECLOOP_<FIELD>`` (for example
+``RECLOOP_HOME=/data/recloop`` or ``RECLOOP_MLFLOW_TRACKING_URI=http://mlflow:5000``) or by a ``.env``
+file in the working directory. The defaults run the whole loop on one machine with embedded services:
+everything lives under ``RECLOOP_HOME`` (``./.recloop``).
+
+Example::
+
+    settings = Settings()                      # environment + defaults
+    settings.landing_dir                       # PosixPath('.recloop/landing')
+    Settings(home="/tmp/rl").lake_events_dir   # PosixPath('/tmp/rl/lake/events')
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Endpoints, secrets and data locations of one recloop installation.
+
+    Args:
+        home: root folder for the landing zone, lake, quarantine and the embedded stores.
+        mlflow_tracking_uri: MLflow tracking server or store; empty means SQLite under ``home``.
+        mlflow_artifact_uri: where MLflow puts artifacts (``s3://...`` with the object store); empty means
+            files under ``home``.
+        prefect_api_url: a Prefect server; empty means Prefect's temporary local server.
+        feast_repo: the Feast repository folder (``feature_repo/`` of the checkout by default).
+        redis_url: Redis for the Feast online store when it is switched to Redis.
+        postgres_dsn: PostgreSQL for MLflow / Prefect / Feast registry when a team runs them there.
+        object_store_url, object_store_access_key, object_store_secret_key: an S3-compatible object store.
+        frame_backend: ``auto`` (cuDF when a GPU and cuDF are there, pandas otherwise), ``cudf`` or
+            ``pandas``.
+        admin_token: bearer token for the serving API's admin endpoints.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="RECLOOP_", env_file=".env", extra="ignore", frozen=True)
+
+    home: Path = Path(".recloop")
+    mlflow_tracking_uri: str = ""
+    mlflow_artifact_uri: str = ""
+    prefect_api_url: str = ""
+    feast_repo: Path = Path("feature_repo")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/recloop"
+    object_store_url: str = ""
+    object_store_access_key: str = ""
+    object_store_secret_key: SecretStr = SecretStr("")
+    frame_backend: Literal["auto", "cudf", "pandas"] = "auto"
+    admin_token: SecretStr = SecretStr("")
+
+    @property
+    def landing_dir(self) -> Path:
+        """Where new event files arrive (simulator output, serving feedback)."""
+        return self.home / "landing"
+
+    @property
+    def lake_dir(self) -> Path:
+        return self.home / "lake"
+
+    @property
+    def lake_events_dir(self) -> Path:
+        """Landed events as parquet, partitioned ``date=YYYY-MM-DD/``."""
+        return self.lake_dir / "events"
+
+    @property
+    def quarantine_dir(self) -> Path:
+        """Rows that failed validation, with their original values and the reason."""
+        return self.home / "quarantine"
+
+    @property
+    def ledger_path(self) -> Path:
+        """The ingestion ledger (SQLite). Its name starts with ``_`` so dataset readers skip it."""
+        return self.lake_dir / "_ledger.sqlite"
+
+    def resolved_mlflow_tracking_uri(self) -> str:
+        """The tracking URI to use: the configured one, or SQLite under ``home``."""
+        if self.mlflow_tracking_uri:
+            return self.mlflow_tracking_uri
+        return f"sqlite:///{(self.home / 'mlflow.db').resolve()}"
