@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -56,7 +56,7 @@ def _parse_start(value: str) -> datetime:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError as err:
         raise _fail(f"--start {value!r} is not an ISO date such as 2026-01-01") from err
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def _run_simulation(config: WorldConfig, out: Path, quiet: bool) -> SimulationSummary:

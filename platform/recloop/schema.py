@@ -29,7 +29,7 @@ Example::
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -138,7 +138,7 @@ class CriteoOptions(_Frozen):
     @field_validator("start")
     @classmethod
     def _utc(cls, value: datetime) -> datetime:
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 class DatasetSpec(_Frozen):
@@ -233,7 +233,7 @@ def _parse_utc(value: float | str, what: str) -> datetime:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError as err:
         raise ValueError(f"{what}: {value!r} is not an ISO date or datetime") from err
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def builtin_specs() -> list[str]:

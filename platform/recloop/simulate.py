@@ -36,7 +36,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -86,7 +86,7 @@ class WorldConfig:
     seed: int = 0
     days: int = 7
     events_per_day: int = 100_000
-    start: datetime = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    start: datetime = datetime(2026, 1, 1, tzinfo=UTC)
     num_users: int | None = None
     num_items: int | None = None
     num_categories: int = 24
@@ -103,7 +103,7 @@ class WorldConfig:
         if self.drift_day < 0:
             raise ValueError("drift_day counts from 0 and cannot be negative")
         if self.start.tzinfo is None:
-            object.__setattr__(self, "start", self.start.replace(tzinfo=timezone.utc))
+            object.__setattr__(self, "start", self.start.replace(tzinfo=UTC))
 
     @property
     def users(self) -> int:

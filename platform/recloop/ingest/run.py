@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -114,7 +114,7 @@ def ingest(
         assert summary.rows_in == summary.rows_landed + summary.rows_quarantined
     """
     started = time.perf_counter()
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     files = discover(Path(source))
     summary = IngestSummary(source=str(source), spec=spec.name)
     with exclusive_lock(settings.lake_dir / "_ingest.lock"), Ledger.open(settings.ledger_path) as ledger:

@@ -162,17 +162,24 @@ def _all_bad(arr: pa.Array, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
     return pa.nulls(len(arr), target), np.asarray(arr.is_valid())
 
 
-def _from_floats(col: ColumnSpec, values: np.ndarray, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
-    """Floats (NaN = missing) to the target type, marking fractional or out-of-range values bad."""
-    present = ~np.isnan(values)
+def _from_floats(
+    col: ColumnSpec, values: np.ndarray, target: pa.DataType, present: np.ndarray | None = None
+) -> tuple[pa.Array, np.ndarray]:
+    """Floats to the target type, marking fractional, out-of-range or unparsed (NaN) values bad.
+
+    ``present`` says which rows had a value at all (default: the non-NaN ones); a present value that is
+    NaN here failed to parse.
+    """
+    parsed = ~np.isnan(values)
+    present = parsed if present is None else present
     if col.dtype in _INT_BOUNDS:
         low, high = _INT_BOUNDS[col.dtype]
         with np.errstate(invalid="ignore"):
-            ok = present & (np.floor(values) == values) & (values >= low) & (values <= high)
+            ok = parsed & (np.floor(values) == values) & (values >= low) & (values <= high)
     elif col.dtype == "bool":
-        ok = present & np.isin(values, (0.0, 1.0))
+        ok = parsed & np.isin(values, (0.0, 1.0))
     else:
-        ok = present
+        ok = parsed
     typed = pa.array(np.where(ok, values, 0), mask=~ok).cast(target)
     return typed, present & ~ok
 
@@ -210,11 +217,16 @@ def _parse_text(col: ColumnSpec, text: pa.Array, target: pa.DataType) -> tuple[p
         return typed, present & ~ok
     numbers = pd.to_numeric(pd.Series(stripped.to_numpy(zero_copy_only=False), dtype=object), errors="coerce")
     values = numbers.to_numpy(dtype=np.float64, na_value=np.nan)
-    return _from_floats(col, values, target)
+    return _from_floats(col, values, target, present)
 
 
 def _parse_int_lists(col: ColumnSpec, text: pa.Array, present: np.ndarray) -> tuple[pa.Array, np.ndarray]:
-    """``"3|17|42"`` (the column's separator) to ``[3, 17, 42]``; anything else is invalid."""
+    """``"3|17|42"`` (the column's separator) to ``[3, 17, 42]``; anything else is invalid.
+
+    Text cannot tell an empty list from a missing one, so an empty field is an empty list (a user with
+    no history yet), never null.
+    """
+    text = text.fill_null("")
     sep = "\\" + col.separator if col.separator in r".^$*+?()[]{}|\\" else col.separator
     item = r"\s*[+-]?\d{1,18}\s*"
     well_formed = np.asarray(pc.match_substring_regex(text, f"^({item}({sep}{item})*)?$").fill_null(False))

@@ -1,0 +1,53 @@
+"""The recloop command: --json prints one parseable object on stdout; bad arguments exit 2 with a message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from recloop.cli import app
+
+
+@pytest.fixture
+def runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    monkeypatch.setenv("RECLOOP_HOME", str(tmp_path / "home"))
+    return CliRunner()
+
+
+def test_simulate_then_ingest_with_json(runner: CliRunner, tmp_path: Path):
+    out = tmp_path / "landing"
+    simulated = runner.invoke(app, ["simulate", "--out", str(out), "--days", "1", "--events-per-day", "500",
+                                    "--drift", "covariate", "--drift-day", "0", "--json"])
+    assert simulated.exit_code == 0, simulated.output
+    assert json.loads(simulated.stdout)["events"] == 500
+
+    ingested = runner.invoke(app, ["ingest", str(out), "--json"])
+    assert ingested.exit_code == 0, ingested.output
+    summary = json.loads(ingested.stdout)
+    assert (summary["files"], summary["rows_in"], summary["rows_landed"]) == (24, 500, 500)
+    assert (tmp_path / "home" / "lake" / "events" / "date=2026-01-01").is_dir()
+
+
+def test_demo_runs_simulate_and_ingest(runner: CliRunner):
+    result = runner.invoke(app, ["demo", "--days", "1", "--events-per-day", "300", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["simulate"]["events"] == 300 and summary["ingest"]["rows_landed"] == 300
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["simulate", "--drift", "meteor"], "not one of"),
+        (["simulate", "--start", "soon"], "not an ISO date"),
+        (["ingest", "/no/such/folder"], "does not exist"),
+        (["ingest", "--spec", "nope"], "unknown spec"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(runner: CliRunner, args: list[str], message: str):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert message in result.output

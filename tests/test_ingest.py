@@ -1,0 +1,347 @@
+"""Ingestion: every bad input has a known outcome, every row is accounted for, nothing lands twice."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from recloop.ingest import ingest
+from recloop.ingest.lake import read_events
+from recloop.ingest.ledger import Ledger
+from recloop.schema import DatasetSpec, load_spec
+from recloop.settings import Settings
+
+SYNTHETIC = load_spec("synthetic")
+CRITEO = load_spec("criteo")
+
+
+def lake_rows(settings: Settings) -> pa.Table:
+    """The lake as any pyarrow reader sees it (hidden temporaries are skipped by pyarrow itself)."""
+    if not settings.lake_events_dir.exists():
+        return pa.table({})
+    return ds.dataset(settings.lake_events_dir, format="parquet", partitioning="hive").to_table()
+
+
+def quarantine_rows(settings: Settings) -> pa.Table:
+    files = sorted(settings.quarantine_dir.rglob("*.parquet")) if settings.quarantine_dir.exists() else []
+    return pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive") if files else pa.table({})
+
+
+def with_column(table: pa.Table, name: str, values) -> pa.Table:
+    array = values if isinstance(values, pa.Array) else pa.array(values)
+    return table.set_column(table.column_names.index(name), name, array)
+
+
+def to_csv(table: pa.Table) -> str:
+    frame = table.to_pandas()
+    frame["history"] = frame["history"].map(lambda h: "|".join(str(int(v)) for v in h))
+    frame["ts"] = frame["ts"].map(lambda t: t.isoformat())
+    return frame.to_csv(index=False)
+
+
+# --- the bad-input table -----------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    """A landing file built from good events, and what ingesting it must give."""
+
+    make: Callable[[pa.Table, Path, datetime], Path]
+    status: str  # ingested | rejected
+    quarantined: int | str  # a count, or "all"
+    reason: str | None = None  # a reason code every quarantined row carries
+    error: str | None = None  # part of the rejection message
+
+
+def _parquet(name: str, change: Callable[[pa.Table, datetime], pa.Table]):
+    def make(events: pa.Table, folder: Path, now: datetime) -> Path:
+        path = folder / name
+        pq.write_table(change(events, now), path)
+        return path
+
+    return make
+
+
+def _text(name: str, render: Callable[[pa.Table], bytes]):
+    def make(events: pa.Table, folder: Path, now: datetime) -> Path:
+        path = folder / name
+        path.write_bytes(render(events))
+        return path
+
+    return make
+
+
+def _replace_first(column: str, value, type_=None):
+    def change(events: pa.Table, now: datetime) -> pa.Table:
+        values = events[column].to_pylist()
+        values[0] = value
+        return with_column(events, column, pa.array(values, type_ or events.schema.field(column).type))
+
+    return change
+
+
+def _price_as_text(events: pa.Table, now: datetime) -> pa.Table:
+    prices = [str(p) for p in events["price"].to_pylist()]
+    prices[1] = "abc"
+    prices[2] = "12,5"
+    return with_column(events, "price", pa.array(prices))
+
+
+def _fractional_user(events: pa.Table, now: datetime) -> pa.Table:
+    users = events["user_id"].cast(pa.float64()).to_pylist()
+    users[3] = 7.5
+    return with_column(events, "user_id", pa.array(users, pa.float64()))
+
+
+def _far_future(events: pa.Table, now: datetime) -> pa.Table:
+    stamps = events["ts"].to_pylist()
+    stamps[0] = now + timedelta(days=3)
+    return with_column(events, "ts", pa.array(stamps, pa.timestamp("us", tz="UTC")))
+
+
+def _duplicate_within(events: pa.Table, now: datetime) -> pa.Table:
+    ids = events["event_id"].to_pylist()
+    ids[5] = ids[4]
+    ids[6] = ids[4]
+    return with_column(events, "event_id", pa.array(ids))
+
+
+def _csv_bad_timestamp(events: pa.Table) -> bytes:
+    lines = to_csv(events).splitlines()
+    cells = lines[1].split(",")
+    cells[1] = "yesterday"
+    lines[1] = ",".join(cells)
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _csv_latin1(events: pa.Table) -> bytes:
+    return to_csv(events).replace("US", "Ü").encode("latin-1")
+
+
+def _csv_short_line(events: pa.Table) -> bytes:
+    lines = to_csv(events).splitlines()
+    lines[2] = ",".join(lines[2].split(",")[:5])
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _csv_bad_history(events: pa.Table) -> bytes:
+    lines = to_csv(events).splitlines()
+    head = lines[1].rsplit(",", 2)
+    lines[1] = f"{head[0]},1|x,{head[2]}"
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _truncated_parquet(events: pa.Table, folder: Path, now: datetime) -> Path:
+    path = folder / "truncated.parquet"
+    pq.write_table(events, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+CASES = {
+    "wrong-dtype-text-in-numeric": Case(_parquet("price_text.parquet", _price_as_text), "ingested", 2,
+                                        "invalid_type:price"),
+    "wrong-dtype-fractional-id": Case(_parquet("fractional.parquet", _fractional_user), "ingested", 1,
+                                      "invalid_type:user_id"),
+    "missing-column": Case(_parquet("no_price.parquet", lambda e, now: e.drop_columns(["price"])), "ingested",
+                           "all", "missing_column:price"),
+    "extra-column": Case(_parquet("extra.parquet", lambda e, now: e.append_column("coupon", pa.array(["x"] * len(e)))),
+                         "ingested", "all", "unexpected_column:coupon"),
+    "null-label": Case(_parquet("null_label.parquet", _replace_first("label", None)), "ingested", 1, "null:label"),
+    "label-outside-0-1": Case(_parquet("label2.parquet", _replace_first("label", 2)), "ingested", 1,
+                              "not_allowed:label"),
+    "negative-position": Case(_parquet("position.parquet", _replace_first("position", 0)), "ingested", 1,
+                              "out_of_range:position"),
+    "country-pattern": Case(_parquet("country.parquet", _replace_first("country", "usa")), "ingested", 1,
+                            "pattern_mismatch:country"),
+    "unparsable-timestamp": Case(_text("bad_ts.csv", _csv_bad_timestamp), "ingested", 1, "invalid_type:ts"),
+    "far-future-timestamp": Case(_parquet("future.parquet", _far_future), "ingested", 1, "future_timestamp:ts"),
+    "duplicate-ids-within-file": Case(_parquet("dups.parquet", _duplicate_within), "ingested", 2,
+                                      "duplicate_event_id"),
+    "csv-wrong-field-count": Case(_text("short.csv", _csv_short_line), "ingested", 1, "wrong_field_count:5/12"),
+    "csv-bad-multi-hot": Case(_text("history.csv", _csv_bad_history), "ingested", 1, "invalid_type:history"),
+    "truncated-parquet": Case(_truncated_parquet, "rejected", 0, error="not a readable parquet file"),
+    "not-parquet": Case(_text("fake.parquet", lambda e: b"hello, I am text"), "rejected", 0,
+                        error="not a readable parquet file"),
+    "empty-file": Case(_text("empty.parquet", lambda e: b""), "rejected", 0, error="empty file"),
+    "non-utf8-csv": Case(_text("latin1.csv", _csv_latin1), "rejected", 0, error="not UTF-8"),
+    "unsupported-type": Case(_text("events.json", lambda e: b"{}"), "rejected", 0, error="unsupported file type"),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_bad_input(case: Case, small_events: pa.Table, settings: Settings, now: datetime, tmp_path: Path):
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    path = case.make(small_events, landing, now)
+    summary = ingest(landing, SYNTHETIC, settings, now=now)
+
+    [result] = summary.results
+    assert result.status == case.status, result
+    assert result.rows_in == result.rows_landed + result.rows_quarantined
+    if case.status == "rejected":
+        assert case.error in result.error
+        assert summary.files_rejected == 1 and not lake_rows(settings).num_rows
+        with Ledger.open(settings.ledger_path) as ledger:
+            assert ledger.get(result.sha256).status == "rejected"
+        return
+    expected = result.rows_in if case.quarantined == "all" else case.quarantined
+    assert result.rows_quarantined == expected
+    assert lake_rows(settings).num_rows == result.rows_landed == result.rows_in - expected
+    quarantined = quarantine_rows(settings)
+    assert quarantined.num_rows == expected
+    assert all(case.reason in r for r in quarantined["_reason"].to_pylist()), quarantined["_reason"].to_pylist()
+    assert set(quarantined["_source_file"].to_pylist()) == {str(path)}
+    assert result.reasons.get(case.reason) == expected
+
+
+def test_quarantine_keeps_the_original_values_and_row_numbers(small_events, settings, now, tmp_path):
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    (landing / "bad_ts.csv").write_bytes(_csv_bad_timestamp(small_events))
+    pq.write_table(_price_as_text(small_events, now), landing / "price.parquet")
+    ingest(landing, SYNTHETIC, settings, now=now)
+    rows = {(Path(r["_source_file"]).name, r["_source_row"]): r for r in quarantine_rows(settings).to_pylist()}
+    assert rows[("bad_ts.csv", 0)]["ts"] == "yesterday"
+    assert rows[("bad_ts.csv", 0)]["event_id"] == small_events["event_id"][0].as_py()
+    assert rows[("price.parquet", 1)]["price"] == "abc" and rows[("price.parquet", 2)]["price"] == "12,5"
+    assert rows[("price.parquet", 1)]["_reason"] == "invalid_type:price"
+
+
+def test_csv_lands_the_same_events_as_parquet(small_events, settings, now, tmp_path):
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    (landing / "events.csv").write_text(to_csv(small_events))
+    summary = ingest(landing, SYNTHETIC, settings, now=now)
+    assert summary.rows_landed == small_events.num_rows and summary.rows_quarantined == 0
+    landed = lake_rows(settings).drop_columns(["date"]).sort_by("event_id")
+    expected = small_events.sort_by("event_id")
+    for name in expected.column_names:
+        if name in ("price", "p_click"):
+            np.testing.assert_allclose(landed[name].to_numpy(), expected[name].to_numpy(), rtol=1e-12)
+        else:
+            assert landed[name].to_pylist() == expected[name].to_pylist(), name
+
+
+def test_duplicates_across_files_and_reingestion_are_noops(small_events, settings, now, tmp_path):
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    pq.write_table(small_events, landing / "a.parquet")
+    first = ingest(landing, SYNTHETIC, settings, now=now)
+    assert first.rows_landed == small_events.num_rows
+
+    again = ingest(landing, SYNTHETIC, settings, now=now)  # same file: skipped by the ledger
+    assert (again.files_skipped, again.rows_in) == (1, 0)
+    shutil.copy(landing / "a.parquet", landing / "a-copy.parquet")  # same bytes, new name: skipped too
+    assert ingest(landing, SYNTHETIC, settings, now=now).files_skipped == 2
+
+    # Same events written again (different bytes): every row is a duplicate of the lake.
+    overlap = pa.concat_tables([small_events.slice(0, 10), small_events.slice(0, 10)])
+    pq.write_table(overlap, landing / "b.parquet", compression="gzip")
+    third = ingest(landing, SYNTHETIC, settings, now=now)
+    [b] = [r for r in third.results if r.path.endswith("b.parquet")]
+    assert (b.rows_in, b.rows_landed, b.rows_quarantined) == (20, 0, 20)
+    assert b.reasons == {"duplicate_event_id": 20}
+    assert lake_rows(settings).num_rows == small_events.num_rows
+    assert pc.count_distinct(lake_rows(settings)["event_id"]).as_py() == small_events.num_rows
+
+
+def test_a_bad_file_does_not_stop_the_run(small_events, settings, now, tmp_path):
+    landing = tmp_path / "landing"
+    (landing / "2026-01-01").mkdir(parents=True)
+    (landing / "2026-01-01" / "a_broken.parquet").write_bytes(b"PAR1 garbage")
+    pq.write_table(small_events, landing / "2026-01-01" / "b_good.parquet")
+    (landing / "_world.json").write_text("{}")  # metadata: not an event file
+    (landing / ".partial.parquet.tmp").write_bytes(b"being written")  # hidden: someone is still writing
+    summary = ingest(landing, SYNTHETIC, settings, now=now)
+    assert (summary.files, summary.files_rejected, summary.files_ingested) == (2, 1, 1)
+    assert summary.rows_landed == small_events.num_rows
+
+
+def test_lake_is_partitioned_by_event_date_and_reads_as_one_dataset(settings, now, tmp_path):
+    from recloop.simulate import WorldConfig, simulate
+
+    simulate(WorldConfig(seed=1, days=2, events_per_day=1000), tmp_path / "landing")
+    summary = ingest(tmp_path / "landing", SYNTHETIC, settings, now=now)
+    assert summary.files == 48 and summary.rows_landed == 2000
+    dates = sorted(p.name for p in settings.lake_events_dir.iterdir())
+    assert dates == ["date=2026-01-01", "date=2026-01-02"]
+    table = lake_rows(settings)
+    assert table.num_rows == 2000
+    by_date = table.group_by("date").aggregate([("event_id", "count")]).to_pydict()
+    assert sorted(zip(by_date["date"], by_date["event_id_count"], strict=True)) == [("2026-01-01", 1000), ("2026-01-02", 1000)]
+    with Ledger.open(settings.ledger_path) as ledger:
+        assert read_events(ledger, settings.lake_events_dir).num_rows == 2000
+        assert all(e.status == "done" and e.rows_in == e.rows_landed for e in ledger.entries())
+
+
+# --- Criteo ------------------------------------------------------------------------------------------------
+
+def criteo_lines(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(n):
+        ints = ["" if rng.random() < 0.2 else str(int(rng.integers(-2, 500))) for _ in range(13)]
+        cats = ["" if rng.random() < 0.1 else f"{int(rng.integers(0, 2**32)):08x}" for _ in range(26)]
+        lines.append("\t".join([str(int(rng.random() < 0.25)), *ints, *cats]))
+    return lines
+
+
+def test_criteo_ids_and_times_are_derived_and_stable(settings, now, tmp_path):
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    lines = criteo_lines(50)
+    lines[7] = "\t".join(lines[7].split("\t")[:30])  # a line with the wrong number of fields
+    lines[8] = lines[8].replace("\t", "\t0x", 1).replace("0x", "zz", 1)  # I1 not an integer
+    (landing / "day_3").write_text("\n".join(lines) + "\n")
+    summary = ingest(landing, CRITEO, settings, now=now)
+    [result] = summary.results
+    assert (result.rows_in, result.rows_landed, result.rows_quarantined) == (50, 48, 2)
+    assert result.reasons == {"invalid_type:I1": 1, "wrong_field_count:30/40": 1}
+    quarantined = {r["_source_row"]: r for r in quarantine_rows(settings).to_pylist()}
+    assert quarantined[7]["_raw_line"] == lines[7]
+    landed = lake_rows(settings).sort_by("ts")
+    day_three = datetime(2014, 1, 4, tzinfo=UTC)
+    assert landed["ts"][0].as_py() == day_three and landed["ts"][-1].as_py() < day_three + timedelta(days=1)
+    assert landed["C1"].null_count < 50 and landed["I1"].type == pa.int64()
+
+    # Another lake reading the same bytes under another name gets the same ids.
+    other = Settings(home=tmp_path / "other")
+    (tmp_path / "again").mkdir()
+    shutil.copy(landing / "day_3", tmp_path / "again" / "day_3.tsv")
+    ingest(tmp_path / "again", CRITEO, other, now=now)
+    assert sorted(lake_rows(other)["event_id"].to_pylist()) == sorted(landed["event_id"].to_pylist())
+
+
+def test_extra_columns_can_be_ignored_by_the_spec(small_events, settings, now, tmp_path):
+    lenient = DatasetSpec.model_validate({**SYNTHETIC.model_dump(), "on_extra_columns": "ignore"})
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    pq.write_table(small_events.append_column("coupon", pa.array(["x"] * len(small_events))), landing / "e.parquet")
+    summary = ingest(landing, lenient, settings, now=now)
+    assert summary.rows_landed == small_events.num_rows and "coupon" not in lake_rows(settings).column_names
+
+
+def test_missing_source_is_a_clear_error(settings):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ingest(Path("/nonexistent/landing"), SYNTHETIC, settings)
+
+
+def test_summary_json_has_the_documented_keys(small_events, settings, now, tmp_path):
+    pq.write_table(small_events, tmp_path / "e.parquet")
+    payload = json.loads(json.dumps(ingest(tmp_path / "e.parquet", SYNTHETIC, settings, now=now).to_dict()))
+    for key in ("files", "files_skipped", "files_rejected", "rows_in", "rows_landed", "rows_quarantined"):
+        assert key in payload
+    for detail in payload["files_detail"]:
+        assert detail["rows_in"] == detail["rows_landed"] + detail["rows_quarantined"]
