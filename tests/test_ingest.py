@@ -345,3 +345,17 @@ def test_summary_json_has_the_documented_keys(small_events, settings, now, tmp_p
         assert key in payload
     for detail in payload["files_detail"]:
         assert detail["rows_in"] == detail["rows_landed"] + detail["rows_quarantined"]
+
+
+def test_id_set_is_exact_across_many_additions():
+    from recloop.ingest.lake import IdSet
+
+    rng = np.random.default_rng(0)
+    reference, ids = set(), IdSet()
+    for size in [1, 1000, 3, 500, 0, 2000, 7]:
+        batch = np.array([f"e{v}" for v in rng.integers(0, 10_000, size)], dtype=object)
+        ids.add(batch)
+        reference.update(batch.tolist())
+    queries = np.array([f"e{v}" for v in range(-50, 10_050)], dtype=object)
+    assert ids.contains(queries).tolist() == [q in reference for q in queries]
+    assert len(ids) == 3511  # every addition kept, duplicates included

@@ -27,8 +27,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
@@ -86,6 +87,51 @@ def recover(ledger: Ledger, roots: Iterable[Path]) -> list[str]:
     return finished
 
 
+class IdSet:
+    """Exact set membership for many string ids, cheap to extend and to query.
+
+    Ids are kept as 64-bit hashes in sorted runs (with the ids beside them); a query is a binary search
+    per run, and every hash hit is confirmed by comparing the ids themselves, so a hash collision can
+    never make a new event look like a duplicate. Runs merge like a binary counter, so adding n ids
+    costs O(n log n) overall, however many files they come in.
+    """
+
+    def __init__(self) -> None:
+        self._runs: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted hashes, ids in the same order)
+
+    def __len__(self) -> int:
+        return sum(len(h) for h, _ in self._runs)
+
+    def add(self, ids: np.ndarray) -> None:
+        if len(ids) == 0:
+            return
+        ids = np.asarray(ids, dtype=object)
+        hashes = pd.util.hash_array(ids)
+        order = np.argsort(hashes, kind="stable")
+        self._runs.append((hashes[order], ids[order]))
+        while len(self._runs) > 1 and 2 * len(self._runs[-1][0]) >= len(self._runs[-2][0]):
+            (h2, i2), (h1, i1) = self._runs.pop(), self._runs.pop()
+            hashes, ids = np.concatenate([h1, h2]), np.concatenate([i1, i2])
+            order = np.argsort(hashes, kind="stable")
+            self._runs.append((hashes[order], ids[order]))
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        """(len(ids),) bool: which ids are in the set."""
+        ids = np.asarray(ids, dtype=object)
+        found = np.zeros(len(ids), dtype=bool)
+        if len(ids) == 0:
+            return found
+        hashes = pd.util.hash_array(ids)
+        for run_hashes, run_ids in self._runs:
+            pos = np.minimum(np.searchsorted(run_hashes, hashes), len(run_hashes) - 1)
+            for i in np.flatnonzero(run_hashes[pos] == hashes):
+                j = pos[i]
+                while j < len(run_hashes) and run_hashes[j] == hashes[i] and not found[i]:
+                    found[i] = run_ids[j] == ids[i]
+                    j += 1
+        return found
+
+
 class LandedIds:
     """Event ids already in the lake, per date partition, for duplicate detection during one run.
 
@@ -97,26 +143,33 @@ class LandedIds:
     def __init__(self, events_dir: Path, event_id: str):
         self._events_dir = events_dir
         self._event_id = event_id
-        self._by_date: dict[str, list[pa.Array]] = {}
+        self._by_date: dict[str, IdSet] = {}
+        self._pending: dict[str, list[pa.Array]] = {}  # landed this run, folded in when next queried
 
-    def _load(self, date: str) -> list[pa.Array]:
+    def _load(self, date: str) -> IdSet:
         if date not in self._by_date:
+            ids = IdSet()
             folder = partition_dir(self._events_dir, date)
-            files = sorted(folder.glob("part-*.parquet")) if folder.exists() else []
-            self._by_date[date] = [
-                chunk for f in files for chunk in pq.read_table(f, columns=[self._event_id])[self._event_id].chunks
-            ]
+            for f in sorted(folder.glob("part-*.parquet")) if folder.exists() else []:
+                ids.add(pq.read_table(f, columns=[self._event_id])[self._event_id].to_numpy())
+            self._by_date[date] = ids
+            self._pending.pop(date, None)  # already on disk, so already read
+        for pending in self._pending.pop(date, []):
+            self._by_date[date].add(pending.to_numpy(zero_copy_only=False))
         return self._by_date[date]
 
-    def contains(self, ids: pa.Array, dates: Iterable[str]) -> pa.Array:
+    def contains(self, ids: pa.Array, dates: Iterable[str]) -> np.ndarray:
         """A boolean mask: which of ``ids`` are already landed in any of ``dates``."""
-        known = [chunk for date in sorted(set(dates)) for chunk in self._load(date)]
-        if not known:
-            return pa.array([False] * len(ids))
-        return pc.is_in(ids, value_set=pa.concat_arrays([c.cast(pa.string()) for c in known]))
+        values = ids.to_numpy(zero_copy_only=False)
+        found = np.zeros(len(values), dtype=bool)
+        for date in sorted(set(dates)):
+            found |= self._load(date).contains(values)
+        return found
 
     def add(self, date: str, ids: pa.Array) -> None:
-        self._load(date).append(ids)
+        """Record ids just landed in ``date`` (call after they are published)."""
+        if date in self._by_date:
+            self._pending.setdefault(date, []).append(ids)
 
 
 def committed_event_files(ledger: Ledger, events_dir: Path) -> list[str]:

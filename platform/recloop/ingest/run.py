@@ -191,7 +191,7 @@ def _flag_duplicates(typed: pa.Table, spec: DatasetSpec, problems: RowProblems, 
     ids = typed[spec.event_id].take(pa.array(good)).combine_chunks()
     within = pd.Series(ids, dtype=pd.ArrowDtype(pa.string())).duplicated(keep="first").to_numpy()
     dates = pc.unique(_utc_dates(typed[spec.timestamp].take(pa.array(good)))).to_pylist()
-    already = np.asarray(landed.contains(ids, [d.isoformat() for d in dates]))
+    already = landed.contains(ids, [d.isoformat() for d in dates])
     problems.add(good[within | already], "duplicate_event_id")
 
 
