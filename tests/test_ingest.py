@@ -282,7 +282,7 @@ def test_lake_is_partitioned_by_event_date_and_reads_as_one_dataset(settings, no
     by_date = table.group_by("date").aggregate([("event_id", "count")]).to_pydict()
     assert sorted(zip(by_date["date"], by_date["event_id_count"], strict=True)) == [("2026-01-01", 1000), ("2026-01-02", 1000)]
     with Ledger.open(settings.ledger_path) as ledger:
-        assert read_events(ledger, settings.lake_events_dir).num_rows == 2000
+        assert read_events(ledger, settings.home, settings.lake_events_dir).num_rows == 2000
         assert all(e.status == "done" and e.rows_in == e.rows_landed for e in ledger.entries())
 
 

@@ -52,11 +52,17 @@ def stage(table: pa.Table, final: Path, token: str) -> dict[str, str]:
     return {"tmp": str(tmp), "final": str(final)}
 
 
-def publish(outputs: Iterable[dict[str, str]]) -> None:
-    """Rename staged outputs into place. Safe to repeat: an output already in place is left alone."""
+def relative_to_home(output: dict[str, str], home: Path) -> dict[str, str]:
+    """An output pair with paths relative to ``home``, as the ledger stores them (a lake can move)."""
+    root = home.resolve()
+    return {k: str(Path(v).resolve().relative_to(root)) for k, v in output.items()}
+
+
+def publish(outputs: Iterable[dict[str, str]], home: Path) -> None:
+    """Rename staged outputs (paths relative to ``home``) into place. Safe to repeat."""
     folders = set()
     for output in outputs:
-        tmp, final = Path(output["tmp"]), Path(output["final"])
+        tmp, final = home / output["tmp"], home / output["final"]
         if tmp.exists():
             os.replace(tmp, final)
         elif not final.exists():
@@ -66,7 +72,7 @@ def publish(outputs: Iterable[dict[str, str]]) -> None:
         _fsync_dir(folder)
 
 
-def recover(ledger: Ledger, roots: Iterable[Path]) -> list[str]:
+def recover(ledger: Ledger, home: Path, roots: Iterable[Path]) -> list[str]:
     """Finish commits that a killed run left half done; delete temporaries no ledger row claims.
 
     Returns:
@@ -75,10 +81,10 @@ def recover(ledger: Ledger, roots: Iterable[Path]) -> list[str]:
     finished = []
     claimed = set()
     for entry in ledger.entries(status="committing"):
-        publish(entry.outputs)
+        publish(entry.outputs, home)
         ledger.finish_commit(entry.sha256)
         finished.append(entry.path)
-        claimed.update(o["tmp"] for o in entry.outputs)
+        claimed.update(str(home / o["tmp"]) for o in entry.outputs)
     for root in roots:
         if root.exists():
             for stray in root.rglob(f".*{TEMP_SUFFIX}"):
@@ -172,18 +178,22 @@ class LandedIds:
             self._pending.setdefault(date, []).append(ids)
 
 
-def committed_event_files(ledger: Ledger, events_dir: Path) -> list[str]:
+def committed_event_files(ledger: Ledger, home: Path, events_dir: Path) -> list[str]:
     """Lake files that the ledger says are fully committed (a reader that trusts nothing else)."""
-    root = str(events_dir.resolve())
+    events = events_dir.resolve()
     files = []
     for entry in ledger.entries(status="done"):
-        files.extend(o["final"] for o in entry.outputs if str(Path(o["final"]).resolve()).startswith(root))
+        for output in entry.outputs:
+            final = (home / output["final"]).resolve()
+            if final.is_relative_to(events):
+                files.append(str(final))
     return sorted(files)
 
 
-def read_events(ledger: Ledger, events_dir: Path, columns: list[str] | None = None, filter=None) -> pa.Table:
+def read_events(ledger: Ledger, home: Path, events_dir: Path, columns: list[str] | None = None,
+                filter=None) -> pa.Table:
     """Read the committed events (optionally some columns, and a pyarrow dataset filter expression)."""
-    files = committed_event_files(ledger, events_dir)
+    files = committed_event_files(ledger, home, events_dir)
     if not files:
         return pa.table({})
     dataset = ds.dataset(files, format="parquet", partitioning=ds.partitioning(flavor="hive"),

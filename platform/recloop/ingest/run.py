@@ -118,7 +118,7 @@ def ingest(
     files = discover(Path(source))
     summary = IngestSummary(source=str(source), spec=spec.name)
     with exclusive_lock(settings.lake_dir / "_ingest.lock"), Ledger.open(settings.ledger_path) as ledger:
-        summary.recovered = lake.recover(ledger, [settings.lake_events_dir, settings.quarantine_dir])
+        summary.recovered = lake.recover(ledger, settings.home, [settings.lake_events_dir, settings.quarantine_dir])
         landed_ids = lake.LandedIds(settings.lake_events_dir, spec.event_id)
         for path in files:
             result = _ingest_file(path, spec, settings, ledger, landed_ids, now)
@@ -158,13 +158,14 @@ def _ingest_file(
         for date in sorted(pc.unique(dates).to_pylist()):
             part = landed.filter(pc.equal(dates, pa.scalar(date, pa.date32())))
             final = lake.partition_dir(settings.lake_events_dir, date.isoformat()) / f"part-{token}.parquet"
-            outputs.append(lake.stage(part, final, token))
+            outputs.append(lake.relative_to_home(lake.stage(part, final, token), settings.home))
             partitions.append(date.isoformat())
             staged_ids.append((date.isoformat(), part[spec.event_id].combine_chunks()))
     quarantined = _quarantine_table(rows, np.flatnonzero(bad), reasons, path, now)
     if quarantined.num_rows:
         folder = settings.quarantine_dir / f"date={now.strftime('%Y-%m-%d')}"
-        outputs.append(lake.stage(quarantined, folder / f"{token}.parquet", token))
+        outputs.append(lake.relative_to_home(lake.stage(quarantined, folder / f"{token}.parquet", token),
+                                             settings.home))
 
     rows_landed = int((~bad).sum()) if typed is not None else 0
     result = FileResult(
@@ -176,7 +177,7 @@ def _ingest_file(
         raise RuntimeError(f"row accounting broken for {path}: {result}")
     ledger.begin_commit(sha256=digest, path=str(path), size=size, spec=spec.name, rows_in=result.rows_in,
                         rows_landed=rows_landed, rows_quarantined=result.rows_quarantined, outputs=outputs)
-    lake.publish(outputs)
+    lake.publish(outputs, settings.home)
     ledger.finish_commit(digest)
     for date, ids in staged_ids:
         landed_ids.add(date, ids)

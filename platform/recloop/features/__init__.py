@@ -1,0 +1,1 @@
+"""Feature engineering: frame backend (cuDF or pandas), feature ops, vocabularies, state, the job, Feast."""

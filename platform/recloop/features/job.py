@@ -1,0 +1,373 @@
+"""The feature job: lake events of a time window → training rows, entity tables and a new feature state.
+
+Outputs under ``$RECLOOP_HOME/features/`` (one parquet file per hour, replaced whole when rerun)::
+
+    training/2026-01-01T05.parquet    one row per event: label, d_* floats, c_* indices, m_* lists
+    user_stats/2026-01-01T05.parquet  user state rows (Feast source of the ``user_stats`` view)
+    item_stats/2026-01-01T05.parquet  item state rows (Feast source of the ``item_stats`` view)
+    state/v000001/                    vocabularies, stored statistics, latest state per entity
+    schema.json                       which training columns are dense, categorical (with table sizes),
+                                      multi-hot, and the state version they were built with
+
+Windows are whole hours. The job reads events from 24 h before the newest state version at or before
+the window start (so windowed counts are complete), carries totals over from that version, and writes
+a new version when the window moves past the latest one. Rerunning a window gives the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from recloop.features import ops
+from recloop.features.backend import FrameBackend, get_backend
+from recloop.features.config import FeatureConfig
+from recloop.features.state import FeatureState, StateStore
+from recloop.features.vocab import Vocabulary
+from recloop.ingest import lake
+from recloop.ingest.ledger import Ledger
+from recloop.schema import DatasetSpec
+from recloop.settings import Settings
+
+US = ops.US
+HOUR_US = 3600 * US
+DAY_US = 24 * HOUR_US
+ENTITY_PREFIXES = {"user_key": "user", "item_key": "item"}
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """Where the feature job's outputs live under ``$RECLOOP_HOME/features``."""
+
+    root: Path
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> FeatureLayout:
+        return cls(settings.home.resolve() / "features")
+
+    @property
+    def training(self) -> Path:
+        return self.root / "training"
+
+    def entity_table(self, prefix: str) -> Path:
+        return self.root / f"{prefix}_stats"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def schema(self) -> Path:
+        return self.root / "schema.json"
+
+
+@dataclass
+class FeatureRunSummary:
+    start: str
+    end: str
+    backend: str
+    rows: int = 0
+    entity_rows: dict[str, int] = field(default_factory=dict)
+    hours_written: int = 0
+    state_version: int = 0
+    vocabulary_sizes: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    message: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _iso(t_us: int) -> str:
+    return datetime.fromtimestamp(t_us / US, tz=timezone.utc).isoformat()
+
+
+def _to_us(value: datetime) -> int:
+    value = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return int(round(value.timestamp() * US))
+
+
+def _hour_files(folder: Path, start_us: int, end_us: int) -> list[tuple[int, Path]]:
+    return [(h, folder / f"{datetime.fromtimestamp(h / US, tz=timezone.utc):%Y-%m-%dT%H}.parquet")
+            for h in range(start_us, end_us, HOUR_US)]
+
+
+def read_lake_window(settings: Settings, spec: DatasetSpec, start_us: int | None, end_us: int | None,
+                     columns: list[str] | None = None) -> pa.Table:
+    """Committed lake events with ``start <= ts < end`` (either bound may be None)."""
+    if not settings.ledger_path.exists():
+        return pa.table({})
+    with Ledger.open(settings.ledger_path) as ledger:
+        ts = ds.field(spec.timestamp)
+        condition = None
+        if start_us is not None:
+            condition = ts >= pa.scalar(start_us, pa.timestamp("us", tz="UTC"))
+        if end_us is not None:
+            upper = ts < pa.scalar(end_us, pa.timestamp("us", tz="UTC"))
+            condition = upper if condition is None else condition & upper
+        return lake.read_events(ledger, settings.home, settings.lake_events_dir, columns=columns, filter=condition)
+
+
+def build_features(
+    settings: Settings, spec: DatasetSpec, config: FeatureConfig, *, start: datetime | None = None,
+    end: datetime | None = None, backend: FrameBackend | None = None,
+) -> FeatureRunSummary:
+    """Build features for ``[start, end)`` (default: from the latest state to the newest event).
+
+    Returns a summary; an empty window is not an error (``rows == 0`` and a message).
+    """
+    began = time.perf_counter()
+    backend = backend or get_backend(settings.frame_backend)
+    layout = FeatureLayout.for_settings(settings)
+    store = StateStore(layout.state)
+    latest = store.latest()
+
+    bounds = read_lake_window(settings, spec, None, None, columns=[spec.timestamp])
+    if bounds.num_rows == 0:
+        return FeatureRunSummary("", "", backend.name, message="the lake has no events yet: run `recloop ingest`")
+    stamps = bounds[spec.timestamp].cast(pa.int64())
+    lake_first, lake_last = pc.min(stamps).as_py(), pc.max(stamps).as_py()
+    start_us = _to_us(start) if start else (latest.as_of_us if latest else lake_first)
+    end_us = _to_us(end) if end else lake_last + 1
+    start_us -= start_us % HOUR_US
+    end_us += (-end_us) % HOUR_US
+    summary = FeatureRunSummary(_iso(start_us), _iso(end_us), backend.name)
+    if start_us >= end_us:
+        summary.message = "empty window: nothing to build"
+        return summary
+
+    base = store.at_or_before(start_us)
+    since_us = base.as_of_us if base else None
+    events = read_lake_window(settings, spec, since_us - DAY_US if since_us else None, end_us)
+    events = events.append_column("_ts_us", events[spec.timestamp].cast(pa.int64()))
+    in_window = pc.greater_equal(events["_ts_us"], start_us)
+    window = events.filter(in_window)
+    if window.num_rows == 0:
+        summary.message = f"no events between {summary.start} and {summary.end}"
+        return summary
+
+    if latest is None or end_us > latest.as_of_us:
+        absorb_from = latest.as_of_us if latest else None
+        new = events if absorb_from is None else events.filter(pc.greater_equal(events["_ts_us"], absorb_from))
+        vocabularies = _update_vocabularies(config, spec, latest, new)
+        stats = latest.stats if latest else _initial_stats(config, spec, new)
+    else:
+        vocabularies, stats = latest.vocabularies, latest.stats
+
+    frame = backend.from_arrow(events.select([c for c in _state_columns(spec)]))
+    window_frame = backend.from_arrow(window.select([c for c in _state_columns(spec)]))
+    states, befores = {}, {}
+    for role, prefix in ENTITY_PREFIXES.items():
+        key = getattr(spec, role)
+        if key is None:
+            continue
+        base_snapshot = backend.from_arrow(base.snapshots[prefix]) if base and prefix in base.snapshots else None
+        states[prefix] = ops.entity_states(backend, frame, key=key, ts="_ts_us", label=spec.label, prefix=prefix,
+                                           since_us=since_us, base=base_snapshot)
+        befores[prefix] = ops.states_before(backend, states[prefix], window_frame[key], window_frame["_ts_us"],
+                                            base_snapshot, config.ttl_seconds)
+
+    training = training_rows(backend, config, spec, window, vocabularies, stats, befores)
+    summary.rows = training.num_rows
+    written = _write_hours(layout.training, training, "_ts_us", start_us, end_us)
+    for prefix, entity_states in states.items():
+        table = entity_table(backend, entity_states, getattr(spec, _role(prefix)), start_us, end_us)
+        summary.entity_rows[prefix] = table.num_rows
+        _write_hours(layout.entity_table(prefix), table, "_ts_us", start_us, end_us)
+    summary.hours_written = written
+
+    if latest is None or end_us > latest.as_of_us:
+        snapshots = {prefix: _snapshot(backend, s, base.snapshots.get(prefix) if base else None)
+                     for prefix, s in states.items()}
+        saved = store.save(FeatureState(end_us, vocabularies, stats, snapshots))
+    else:
+        saved = latest
+    summary.state_version = saved.version
+    summary.vocabulary_sizes = {c: v.size for c, v in vocabularies.items()}
+    _write_schema(layout, config, spec, vocabularies, saved.version)
+    summary.seconds = round(time.perf_counter() - began, 3)
+    return summary
+
+
+def _role(prefix: str) -> str:
+    return {v: k for k, v in ENTITY_PREFIXES.items()}[prefix]
+
+
+def _state_columns(spec: DatasetSpec) -> list[str]:
+    return [k for k in (spec.user_key, spec.item_key) if k] + [spec.label, "_ts_us"]
+
+
+def _update_vocabularies(config: FeatureConfig, spec: DatasetSpec, latest: FeatureState | None,
+                         events: pa.Table) -> dict[str, Vocabulary]:
+    from recloop.ingest.validate import ARROW_TYPES
+
+    vocabularies = {}
+    for feature in config.categorical:
+        if feature.hash_buckets:
+            continue
+        current = latest.vocabularies.get(feature.column) if latest else None
+        if current is None:
+            current = Vocabulary.empty(feature.column, feature.min_count, ARROW_TYPES[spec.column(feature.column).dtype])
+        vocabularies[feature.column] = current.update(events[feature.column])
+    return vocabularies
+
+
+def _numeric_values(np_module: Any, feature, column: pa.ChunkedArray) -> np.ndarray:
+    values = column.cast(pa.float64()).to_numpy()
+    return ops.numeric_transform(np_module, values, clip_min=feature.clip_min, clip_max=feature.clip_max,
+                                 log1p=feature.log1p)
+
+
+def _initial_stats(config: FeatureConfig, spec: DatasetSpec, events: pa.Table) -> dict:
+    """Statistics stored once, with the first state, so the model's inputs keep one scale afterwards."""
+    numeric = {}
+    for feature in config.numeric:
+        values = _numeric_values(np, feature, events[feature.column])
+        finite = values[np.isfinite(values)]
+        numeric[feature.column] = {"mean": float(finite.mean()) if len(finite) else 0.0,
+                                   "std": float(finite.std()) if len(finite) > 1 else 1.0}
+    labels = events[spec.label].cast(pa.float64()).to_numpy()
+    return {"prior_ctr": float(labels.mean()) if len(labels) else 0.0, "numeric": numeric}
+
+
+def training_rows(backend: FrameBackend, config: FeatureConfig, spec: DatasetSpec, window: pa.Table,
+                  vocabularies: dict[str, Vocabulary], stats: dict, befores: dict[str, Any]) -> pa.Table:
+    """One training row per event of the window (in lake order)."""
+    xp = backend.arrays
+    host = backend.to_numpy
+    columns: dict[str, Any] = {
+        spec.event_id: window[spec.event_id], spec.timestamp: window[spec.timestamp],
+        "_ts_us": window["_ts_us"], "label": window[spec.label].cast(pa.float32()),
+    }
+    for key in (spec.user_key, spec.item_key):
+        if key:
+            columns[key] = window[key]
+    for oracle in spec.by_role("oracle"):
+        columns[oracle.name] = window[oracle.name]
+
+    ts_us = xp.asarray(window["_ts_us"].to_numpy())
+    dense: dict[str, Any] = {}
+    for feature in config.numeric:
+        values = _numeric_values(xp, feature, window[feature.column])
+        moments = stats["numeric"].get(feature.column, {"mean": 0.0, "std": 1.0})
+        dense[feature.column] = ops.standardize(xp, values, moments["mean"], moments["std"]) if feature.standardize \
+            else xp.where(xp.isnan(values), 0.0, values)
+    if config.cyclic_time:
+        dense.update(ops.cyclic_time(xp, ts_us))
+    for prefix, before in befores.items():
+        raw = {c: backend.values(before[c]) for c in before.columns}
+        dense.update(ops.entity_dense(xp, raw, prefix, ts_us, prior=stats["prior_ctr"], smoothing=config.smoothing,
+                                      recency_cap_seconds=config.recency_cap_seconds))
+        columns[f"{prefix}_is_new"] = pa.array(host(xp.isnan(raw[f"{prefix}_last_seen"])))
+    for name, values in dense.items():
+        columns[f"d_{name}"] = pa.array(host(values).astype(np.float32))
+
+    indices: dict[str, Any] = {}
+    for feature in config.categorical:
+        column = window[feature.column]
+        if feature.hash_buckets:
+            if not pa.types.is_integer(column.type):
+                raise ValueError(f"hash_buckets needs an integer column; {feature.column!r} is {column.type}")
+            values = xp.asarray(column.fill_null(0).to_numpy())
+            nulls = xp.asarray(column.is_null().to_numpy(zero_copy_only=False))
+            indices[feature.column] = ops.hash_bucket(xp, values, feature.hash_buckets, nulls)
+        else:
+            indices[feature.column] = xp.asarray(vocabularies[feature.column].lookup_arrow(column).to_numpy())
+    for cross in config.crosses:
+        indices[cross.name] = ops.hashed_cross(xp, indices[cross.columns[0]], indices[cross.columns[1]], cross.buckets)
+    for name, values in indices.items():
+        columns[f"c_{name}"] = pa.array(host(values).astype(np.int64))
+
+    for feature in config.multi_hot:
+        columns[f"m_{feature.column}"] = _map_lists(window[feature.column], vocabularies[feature.vocabulary],
+                                                    feature.max_length)
+    return pa.table(columns)
+
+
+def _map_lists(lists: pa.ChunkedArray, vocab: Vocabulary, max_length: int) -> pa.Array:
+    """Each list's ids through the vocabulary, keeping the last ``max_length`` (the most recent)."""
+    lists = lists.combine_chunks().fill_null(pa.scalar([], lists.type))
+    lengths = pc.list_value_length(lists).to_numpy()
+    mapped = vocab.lookup_arrow(pc.list_flatten(lists)).to_numpy()
+    starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    keep_from = starts + np.maximum(lengths - max_length, 0)
+    kept_lengths = np.minimum(lengths, max_length)
+    position = np.arange(len(mapped)) - np.repeat(starts, lengths)
+    keep = position >= np.repeat(keep_from - starts, lengths)
+    offsets = np.concatenate([[0], np.cumsum(kept_lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(mapped[keep], pa.int64()))
+
+
+def entity_table(backend: FrameBackend, states: ops.EntityStates, key: str, start_us: int, end_us: int) -> pa.Table:
+    """State rows with ``start <= ts < end``, as the Feast source: ``<key>, event_timestamp, <stats>``."""
+    table = backend.to_arrow(states.frame)
+    table = table.filter(pc.and_(pc.greater_equal(table["ts"], start_us), pc.less(table["ts"], end_us)))
+    stat_columns = [c for c in table.column_names if c.startswith(f"{states.prefix}_")]
+    return pa.table({
+        key: table["key"], "event_timestamp": table["ts"].cast(pa.timestamp("us", tz="UTC")), "_ts_us": table["ts"],
+        **{c: table[c].cast(pa.float64() if c.endswith("last_seen") else pa.int64()) for c in stat_columns},
+    })
+
+
+def _snapshot(backend: FrameBackend, states: ops.EntityStates, previous: pa.Table | None) -> pa.Table:
+    """The latest state row per entity: new state rows win over the carried-over snapshot."""
+    table = backend.to_arrow(states.frame)
+    stat_columns = [c for c in table.column_names if c.startswith(f"{states.prefix}_")]
+    table = table.select(["key", *stat_columns])
+    if previous is not None and previous.num_rows:
+        table = pa.concat_tables([previous.select(table.column_names).cast(table.schema), table])
+    frame = table.to_pandas()
+    frame = frame.drop_duplicates("key", keep="last").sort_values("key")
+    return pa.Table.from_pandas(frame, preserve_index=False)
+
+
+def _write_hours(folder: Path, table: pa.Table, ts_column: str, start_us: int, end_us: int) -> int:
+    """One file per hour of the window, staged beside the folder and renamed in; empty hours removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = folder.parent / f".staging-{folder.name}"
+    staging.mkdir(exist_ok=True)
+    hours = table[ts_column].to_numpy() // HOUR_US * HOUR_US if table.num_rows else np.empty(0, dtype=np.int64)
+    written = 0
+    for hour, path in _hour_files(folder, start_us, end_us):
+        part = table.filter(pa.array(hours == hour)).drop_columns([ts_column])
+        if part.num_rows == 0:
+            path.unlink(missing_ok=True)
+            continue
+        tmp = staging / path.name
+        pq.write_table(part, tmp)
+        os.replace(tmp, path)
+        written += 1
+    shutil.rmtree(staging, ignore_errors=True)
+    return written
+
+
+def _write_schema(layout: FeatureLayout, config: FeatureConfig, spec: DatasetSpec,
+                  vocabularies: dict[str, Vocabulary], version: int) -> None:
+    """What the trainer needs to know about the training rows, next to them."""
+    categorical = {}
+    for feature in config.categorical:
+        size = feature.hash_buckets + 2 if feature.hash_buckets else vocabularies[feature.column].size
+        categorical[f"c_{feature.column}"] = {"num_embeddings": size, "source": feature.column}
+    for cross in config.crosses:
+        categorical[f"c_{cross.name}"] = {"num_embeddings": cross.buckets + 2, "source": list(cross.columns)}
+    multi_hot = {f"m_{m.column}": {"num_embeddings": vocabularies[m.vocabulary].size, "vocabulary": m.vocabulary,
+                                   "max_length": m.max_length} for m in config.multi_hot}
+    sample = sorted(layout.training.glob("*.parquet"))
+    dense = [n for n in pq.read_schema(sample[-1]).names if n.startswith("d_")] if sample else []
+    schema = {"label": "label", "event_id": spec.event_id, "timestamp": spec.timestamp, "dense": dense,
+              "categorical": categorical, "multi_hot": multi_hot, "state_version": version, "dataset": spec.name}
+    tmp = layout.schema.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(schema, indent=2) + "\n")
+    os.replace(tmp, layout.schema)

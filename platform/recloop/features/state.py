@@ -1,0 +1,144 @@
+"""Versioned feature state: vocabularies, stored statistics and each entity's latest state, as of a time.
+
+Each feature run that moves time forward writes a new version; a model records the version it was
+trained on, and because vocabularies are append-only every later version maps its ids the same way.
+
+::
+
+    $RECLOOP_HOME/features/state/v000003/
+        manifest.json              version, as_of, statistics, file names and SHA-256 checksums
+        vocab-<column>.parquet     one per categorical column with a vocabulary
+        snapshot-<entity>.parquet  latest state row per entity before as_of (what the online store holds)
+
+A version is written into a hidden folder and renamed into place, so it appears whole or not at all. A
+missing or corrupt file is an error that names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recloop.features.vocab import Vocabulary
+
+
+class FeatureStateError(RuntimeError):
+    """A state version is missing, incomplete or corrupt."""
+
+
+@dataclass(frozen=True)
+class FeatureState:
+    """Everything a feature run carries over to the next one.
+
+    Args:
+        as_of_us: the state covers events strictly before this time (UTC microseconds).
+        vocabularies: per categorical column.
+        stats: stored statistics (``prior_ctr``, ``numeric: {column: {mean, std}}``).
+        snapshots: per entity prefix (``user``, ``item``), the latest state row of each entity.
+        version: assigned when saved (0 = not saved yet).
+    """
+
+    as_of_us: int
+    vocabularies: dict[str, Vocabulary]
+    stats: dict
+    snapshots: dict[str, pa.Table] = field(default_factory=dict)
+    version: int = 0
+
+    @property
+    def as_of(self) -> datetime:
+        return datetime.fromtimestamp(self.as_of_us / 1_000_000, tz=timezone.utc)
+
+
+class StateStore:
+    """The versions under one folder. Example: ``StateStore(home / "features" / "state").latest()``."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def versions(self) -> list[int]:
+        if not self.root.exists():
+            return []
+        return sorted(int(p.name[1:]) for p in self.root.iterdir() if p.is_dir() and p.name.startswith("v"))
+
+    def _manifest(self, version: int) -> dict:
+        path = self.root / f"v{version:06d}" / "manifest.json"
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError as err:
+            raise FeatureStateError(f"feature state manifest {path} is missing") from err
+        except json.JSONDecodeError as err:
+            raise FeatureStateError(f"feature state manifest {path} is corrupt: {err}") from err
+
+    def latest(self) -> FeatureState | None:
+        versions = self.versions()
+        return self.load(versions[-1]) if versions else None
+
+    def at_or_before(self, t_us: int) -> FeatureState | None:
+        """The newest version whose ``as_of`` is not after ``t_us``."""
+        for version in reversed(self.versions()):
+            if self._manifest(version)["as_of_us"] <= t_us:
+                return self.load(version)
+        return None
+
+    def load(self, version: int) -> FeatureState:
+        manifest = self._manifest(version)
+        folder = self.root / f"v{version:06d}"
+        vocabularies = {
+            column: Vocabulary(column, entry["min_count"], _read_checked(folder / entry["file"], entry["sha256"]))
+            for column, entry in manifest["vocabularies"].items()
+        }
+        snapshots = {
+            prefix: _read_checked(folder / entry["file"], entry["sha256"])
+            for prefix, entry in manifest["snapshots"].items()
+        }
+        return FeatureState(manifest["as_of_us"], vocabularies, manifest["stats"], snapshots, version)
+
+    def save(self, state: FeatureState) -> FeatureState:
+        """Write ``state`` as the next version; returns it with its version number."""
+        version = (self.versions() or [0])[-1] + 1
+        final = self.root / f"v{version:06d}"
+        staging = self.root / f".v{version:06d}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        manifest = {
+            "version": version, "as_of_us": state.as_of_us, "as_of": state.as_of.isoformat(),
+            "created_at": datetime.now(timezone.utc).isoformat(), "stats": state.stats,
+            "vocabularies": {}, "snapshots": {},
+        }
+        for column, vocab in state.vocabularies.items():
+            name = f"vocab-{column}.parquet"
+            manifest["vocabularies"][column] = {"file": name, "min_count": vocab.min_count, "size": vocab.size,
+                                                "sha256": _write(vocab.table, staging / name)}
+        for prefix, table in state.snapshots.items():
+            name = f"snapshot-{prefix}.parquet"
+            manifest["snapshots"][prefix] = {"file": name, "rows": table.num_rows,
+                                             "sha256": _write(table, staging / name)}
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(staging, final)
+        return FeatureState(state.as_of_us, state.vocabularies, state.stats, state.snapshots, version)
+
+
+def _write(table: pa.Table, path: Path) -> str:
+    pq.write_table(table, path)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _read_checked(path: Path, sha256: str) -> pa.Table:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as err:
+        raise FeatureStateError(f"feature state file {path} is missing") from err
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise FeatureStateError(f"feature state file {path} is corrupt (checksum mismatch)")
+    try:
+        return pq.read_table(pa.BufferReader(data))
+    except pa.ArrowException as err:
+        raise FeatureStateError(f"feature state file {path} is corrupt: {err}") from err

@@ -1,0 +1,103 @@
+"""Append-only vocabularies: a categorical id keeps its embedding row forever.
+
+::
+
+    index 0        null (the value was missing)
+    index 1        out of vocabulary: never seen, or seen fewer than ``min_count`` times so far
+    index 2, 3, …  admitted ids, in the order they were admitted (sorted by value within one update)
+
+An update counts the ids of a new window on top of the counts so far; ids that reach ``min_count`` are
+admitted and get the next free indices. Existing indices never change, so a warm-started model's
+embedding rows keep meaning the same ids, and the table only grows. Counts are kept for ids not yet
+admitted, so an id seen once in each of two windows gets in with ``min_count=2``.
+
+Example::
+
+    vocab = Vocabulary.empty("device", min_count=1).update(pa.array(["mobile", "tablet", None]))
+    vocab.lookup_arrow(pa.array(["tablet", "tv", None]))   # [3, 1, 0]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+NULL_INDEX = 0
+OOV_INDEX = 1
+FIRST_INDEX = 2
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """One column's vocabulary: every id seen with its count and index (-1 until admitted).
+
+    Args:
+        column: the categorical column it maps.
+        min_count: sightings needed to be admitted.
+        table: Arrow table with columns ``value``, ``count`` (int64), ``index`` (int64, -1 = not yet).
+    """
+
+    column: str
+    min_count: int
+    table: pa.Table
+
+    @classmethod
+    def empty(cls, column: str, min_count: int = 1, value_type: pa.DataType = pa.string()) -> Vocabulary:
+        return cls(column, min_count, pa.table({"value": pa.array([], value_type),
+                                                "count": pa.array([], pa.int64()),
+                                                "index": pa.array([], pa.int64())}))
+
+    @property
+    def size(self) -> int:
+        """Rows an embedding table needs: the two reserved indices plus every admitted id."""
+        return FIRST_INDEX + int(pc.sum(pc.greater_equal(self.table["index"], 0)).as_py() or 0)
+
+    def update(self, values: pa.Array | pa.ChunkedArray) -> Vocabulary:
+        """A new vocabulary with these sightings counted and newly frequent ids admitted."""
+        values = pa.chunked_array([values]) if isinstance(values, pa.Array) else values
+        values = values.cast(self.table.schema.field("value").type)
+        seen = pc.value_counts(values.drop_null().combine_chunks() if values.length() else values.combine_chunks())
+        new = pa.table({"value": seen.field("values"), "new": seen.field("counts").cast(pa.int64())})
+        merged = self.table.join(new, "value", join_type="full outer").to_pandas()
+        merged["count"] = merged["count"].fillna(0).astype("int64") + merged["new"].fillna(0).astype("int64")
+        merged["index"] = merged["index"].fillna(-1).astype("int64")
+        admit = (merged["index"] < 0) & (merged["count"] >= self.min_count)
+        newcomers = merged.loc[admit].sort_values("value", kind="stable").index
+        merged.loc[newcomers, "index"] = np.arange(self.size, self.size + len(newcomers), dtype=np.int64)
+        merged = merged.sort_values(["index", "value"], kind="stable").drop(columns="new")
+        table = pa.Table.from_pandas(merged[["value", "count", "index"]], preserve_index=False)
+        return Vocabulary(self.column, self.min_count, table.cast(self.table.schema))
+
+    def admitted(self) -> pa.Table:
+        """``value``, ``index`` of admitted ids only, in index order."""
+        keep = self.table.filter(pc.greater_equal(self.table["index"], 0))
+        return keep.select(["value", "index"]).sort_by("index")
+
+    def lookup_arrow(self, values: pa.Array | pa.ChunkedArray) -> pa.Array:
+        """Indices for ``values`` (any length, nulls allowed), on the host."""
+        admitted = self.admitted().combine_chunks()
+        values = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+        values = values.cast(admitted.schema.field("value").type)
+        position = pc.index_in(values, value_set=admitted["value"])
+        found = pc.take(admitted["index"].combine_chunks(), position)
+        indices = pc.if_else(pc.is_null(values), NULL_INDEX, pc.fill_null(found, OOV_INDEX))
+        return indices.cast(pa.int64())
+
+    def lookup_series(self, series: pd.Series | object) -> object:
+        """Indices for a pandas or cuDF series, computed where the series lives."""
+        if isinstance(series, pd.Series):
+            return pd.Series(np.asarray(self.lookup_arrow(pa.array(series))), index=series.index)
+        import cudf  # a cuDF series: join on the GPU instead of copying the column to the host
+
+        keys = cudf.DataFrame.from_arrow(self.admitted())
+        frame = cudf.DataFrame({"value": series.reset_index(drop=True),
+                                "position": cudf.Series(range(len(series)))})
+        joined = frame.merge(keys, on="value", how="left").sort_values("position")
+        out = joined["index"].fillna(OOV_INDEX).astype("int64")
+        out[joined["value"].isna().values] = NULL_INDEX
+        out.index = series.index
+        return out
