@@ -148,6 +148,55 @@ def ingest_command(
         _print_ingest(summary)
 
 
+@app.command("features")
+def features_command(
+    start: Annotated[str | None, typer.Option(help="Window start (UTC, ISO); default: where the last run ended.")] = None,
+    end: Annotated[str | None, typer.Option(help="Window end (UTC, ISO); default: after the newest event.")] = None,
+    spec: Annotated[str, typer.Option(help="Dataset spec of the lake's events.")] = "synthetic",
+    materialize: Annotated[bool, typer.Option(help="Apply the Feast repo if needed and load the online store.")] = True,
+    json_out: JsonOption = False,
+) -> None:
+    """Build features for a window: vocabularies, training rows, entity tables; then update Feast."""
+    from recloop.features.config import FeatureConfig
+    from recloop.features.job import build_features
+
+    settings = Settings()
+    try:
+        dataset = load_spec(spec)
+    except SpecError as err:
+        raise _fail(str(err)) from err
+    config = FeatureConfig.for_spec(dataset)
+    window = {k: _parse_start(v) for k, v in (("start", start), ("end", end)) if v}
+    with console.status("building features", spinner="dots") if not json_out else _quiet():
+        summary = build_features(settings, dataset, config, **window).to_dict()
+    summary["feast_applied"], summary["materialized"] = False, []
+    if materialize and summary["rows"] and dataset.user_key and dataset.item_key:
+        from datetime import timedelta
+
+        from recloop.features import store
+
+        with console.status("updating the Feast feature store", spinner="dots") if not json_out else _quiet():
+            summary["feast_applied"] = store.apply_repo(settings)
+            summary["materialized"] = store.materialize(settings, datetime.fromisoformat(summary["end"]),
+                                                        timedelta(seconds=config.ttl_seconds))
+    if json_out:
+        _emit(summary)
+        return
+    if summary["message"]:
+        console.print(summary["message"])
+    if summary["rows"]:
+        console.print(f"features {summary['start']} → {summary['end']}: {summary['rows']:,} training rows, "
+                      f"entity rows {summary['entity_rows']}, state v{summary['state_version']}, "
+                      f"vocabularies {summary['vocabulary_sizes']} ({summary['seconds']} s, {summary['backend']})")
+        if summary["materialized"]:
+            console.print(f"online store updated: {', '.join(summary['materialized'])}")
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    yield
+
+
 @app.command("demo")
 def demo_command(
     days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 3,

@@ -31,6 +31,9 @@ class Settings(BaseSettings):
             files under ``home``.
         prefect_api_url: a Prefect server; empty means Prefect's temporary local server.
         feast_repo: the Feast repository folder (``feature_repo/`` of the checkout by default).
+        feast_online_store: ``sqlite`` (a file under ``home``) or ``redis`` (at ``redis_url``).
+        feast_registry: Feast registry: empty means a file under ``home``; a ``postgresql://`` URL
+            makes it a SQL registry (safe for several processes, as a team's setup needs).
         redis_url: Redis for the Feast online store when it is switched to Redis.
         postgres_dsn: PostgreSQL for MLflow / Prefect / Feast registry when a team runs them there.
         object_store_url, object_store_access_key, object_store_secret_key: an S3-compatible object store.
@@ -46,6 +49,8 @@ class Settings(BaseSettings):
     mlflow_artifact_uri: str = ""
     prefect_api_url: str = ""
     feast_repo: Path = Path("feature_repo")
+    feast_online_store: Literal["sqlite", "redis"] = "sqlite"
+    feast_registry: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
     postgres_dsn: str = "postgresql://postgres@127.0.0.1:5432/recloop"
     object_store_url: str = ""

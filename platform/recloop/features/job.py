@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -91,16 +91,16 @@ class FeatureRunSummary:
 
 
 def _iso(t_us: int) -> str:
-    return datetime.fromtimestamp(t_us / US, tz=timezone.utc).isoformat()
+    return datetime.fromtimestamp(t_us / US, tz=UTC).isoformat()
 
 
 def _to_us(value: datetime) -> int:
-    value = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    value = value if value.tzinfo else value.replace(tzinfo=UTC)
     return int(round(value.timestamp() * US))
 
 
 def _hour_files(folder: Path, start_us: int, end_us: int) -> list[tuple[int, Path]]:
-    return [(h, folder / f"{datetime.fromtimestamp(h / US, tz=timezone.utc):%Y-%m-%dT%H}.parquet")
+    return [(h, folder / f"{datetime.fromtimestamp(h / US, tz=UTC):%Y-%m-%dT%H}.parquet")
             for h in range(start_us, end_us, HOUR_US)]
 
 

@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -54,7 +54,7 @@ class FeatureState:
 
     @property
     def as_of(self) -> datetime:
-        return datetime.fromtimestamp(self.as_of_us / 1_000_000, tz=timezone.utc)
+        return datetime.fromtimestamp(self.as_of_us / 1_000_000, tz=UTC)
 
 
 class StateStore:
@@ -110,7 +110,7 @@ class StateStore:
         staging.mkdir(parents=True)
         manifest = {
             "version": version, "as_of_us": state.as_of_us, "as_of": state.as_of.isoformat(),
-            "created_at": datetime.now(timezone.utc).isoformat(), "stats": state.stats,
+            "created_at": datetime.now(UTC).isoformat(), "stats": state.stats,
             "vocabularies": {}, "snapshots": {},
         }
         for column, vocab in state.vocabularies.items():

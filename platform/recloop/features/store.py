@@ -1,0 +1,171 @@
+"""The Feast bridge: build the store from settings, apply the repo, materialize, read features.
+
+recloop never imports ``feature_repo/``; Feast parses it (as ``feast apply`` does) and recloop looks
+objects up by name (``ranking_v1``). The configuration is built from ``Settings`` so that switching
+the online store to Redis is one setting (``RECLOOP_FEAST_ONLINE_STORE=redis``).
+
+Example::
+
+    store = feature_store(settings)
+    apply_repo(settings)                       # only when the repo or RECLOOP_HOME changed
+    materialize(settings, end=datetime.now(timezone.utc))
+    online_features(settings, {"user_id": [1, 2], "item_id": [7, 9]})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pandas as pd
+
+from recloop.settings import Settings
+
+FEATURE_SERVICE = "ranking_v1"
+
+
+def _repo_path(settings: Settings) -> Path:
+    repo = settings.feast_repo
+    if not repo.is_absolute() and not repo.exists():
+        # Installed elsewhere than the checkout: fall back to the repo next to the package sources.
+        candidate = Path(__file__).resolve().parents[3] / "feature_repo"
+        repo = candidate if candidate.exists() else repo
+    if not (repo / "feature_store.yaml").exists():
+        raise FileNotFoundError(f"no Feast repository at {repo} (set RECLOOP_FEAST_REPO)")
+    return repo.resolve()
+
+
+def redis_connection_string(url: str) -> str:
+    """``redis://host:port/db`` → Feast's ``host:port,db=N``."""
+    parsed = urlparse(url)
+    db = parsed.path.strip("/") or "0"
+    extra = f",password={parsed.password}" if parsed.password else ""
+    return f"{parsed.hostname or '127.0.0.1'}:{parsed.port or 6379},db={db}{extra}"
+
+
+def repo_config(settings: Settings):
+    """Feast's RepoConfig for these settings (the same as feature_store.yaml for the defaults)."""
+    from feast.repo_config import RepoConfig
+
+    home = settings.home.resolve()
+    if settings.feast_online_store == "redis":
+        online = {"type": "redis", "connection_string": redis_connection_string(settings.redis_url)}
+    else:
+        online = {"type": "sqlite", "path": str(home / "feast" / "online.db")}
+    if settings.feast_registry.startswith(("postgresql", "mysql", "sqlite")):
+        registry = {"registry_type": "sql", "path": settings.feast_registry, "cache_ttl_seconds": 60}
+    else:
+        registry = settings.feast_registry or str(home / "feast" / "registry.db")
+    (home / "feast").mkdir(parents=True, exist_ok=True)
+    return RepoConfig(project="recloop", provider="local", registry=registry, online_store=online,
+                      offline_store={"type": "duckdb"}, entity_key_serialization_version=3,
+                      repo_path=str(_repo_path(settings)))
+
+
+def _environment(settings: Settings) -> None:
+    """What the repo definitions and YAML read: an absolute RECLOOP_HOME (and the Redis address)."""
+    os.environ["RECLOOP_HOME"] = str(settings.home.resolve())
+    os.environ["RECLOOP_FEAST_REDIS"] = redis_connection_string(settings.redis_url)
+
+
+def feature_store(settings: Settings):
+    from feast import FeatureStore
+
+    _environment(settings)
+    return FeatureStore(config=repo_config(settings), repo_path=str(_repo_path(settings)))
+
+
+def _fingerprint(settings: Settings) -> str:
+    repo = _repo_path(settings)
+    digest = hashlib.sha256(str(settings.home.resolve()).encode())
+    digest.update(settings.feast_online_store.encode())
+    for path in sorted(repo.glob("*.py")) + sorted(repo.glob("*.yaml")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def apply_repo(settings: Settings, force: bool = False) -> bool:
+    """``feast apply`` for the repo, when it or the settings changed since the last apply.
+
+    Returns whether it applied.
+    """
+    from feast.repo_operations import apply_total
+
+    marker = settings.home.resolve() / "feast" / "applied.sha256"
+    fingerprint = _fingerprint(settings)
+    if not force and marker.exists() and marker.read_text() == fingerprint:
+        return False
+    _environment(settings)
+    repo = _repo_path(settings)
+    for path in repo.glob("*.py"):  # definitions read RECLOOP_HOME at import: import them afresh
+        sys.modules.pop(path.stem, None)
+    cwd = os.getcwd()
+    sys.path.insert(0, str(repo))  # Feast imports the definitions by module name, as its CLI does
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # apply_total prints a plan meant for the CLI
+            apply_total(repo_config(settings), repo, skip_source_validation=False)
+    finally:
+        os.chdir(cwd)  # apply_total changes directory into the repo
+        sys.path.remove(str(repo))
+    marker.write_text(fingerprint)
+    return True
+
+
+def materialize(settings: Settings, end: datetime, ttl: timedelta) -> list[str]:
+    """Load entity state rows up to ``end`` into the online store, incrementally per view.
+
+    Each view continues from where its last materialization ended; the first one starts at
+    ``end - ttl`` (older rows are expired by the views' TTL anyway). Returns the views loaded.
+    """
+    store = feature_store(settings)
+    loaded = []
+    for projection in store.get_feature_service(FEATURE_SERVICE).feature_view_projections:
+        view = store.get_feature_view(projection.name)
+        start = view.most_recent_end_time or (end - ttl)
+        if start.tzinfo is None:
+            start = start.replace(tzinfo=UTC)
+        if start >= end:
+            continue
+        with contextlib.redirect_stdout(io.StringIO()):  # progress output meant for the CLI
+            store.materialize(start_date=start, end_date=end, feature_views=[view.name])
+        loaded.append(view.name)
+    return loaded
+
+
+def historical_features(settings: Settings, entity_rows: pd.DataFrame) -> pd.DataFrame:
+    """Point-in-time features of ``ranking_v1`` for ``entity_rows`` (``user_id``, ``item_id``,
+    ``event_timestamp``), one output row per input row, in input order.
+
+    Feast's file offline store silently drops entity rows whose key exists in the source but has no
+    feature row valid at that time; those come back here with nulls, so row counts always hold.
+    """
+    store = feature_store(settings)
+    rows = entity_rows.reset_index(drop=True).copy()
+    rows["_row"] = range(len(rows))
+    service = store.get_feature_service(FEATURE_SERVICE)
+    result = store.get_historical_features(entity_df=rows, features=service).to_df()
+    merged = rows[["_row"]].merge(result.drop(columns=[c for c in rows.columns if c != "_row"], errors="ignore"),
+                                  on="_row", how="left")
+    if len(merged) != len(rows):
+        raise RuntimeError(f"point-in-time join returned {len(merged)} rows for {len(rows)} entity rows")
+    return merged.drop(columns="_row")
+
+
+def online_features(settings: Settings, entities: dict[str, list]) -> pd.DataFrame:
+    """The online store's current ``ranking_v1`` features for ``{"user_id": [...], "item_id": [...]}``."""
+    store = feature_store(settings)
+    service = store.get_feature_service(FEATURE_SERVICE)
+    return store.get_online_features(features=service, entity_rows=_rows(entities)).to_df()
+
+
+def _rows(entities: dict[str, list]) -> list[dict]:
+    lengths = {len(v) for v in entities.values()}
+    if len(lengths) != 1:
+        raise ValueError("every entity key list must have the same length")
+    return [dict(zip(entities, values, strict=True)) for values in zip(*entities.values(), strict=True)]
