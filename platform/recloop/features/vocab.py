@@ -46,8 +46,8 @@ class Vocabulary:
     table: pa.Table
 
     @classmethod
-    def empty(cls, column: str, min_count: int = 1, value_type: pa.DataType = pa.string()) -> Vocabulary:
-        return cls(column, min_count, pa.table({"value": pa.array([], value_type),
+    def empty(cls, column: str, min_count: int = 1, value_type: pa.DataType | None = None) -> Vocabulary:
+        return cls(column, min_count, pa.table({"value": pa.array([], value_type or pa.string()),
                                                 "count": pa.array([], pa.int64()),
                                                 "index": pa.array([], pa.int64())}))
 
