@@ -1,0 +1,113 @@
+"""Train/serve consistency through the real Feast store (SQLite by default, Redis under ``services``)."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.dataset as ds
+import pytest
+
+from recloop.features import ops, store
+from recloop.features.config import FeatureConfig
+from recloop.features.job import FeatureLayout, build_features
+from recloop.features.state import StateStore
+from recloop.ingest import ingest
+from recloop.schema import load_spec
+from recloop.settings import Settings
+from recloop.simulate import WorldConfig, simulate
+
+SPEC = load_spec("synthetic")
+CONFIG = FeatureConfig.for_spec(SPEC)
+END = datetime(2026, 1, 3, tzinfo=UTC)
+TTL = timedelta(seconds=CONFIG.ttl_seconds)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Settings:
+    """Two simulated days, ingested, features built, repo applied, online store loaded."""
+    root = tmp_path_factory.mktemp("feast")
+    simulate(WorldConfig(seed=5, days=2, events_per_day=2000), root / "landing")
+    settings = Settings(home=root / "home", frame_backend="pandas")
+    ingest(root / "landing", SPEC, settings, now=datetime(2026, 2, 1, tzinfo=UTC))
+    build_features(settings, SPEC, CONFIG)
+    assert store.apply_repo(settings) is True
+    assert store.apply_repo(settings) is False  # nothing changed: not applied again
+    assert store.materialize(settings, END, TTL) == ["user_stats", "item_stats"]
+    return settings
+
+
+def offline_latest(settings: Settings, name: str, key: str) -> pd.DataFrame:
+    table = ds.dataset(FeatureLayout.for_settings(settings).root / name, format="parquet").to_table().to_pandas()
+    return table.sort_values("event_timestamp").drop_duplicates(key, keep="last").set_index(key)
+
+
+def test_training_rows_equal_feasts_point_in_time_features(built: Settings):
+    training = ds.dataset(FeatureLayout.for_settings(built).training, format="parquet").to_table().to_pandas()
+    sample = training.sample(300, random_state=0).reset_index(drop=True)
+    entity_rows = pd.DataFrame({"user_id": sample["user_id"], "item_id": sample["item_id"],
+                                "event_timestamp": sample["ts"] - pd.Timedelta(microseconds=1)})
+    features = store.historical_features(built, entity_rows)
+    assert len(features) == len(sample)  # row counts guarded (Feast can drop entity rows)
+    stats = StateStore(FeatureLayout.for_settings(built).state).latest().stats
+    ts_us = (sample["ts"].astype("int64") if sample["ts"].dtype.unit == "us"
+             else sample["ts"].astype("int64") // 1000).to_numpy()
+    for prefix in ("user", "item"):
+        raw = {f"{prefix}_{s}": features[f"{prefix}_{s}"].astype("float64").to_numpy() for s in ops.STAT_NAMES}
+        served = ops.entity_dense(np, raw, prefix, ts_us, prior=stats["prior_ctr"], smoothing=CONFIG.smoothing,
+                                  recency_cap_seconds=CONFIG.recency_cap_seconds)
+        for name, values in served.items():
+            np.testing.assert_allclose(sample[f"d_{name}"].to_numpy(), values, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert sample["user_is_new"].any() and not sample["user_is_new"].all()  # both cases were checked
+
+
+def test_online_store_serves_the_latest_offline_value(built: Settings):
+    users = offline_latest(built, "user_stats", "user_id")
+    items = offline_latest(built, "item_stats", "item_id")
+    user_ids, item_ids = list(users.index[:50]), list(items.index[:50])
+    online = store.online_features(built, {"user_id": user_ids, "item_id": item_ids})
+    for prefix, expected in (("user", users.loc[user_ids]), ("item", items.loc[item_ids])):
+        for stat in ops.STAT_NAMES:
+            column = f"{prefix}_{stat}"
+            np.testing.assert_allclose(online[column].astype(float).to_numpy(), expected[column].to_numpy(),
+                                       err_msg=column)
+    unknown = store.online_features(built, {"user_id": [10**12], "item_id": [10**12]})
+    assert unknown["user_events_total"].isna().all()
+
+
+def test_a_later_window_materializes_incrementally(built: Settings, tmp_path: Path):
+    settings = Settings(home=tmp_path / "home", frame_backend="pandas")
+    shutil.copytree(built.home, settings.home)
+    simulate(WorldConfig(seed=5, days=3, events_per_day=2000), tmp_path / "landing")
+    ingest(tmp_path / "landing", SPEC, settings, now=datetime(2026, 2, 1, tzinfo=UTC))
+    assert build_features(settings, SPEC, CONFIG).rows == 2000  # only the third day is new
+    store.apply_repo(settings)  # the copy has its own RECLOOP_HOME: the sources point there now
+    assert store.materialize(settings, END + timedelta(days=1), TTL) == ["user_stats", "item_stats"]
+    users = offline_latest(settings, "user_stats", "user_id")
+    recent = users[users["event_timestamp"] >= pd.Timestamp(END)].index[:20].tolist()
+    online = store.online_features(settings, {"user_id": recent, "item_id": [0] * len(recent)})
+    np.testing.assert_allclose(online["user_events_total"].astype(float), users.loc[recent, "user_events_total"])
+
+
+@pytest.mark.services
+def test_redis_online_store(built: Settings, tmp_path: Path):
+    import redis
+
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/13")
+    client.flushdb()
+    settings = Settings(home=tmp_path / "home", frame_backend="pandas", feast_online_store="redis",
+                        redis_url="redis://127.0.0.1:6379/13")
+    shutil.copytree(built.home, settings.home)
+    # A fresh registry: the copied one remembers what was materialized into SQLite.
+    (settings.home / "feast" / "registry.db").unlink()
+    assert store.apply_repo(settings) is True  # the online-store setting changed: applied again
+    assert store.materialize(settings, END, TTL) == ["user_stats", "item_stats"]
+    assert client.dbsize() > 0
+    users = offline_latest(settings, "user_stats", "user_id")
+    ids = list(users.index[:30])
+    online = store.online_features(settings, {"user_id": ids, "item_id": [0] * len(ids)})
+    np.testing.assert_allclose(online["user_events_total"].astype(float), users.loc[ids, "user_events_total"])
+    client.flushdb()

@@ -1,0 +1,131 @@
+"""Feature ops against brute-force references on small random data (pandas backend)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from recloop.features import ops
+from recloop.features.backend import BackendUnavailable, get_backend
+from recloop.features.job import _map_lists
+from recloop.features.vocab import NULL_INDEX, OOV_INDEX, Vocabulary
+
+PANDAS = get_backend("pandas")
+US = ops.US
+
+
+def random_events(seed: int, n: int = 400, keys: int = 12, hours: float = 60.0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    ts = np.sort(rng.integers(0, int(hours * 3600 * US), n))
+    ts[5] = ts[4]  # ties at the same microsecond
+    # Power-law keys: a few entities take most of the events.
+    key = np.minimum(rng.zipf(1.6, n) - 1, keys - 1)
+    return pd.DataFrame({"k": key, "_ts_us": ts + 1_700_000_000 * US, "y": (rng.random(n) < 0.3).astype(int)})
+
+
+def brute_force_state(events: pd.DataFrame, key, t: int, since: int | None) -> dict[str, float]:
+    """The entity's statistics after all of its events at or before ``t``."""
+    mine = events[(events["k"] == key) & (events["_ts_us"] <= t)]
+    day = mine[mine["_ts_us"] > t - 86400 * US]
+    hour = mine[mine["_ts_us"] > t - 3600 * US]
+    counted = mine if since is None else mine[mine["_ts_us"] >= since]
+    return {"events_1h": len(hour), "events_24h": len(day), "clicks_24h": int(day["y"].sum()),
+            "events_total": len(counted), "clicks_total": int(counted["y"].sum()), "last_seen": t / US}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_entity_states_match_brute_force(seed: int):
+    events = random_events(seed)
+    states = ops.entity_states(PANDAS, events, key="k", ts="_ts_us", label="y", prefix="u", since_us=None, base=None)
+    frame = states.frame
+    # One state row per (key, time) with events, and nothing else.
+    assert len(frame) == len(events.drop_duplicates(["k", "_ts_us"]))
+    for row in frame.itertuples(index=False):
+        expected = brute_force_state(events, row.key, row.ts, None)
+        got = {name: getattr(row, f"u_{name}") for name in expected}
+        assert got == pytest.approx(expected), (row.key, row.ts)
+
+
+def test_states_carry_over_from_a_base_snapshot():
+    events = random_events(3)
+    split = int(events["_ts_us"].iloc[250])
+    whole = ops.entity_states(PANDAS, events, key="k", ts="_ts_us", label="y", prefix="u", since_us=None, base=None)
+    first = ops.entity_states(PANDAS, events[events["_ts_us"] < split], key="k", ts="_ts_us", label="y", prefix="u",
+                              since_us=None, base=None)
+    base = first.frame.sort_values("ts").drop_duplicates("key", keep="last").drop(columns="ts")
+    later = events[events["_ts_us"] >= split - 86400 * US]  # 24 h of look-back for the windowed counts
+    second = ops.entity_states(PANDAS, later, key="k", ts="_ts_us", label="y", prefix="u", since_us=split, base=base)
+    expected = whole.frame[whole.frame["ts"] >= split].reset_index(drop=True)
+    pd.testing.assert_frame_equal(second.frame.reset_index(drop=True), expected, check_dtype=False)
+
+
+def test_states_before_is_strictly_earlier_and_respects_ttl():
+    events = random_events(4)
+    states = ops.entity_states(PANDAS, events, key="k", ts="_ts_us", label="y", prefix="u", since_us=None, base=None)
+    before = ops.states_before(PANDAS, states, events["k"], events["_ts_us"], None, ttl_seconds=6 * 3600)
+    for i, row in enumerate(events.itertuples(index=False)):
+        earlier = events[(events["k"] == row.k) & (events["_ts_us"] < row._1)]
+        if earlier.empty or row._1 - earlier["_ts_us"].max() > 6 * 3600 * US:
+            assert np.isnan(before["u_events_total"].iloc[i])
+            continue
+        expected = brute_force_state(events, row.k, int(earlier["_ts_us"].max()), None)
+        assert before["u_events_24h"].iloc[i] == expected["events_24h"]
+        assert before["u_clicks_total"].iloc[i] == expected["clicks_total"]  # never its own label
+        assert before["u_last_seen"].iloc[i] == pytest.approx(expected["last_seen"])
+
+
+def test_entity_dense_defaults_for_unknown_entities():
+    nan = np.array([np.nan])
+    stats = {f"u_{name}": nan for name in ops.STAT_NAMES}
+    dense = ops.entity_dense(np, stats, "u", np.array([0]), prior=0.1, smoothing=20, recency_cap_seconds=100.0)
+    assert dense["u_ctr"][0] == pytest.approx(0.1) and dense["u_ctr_24h"][0] == pytest.approx(0.1)
+    assert dense["u_recency"][0] == pytest.approx(np.log1p(100.0)) and dense["u_events_total"][0] == 0
+
+
+def test_hashing_is_deterministic_in_range_and_spreads():
+    values = np.arange(100_000, dtype=np.int64)
+    buckets = ops.hash_bucket(np, values, 1000)
+    assert buckets.min() >= 2 and buckets.max() < 1002
+    assert np.array_equal(buckets, ops.hash_bucket(np, values.copy(), 1000))
+    counts = np.bincount(buckets - 2, minlength=1000)
+    assert counts.min() > 50 and counts.max() < 160  # ~100 per bucket
+    assert ops.hash_bucket(np, np.array([5]), 10, null_mask=np.array([True]))[0] == 0
+    crossed = ops.hashed_cross(np, np.array([2, 2, 3]), np.array([7, 8, 7]), 1 << 14)
+    assert len(set(crossed.tolist())) == 3 and (crossed >= 2).all()
+
+
+def test_cyclic_time():
+    monday_6am = 1_767_600_000 * US  # 2026-01-05 08:00 UTC is a Monday
+    features = ops.cyclic_time(np, np.array([monday_6am]))
+    hour = 8.0
+    assert features["hour_sin"][0] == pytest.approx(np.sin(2 * np.pi * hour / 24))
+    assert features["dow_sin"][0] == pytest.approx(0.0) and features["dow_cos"][0] == pytest.approx(1.0)
+
+
+def test_vocabulary_is_append_only_with_a_frequency_threshold():
+    vocab = Vocabulary.empty("item", min_count=2, value_type=pa.int64())
+    first = vocab.update(pa.array([10, 10, 11, 12, 12, None]))
+    assert first.admitted().to_pydict() == {"value": [10, 12], "index": [2, 3]}
+    second = first.update(pa.array([11, 13, 13, 9, 9]))  # 11 reaches 2 across windows
+    assert second.admitted().to_pydict() == {"value": [10, 12, 9, 11, 13], "index": [2, 3, 4, 5, 6]}
+    lookup = second.lookup_arrow(pa.array([12, 10, 14, None, 11])).to_pylist()
+    assert lookup == [3, 2, OOV_INDEX, NULL_INDEX, 5]
+    assert second.size == 7 and first.lookup_arrow(pa.array([11])).to_pylist() == [OOV_INDEX]
+
+
+def test_multi_hot_lists_map_through_the_vocabulary_and_keep_the_most_recent():
+    vocab = Vocabulary.empty("item", value_type=pa.int64()).update(pa.array([5, 6, 7]))
+    lists = pa.chunked_array([pa.array([[5, 6, 99], [], None, [7, 7, 6, 5, 6]], pa.list_(pa.int64()))])
+    mapped = _map_lists(lists, vocab, max_length=3).to_pylist()
+    assert mapped == [[2, 3, OOV_INDEX], [], [], [3, 2, 3]]
+
+
+def test_backend_auto_never_fails_and_cudf_says_why():
+    assert get_backend("auto").name in ("pandas", "cudf")
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailable, match="needs a CUDA GPU"):
+            get_backend("cudf")

@@ -1,0 +1,133 @@
+"""The feature job over a real (small) lake: windows, state carry-over, leakage, bad input."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
+
+from recloop.features.config import FeatureConfig
+from recloop.features.job import FeatureLayout, build_features
+from recloop.features.state import FeatureStateError, StateStore
+from recloop.features.vocab import OOV_INDEX
+from recloop.ingest import ingest
+from recloop.schema import load_spec
+from recloop.settings import Settings
+from recloop.simulate import WorldConfig, simulate
+
+SPEC = load_spec("synthetic")
+CONFIG = FeatureConfig.for_spec(SPEC)
+DAY2 = datetime(2026, 1, 2, tzinfo=UTC)
+DAY3 = datetime(2026, 1, 3, tzinfo=UTC)
+
+
+@pytest.fixture(scope="session")
+def lake_home(tmp_path_factory) -> Path:
+    """Three simulated days (sudden drift on the third: new item ids) ingested into a lake."""
+    root = tmp_path_factory.mktemp("lake")
+    simulate(WorldConfig(seed=21, days=3, events_per_day=3000, drift="sudden", drift_day=2), root / "landing")
+    ingest(root / "landing", SPEC, Settings(home=root / "home"), now=datetime(2026, 2, 1, tzinfo=UTC))
+    return root / "home"
+
+
+@pytest.fixture
+def home(lake_home: Path, tmp_path: Path) -> Settings:
+    shutil.copytree(lake_home, tmp_path / "home")
+    return Settings(home=tmp_path / "home", frame_backend="pandas")
+
+
+def read(settings: Settings, name: str) -> pa.Table:
+    return ds.dataset(FeatureLayout.for_settings(settings).root / name, format="parquet").to_table()
+
+
+def test_features_cover_every_event_once_with_the_schema(home: Settings):
+    summary = build_features(home, SPEC, CONFIG)
+    assert summary.rows == 9000 and summary.state_version == 1 and summary.hours_written == 72
+    training = read(home, "training")
+    assert training.num_rows == 9000 and len(set(training["event_id"].to_pylist())) == 9000
+    schema = FeatureLayout.for_settings(home).schema.read_text()
+    for column in ("d_user_ctr", "c_item_id", "m_history", "c_device_x_category"):
+        assert column in training.column_names and column in schema
+    dense = np.column_stack([training[c].to_numpy() for c in training.column_names if c.startswith("d_")])
+    assert np.isfinite(dense).all()
+    assert (read(home, "user_stats")["user_events_total"].to_numpy() >= 1).all()
+
+
+def test_split_windows_give_the_same_entity_state_as_one_window(home: Settings, tmp_path: Path):
+    other = Settings(home=tmp_path / "other", frame_backend="pandas")
+    shutil.copytree(home.home, other.home)
+    build_features(home, SPEC, CONFIG, end=DAY2)
+    build_features(home, SPEC, CONFIG, end=datetime(2026, 1, 2, 7, tzinfo=UTC))
+    build_features(home, SPEC, CONFIG)  # from the latest state to the end
+    build_features(other, SPEC, CONFIG, end=DAY2)
+    build_features(other, SPEC, CONFIG)
+    for name, key in (("user_stats", "user_id"), ("item_stats", "item_id")):
+        order = [(key, "ascending"), ("event_timestamp", "ascending")]
+        assert read(home, name).sort_by(order).equals(read(other, name).sort_by(order)), name
+    entity_dense = [c for c in read(home, "training").column_names if c.startswith(("d_user", "d_item"))]
+    a = read(home, "training").sort_by("event_id")
+    b = read(other, "training").sort_by("event_id")
+    for column in entity_dense + ["d_price", "c_device", "c_country"]:
+        np.testing.assert_allclose(a[column].to_numpy(), b[column].to_numpy(), rtol=1e-6, err_msg=column)
+    assert len(StateStore(FeatureLayout.for_settings(home).state).versions()) == 3
+
+
+def test_no_row_sees_its_own_label_or_the_future(home: Settings):
+    build_features(home, SPEC, CONFIG)
+    training = read(home, "training").to_pandas()
+    events = ds.dataset(home.lake_events_dir, partitioning="hive").to_table().to_pandas()
+    rng = np.random.default_rng(0)
+    for i in rng.choice(len(training), 40, replace=False):
+        row = training.iloc[i]
+        past = events[(events["user_id"] == row["user_id"]) & (events["ts"] < row["ts"])]
+        clicks, count = past["label"].sum(), len(past)
+        prior, smoothing = StateStore(FeatureLayout.for_settings(home).state).latest().stats["prior_ctr"], 20.0
+        assert row["d_user_ctr"] == pytest.approx((clicks + smoothing * prior) / (count + smoothing), rel=1e-5)
+        assert row["d_user_events_total"] == pytest.approx(np.log1p(count), rel=1e-5)
+        assert bool(row["user_is_new"]) == (count == 0)
+
+
+def test_rerunning_a_window_changes_nothing(home: Settings):
+    build_features(home, SPEC, CONFIG, end=DAY2)
+    first = read(home, "training").sort_by("event_id")
+    again = build_features(home, SPEC, CONFIG, start=datetime(2026, 1, 1, tzinfo=UTC), end=DAY2)
+    assert again.state_version == 1  # no new version for a window already covered
+    assert read(home, "training").sort_by("event_id").equals(first)
+
+
+def test_new_ids_are_oov_until_admitted_and_tables_grow(home: Settings):
+    first = build_features(home, SPEC, CONFIG, end=datetime(2026, 1, 2, 12, tzinfo=UTC))
+    second = build_features(home, SPEC, CONFIG)
+    assert second.vocabulary_sizes["item_id"] > first.vocabulary_sizes["item_id"]  # the new catalog wave
+    store = StateStore(FeatureLayout.for_settings(home).state)
+    old, new = store.load(1).vocabularies["item_id"], store.load(2).vocabularies["item_id"]
+    kept = old.admitted()
+    assert new.lookup_arrow(kept["value"]).to_pylist() == kept["index"].to_pylist()  # indices never move
+    never_seen = pa.array([10**12], pa.int64())
+    assert new.lookup_arrow(never_seen).to_pylist() == [OOV_INDEX]
+
+
+def test_an_empty_window_is_a_message_not_an_error(home: Settings, tmp_path: Path):
+    summary = build_features(home, SPEC, CONFIG, start=datetime(2027, 1, 1, tzinfo=UTC),
+                             end=datetime(2027, 1, 2, tzinfo=UTC))
+    assert summary.rows == 0 and "no events" in summary.message
+    empty = build_features(Settings(home=tmp_path / "nothing", frame_backend="pandas"), SPEC, CONFIG)
+    assert empty.rows == 0 and "no events yet" in empty.message
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_a_damaged_vocabulary_file_is_an_error_that_names_it(home: Settings, damage: str):
+    build_features(home, SPEC, CONFIG, end=DAY2)
+    path = FeatureLayout.for_settings(home).state / "v000001" / "vocab-item_id.parquet"
+    if damage == "missing":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(FeatureStateError, match="vocab-item_id.parquet") as err:
+        build_features(home, SPEC, CONFIG)
+    assert damage in str(err.value)
