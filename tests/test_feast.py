@@ -111,3 +111,24 @@ def test_redis_online_store(built: Settings, tmp_path: Path):
     online = store.online_features(settings, {"user_id": ids, "item_id": [0] * len(ids)})
     np.testing.assert_allclose(online["user_events_total"].astype(float), users.loc[ids, "user_events_total"])
     client.flushdb()
+
+
+def test_fast_redis_layout_is_feasts_own():
+    import pyarrow as pa
+    from feast.infra.online_stores.helpers import _redis_key
+    from feast.protos.feast.types.EntityKey_pb2 import EntityKey
+    from feast.protos.feast.types.Value_pb2 import Value
+
+    from recloop.features.online_writer import _serialized_values, redis_keys
+
+    ids = np.array([0, 1, -1, 7, 2**40 + 3, -(2**63), 2**63 - 1], dtype=np.int64)
+    ours = redis_keys("user_id", "recloop", ids)
+    feasts = [_redis_key("recloop", EntityKey(join_keys=["user_id"], entity_values=[Value(int64_val=int(i))]), 3)
+              for i in ids]
+    assert ours == feasts
+    counts = pa.chunked_array([pa.array([3, None, 3, -5], pa.int64())])
+    assert _serialized_values(counts, Value) == [Value(int64_val=3).SerializeToString(), b"",
+                                                 Value(int64_val=3).SerializeToString(),
+                                                 Value(int64_val=-5).SerializeToString()]
+    seen = pa.chunked_array([pa.array([1.5, 1767225600.123456], pa.float64())])
+    assert _serialized_values(seen, Value) == [Value(double_val=v).SerializeToString() for v in (1.5, 1767225600.123456)]

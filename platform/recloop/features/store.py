@@ -132,10 +132,37 @@ def materialize(settings: Settings, end: datetime, ttl: timedelta) -> list[str]:
             start = start.replace(tzinfo=UTC)
         if start >= end:
             continue
-        with contextlib.redirect_stdout(io.StringIO()):  # progress output meant for the CLI
-            store.materialize(start_date=start, end_date=end, feature_views=[view.name])
+        if settings.feast_online_store == "redis":
+            _materialize_redis(settings, store, view, start, end)
+        else:
+            with contextlib.redirect_stdout(io.StringIO()):  # progress output meant for the CLI
+                store.materialize(start_date=start, end_date=end, feature_views=[view.name])
         loaded.append(view.name)
     return loaded
+
+
+def _materialize_redis(settings: Settings, store, view, start: datetime, end: datetime) -> int:
+    """Our pipelined writer (see online_writer.py), then record the interval in Feast's registry."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import redis
+
+    from recloop.features.online_writer import write_to_redis
+
+    [join_key] = [column.name for column in view.entity_columns]
+    folder = Path(view.batch_source.path).parent
+    features = [f.name for f in view.features]
+    timestamp = ds.field("event_timestamp")
+    table = ds.dataset(folder, format="parquet").to_table(
+        columns=[join_key, "event_timestamp", *features],
+        filter=(timestamp >= pa.scalar(start, pa.timestamp("us", tz="UTC")))
+        & (timestamp < pa.scalar(end, pa.timestamp("us", tz="UTC"))),
+    )
+    client = redis.Redis.from_url(settings.redis_url)
+    written = write_to_redis(client, project=store.project, view=view.name, join_key=join_key, table=table,
+                             features=features)
+    store.registry.apply_materialization(view, store.project, start, end)
+    return written
 
 
 def historical_features(settings: Settings, entity_rows: pd.DataFrame) -> pd.DataFrame:
