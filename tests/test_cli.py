@@ -31,11 +31,18 @@ def test_simulate_then_ingest_with_json(runner: CliRunner, tmp_path: Path):
     assert (tmp_path / "home" / "lake" / "events" / "date=2026-01-01").is_dir()
 
 
-def test_demo_runs_simulate_and_ingest(runner: CliRunner):
+def test_demo_runs_simulate_ingest_and_features(runner: CliRunner):
     result = runner.invoke(app, ["demo", "--days", "1", "--events-per-day", "300", "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["simulate"]["events"] == 300 and summary["ingest"]["rows_landed"] == 300
+    assert summary["features"]["rows"] == 300 and summary["features"]["materialized"] == ["user_stats", "item_stats"]
+
+
+def test_features_on_an_empty_lake_is_a_message_and_exit_0(runner: CliRunner):
+    result = runner.invoke(app, ["features", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["rows"] == 0 and "no events" in json.loads(result.stdout)["message"]
 
 
 @pytest.mark.parametrize(

@@ -148,6 +148,38 @@ def ingest_command(
         _print_ingest(summary)
 
 
+def _run_features(settings: Settings, dataset, window: dict, quiet: bool, materialize: bool) -> dict:
+    """The feature job, then (if the dataset has users and items) Feast apply + materialize."""
+    from datetime import timedelta
+
+    from recloop.features.config import FeatureConfig
+    from recloop.features.job import build_features
+
+    config = FeatureConfig.for_spec(dataset)
+    with console.status("building features", spinner="dots") if not quiet else _quiet():
+        summary = build_features(settings, dataset, config, **window).to_dict()
+    summary["feast_applied"], summary["materialized"] = False, []
+    if materialize and summary["rows"] and dataset.user_key and dataset.item_key:
+        from recloop.features import store
+
+        with console.status("updating the Feast feature store", spinner="dots") if not quiet else _quiet():
+            summary["feast_applied"] = store.apply_repo(settings)
+            summary["materialized"] = store.materialize(settings, datetime.fromisoformat(summary["end"]),
+                                                        timedelta(seconds=config.ttl_seconds))
+    return summary
+
+
+def _print_features(summary: dict) -> None:
+    if summary["message"]:
+        console.print(summary["message"])
+    if summary["rows"]:
+        console.print(f"features {summary['start']} → {summary['end']}: {summary['rows']:,} training rows, "
+                      f"entity rows {summary['entity_rows']}, state v{summary['state_version']}, "
+                      f"vocabularies {summary['vocabulary_sizes']} ({summary['seconds']} s, {summary['backend']})")
+    if summary["materialized"]:
+        console.print(f"online store updated: {', '.join(summary['materialized'])}")
+
+
 @app.command("features")
 def features_command(
     start: Annotated[str | None, typer.Option(help="Window start (UTC, ISO); default: where the last run ended.")] = None,
@@ -157,39 +189,17 @@ def features_command(
     json_out: JsonOption = False,
 ) -> None:
     """Build features for a window: vocabularies, training rows, entity tables; then update Feast."""
-    from recloop.features.config import FeatureConfig
-    from recloop.features.job import build_features
-
     settings = Settings()
     try:
         dataset = load_spec(spec)
     except SpecError as err:
         raise _fail(str(err)) from err
-    config = FeatureConfig.for_spec(dataset)
     window = {k: _parse_start(v) for k, v in (("start", start), ("end", end)) if v}
-    with console.status("building features", spinner="dots") if not json_out else _quiet():
-        summary = build_features(settings, dataset, config, **window).to_dict()
-    summary["feast_applied"], summary["materialized"] = False, []
-    if materialize and summary["rows"] and dataset.user_key and dataset.item_key:
-        from datetime import timedelta
-
-        from recloop.features import store
-
-        with console.status("updating the Feast feature store", spinner="dots") if not json_out else _quiet():
-            summary["feast_applied"] = store.apply_repo(settings)
-            summary["materialized"] = store.materialize(settings, datetime.fromisoformat(summary["end"]),
-                                                        timedelta(seconds=config.ttl_seconds))
+    summary = _run_features(settings, dataset, window, json_out, materialize)
     if json_out:
         _emit(summary)
-        return
-    if summary["message"]:
-        console.print(summary["message"])
-    if summary["rows"]:
-        console.print(f"features {summary['start']} → {summary['end']}: {summary['rows']:,} training rows, "
-                      f"entity rows {summary['entity_rows']}, state v{summary['state_version']}, "
-                      f"vocabularies {summary['vocabulary_sizes']} ({summary['seconds']} s, {summary['backend']})")
-        if summary["materialized"]:
-            console.print(f"online store updated: {', '.join(summary['materialized'])}")
+    else:
+        _print_features(summary)
 
 
 @contextmanager
@@ -206,9 +216,9 @@ def demo_command(
     drift_day: Annotated[int, typer.Option(min=0, help="First drifted day, counted from 0.")] = 2,
     json_out: JsonOption = False,
 ) -> None:
-    """Run the loop on embedded defaults. Today: simulate a world into the landing zone and ingest it.
+    """Run the loop on embedded defaults. Today: simulate a world, ingest it, build features and load Feast.
 
-    Later stages (features, training, gate, canary, drift monitor) join this command as they land.
+    Later stages (training, gate, canary, drift monitor) join this command as they land.
     """
     if drift not in DRIFT_SCENARIOS:
         raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
@@ -217,14 +227,18 @@ def demo_command(
                          drift_day=drift_day)
     simulated = _run_simulation(config, settings.landing_dir, quiet=json_out)
     ingested = _run_ingest(settings.landing_dir, "synthetic", settings, quiet=json_out)
+    features = _run_features(settings, load_spec("synthetic"), {}, json_out, materialize=True)
     if json_out:
         _emit({"home": str(settings.home), "simulate": {k: v for k, v in simulated.to_dict().items() if k != "paths"},
-               "ingest": {k: v for k, v in ingested.to_dict().items() if k != "files_detail"}})
+               "ingest": {k: v for k, v in ingested.to_dict().items() if k != "files_detail"},
+               "features": features})
         return
     console.print(f"simulated {simulated.events:,} events over {simulated.days} days "
                   f"(drift: {simulated.drift} from day {simulated.drift_day}) into {simulated.out_dir}")
     _print_ingest(ingested)
-    console.print(f"lake: {settings.lake_events_dir}   quarantine: {settings.quarantine_dir}")
+    _print_features(features)
+    console.print(f"lake: {settings.lake_events_dir}   quarantine: {settings.quarantine_dir}   "
+                  f"features: {settings.home / 'features'}")
 
 
 def main() -> None:  # pragma: no cover - console entry point
