@@ -1,0 +1,137 @@
+"""Configuration of embedding tables and of the fused sparse optimizer, and the flat-buffer layout.
+
+All tables live in one flat 1-D weight buffer. Table t holds ``capacity[t]`` rows of ``dim[t]``
+elements starting at element ``elem_offsets[t]``; its rows have global row ids starting at
+``row_offsets[t]`` (used for per-row optimizer state). Capacity can exceed ``num_embeddings`` so that
+tables grow without reallocating every time::
+
+    flat weight:  | table 0: capacity0 × dim0 | table 1: capacity1 × dim1 | ...
+                  ^ elem_offsets[0]           ^ elem_offsets[1]
+    output (B, ΣD): columns col_offsets[t] : col_offsets[t] + dim[t] hold table t's pooled bags
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Pooling = Literal["sum", "mean"]
+OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+POOLING_CODES = {"sum": 0, "mean": 1}
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table.
+
+    Args:
+        name: unique name (``ebc.weight(name)``, ``ebc.grow(name, n)``).
+        num_embeddings: rows.
+        dim: embedding size.
+        pooling: ``sum`` or ``mean`` over a bag.
+        init: ``uniform`` (±``init_scale``, default 1/sqrt(num_embeddings)), ``normal`` (std
+            ``init_scale``, default 1/sqrt(dim)), ``zeros``, or a callable filling a (rows, dim) tensor.
+        init_scale: see ``init``.
+
+    Example::
+
+        TableConfig("item_id", num_embeddings=1_000_000, dim=64, pooling="sum")
+    """
+
+    name: str
+    num_embeddings: int
+    dim: int
+    pooling: Pooling = "sum"
+    init: Literal["uniform", "normal", "zeros"] | Callable[[torch.Tensor], None] = "uniform"
+    init_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_embeddings < 1 or self.dim < 1:
+            raise ValueError(f"table {self.name!r}: num_embeddings and dim must be positive")
+        if self.pooling not in POOLING_CODES:
+            raise ValueError(f"table {self.name!r}: pooling must be 'sum' or 'mean', not {self.pooling!r}")
+
+    def initialize(self, rows: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        """Fill ``rows`` (n, dim), in place, with this table's initial values."""
+        if callable(self.init):
+            self.init(rows)
+        elif self.init == "zeros":
+            rows.zero_()
+        elif self.init == "normal":
+            scale = self.init_scale if self.init_scale is not None else self.dim ** -0.5
+            rows.copy_(torch.randn(rows.shape, generator=generator, dtype=torch.float32) * scale)
+        elif self.init == "uniform":
+            scale = self.init_scale if self.init_scale is not None else self.num_embeddings ** -0.5
+            rows.copy_((torch.rand(rows.shape, generator=generator, dtype=torch.float32) * 2 - 1) * scale)
+        else:
+            raise ValueError(f"table {self.name!r}: unknown init {self.init!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The fused sparse optimizer applied in the backward pass (see reference.apply_optimizer)."""
+
+    name: OptimizerName
+    lr: float = 0.01
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}; choose one of {OPTIMIZERS} or None")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each table lives in the flat buffers (host-side lists; see the module docstring)."""
+
+    dims: tuple[int, ...]
+    capacities: tuple[int, ...]
+    rows: tuple[int, ...]
+    poolings: tuple[int, ...]
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.dims)
+
+    @property
+    def elem_offsets(self) -> tuple[int, ...]:
+        out, total = [], 0
+        for cap, dim in zip(self.capacities, self.dims, strict=True):
+            out.append(total)
+            total += cap * dim
+        return tuple(out)
+
+    @property
+    def total_elems(self) -> int:
+        return sum(c * d for c, d in zip(self.capacities, self.dims, strict=True))
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        out, total = [], 0
+        for cap in self.capacities:
+            out.append(total)
+            total += cap
+        return tuple(out)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.capacities)
+
+    @property
+    def col_offsets(self) -> tuple[int, ...]:
+        out, total = [], 0
+        for dim in self.dims:
+            out.append(total)
+            total += dim
+        return (*out, total)
+
+    @property
+    def total_dim(self) -> int:
+        return sum(self.dims)
