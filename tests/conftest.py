@@ -9,6 +9,16 @@ from __future__ import annotations
 
 import os
 import socket
+
+# Without a GPU, the Triton kernels run in Triton's interpreter (tests ask for them with
+# backend="triton"). The variable must be set before recloop_kernels is first imported.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
 from datetime import UTC, datetime
 from pathlib import Path
 

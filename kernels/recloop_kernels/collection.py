@@ -261,5 +261,6 @@ class _SparseGradientEmbeddingBags(torch.autograd.Function):
             indices.append((layout.elem_offsets[t] + rows[:, None] * dim + cols).reshape(-1))
             grads.append(g.reshape(-1))
         index = torch.cat(indices)[None] if indices else torch.zeros(1, 0, dtype=torch.int64)
-        grad = torch.sparse_coo_tensor(index, torch.cat(grads).to(ctx.dtype), ctx.shape).coalesce()
+        grad = torch.sparse_coo_tensor(index, torch.cat(grads).to(ctx.dtype), ctx.shape,
+                                       check_invariants=False).coalesce()
         return grad, None, None, None, None, None

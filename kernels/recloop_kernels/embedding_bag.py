@@ -138,9 +138,9 @@ if triton is not None:
                     tl.store(state1_ptr + row, m)
                     w = w - lr * g / (tl.sqrt(m) + eps)
                 else:  # adam, lazy: touched rows only; bias correction by the global step
-                    step = tl.load(step_ptr).to(tl.float32)
-                    bias1 = 1 - tl.exp(step * log_beta1)
-                    bias2 = 1 - tl.exp(step * log_beta2)
+                    step = tl.load(step_ptr).to(tl.float64)  # fp64: beta**step loses digits in fp32
+                    bias1 = (1 - tl.exp(step * log_beta1)).to(tl.float32)
+                    bias2 = (1 - tl.exp(step * log_beta2)).to(tl.float32)
                     m = beta1 * tl.load(state1_ptr + elem + d, mask=d_mask, other=0.0) + (1 - beta1) * g
                     v = beta2 * tl.load(state2_ptr + elem + d, mask=d_mask, other=0.0) + (1 - beta2) * g * g
                     tl.store(state1_ptr + elem + d, m, mask=d_mask)
