@@ -207,6 +207,54 @@ def _quiet() -> Iterator[None]:
     yield
 
 
+@app.command("train")
+def train_command(
+    mode: Annotated[str, typer.Option(help="full (from scratch) or incremental (warm start).")] = "full",
+    days: Annotated[int, typer.Option(min=1, help="Full: days of training rows before the held-out hours.")] = 7,
+    epochs: Annotated[int, typer.Option(min=1, help="Full: passes over the window.")] = 1,
+    batch_size: Annotated[int, typer.Option(min=1, help="Rows per step.")] = 4096,
+    validation_hours: Annotated[int, typer.Option(min=1, help="Newest hours held out for validation.")] = 6,
+    replay: Annotated[float, typer.Option(min=0.0, help="Incremental: older hours replayed, per new hour.")] = 0.0,
+    warm_start: Annotated[Path | None, typer.Option("--from", help="Incremental: checkpoint to start from "
+                                                    "(default: the newest completed run).")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    deterministic: Annotated[bool, typer.Option(help="Results independent of thread scheduling.")] = False,
+    json_out: JsonOption = False,
+) -> None:
+    """Train the ranking model on the features' training rows; resumes an interrupted run."""
+    from rich.progress import TaskProgressColumn
+
+    from recloop.train import TrainConfig, TrainError, train
+
+    if mode not in ("full", "incremental"):
+        raise _fail(f"--mode {mode!r} is not one of full, incremental")
+    config = TrainConfig(mode=mode, days=days, epochs=epochs, batch_size=batch_size,  # type: ignore[arg-type]
+                         validation_hours=validation_hours, replay_fraction=replay, device=device,
+                         deterministic=deterministic)
+    progress = Progress(TextColumn("[bold]training"), BarColumn(), TaskProgressColumn(),
+                        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console, disable=json_out)
+    with progress:
+        task = progress.add_task("train", total=None, rate="")
+
+        def on_progress(samples: int, total: int, rate: float) -> None:
+            progress.update(task, completed=samples, total=total, rate=f"{rate:,.0f} samples/s")
+
+        try:
+            summary = train(Settings(), config, warm_start=warm_start, on_progress=on_progress)
+        except TrainError as err:
+            raise _fail(str(err)) from err
+    if json_out:
+        _emit(summary.to_dict())
+        return
+    oracle = f" (oracle {summary.oracle_auc:.4f})" if summary.oracle_auc is not None else ""
+    console.print(f"{summary.mode} run {summary.run_id}: {summary.samples:,} samples in {summary.seconds} s "
+                  f"({summary.samples_per_s:,.0f}/s); validation AUC {summary.auc:.4f}{oracle}, log loss "
+                  f"{summary.logloss:.4f}, calibration {summary.calibration:.3f} on {summary.validation_rows:,} rows")
+    if summary.grown_tables:
+        console.print(f"tables grown: {summary.grown_tables}")
+    console.print(f"checkpoint: {summary.checkpoint}")
+
+
 @app.command("demo")
 def demo_command(
     days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 3,

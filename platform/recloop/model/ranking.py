@@ -1,0 +1,186 @@
+"""The ranking model: DLRM-style, with a DCNv2 cross network as an option.
+
+::
+
+    dense (B, n_dense) ──DenseArch (MLP)──▶ (B, D) ─┐
+                                                    ├─ InteractionArch ──▶ OverArch (MLP) ──▶ logit (B,)
+    values, offsets ──SparseArch (EBC)──▶ (B, T, D) ┘   dot: pairwise dot products of the T+1 vectors
+                                                        dcn: a DCNv2 cross network over their concatenation
+
+The embeddings are ``recloop_kernels.EmbeddingBagCollection`` tables (one per categorical or multi-hot
+column, all of width D), updated by their fused sparse optimizer during ``backward()``; the MLPs are
+ordinary parameters for a dense optimizer.
+
+Example::
+
+    model = RankingModel(ModelConfig(embedding_dim=16), n_dense=18, tables=[("c_user_id", 5000), ...])
+    logits = model(batch.dense, batch.values, batch.offsets)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from recloop_kernels import EmbeddingBagCollection, TableConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the model and of its embedding optimizer.
+
+    Args:
+        embedding_dim: D, the width of every table and of the dense arch's output.
+        bottom_mlp, top_mlp: hidden layer sizes.
+        interaction: ``dot`` (DLRM) or ``dcn`` (DCNv2 cross network).
+        cross_layers: layers of the cross network.
+        embedding_optimizer, embedding_lr: the fused sparse optimizer of the tables.
+        multi_hot_pooling: pooling of list columns (one-hot columns pool a single id).
+    """
+
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (64, 32)
+    top_mlp: tuple[int, ...] = (128, 64)
+    interaction: Literal["dot", "dcn"] = "dot"
+    cross_layers: int = 2
+    embedding_optimizer: str = "rowwise_adagrad"
+    embedding_lr: float = 0.05
+    multi_hot_pooling: Literal["sum", "mean"] = "mean"
+    multi_hot_columns: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        raw = dict(raw)
+        for key in ("bottom_mlp", "top_mlp", "multi_hot_columns"):
+            raw[key] = tuple(raw.get(key, ()))
+        return cls(**raw)
+
+
+def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2 or last_activation:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DenseArch(nn.Module):
+    """Dense features → one D-wide vector."""
+
+    def __init__(self, n_dense: int, hidden: tuple[int, ...], dim: int):
+        super().__init__()
+        self.layers = mlp([max(n_dense, 1), *hidden, dim], last_activation=True)
+
+    def forward(self, dense: torch.Tensor) -> torch.Tensor:
+        if dense.shape[1] == 0:
+            dense = dense.new_zeros(dense.shape[0], 1)
+        return self.layers(dense)
+
+
+class SparseArch(nn.Module):
+    """Categorical and multi-hot ids → one D-wide pooled vector per table, (B, T, D)."""
+
+    def __init__(self, tables: list[tuple[str, int]], config: ModelConfig, device, seed: int):
+        super().__init__()
+        configs = [TableConfig(name, rows, config.embedding_dim,
+                               pooling=config.multi_hot_pooling if name in config.multi_hot_columns else "sum")
+                   for name, rows in tables]
+        self.embeddings = EmbeddingBagCollection(configs, optimizer=config.embedding_optimizer,
+                                                 lr=config.embedding_lr, device=device, seed=seed)
+        self.num_tables, self.dim = len(configs), config.embedding_dim
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        pooled = self.embeddings(values, offsets)  # (B, T*D)
+        return pooled.view(pooled.shape[0], self.num_tables, self.dim)
+
+
+class InteractionArch(nn.Module):
+    """DLRM's pairwise dot products of the dense vector and every table's vector, plus the dense vector."""
+
+    def __init__(self, num_tables: int, dim: int):
+        super().__init__()
+        n = num_tables + 1
+        rows, cols = torch.triu_indices(n, n, offset=1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+        self.output_dim = dim + n * (n - 1) // 2
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        stacked = torch.cat([dense.unsqueeze(1), sparse], dim=1)  # (B, T+1, D)
+        products = torch.bmm(stacked, stacked.transpose(1, 2))  # (B, T+1, T+1)
+        return torch.cat([dense, products[:, self.rows, self.cols]], dim=1)
+
+
+class CrossInteractionArch(nn.Module):
+    """DCNv2: x_{l+1} = x0 ⊙ (W_l x_l + b_l) + x_l over the concatenated vectors."""
+
+    def __init__(self, num_tables: int, dim: int, layers: int):
+        super().__init__()
+        width = (num_tables + 1) * dim
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.output_dim = width
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        x0 = torch.cat([dense, sparse.flatten(1)], dim=1)
+        x = x0
+        for layer in self.layers:
+            x = x0 * layer(x) + x
+        return x
+
+
+class OverArch(nn.Module):
+    """Interaction features → one logit."""
+
+    def __init__(self, input_dim: int, hidden: tuple[int, ...]):
+        super().__init__()
+        self.layers = mlp([input_dim, *hidden, 1], last_activation=False)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.layers(features).squeeze(-1)
+
+
+class RankingModel(nn.Module):
+    """Click-probability model over dense features and embedding tables (see the module docstring).
+
+    Args:
+        config: the model's shape.
+        n_dense: number of dense features.
+        tables: (name, num_embeddings) per table, in the order of the batches' jagged layout.
+        device: where it lives.
+        seed: seeds the initialization (embeddings and MLPs).
+    """
+
+    def __init__(self, config: ModelConfig, n_dense: int, tables: list[tuple[str, int]],
+                 device: str | torch.device = "cpu", seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.config = config
+        self.n_dense = n_dense
+        self.table_names = [name for name, _ in tables]
+        self.dense_arch = DenseArch(n_dense, config.bottom_mlp, config.embedding_dim)
+        self.sparse_arch = SparseArch(tables, config, device, seed)
+        if config.interaction == "dcn":
+            self.interaction_arch: nn.Module = CrossInteractionArch(len(tables), config.embedding_dim,
+                                                                    config.cross_layers)
+        else:
+            self.interaction_arch = InteractionArch(len(tables), config.embedding_dim)
+        self.over_arch = OverArch(self.interaction_arch.output_dim, config.top_mlp)
+        self.to(device)
+
+    @property
+    def embeddings(self) -> EmbeddingBagCollection:
+        return self.sparse_arch.embeddings
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Parameters for the dense optimizer (the embeddings update themselves)."""
+        return [p for name, p in self.named_parameters() if not name.startswith("sparse_arch.")]
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.over_arch(self.interaction_arch(self.dense_arch(dense), self.sparse_arch(values, offsets)))

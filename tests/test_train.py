@@ -1,0 +1,156 @@
+"""Trainer: it learns, warm starts and grows, resumes after a crash to the same weights, refuses bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as ds
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from recloop.features.config import FeatureConfig
+from recloop.features.job import FeatureLayout, build_features
+from recloop.ingest import ingest
+from recloop.model import ModelConfig
+from recloop.schema import load_spec
+from recloop.settings import Settings
+from recloop.simulate import WorldConfig, simulate
+from recloop.train import TrainConfig, TrainError, read_checkpoint, train
+
+SPEC = load_spec("synthetic")
+SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(32,))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """Four simulated days (a new catalog wave on the fourth), ingested; features for the first three."""
+    root = tmp_path_factory.mktemp("train")
+    simulate(WorldConfig(seed=8, days=4, events_per_day=6000, drift="sudden", drift_day=3), root / "landing")
+    settings = Settings(home=root / "home", frame_backend="pandas")
+    ingest(root / "landing", SPEC, settings, now=datetime(2026, 2, 1, tzinfo=UTC))
+    build_features(settings, SPEC, FeatureConfig.for_spec(SPEC), end=datetime(2026, 1, 4, tzinfo=UTC))
+    return root / "home"
+
+
+@pytest.fixture
+def home(world: Path, tmp_path: Path) -> Settings:
+    shutil.copytree(world, tmp_path / "home")
+    return Settings(home=tmp_path / "home", frame_backend="pandas")
+
+
+def config(**changes) -> TrainConfig:
+    base = dict(mode="full", days=3, epochs=2, batch_size=512, validation_hours=12, checkpoint_every=10,
+                device="cpu", model=SMALL)
+    return TrainConfig(**{**base, **changes})
+
+
+def test_a_small_full_run_learns(home: Settings):
+    summary = train(home, config())
+    assert summary.samples > 20_000 and summary.steps > 40
+    assert summary.auc > 0.56, summary.to_dict()  # the oracle is near 0.79 here
+    assert summary.oracle_auc is not None and summary.oracle_auc > summary.auc
+    assert 0.7 < summary.calibration < 1.3 and summary.validation_rows > 2000
+    assert Path(summary.checkpoint, "model.safetensors").exists()
+    assert read_checkpoint(Path(summary.checkpoint))["completed"] is True
+    again = train(home, config())  # the same run again: already done, nothing retrained
+    assert again.run_id == summary.run_id and again.checkpoint == summary.checkpoint
+
+
+def test_incremental_warm_start_grows_tables_and_keeps_untouched_rows(home: Settings):
+    base = train(home, config())
+    build_features(home, SPEC, FeatureConfig.for_spec(SPEC))  # day four: new users and a new catalog wave
+    incremental = train(home, config(mode="incremental"))
+    assert incremental.warm_start == base.checkpoint
+    assert incremental.grown_tables["c_item_id"][1] > incremental.grown_tables["c_item_id"][0]
+    assert incremental.train_hours[0] >= base.trained_until
+    old = load_file(Path(base.checkpoint) / "model.safetensors")["sparse_arch.embeddings.weights"]
+    new = load_file(Path(incremental.checkpoint) / "model.safetensors")["sparse_arch.embeddings.weights"]
+    info = read_checkpoint(Path(base.checkpoint))
+    rows = dict((n, r) for n, r in info["tables"])
+    # Rows of c_country that the new hours never used keep their values (indices never move).
+    training = ds.dataset(FeatureLayout.for_settings(home).training, format="parquet").to_table(
+        columns=["c_country", "ts"]).to_pandas()
+    used = set(training[training["ts"] >= datetime(2026, 1, 3, 12, tzinfo=UTC)]["c_country"].tolist())
+    layout_old = _layout(info)
+    layout_new = _layout(read_checkpoint(Path(incremental.checkpoint)))
+    for row in range(rows["c_country"]):
+        if row not in used:
+            assert torch.equal(_row(old, layout_old, "c_country", row), _row(new, layout_new, "c_country", row))
+    with pytest.raises(TrainError, match="nothing new"):
+        train(home, config(mode="incremental", seed=1), warm_start=Path(incremental.checkpoint))
+
+
+def _layout(info: dict) -> dict[str, tuple[int, int]]:
+    """(element offset, dim) per table; capacities equal rows for tables that never grew in place."""
+    dim = info["model"]["embedding_dim"]
+    state = load_file(Path(info["path"]) / "model.safetensors")
+    capacities = state["sparse_arch.embeddings.capacities"].tolist()
+    offsets, total = {}, 0
+    for (name, _), capacity in zip(info["tables"], capacities, strict=True):
+        offsets[name] = (total, dim)
+        total += capacity * dim
+    return offsets
+
+
+def _row(flat: torch.Tensor, layout: dict, name: str, row: int) -> torch.Tensor:
+    start, dim = layout[name]
+    return flat[start + row * dim:start + (row + 1) * dim]
+
+
+def test_a_crashed_run_resumes_to_the_same_weights(home: Settings, tmp_path: Path):
+    other = Settings(home=tmp_path / "other", frame_backend="pandas")
+    shutil.copytree(home.home, other.home)
+    deterministic = config(deterministic=True, checkpoint_every=6)
+    uninterrupted = train(home, deterministic)
+
+    def crash(step: int) -> None:
+        if step == 15:
+            raise KeyboardInterrupt("simulated crash")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(other, deterministic, on_step=crash)
+    resumed = train(other, deterministic)
+    assert resumed.resumed_from_step == 12 and resumed.steps == uninterrupted.steps
+    a = load_file(Path(uninterrupted.checkpoint) / "model.safetensors")
+    b = load_file(Path(resumed.checkpoint) / "model.safetensors")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed.auc == pytest.approx(uninterrupted.auc)
+
+
+def test_bad_input_is_a_clear_error(home: Settings, tmp_path: Path):
+    with pytest.raises(TrainError, match="recloop features"):
+        train(Settings(home=tmp_path / "empty"), config())
+    with pytest.raises(TrainError, match="train --mode full first"):
+        train(home, config(mode="incremental"))
+    with pytest.raises(TrainError, match="held out"):
+        train(home, config(validation_hours=10_000))
+    base = train(home, config(epochs=1))
+    build_features(home, SPEC, FeatureConfig.for_spec(SPEC))  # new hours to train on
+    state = json.loads((Path(base.checkpoint) / "state.json").read_text())
+    state["state_version"] = 99
+    (Path(base.checkpoint) / "state.json").write_text(json.dumps(state))
+    with pytest.raises(TrainError, match="vocabulary version 99"):
+        train(home, config(mode="incremental"), warm_start=Path(base.checkpoint))
+    state["state_version"] = 1
+    state["tables"][0][1] = 10**7  # a table larger than the features know: not this lake's checkpoint
+    (Path(base.checkpoint) / "state.json").write_text(json.dumps(state))
+    with pytest.raises(TrainError, match="does not match the features"):
+        train(home, config(mode="incremental"), warm_start=Path(base.checkpoint))
+
+
+def test_metrics_are_computed_correctly():
+    from recloop.evaluate import auc, metrics
+
+    labels = np.array([0, 0, 1, 1, 0, 1])
+    assert auc(labels, np.array([0.1, 0.2, 0.8, 0.9, 0.3, 0.7])) == 1.0
+    assert auc(labels, np.array([0.5] * 6)) == 0.5  # ties count half
+    assert auc(labels, np.array([0.9, 0.8, 0.1, 0.2, 0.7, 0.3])) == 0.0
+    out = metrics(labels, np.array([0.5, np.nan, 0.5, 0.5, 0.5, 0.5]))
+    assert out["nan_predictions"] == 1 and np.isnan(out["auc"])
+    assert metrics(labels, np.full(6, 0.25))["calibration"] == pytest.approx(0.5)
