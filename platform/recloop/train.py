@@ -57,11 +57,14 @@ class TrainConfig:
         days: window of a full retrain (hours before the held-out ones).
         epochs: passes of a full retrain (an incremental run makes one).
         batch_size: rows per step.
-        lr: dense (MLP) Adam learning rate at ``reference_batch``; scaled by sqrt(batch/reference) and
-            warmed up linearly over ``warmup_steps`` so large batches stay stable.
+        lr: dense (MLP) Adam learning rate at ``reference_batch``; scaled by sqrt(batch/reference) and,
+            from scratch, warmed up linearly over ``warmup_steps`` so large batches stay stable.
         validation_hours: newest hours held out for validation.
         replay_fraction: incremental only: older hours replayed, as a fraction of the new hours.
         checkpoint_every: steps between checkpoints.
+        warm_state_decay: incremental only: the embedding optimizer's accumulated state is multiplied by
+            this at warm start. Adagrad's sums only grow, so without decay a model trained for long takes
+            ever smaller steps on new data.
         deterministic: results that do not depend on thread scheduling (and equal after a resume).
         device: ``auto`` (CUDA if present), ``cpu`` or ``cuda``.
     """
@@ -76,6 +79,7 @@ class TrainConfig:
     validation_hours: int = 6
     replay_fraction: float = 0.0
     checkpoint_every: int = 200
+    warm_state_decay: float = 1.0
     seed: int = 0
     deterministic: bool = False
     device: str = "auto"
@@ -207,8 +211,9 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
     for epoch in range(position["epoch"], epochs):
         skip = position["batch"] if epoch == position["epoch"] else 0
         for batch_index, batch in enumerate(loader.epoch(epoch, skip_batches=skip), start=skip):
-            for group in optimizer.param_groups:
-                group["lr"] = config.lr * scale * min(1.0, (position["step"] + 1) / max(config.warmup_steps, 1))
+            for group in optimizer.param_groups:  # a warm-started model is already past its warm-up
+                warmup = 1.0 if base else min(1.0, (position["step"] + 1) / max(config.warmup_steps, 1))
+                group["lr"] = config.lr * scale * warmup
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 logits = model(batch.dense, batch.values, batch.offsets)
             loss = loss_fn(logits.float(), batch.label)
@@ -283,6 +288,9 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
             if current[name] > rows:
                 model.embeddings.grow(name, current[name])
                 grown[name] = [rows, current[name]]
+        if resumed is None and config.warm_state_decay != 1.0:
+            with torch.no_grad():
+                model.embeddings.state1.mul_(config.warm_state_decay)
     optimizer = torch.optim.Adam(model.dense_parameters(), lr=config.lr)
     if source is not None:
         _load_optimizer(optimizer, Path(source["path"]), device)
