@@ -123,6 +123,13 @@ def test_a_crashed_run_resumes_to_the_same_weights(home: Settings, tmp_path: Pat
     assert resumed.auc == pytest.approx(uninterrupted.auc)
 
 
+def test_training_compiles_around_the_embedding_kernels(home: Settings):
+    compiled = train(home, config(epochs=1, compile="aot_eager"))
+    eager = train(home, config(epochs=1, compile="off", checkpoint_every=11))  # same run, another folder
+    assert compiled.auc > 0.55 and compiled.samples == eager.samples
+    assert compiled.auc == pytest.approx(eager.auc, abs=0.01)
+
+
 def test_bad_input_is_a_clear_error(home: Settings, tmp_path: Path):
     with pytest.raises(TrainError, match="recloop features"):
         train(Settings(home=tmp_path / "empty"), config())

@@ -67,6 +67,10 @@ class TrainConfig:
             ever smaller steps on new data.
         deterministic: results that do not depend on thread scheduling (and equal after a resume).
         device: ``auto`` (CUDA if present), ``cpu`` or ``cuda``.
+        compile: ``torch.compile`` backend for the model (``inductor``, ``aot_eager``...), ``off``, or
+            ``auto``: inductor on a GPU, where every batch but an epoch's last has the same shape and launch
+            overhead matters; eager on a CPU. The embedding kernels are torch.library ops, so the model
+            compiles whole around them.
     """
 
     mode: Literal["full", "incremental"] = "full"
@@ -83,6 +87,7 @@ class TrainConfig:
     seed: int = 0
     deterministic: bool = False
     device: str = "auto"
+    compile: str = "auto"
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def to_dict(self) -> dict:
@@ -208,6 +213,7 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
     started = time.perf_counter()
     samples_this_run = 0
     model.train()
+    step_model = _compiled(model, config.compile, device)
     for epoch in range(position["epoch"], epochs):
         skip = position["batch"] if epoch == position["epoch"] else 0
         for batch_index, batch in enumerate(loader.epoch(epoch, skip_batches=skip), start=skip):
@@ -215,7 +221,7 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
                 warmup = 1.0 if base else min(1.0, (position["step"] + 1) / max(config.warmup_steps, 1))
                 group["lr"] = config.lr * scale * warmup
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits = model(batch.dense, batch.values, batch.offsets)
+                logits = step_model(batch.dense, batch.values, batch.offsets)
             loss = loss_fn(logits.float(), batch.label)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # also updates the touched embedding rows (fused sparse optimizer)
@@ -248,6 +254,12 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
     summary.checkpoint = str(run_dir / f"step-{position['step']:07d}")
     _save(run_dir, model, optimizer, config, schema, position, train_files, completed=True, summary=summary)
     return summary
+
+
+def _compiled(model: RankingModel, backend: str, device: torch.device) -> torch.nn.Module:
+    if backend == "off" or (backend == "auto" and device.type != "cuda"):
+        return model
+    return torch.compile(model, backend="inductor" if backend == "auto" else backend)
 
 
 def _after(hour_stem: str) -> str:

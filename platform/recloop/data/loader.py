@@ -106,7 +106,7 @@ class ChunkLoader:
     """
 
     def __init__(self, files: list[Path], schema: FeatureSchema, batch_size: int, device: str | torch.device = "cpu",
-                 seed: int = 0, shuffle: bool = True, shuffle_chunks: int = 4, prefetch: int = 2):
+                 seed: int = 0, shuffle: bool = True, shuffle_chunks: int = 16, prefetch: int = 2):
         if not files:
             raise ValueError("no training files: the window holds no rows")
         if batch_size < 1:
