@@ -37,6 +37,7 @@ def test_demo_runs_simulate_ingest_and_features(runner: CliRunner):
     summary = json.loads(result.stdout)
     assert summary["simulate"]["events"] == 300 and summary["ingest"]["rows_landed"] == 300
     assert summary["features"]["rows"] == 300 and summary["features"]["materialized"] == ["user_stats", "item_stats"]
+    assert summary["train"]["samples"] > 0 and "checkpoint" in summary["train"]
 
 
 def test_features_on_an_empty_lake_is_a_message_and_exit_0(runner: CliRunner):

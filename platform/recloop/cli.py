@@ -264,9 +264,9 @@ def demo_command(
     drift_day: Annotated[int, typer.Option(min=0, help="First drifted day, counted from 0.")] = 2,
     json_out: JsonOption = False,
 ) -> None:
-    """Run the loop on embedded defaults. Today: simulate a world, ingest it, build features and load Feast.
+    """Run the loop on embedded defaults. Today: simulate, ingest, build features (and Feast), train.
 
-    Later stages (training, gate, canary, drift monitor) join this command as they land.
+    Later stages (gate, canary, drift monitor) join this command as they land.
     """
     if drift not in DRIFT_SCENARIOS:
         raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
@@ -276,15 +276,28 @@ def demo_command(
     simulated = _run_simulation(config, settings.landing_dir, quiet=json_out)
     ingested = _run_ingest(settings.landing_dir, "synthetic", settings, quiet=json_out)
     features = _run_features(settings, load_spec("synthetic"), {}, json_out, materialize=True)
+    from recloop.train import TrainConfig, TrainError, train
+
+    try:
+        with console.status("training the ranking model", spinner="dots") if not json_out else _quiet():
+            trained = train(settings, TrainConfig(mode="full", days=days, batch_size=2048)).to_dict()
+    except TrainError as err:
+        trained = {"error": str(err)}
     if json_out:
         _emit({"home": str(settings.home), "simulate": {k: v for k, v in simulated.to_dict().items() if k != "paths"},
                "ingest": {k: v for k, v in ingested.to_dict().items() if k != "files_detail"},
-               "features": features})
+               "features": features, "train": trained})
         return
     console.print(f"simulated {simulated.events:,} events over {simulated.days} days "
                   f"(drift: {simulated.drift} from day {simulated.drift_day}) into {simulated.out_dir}")
     _print_ingest(ingested)
     _print_features(features)
+    if "error" in trained:
+        console.print(f"training skipped: {trained['error']}")
+    else:
+        console.print(f"trained {trained['samples']:,} samples ({trained['samples_per_s']:,.0f}/s): validation AUC "
+                      f"{trained['auc']:.4f} vs the oracle's {trained['oracle_auc']:.4f}; checkpoint "
+                      f"{trained['checkpoint']}")
     console.print(f"lake: {settings.lake_events_dir}   quarantine: {settings.quarantine_dir}   "
                   f"features: {settings.home / 'features'}")
 

@@ -135,10 +135,27 @@ def materialize(settings: Settings, end: datetime, ttl: timedelta) -> list[str]:
         if settings.feast_online_store == "redis":
             _materialize_redis(settings, store, view, start, end)
         else:
-            with contextlib.redirect_stdout(io.StringIO()):  # progress output meant for the CLI
-                store.materialize(start_date=start, end_date=end, feature_views=[view.name])
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):  # progress output meant for the CLI
+                    store.materialize(start_date=start, end_date=end, feature_views=[view.name])
+            finally:
+                _release_offline_store()
         loaded.append(view.name)
     return loaded
+
+
+def _release_offline_store() -> None:
+    """Disconnect the global DuckDB connection that Feast's offline store leaves in ibis.
+
+    Left connected until interpreter exit, DuckDB's bindings report dozens of "leaked" objects on
+    stderr at shutdown, burying a command's own output.
+    """
+    import ibis
+
+    backend = ibis.options.default_backend
+    if backend is not None:
+        backend.disconnect()
+        ibis.options.default_backend = None
 
 
 def _materialize_redis(settings: Settings, store, view, start: datetime, end: datetime) -> int:
@@ -176,7 +193,10 @@ def historical_features(settings: Settings, entity_rows: pd.DataFrame) -> pd.Dat
     rows = entity_rows.reset_index(drop=True).copy()
     rows["_row"] = range(len(rows))
     service = store.get_feature_service(FEATURE_SERVICE)
-    result = store.get_historical_features(entity_df=rows, features=service).to_df()
+    try:
+        result = store.get_historical_features(entity_df=rows, features=service).to_df()
+    finally:
+        _release_offline_store()
     merged = rows[["_row"]].merge(result.drop(columns=[c for c in rows.columns if c != "_row"], errors="ignore"),
                                   on="_row", how="left")
     if len(merged) != len(rows):
