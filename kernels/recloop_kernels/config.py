@@ -102,11 +102,7 @@ class Layout:
 
     @property
     def elem_offsets(self) -> tuple[int, ...]:
-        out, total = [], 0
-        for cap, dim in zip(self.capacities, self.dims, strict=True):
-            out.append(total)
-            total += cap * dim
-        return tuple(out)
+        return _starts(c * d for c, d in zip(self.capacities, self.dims, strict=True))
 
     @property
     def total_elems(self) -> int:
@@ -114,11 +110,7 @@ class Layout:
 
     @property
     def row_offsets(self) -> tuple[int, ...]:
-        out, total = [], 0
-        for cap in self.capacities:
-            out.append(total)
-            total += cap
-        return tuple(out)
+        return _starts(self.capacities)
 
     @property
     def total_rows(self) -> int:
@@ -126,12 +118,18 @@ class Layout:
 
     @property
     def col_offsets(self) -> tuple[int, ...]:
-        out, total = [], 0
-        for dim in self.dims:
-            out.append(total)
-            total += dim
-        return (*out, total)
+        """Output column where each table starts, then the total width."""
+        return (*_starts(self.dims), self.total_dim)
 
     @property
     def total_dim(self) -> int:
         return sum(self.dims)
+
+
+def _starts(sizes) -> tuple[int, ...]:
+    """Where each of consecutive blocks of these sizes starts: 0, s0, s0+s1, ..."""
+    out, total = [], 0
+    for size in sizes:
+        out.append(total)
+        total += size
+    return tuple(out)
