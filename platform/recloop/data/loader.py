@@ -124,10 +124,6 @@ class ChunkLoader:
         if self.num_rows == 0:
             raise ValueError("no training rows in the given files")
 
-    def __len__(self) -> int:
-        """Batches per epoch (upper bound: shuffle buffers may end in partial batches)."""
-        return -(-self.num_rows // self.batch_size) + len(self._pieces) // self.shuffle_chunks + 1
-
     # --- reading ------------------------------------------------------------------------------------------
 
     def _read(self, piece: tuple[Path, int]) -> dict[str, np.ndarray]:
