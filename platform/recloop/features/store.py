@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import logging
 import os
 import sys
+import warnings
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlparse
@@ -107,10 +109,16 @@ def apply_repo(settings: Settings, force: bool = False) -> bool:
         sys.modules.pop(path.stem, None)
     cwd = os.getcwd()
     sys.path.insert(0, str(repo))  # Feast imports the definitions by module name, as its CLI does
+    # The sources are glob paths (one parquet file per hour), which Feast's existence check cannot
+    # resolve; it says so at WARNING level although DuckDB reads them fine.
+    source_logger = logging.getLogger("feast.infra.offline_stores.file_source")
+    level = source_logger.level
+    source_logger.setLevel(logging.ERROR)
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # apply_total prints a plan meant for the CLI
             apply_total(repo_config(settings), repo, skip_source_validation=False)
     finally:
+        source_logger.setLevel(level)
         os.chdir(cwd)  # apply_total changes directory into the repo
         sys.path.remove(str(repo))
     marker.write_text(fingerprint)
@@ -136,7 +144,8 @@ def materialize(settings: Settings, end: datetime, ttl: timedelta) -> list[str]:
             _materialize_redis(settings, store, view, start, end)
         else:
             try:
-                with contextlib.redirect_stdout(io.StringIO()):  # progress output meant for the CLI
+                with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)  # ibis 12 on DuckDB 2.0
                     store.materialize(start_date=start, end_date=end, feature_views=[view.name])
             finally:
                 _release_offline_store()
@@ -194,7 +203,9 @@ def historical_features(settings: Settings, entity_rows: pd.DataFrame) -> pd.Dat
     rows["_row"] = range(len(rows))
     service = store.get_feature_service(FEATURE_SERVICE)
     try:
-        result = store.get_historical_features(entity_df=rows, features=service).to_df()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # ibis 12 on DuckDB 2.0
+            result = store.get_historical_features(entity_df=rows, features=service).to_df()
     finally:
         _release_offline_store()
     merged = rows[["_row"]].merge(result.drop(columns=[c for c in rows.columns if c != "_row"], errors="ignore"),
