@@ -72,3 +72,21 @@ def predict(model: torch.nn.Module, batches) -> tuple[np.ndarray, np.ndarray, di
     model.train(was_training)
     join = (lambda parts: np.concatenate(parts)) if labels else (lambda parts: np.array([]))
     return join(labels), join(scores), {k: np.concatenate(v) for k, v in extra.items()}
+
+
+def slice_metrics(labels: np.ndarray, probabilities: np.ndarray, slices: dict[str, np.ndarray],
+                  top_k: int = 5) -> dict[str, dict[str, float]]:
+    """Metrics per slice, so a regression on one slice cannot hide in the average.
+
+    Args:
+        slices: per slicing column, the value of every row (e.g. ``{"device": [...], "user_is_new": [...]}``);
+            each of the ``top_k`` most frequent values of a column is one slice, named ``column=value``.
+    """
+    out = {}
+    for column, values in slices.items():
+        values = np.asarray(values)
+        kinds, counts = np.unique(values, return_counts=True)
+        for value in kinds[np.argsort(-counts, kind="stable")][:top_k]:
+            mask = values == value
+            out[f"{column}={value}"] = metrics(np.asarray(labels)[mask], np.asarray(probabilities)[mask])
+    return out

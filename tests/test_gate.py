@@ -1,0 +1,70 @@
+"""The gate's decision, table-driven: every rule can fail on its own, with the right reason."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from recloop.evaluate import slice_metrics
+from recloop.gate import GateThresholds, ModelScores, decide
+
+GOOD = {"auc": 0.70, "logloss": 0.30, "calibration": 1.0, "nan_predictions": 0, "rows": 5000}
+SLICES = {"device=mobile": {"auc": 0.70, "rows": 3000}, "device=tablet": {"auc": 0.68, "rows": 500},
+          "user_is_new=True": {"auc": 0.60, "rows": 100}}
+CHAMPION = ModelScores(GOOD, SLICES)
+T = GateThresholds()
+
+
+def scores(slices=None, **overall) -> ModelScores:
+    return ModelScores({**GOOD, **overall}, {**SLICES, **(slices or {})})
+
+
+CASES = [
+    # id, candidate, champion, mode, passed, reason fragment
+    ("first-model-passes-floors", scores(), None, "full", True, None),
+    ("first-model-below-auc-floor", scores(auc=0.52), None, "full", False, "auc 0.5200 below the floor 0.55"),
+    ("shuffled-labels", scores(auc=0.50, logloss=0.69), CHAMPION, "full", False, "logloss 0.6900 above the ceiling"),
+    ("nan-predictions", scores(auc=math.nan, nan_predictions=12), CHAMPION, "full", False, "12 NaN or infinite"),
+    ("miscalibrated", scores(calibration=1.25), CHAMPION, "full", False, "calibration 1.250 outside [0.9, 1.1]"),
+    ("incremental-small-drop-ok", scores(auc=0.699), CHAMPION, "incremental", True, None),
+    ("incremental-drop-too-big", scores(auc=0.695), CHAMPION, "incremental", False, "auc dropped 0.0050"),
+    ("full-retrain-must-not-be-worse", scores(auc=0.699), CHAMPION, "full", False, "may drop at most 0.0"),
+    ("better-everywhere", scores(auc=0.72), CHAMPION, "full", True, None),
+    ("worse-on-one-slice-only", scores(slices={"device=tablet": {"auc": 0.62, "rows": 500}}), CHAMPION, "incremental",
+     False, "slice device=tablet: auc dropped 0.0600"),
+    ("tiny-slices-are-not-judged", scores(slices={"user_is_new=True": {"auc": 0.40, "rows": 100}}), CHAMPION,
+     "incremental", True, None),
+]
+
+
+@pytest.mark.parametrize(("candidate", "champion", "mode", "passed", "reason"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_decide(candidate, champion, mode, passed, reason):
+    decision = decide(candidate, champion, T, mode)
+    assert decision.passed is passed, decision.reasons
+    assert decision.first_model is (champion is None)
+    if reason:
+        assert any(reason in r for r in decision.reasons), decision.reasons
+    else:
+        assert decision.reasons == ()
+    assert decision.figures["auc"]["candidate"] == candidate.overall["auc"] or math.isnan(candidate.overall["auc"])
+
+
+def test_thresholds_come_from_config():
+    lenient = replace(T, max_auc_drop_full=0.01)
+    assert decide(scores(auc=0.695), CHAMPION, lenient, "full").passed
+
+
+def test_slice_metrics_name_and_measure_each_slice():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 1000)
+    device = np.where(rng.random(1000) < 0.7, "mobile", "desktop")
+    good = labels * 0.8 + rng.random(1000) * 0.2
+    scores_ = np.where(device == "mobile", good, rng.random(1000))  # desktop scores are noise
+    out = slice_metrics(labels, scores_, {"device": device})
+    assert set(out) == {"device=mobile", "device=desktop"}
+    assert out["device=mobile"]["auc"] > 0.95 and abs(out["device=desktop"]["auc"] - 0.5) < 0.1
+    assert out["device=mobile"]["rows"] + out["device=desktop"]["rows"] == 1000
