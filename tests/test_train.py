@@ -56,6 +56,8 @@ def test_a_small_full_run_learns(home: Settings):
     assert summary.oracle_auc is not None and summary.oracle_auc > summary.auc
     assert 0.7 < summary.calibration < 1.3 and summary.validation_rows > 2000
     assert Path(summary.checkpoint, "model.safetensors").exists()
+    assert {"user=new", "user=returning", "device=mobile", "device=desktop"} <= set(summary.slices)
+    assert sum(v["rows"] for k, v in summary.slices.items() if k.startswith("user=")) == summary.validation_rows
     assert read_checkpoint(Path(summary.checkpoint))["completed"] is True
     again = train(home, config())  # the same run again: already done, nothing retrained
     assert again.run_id == summary.run_id and again.checkpoint == summary.checkpoint

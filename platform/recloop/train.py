@@ -36,12 +36,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from recloop.data import ChunkLoader, FeatureSchema, training_files
-from recloop.evaluate import metrics, predict
+from recloop.evaluate import metrics, predict, slice_metrics
 from recloop.features.job import FeatureLayout
 from recloop.model import ModelConfig, RankingModel
 from recloop.settings import Settings
 
 ORACLE_COLUMNS = ("p_click",)
+# Columns of the training rows the validation is sliced by (when present): new vs returning users,
+# device, item category. The gate compares candidate and champion on each slice.
+SLICE_COLUMNS = ("user_is_new", "c_device", "c_category")
 
 
 class TrainError(RuntimeError):
@@ -108,6 +111,7 @@ class TrainSummary:
     calibration: float = float("nan")
     oracle_auc: float | None = None
     validation_rows: int = 0
+    slices: dict[str, dict[str, float]] = field(default_factory=dict)
     train_hours: list[str] = field(default_factory=list)
     validation_hours: list[str] = field(default_factory=list)
     trained_until: str = ""
@@ -170,7 +174,8 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
     if len(files) <= config.validation_hours:
         raise TrainError(f"only {len(files)} hours of training rows; {config.validation_hours} are held out "
                          "for validation, so nothing is left to train on")
-    extra = tuple(c for c in ORACLE_COLUMNS if c in pq.read_schema(files[0]).names)
+    present = set(pq.read_schema(files[0]).names)
+    extra = tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS) if c in present)
     schema = FeatureSchema.load(layout.schema, extra=extra)
     validation, trainable = files[-config.validation_hours:], files[:-config.validation_hours]
 
@@ -241,11 +246,12 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
     valid_loader = ChunkLoader(validation, schema, max(config.batch_size, 8192), device=device, shuffle=False)
     labels, scores, extras = predict(model, valid_loader.epoch(0))
     scores_metrics = metrics(labels, scores, extras.get("p_click"))
+    slices = slice_metrics(labels, scores, _slice_values(extras, layout))
     summary = TrainSummary(
         mode=config.mode, run_id=run_id, checkpoint="", samples=position["samples"], steps=position["step"],
         samples_per_s=round(samples_this_run / seconds, 1) if seconds > 0 else 0.0, seconds=round(seconds, 3),
         auc=scores_metrics["auc"], logloss=scores_metrics["logloss"], calibration=scores_metrics["calibration"],
-        oracle_auc=scores_metrics.get("oracle_auc"), validation_rows=scores_metrics["rows"],
+        oracle_auc=scores_metrics.get("oracle_auc"), validation_rows=scores_metrics["rows"], slices=slices,
         train_hours=[f.stem for f in train_files], validation_hours=[f.stem for f in validation],
         trained_until=_after(train_files[-1].stem), state_version=schema.state_version,
         warm_start=base["path"] if base else None, grown_tables=grown,
@@ -254,6 +260,36 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
     summary.checkpoint = str(run_dir / f"step-{position['step']:07d}")
     _save(run_dir, model, optimizer, config, schema, position, train_files, completed=True, summary=summary)
     return summary
+
+
+def _slice_values(extras: dict[str, np.ndarray], layout: FeatureLayout) -> dict[str, np.ndarray]:
+    """Readable slice labels per validation row: user new/returning, device and category by name."""
+    from recloop.features.state import StateStore
+
+    out = {}
+    if "user_is_new" in extras:
+        out["user"] = np.where(extras["user_is_new"].astype(bool), "new", "returning")
+    state = StateStore(layout.state).latest()
+    for column in ("c_device", "c_category"):
+        if column not in extras:
+            continue
+        names = {}
+        vocabulary = state.vocabularies.get(column[2:]) if state else None
+        if vocabulary is not None:
+            admitted = vocabulary.admitted().to_pydict()
+            names = dict(zip(admitted["index"], admitted["value"], strict=True))
+        out[column[2:]] = np.array([str(names.get(int(i), f"#{int(i)}")) for i in extras[column]])
+    return out
+
+
+def load_model(checkpoint: Path, device: str | torch.device = "cpu") -> tuple[RankingModel, dict]:
+    """A trained model from a checkpoint folder (safetensors + JSON, no pickle), and its JSON state."""
+    state = read_checkpoint(Path(checkpoint))
+    model = RankingModel(ModelConfig.from_dict(state["model"]), len(state["dense"]),
+                         [tuple(t) for t in state["tables"]], device=device)
+    model.load_state_dict(load_file(Path(state["path"]) / "model.safetensors", device=str(torch.device(device))))
+    model.eval()
+    return model, state
 
 
 def _compiled(model: RankingModel, backend: str, device: torch.device) -> torch.nn.Module:

@@ -1,0 +1,208 @@
+"""MLflow IO: training runs, the logged model, registered versions and the aliases that carry state.
+
+Aliases: ``champion`` (serving), ``challenger`` (passed the gate, in canary), ``previous`` (the last
+champion, for rollback). A version that fails the gate keeps its number, tagged ``gate=failed`` with
+the reasons. Tracking runs on SQLite under ``RECLOOP_HOME`` unless ``RECLOOP_MLFLOW_TRACKING_URI`` names
+a server or database; artifacts go under ``RECLOOP_HOME/mlartifacts`` unless
+``RECLOOP_MLFLOW_ARTIFACT_URI`` names an object store.
+
+Example::
+
+    logged = log_training(settings, summary)        # run + pyfunc model + new version
+    set_alias(settings, "challenger", logged.version, who="gate", why="passed")
+    version_by_alias(settings, "champion")
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from recloop.ingest.ledger import exclusive_lock
+from recloop.settings import Settings
+
+EXPERIMENT = "recloop"
+MODEL_NAME = "recloop-ranker"
+ALIASES = ("champion", "challenger", "previous")
+
+
+@dataclass(frozen=True)
+class LoggedModel:
+    run_id: str
+    model_uri: str
+    version: str
+
+
+def configure(settings: Settings) -> str:
+    """Point MLflow at this installation; returns the experiment id."""
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = settings.resolved_mlflow_tracking_uri()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    experiment = mlflow.get_experiment_by_name(EXPERIMENT)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = settings.mlflow_artifact_uri or (settings.home.resolve() / "mlartifacts").as_uri()
+    try:
+        return mlflow.create_experiment(EXPERIMENT, artifact_location=location)
+    except Exception:  # noqa: BLE001 - created meanwhile by another process
+        return mlflow.get_experiment_by_name(EXPERIMENT).experiment_id
+
+
+def _client(settings: Settings):
+    from mlflow import MlflowClient
+
+    configure(settings)
+    return MlflowClient()
+
+
+def _flatten(prefix: str, value, out: dict) -> dict:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else key, inner, out)
+    else:
+        out[prefix] = value if not isinstance(value, list | tuple) else json.dumps(value)
+    return out
+
+
+def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedModel:
+    """Log a finished training run (configs, metrics, lineage, checkpoint, pyfunc model) and register it.
+
+    Args:
+        summary: the trainer's ``TrainSummary``.
+        example: a few feature rows (the model's input example; they also fix its signature).
+    """
+    import mlflow
+
+    from recloop import ranker_pyfunc
+    from recloop.train import read_checkpoint
+
+    state = read_checkpoint(Path(summary.checkpoint))
+    experiment = configure(settings)
+    with mlflow.start_run(experiment_id=experiment, run_name=summary.run_id) as run:
+        mlflow.log_params(_flatten("", {"train": state["train"], "model": state["model"]}, {}))
+        figures = {"auc": summary.auc, "logloss": summary.logloss, "calibration": summary.calibration,
+                   "samples": summary.samples, "samples_per_s": summary.samples_per_s, "seconds": summary.seconds,
+                   "validation_rows": summary.validation_rows}
+        if summary.oracle_auc is not None:
+            figures["oracle_auc"] = summary.oracle_auc
+        for name, scores in summary.slices.items():
+            figures[f"slice_auc.{name.replace('=', '.')}"] = scores["auc"]
+        mlflow.log_metrics({k: float(v) for k, v in figures.items() if v == v})
+        mlflow.set_tags({
+            "recloop.mode": summary.mode, "recloop.run_id": summary.run_id,
+            "recloop.train_window": f"{summary.train_hours[0]}..{summary.train_hours[-1]}",
+            "recloop.validation_window": f"{summary.validation_hours[0]}..{summary.validation_hours[-1]}",
+            "recloop.state_version": str(summary.state_version),
+            "recloop.warm_start": summary.warm_start or "", "recloop.checkpoint": summary.checkpoint,
+        })
+        mlflow.log_dict(_flatten("", {"slices": summary.slices}, {}), "validation_slices.json")
+        info = mlflow.pyfunc.log_model(
+            name="model", python_model=ranker_pyfunc.__file__, artifacts={"checkpoint": summary.checkpoint},
+            input_example=example, pip_requirements=["mlflow>=3", "torch>=2.5", "safetensors", "pandas", "numpy"],
+        )
+    version = register(settings, info.model_uri, run.info.run_id)
+    return LoggedModel(run.info.run_id, info.model_uri, version)
+
+
+def register(settings: Settings, model_uri: str, run_id: str | None = None, attempts: int = 8) -> str:
+    """A new version of the registered model; safe when several runs register at once.
+
+    MLflow numbers versions ``MAX(version)+1``, so two registrations can collide: registrations are
+    serialized with a file lock on this machine and retried with backoff against a shared server.
+    """
+    from mlflow.exceptions import MlflowException
+
+    client = _client(settings)
+    with exclusive_lock(settings.home.resolve() / "mlflow-register.lock"):
+        for attempt in range(attempts):
+            try:
+                try:
+                    client.create_registered_model(MODEL_NAME)
+                except MlflowException as err:
+                    if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
+                        raise
+                version = client.create_model_version(MODEL_NAME, model_uri, run_id=run_id)
+                return str(version.version)
+            except MlflowException:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.1 * 2**attempt)
+    raise RuntimeError("unreachable")
+
+
+def version_by_alias(settings: Settings, alias: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(_client(settings).get_model_version_by_alias(MODEL_NAME, alias).version)
+    except MlflowException:
+        return None
+
+
+def aliases(settings: Settings) -> dict[str, str | None]:
+    return {alias: version_by_alias(settings, alias) for alias in ALIASES}
+
+
+def set_alias(settings: Settings, alias: str, version: str, *, who: str | None = None, why: str = "") -> None:
+    client = _client(settings)
+    client.set_registered_model_alias(MODEL_NAME, alias, version)
+    tag(settings, version, {f"alias.{alias}.by": who or getpass.getuser(), f"alias.{alias}.why": why,
+                            f"alias.{alias}.at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def remove_alias(settings: Settings, alias: str) -> None:
+    _client(settings).delete_registered_model_alias(MODEL_NAME, alias)
+
+
+def tag(settings: Settings, version: str, tags: dict[str, str]) -> None:
+    client = _client(settings)
+    for key, value in tags.items():
+        client.set_model_version_tag(MODEL_NAME, version, key, str(value))
+
+
+def describe(settings: Settings, version: str, description: str) -> None:
+    _client(settings).update_model_version(MODEL_NAME, version, description=description)
+
+
+def version_info(settings: Settings, version: str) -> dict:
+    """Tags, run id, checkpoint and aliases of a version."""
+    client = _client(settings)
+    found = client.get_model_version(MODEL_NAME, version)
+    run = client.get_run(found.run_id) if found.run_id else None
+    return {"version": str(found.version), "run_id": found.run_id, "tags": dict(found.tags),
+            "aliases": list(found.aliases), "checkpoint": run.data.tags.get("recloop.checkpoint") if run else None,
+            "mode": run.data.tags.get("recloop.mode") if run else None, "source": found.source}
+
+
+def promote(settings: Settings, version: str, *, who: str | None = None, why: str = "") -> dict[str, str | None]:
+    """``champion`` := version, ``previous`` := the old champion, ``challenger`` removed if it was this."""
+    old = version_by_alias(settings, "champion")
+    if old is not None and old != version:
+        set_alias(settings, "previous", old, who=who, why=f"replaced by v{version}")
+    set_alias(settings, "champion", version, who=who, why=why)
+    if version_by_alias(settings, "challenger") == version:
+        remove_alias(settings, "challenger")
+    return aliases(settings)
+
+
+def rollback(settings: Settings, *, who: str | None = None, why: str = "") -> dict[str, str | None]:
+    """``champion`` := ``previous`` (the demoted version is tagged with who and why)."""
+    previous = version_by_alias(settings, "previous")
+    if previous is None:
+        raise RuntimeError("nothing to roll back to: no version has the 'previous' alias")
+    current = version_by_alias(settings, "champion")
+    if current is not None:
+        tag(settings, current, {"rolled_back.by": who or getpass.getuser(), "rolled_back.why": why})
+    set_alias(settings, "champion", previous, who=who, why=f"rollback: {why}")
+    remove_alias(settings, "previous")
+    return aliases(settings)
