@@ -219,6 +219,7 @@ def train_command(
                                                     "(default: the newest completed run).")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     deterministic: Annotated[bool, typer.Option(help="Results independent of thread scheduling.")] = False,
+    track: Annotated[bool, typer.Option(help="Log the run to MLflow and register the model.")] = True,
     json_out: JsonOption = False,
 ) -> None:
     """Train the ranking model on the features' training rows; resumes an interrupted run."""
@@ -243,8 +244,11 @@ def train_command(
             summary = train(Settings(), config, warm_start=warm_start, on_progress=on_progress)
         except TrainError as err:
             raise _fail(str(err)) from err
+    result = summary.to_dict()
+    if track:
+        result["mlflow"] = _track(summary)
     if json_out:
-        _emit(summary.to_dict())
+        _emit(result)
         return
     oracle = f" (oracle {summary.oracle_auc:.4f})" if summary.oracle_auc is not None else ""
     console.print(f"{summary.mode} run {summary.run_id}: {summary.samples:,} samples in {summary.seconds} s "
@@ -253,6 +257,69 @@ def train_command(
     if summary.grown_tables:
         console.print(f"tables grown: {summary.grown_tables}")
     console.print(f"checkpoint: {summary.checkpoint}")
+    if track:
+        console.print(f"MLflow: run {result['mlflow']['run_id']}, registered as version {result['mlflow']['version']}")
+
+
+def _track(summary) -> dict:
+    """Log a training run to MLflow and register its model (once per run: a rerun finds it)."""
+    import pyarrow.parquet as pq
+
+    from recloop import registry
+
+    settings = Settings()
+    example = pq.read_table(sorted(Path(summary.checkpoint).parents[2].glob("features/training/*.parquet"))[-1])
+    logged = registry.log_training(settings, summary, example.slice(0, 5).to_pandas())
+    return {"run_id": logged.run_id, "version": logged.version, "model_uri": logged.model_uri}
+
+
+@app.command("gate")
+def gate_command(
+    candidate: Annotated[str | None, typer.Option(help="Model version to judge (default: the newest).")] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Judge a candidate against the champion on the same held-out hours; pass → challenger."""
+    from recloop.gate import run_gate
+
+    try:
+        with console.status("gating", spinner="dots") if not json_out else _quiet():
+            outcome = run_gate(Settings(), candidate)
+    except RuntimeError as err:
+        raise _fail(str(err)) from err
+    if json_out:
+        _emit({k: v for k, v in outcome.items() if k != "report"})
+        return
+    console.print(outcome["report"])
+    console.print(f"version {outcome['version']}: {'passed' if outcome['passed'] else 'refused'}"
+                  + (f", alias {outcome['alias']}" if outcome["alias"] else ""))
+
+
+@app.command("promote")
+def promote_command(
+    version: Annotated[str, typer.Argument(help="Model version to make champion.")],
+    why: Annotated[str, typer.Option(help="Recorded on the version.")] = "promoted by hand",
+    json_out: JsonOption = False,
+) -> None:
+    """Make VERSION the champion by hand (the old champion becomes 'previous')."""
+    from recloop import registry
+
+    state = registry.promote(Settings(), version, why=why)
+    _emit(state) if json_out else console.print(f"aliases: {state}")
+
+
+@app.command("rollback")
+def rollback_command(
+    why: Annotated[str, typer.Option(help="Recorded on the demoted version.")] = "rolled back by hand",
+    json_out: JsonOption = False,
+) -> None:
+    """Make the 'previous' version champion again."""
+    from recloop import registry
+
+    try:
+        state = registry.rollback(Settings(), why=why)
+    except RuntimeError as err:
+        raise _fail(str(err)) from err
+    _emit(state) if json_out else console.print(f"aliases: {state}")
 
 
 @app.command("demo")
