@@ -79,7 +79,8 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
 
     Args:
         summary: the trainer's ``TrainSummary``.
-        example: a few feature rows (the model's input example; they also fix its signature).
+        example: a few training rows; their ``d_*``, ``c_*``, ``m_*`` columns are the model's input
+            example and fix its signature.
     """
     import mlflow
 
@@ -106,9 +107,10 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             "recloop.warm_start": summary.warm_start or "", "recloop.checkpoint": summary.checkpoint,
         })
         mlflow.log_dict(_flatten("", {"slices": summary.slices}, {}), "validation_slices.json")
+        inputs = example[[c for c in example.columns if c.startswith(("d_", "c_", "m_"))]]
         info = mlflow.pyfunc.log_model(
             name="model", python_model=ranker_pyfunc.__file__, artifacts={"checkpoint": summary.checkpoint},
-            input_example=example, pip_requirements=["mlflow>=3", "torch>=2.5", "safetensors", "pandas", "numpy"],
+            input_example=inputs, pip_requirements=["mlflow>=3", "torch>=2.5", "safetensors", "pandas", "numpy"],
         )
     version = register(settings, info.model_uri, run.info.run_id)
     return LoggedModel(run.info.run_id, info.model_uri, version)

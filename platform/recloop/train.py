@@ -289,6 +289,7 @@ def load_model(checkpoint: Path, device: str | torch.device = "cpu") -> tuple[Ra
                          [tuple(t) for t in state["tables"]], device=device)
     model.load_state_dict(load_file(Path(state["path"]) / "model.safetensors", device=str(torch.device(device))))
     model.eval()
+    model.map_unknown_ids = True  # scored or served on newer data than it was trained on
     return model, state
 
 

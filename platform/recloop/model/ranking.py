@@ -183,4 +183,19 @@ class RankingModel(nn.Module):
         return [p for name, p in self.named_parameters() if not name.startswith("sparse_arch.")]
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if self.map_unknown_ids:
+            values = self.known_ids(values, offsets)
         return self.over_arch(self.interaction_arch(self.dense_arch(dense), self.sparse_arch(values, offsets)))
+
+    # A served model meets ids admitted to the vocabularies after it was trained; for it they are
+    # out of vocabulary, as they were in its training data. Training keeps the hard error instead.
+    map_unknown_ids = False
+
+    def known_ids(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``values`` with ids beyond a table's rows replaced by the out-of-vocabulary row (1)."""
+        tables = len(self.table_names)
+        batch = (offsets.numel() - 1) // tables
+        table_of_value = torch.searchsorted(offsets[::batch][1:tables], torch.arange(values.numel(),
+                                            device=values.device), right=True)
+        rows = torch.tensor(self.embeddings.layout.rows, device=values.device)[table_of_value]
+        return torch.where(values < rows, values, torch.ones_like(values))
