@@ -92,6 +92,13 @@ def test_first_model_is_champion_and_a_better_incremental_becomes_challenger(hom
     info = registry.version_info(home, logged.version)
     assert info["tags"]["gate"] == "passed" and info["tags"]["gate.champion"] == "1"
     assert outcome["champion_scores"]["rows"] == outcome["candidate"]["rows"]  # the same held-out rows
+    from mlflow import MlflowClient
+
+    run = MlflowClient().get_run(logged.run_id)
+    assert run.data.params["train.mode"] == "incremental" and run.data.tags["recloop.state_version"] == "2"
+    assert "slice_auc.device.mobile" in run.data.metrics and run.data.metrics["auc"] == incremental.auc
+    history = MlflowClient().get_metric_history(logged.run_id, "train_loss")
+    assert len(history) == len(incremental.loss_curve) > 0
 
 
 def test_a_model_trained_on_shuffled_labels_is_refused(home: Settings):

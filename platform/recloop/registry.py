@@ -83,6 +83,7 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             example and fix its signature.
     """
     import mlflow
+    from mlflow import MlflowClient
 
     from recloop import ranker_pyfunc
     from recloop.train import read_checkpoint
@@ -99,6 +100,12 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
         for name, scores in summary.slices.items():
             figures[f"slice_auc.{name.replace('=', '.')}"] = scores["auc"]
         mlflow.log_metrics({k: float(v) for k, v in figures.items() if v == v})
+        if summary.loss_curve:
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            MlflowClient().log_batch(run.info.run_id, metrics=[
+                Metric("train_loss", loss, now, int(step)) for step, loss in summary.loss_curve])
         mlflow.set_tags({
             "recloop.mode": summary.mode, "recloop.run_id": summary.run_id,
             "recloop.train_window": f"{summary.train_hours[0]}..{summary.train_hours[-1]}",

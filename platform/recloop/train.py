@@ -112,6 +112,7 @@ class TrainSummary:
     oracle_auc: float | None = None
     validation_rows: int = 0
     slices: dict[str, dict[str, float]] = field(default_factory=dict)
+    loss_curve: list[list[float]] = field(default_factory=list)  # [step, training loss] every 10 steps
     train_hours: list[str] = field(default_factory=list)
     validation_hours: list[str] = field(default_factory=list)
     trained_until: str = ""
@@ -217,6 +218,7 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
     scale = math.sqrt(config.batch_size / config.reference_batch)
     started = time.perf_counter()
     samples_this_run = 0
+    loss_curve: list[list[float]] = []
     model.train()
     step_model = _compiled(model, config.compile, device)
     for epoch in range(position["epoch"], epochs):
@@ -236,6 +238,8 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
             samples_this_run += batch.size
             if position["step"] % config.checkpoint_every == 0:
                 _save(run_dir, model, optimizer, config, schema, position, train_files, completed=False)
+            if position["step"] % 10 == 0:
+                loss_curve.append([position["step"], float(loss.detach())])
             if on_progress and position["step"] % 10 == 0:
                 on_progress(position["samples"], total, samples_this_run / (time.perf_counter() - started))
             if on_step:
@@ -255,7 +259,7 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
         train_hours=[f.stem for f in train_files], validation_hours=[f.stem for f in validation],
         trained_until=_after(train_files[-1].stem), state_version=schema.state_version,
         warm_start=base["path"] if base else None, grown_tables=grown,
-        resumed_from_step=resumed["step"] if resumed else 0,
+        resumed_from_step=resumed["step"] if resumed else 0, loss_curve=loss_curve,
     )
     summary.checkpoint = str(run_dir / f"step-{position['step']:07d}")
     _save(run_dir, model, optimizer, config, schema, position, train_files, completed=True, summary=summary)
