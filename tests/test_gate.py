@@ -58,6 +58,18 @@ def test_thresholds_come_from_config():
     assert decide(scores(auc=0.695), CHAMPION, lenient, "full").passed
 
 
+def test_thresholds_load_from_a_file(tmp_path):
+    from recloop.gate import load_thresholds
+
+    path = tmp_path / "gate.yaml"
+    path.write_text("min_auc: 0.6\ncalibration_range: [0.8, 1.2]\n")
+    loaded = load_thresholds(path)
+    assert loaded.min_auc == 0.6 and loaded.calibration_range == (0.8, 1.2) and loaded.max_logloss == T.max_logloss
+    path.write_text("min_acu: 0.6\n")
+    with pytest.raises(ValueError, match="unknown gate thresholds \\['min_acu'\\]"):
+        load_thresholds(path)
+
+
 def test_slice_metrics_name_and_measure_each_slice():
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 2, 1000)

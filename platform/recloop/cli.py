@@ -276,15 +276,17 @@ def _track(summary) -> dict:
 @app.command("gate")
 def gate_command(
     candidate: Annotated[str | None, typer.Option(help="Model version to judge (default: the newest).")] = None,
+    thresholds: Annotated[Path | None, typer.Option(help="YAML/JSON file of gate thresholds.")] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Judge a candidate against the champion on the same held-out hours; pass → challenger."""
-    from recloop.gate import run_gate
+    from recloop.gate import load_thresholds, run_gate
 
     try:
+        limits = load_thresholds(thresholds) if thresholds else None
         with console.status("gating", spinner="dots") if not json_out else _quiet():
-            outcome = run_gate(Settings(), candidate)
-    except RuntimeError as err:
+            outcome = run_gate(Settings(), candidate, limits)
+    except (RuntimeError, ValueError, OSError) as err:
         raise _fail(str(err)) from err
     if json_out:
         _emit({k: v for k, v in outcome.items() if k != "report"})

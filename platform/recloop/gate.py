@@ -41,6 +41,20 @@ class GateThresholds:
     min_slice_rows: int = 200
 
 
+def load_thresholds(path) -> GateThresholds:
+    """Thresholds from a YAML or JSON file of ``GateThresholds`` fields (others keep their defaults)."""
+    import yaml
+
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    unknown = sorted(set(raw) - set(GateThresholds.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{path}: unknown gate thresholds {unknown}; known: "
+                         f"{sorted(GateThresholds.__dataclass_fields__)}")
+    if "calibration_range" in raw:
+        raw["calibration_range"] = tuple(raw["calibration_range"])
+    return GateThresholds(**raw)
+
+
 @dataclass(frozen=True)
 class ModelScores:
     """A model's metrics on the held-out window: overall (``auc``, ``logloss``, ``calibration``,
