@@ -86,3 +86,31 @@ def small_events() -> pa.Table:
     for hour in range(18):
         world.hour_events(0, hour)  # build up some click histories
     return world.hour_events(0, 18)
+
+
+INGEST_CLOCK = datetime(2026, 2, 1, tzinfo=UTC)
+
+
+@pytest.fixture(scope="session")
+def lake_factory():
+    """Build a lake: ``make(root, world, features=True, features_end=None) -> Settings``.
+
+    The world is simulated under ``root/landing`` and ingested into ``root/home``; features are built
+    (up to ``features_end``, or for everything) unless ``features=False``.
+    """
+    from recloop.features.config import FeatureConfig
+    from recloop.features.job import build_features
+    from recloop.ingest import ingest
+    from recloop.schema import load_spec
+    from recloop.simulate import simulate
+
+    def make(root: Path, world: WorldConfig, features: bool = True, features_end: datetime | None = None) -> Settings:
+        spec = load_spec("synthetic")
+        simulate(world, root / "landing")
+        settings = Settings(home=root / "home", frame_backend="pandas")
+        ingest(root / "landing", spec, settings, now=INGEST_CLOCK)
+        if features:
+            build_features(settings, spec, FeatureConfig.for_spec(spec), end=features_end)
+        return settings
+
+    return make

@@ -27,13 +27,9 @@ TTL = timedelta(seconds=CONFIG.ttl_seconds)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Settings:
+def built(tmp_path_factory, lake_factory) -> Settings:
     """Two simulated days, ingested, features built, repo applied, online store loaded."""
-    root = tmp_path_factory.mktemp("feast")
-    simulate(WorldConfig(seed=5, days=2, events_per_day=2000), root / "landing")
-    settings = Settings(home=root / "home", frame_backend="pandas")
-    ingest(root / "landing", SPEC, settings, now=datetime(2026, 2, 1, tzinfo=UTC))
-    build_features(settings, SPEC, CONFIG)
+    settings = lake_factory(tmp_path_factory.mktemp("feast"), WorldConfig(seed=5, days=2, events_per_day=2000))
     assert store.apply_repo(settings) is True
     assert store.apply_repo(settings) is False  # nothing changed: not applied again
     assert store.materialize(settings, END, TTL) == ["user_stats", "item_stats"]

@@ -15,10 +15,9 @@ from recloop.features.config import FeatureConfig
 from recloop.features.job import FeatureLayout, build_features
 from recloop.features.state import FeatureStateError, StateStore
 from recloop.features.vocab import OOV_INDEX
-from recloop.ingest import ingest
 from recloop.schema import load_spec
 from recloop.settings import Settings
-from recloop.simulate import WorldConfig, simulate
+from recloop.simulate import WorldConfig
 
 SPEC = load_spec("synthetic")
 CONFIG = FeatureConfig.for_spec(SPEC)
@@ -27,12 +26,10 @@ DAY3 = datetime(2026, 1, 3, tzinfo=UTC)
 
 
 @pytest.fixture(scope="session")
-def lake_home(tmp_path_factory) -> Path:
+def lake_home(tmp_path_factory, lake_factory) -> Path:
     """Three simulated days (sudden drift on the third: new item ids) ingested into a lake."""
-    root = tmp_path_factory.mktemp("lake")
-    simulate(WorldConfig(seed=21, days=3, events_per_day=3000, drift="sudden", drift_day=2), root / "landing")
-    ingest(root / "landing", SPEC, Settings(home=root / "home"), now=datetime(2026, 2, 1, tzinfo=UTC))
-    return root / "home"
+    world = WorldConfig(seed=21, days=3, events_per_day=3000, drift="sudden", drift_day=2)
+    return lake_factory(tmp_path_factory.mktemp("lake"), world, features=False).home
 
 
 @pytest.fixture

@@ -22,11 +22,10 @@ from recloop.features.config import FeatureConfig
 from recloop.features.job import FeatureLayout, build_features
 from recloop.features.state import StateStore
 from recloop.gate import GateThresholds, run_gate
-from recloop.ingest import ingest
 from recloop.model import ModelConfig
 from recloop.schema import load_spec
 from recloop.settings import Settings
-from recloop.simulate import WorldConfig, simulate
+from recloop.simulate import WorldConfig
 from recloop.train import TrainConfig, train
 
 SPEC = load_spec("synthetic")
@@ -46,18 +45,15 @@ def example_rows(settings: Settings):
 
 
 @pytest.fixture(scope="module")
-def champion_home(tmp_path_factory) -> Path:
+def champion_home(tmp_path_factory, lake_factory) -> Path:
     """Three days of a world, a first model trained, registered and gated: version 1 is champion."""
-    root = tmp_path_factory.mktemp("registry")
-    simulate(WorldConfig(seed=4, days=4, events_per_day=6000), root / "landing")
-    settings = Settings(home=root / "home", frame_backend="pandas")
-    ingest(root / "landing", SPEC, settings, now=datetime(2026, 2, 1, tzinfo=UTC))
-    build_features(settings, SPEC, FeatureConfig.for_spec(SPEC), end=datetime(2026, 1, 4, tzinfo=UTC))
+    settings = lake_factory(tmp_path_factory.mktemp("registry"), WorldConfig(seed=4, days=4, events_per_day=6000),
+                            features_end=datetime(2026, 1, 4, tzinfo=UTC))
     summary = train(settings, config())
     logged = registry.log_training(settings, summary, example_rows(settings))
     outcome = run_gate(settings, logged.version, LENIENT, smoke_check=True)  # loads in a fresh process
     assert outcome["passed"] and outcome["alias"] == "champion" and outcome["first_model"], outcome["reasons"]
-    return root / "home"
+    return settings.home
 
 
 @pytest.fixture

@@ -15,11 +15,10 @@ from safetensors.torch import load_file
 
 from recloop.features.config import FeatureConfig
 from recloop.features.job import FeatureLayout, build_features
-from recloop.ingest import ingest
 from recloop.model import ModelConfig
 from recloop.schema import load_spec
 from recloop.settings import Settings
-from recloop.simulate import WorldConfig, simulate
+from recloop.simulate import WorldConfig
 from recloop.train import TrainConfig, TrainError, read_checkpoint, train
 
 SPEC = load_spec("synthetic")
@@ -27,14 +26,10 @@ SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(32,))
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> Path:
+def world(tmp_path_factory, lake_factory) -> Path:
     """Four simulated days (a new catalog wave on the fourth), ingested; features for the first three."""
-    root = tmp_path_factory.mktemp("train")
-    simulate(WorldConfig(seed=8, days=4, events_per_day=6000, drift="sudden", drift_day=3), root / "landing")
-    settings = Settings(home=root / "home", frame_backend="pandas")
-    ingest(root / "landing", SPEC, settings, now=datetime(2026, 2, 1, tzinfo=UTC))
-    build_features(settings, SPEC, FeatureConfig.for_spec(SPEC), end=datetime(2026, 1, 4, tzinfo=UTC))
-    return root / "home"
+    world = WorldConfig(seed=8, days=4, events_per_day=6000, drift="sudden", drift_day=3)
+    return lake_factory(tmp_path_factory.mktemp("train"), world, features_end=datetime(2026, 1, 4, tzinfo=UTC)).home
 
 
 @pytest.fixture
