@@ -1,0 +1,52 @@
+"""Canary routing (sticky, right share) and the controller's decision, table-driven."""
+
+from __future__ import annotations
+
+import pytest
+
+from recloop.canary import CanaryConfig, CanaryState, VariantStats, decide, route
+
+CONFIG = CanaryConfig(bake_seconds=600, min_requests=500, min_feedback=200)
+CHAMPION = VariantStats(requests=10_000, errors=10, p99_ms=20.0, impressions=5000, clicks=500, online_auc=0.70)
+HEALTHY = VariantStats(requests=1000, errors=1, p99_ms=22.0, impressions=600, clicks=61, online_auc=0.705)
+BAKED = CanaryState(share=0.05, step_started_at=0.0)
+NOW = 1000.0
+
+
+def test_routing_is_sticky_and_matches_the_share():
+    users = range(50_000)
+    for share in (0.05, 0.25, 0.5):
+        assert abs(sum(route(u, share) == "challenger" for u in users) / 50_000 - share) < 0.01
+    small = {u for u in users if route(u, 0.05) == "challenger"}
+    large = {u for u in users if route(u, 0.25) == "challenger"}
+    assert small <= large  # growing the canary never moves a user back to the champion
+    assert all(route(u, 0.25) == route(u, 0.25) for u in range(1000))
+    assert route(7, 0.0) == "champion" and route(7, 1.0) == "challenger"
+    assert {u for u in users if route(u, 0.05, salt="other") == "challenger"} != small
+
+
+def stats(**changes) -> VariantStats:
+    return VariantStats(**{**HEALTHY.__dict__, **changes})
+
+
+CASES = [
+    ("healthy-steps-up", HEALTHY, BAKED, "step", 0.25, "next 25%"),
+    ("still-baking", HEALTHY, CanaryState(0.05, 700.0), "hold", 0.05, "baking"),
+    ("too-few-requests", stats(requests=100), BAKED, "hold", 0.05, "100/500 challenger requests"),
+    ("too-little-feedback", stats(impressions=50, clicks=5), BAKED, "hold", 0.05, "50/200"),
+    ("nan-rolls-back-at-once", stats(requests=10, nan_responses=3), CanaryState(0.05, 999.0), "rollback", 0.0, "NaN"),
+    ("slow-rolls-back", stats(p99_ms=45.0), BAKED, "rollback", 0.0, "p99 latency 45.0 ms"),
+    ("errors-roll-back", stats(errors=30), BAKED, "rollback", 0.0, "error rate 3.00%"),
+    ("worse-ctr-rolls-back", stats(clicks=40), BAKED, "rollback", 0.0, "online CTR 0.0667"),
+    ("worse-auc-rolls-back", stats(online_auc=0.65), BAKED, "rollback", 0.0, "online AUC 0.6500"),
+    ("last-step-promotes", HEALTHY, CanaryState(1.0, 0.0), "promote", 1.0, "held every guardrail up to 100%"),
+]
+
+
+@pytest.mark.parametrize(("challenger", "state", "action", "share", "reason"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_decide(challenger, state, action, share, reason):
+    decision = decide(CHAMPION, challenger, state, CONFIG, NOW)
+    assert (decision.action, decision.share) == (action, share), decision.reasons
+    assert any(reason in r for r in decision.reasons), decision.reasons
+    assert decision.figures["challenger_requests"] == challenger.requests
