@@ -38,6 +38,10 @@ def test_demo_runs_simulate_ingest_and_features(runner: CliRunner):
     assert summary["simulate"]["events"] == 300 and summary["ingest"]["rows_landed"] == 300
     assert summary["features"]["rows"] == 300 and summary["features"]["materialized"] == ["user_stats", "item_stats"]
     assert summary["train"]["samples"] > 0 and "checkpoint" in summary["train"]
+    assert summary["train"]["mlflow"]["version"] == "1" and summary["gate"]["version"] == "1"
+    assert isinstance(summary["gate"]["passed"], bool) and "reasons" in summary["gate"]
+    again = json.loads(runner.invoke(app, ["demo", "--days", "1", "--events-per-day", "300", "--json"]).stdout)
+    assert again["train"]["mlflow"]["version"] == "1"  # the same training run is not registered twice
 
 
 def test_features_on_an_empty_lake_is_a_message_and_exit_0(runner: CliRunner):

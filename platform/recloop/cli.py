@@ -333,9 +333,9 @@ def demo_command(
     drift_day: Annotated[int, typer.Option(min=0, help="First drifted day, counted from 0.")] = 2,
     json_out: JsonOption = False,
 ) -> None:
-    """Run the loop on embedded defaults. Today: simulate, ingest, build features (and Feast), train.
+    """Run the loop on embedded defaults. Today: simulate, ingest, features (and Feast), train, register, gate.
 
-    Later stages (gate, canary, drift monitor) join this command as they land.
+    Later stages (canary, drift monitor) join this command as they land.
     """
     if drift not in DRIFT_SCENARIOS:
         raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
@@ -347,15 +347,25 @@ def demo_command(
     features = _run_features(settings, load_spec("synthetic"), {}, json_out, materialize=True)
     from recloop.train import TrainConfig, TrainError, train
 
+    gated: dict = {}
     try:
         with console.status("training the ranking model", spinner="dots") if not json_out else _quiet():
-            trained = train(settings, TrainConfig(mode="full", days=days, batch_size=2048)).to_dict()
+            summary = train(settings, TrainConfig(mode="full", days=days, batch_size=2048))
+        trained = summary.to_dict()
+        with console.status("registering and gating the model", spinner="dots") if not json_out else _quiet():
+            trained["mlflow"] = _track(summary)
+            from recloop.gate import run_gate
+
+            try:
+                gated = {k: v for k, v in run_gate(settings, trained["mlflow"]["version"]).items() if k != "report"}
+            except RuntimeError as err:  # e.g. this exact model is already the champion (a rerun)
+                gated = {"skipped": str(err)}
     except TrainError as err:
         trained = {"error": str(err)}
     if json_out:
         _emit({"home": str(settings.home), "simulate": {k: v for k, v in simulated.to_dict().items() if k != "paths"},
                "ingest": {k: v for k, v in ingested.to_dict().items() if k != "files_detail"},
-               "features": features, "train": trained})
+               "features": features, "train": trained, "gate": gated})
         return
     console.print(f"simulated {simulated.events:,} events over {simulated.days} days "
                   f"(drift: {simulated.drift} from day {simulated.drift_day}) into {simulated.out_dir}")
@@ -366,7 +376,14 @@ def demo_command(
     else:
         console.print(f"trained {trained['samples']:,} samples ({trained['samples_per_s']:,.0f}/s): validation AUC "
                       f"{trained['auc']:.4f} vs the oracle's {trained['oracle_auc']:.4f}; checkpoint "
-                      f"{trained['checkpoint']}")
+                      f"{trained['checkpoint']}; MLflow version {trained['mlflow']['version']}")
+        if "skipped" in gated:
+            console.print(f"gate: {gated['skipped']}")
+        elif gated:
+            verdict = f"passed → {gated['alias']}" if gated["passed"] else "refused: " + "; ".join(gated["reasons"])
+            console.print(f"gate: version {gated['version']} {verdict}")
+        console.print(f"review: .venv/bin/mlflow ui --backend-store-uri "
+                      f"{settings.resolved_mlflow_tracking_uri()}")
     console.print(f"lake: {settings.lake_events_dir}   quarantine: {settings.quarantine_dir}   "
                   f"features: {settings.home / 'features'}")
 

@@ -90,6 +90,12 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
 
     state = read_checkpoint(Path(summary.checkpoint))
     experiment = configure(settings)
+    client = MlflowClient()
+    for earlier in client.search_runs([experiment], f"tags.`recloop.run_id` = '{summary.run_id}'"):
+        versions = client.search_model_versions(f"name='{MODEL_NAME}' and run_id='{earlier.info.run_id}'")
+        if versions:  # this training run is logged and registered already (a rerun of the same command)
+            first = min(versions, key=lambda v: int(v.version))
+            return LoggedModel(earlier.info.run_id, first.source, str(first.version))
     with mlflow.start_run(experiment_id=experiment, run_name=summary.run_id) as run:
         mlflow.log_params(_flatten("", {"train": state["train"], "model": state["model"]}, {}))
         figures = {"auc": summary.auc, "logloss": summary.logloss, "calibration": summary.calibration,
