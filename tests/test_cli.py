@@ -50,6 +50,19 @@ def test_features_on_an_empty_lake_is_a_message_and_exit_0(runner: CliRunner):
     assert json.loads(result.stdout)["rows"] == 0 and "no events" in json.loads(result.stdout)["message"]
 
 
+def test_drift_reports_a_sudden_shift_as_json(runner: CliRunner, tmp_path: Path):
+    out = tmp_path / "landing"
+    assert runner.invoke(app, ["simulate", "--out", str(out), "--days", "4", "--events-per-day", "4000",
+                               "--drift", "sudden", "--drift-day", "3", "--json"]).exit_code == 0
+    assert runner.invoke(app, ["ingest", str(out), "--json"]).exit_code == 0
+    result = runner.invoke(app, ["drift", "--hours", "24", "--reference-days", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["decision"] == "drift" and "item_id" in summary["drifted_columns"]
+    for key in ("reasons", "drift_share", "kpi", "reference", "current"):
+        assert key in summary
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

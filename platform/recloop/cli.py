@@ -324,6 +324,67 @@ def rollback_command(
     _emit(state) if json_out else console.print(f"aliases: {state}")
 
 
+@app.command("drift")
+def drift_command(
+    hours: Annotated[int, typer.Option(min=1, help="Newest hours of events to check.")] = 24,
+    reference_days: Annotated[int, typer.Option(min=1, help="Reference when there is no champion: days "
+                                                "before the checked hours.")] = 7,
+    spec: Annotated[str, typer.Option(help="Dataset spec of the lake's events.")] = "synthetic",
+    json_out: JsonOption = False,
+) -> None:
+    """Check the newest events for drift and broken columns against the champion's training window."""
+    from datetime import timedelta
+
+    import pyarrow.compute as pc
+
+    from recloop.features.job import read_lake_window
+    from recloop.monitor import run_monitor
+
+    settings = Settings()
+    try:
+        dataset = load_spec(spec)
+    except SpecError as err:
+        raise _fail(str(err)) from err
+    stamps = read_lake_window(settings, dataset, None, None, columns=[dataset.timestamp])
+    if stamps.num_rows == 0:
+        raise _fail("the lake has no events yet: run `recloop ingest`")
+    newest = pc.max(stamps[dataset.timestamp]).as_py()
+    end = newest.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    current = (end - timedelta(hours=hours), end)
+    reference = _champion_window(settings) or (current[0] - timedelta(days=reference_days), current[0])
+    try:
+        decision = run_monitor(settings, dataset, reference=reference, current=current)
+    except ValueError as err:
+        raise _fail(str(err)) from err
+    result = {**decision.to_dict(), "reference": [t.isoformat() for t in reference],
+              "current": [t.isoformat() for t in current]}
+    if json_out:
+        _emit(result)
+        return
+    console.print(f"[bold]{decision.decision}[/] ({current[0]:%Y-%m-%d %H:%M} → {current[1]:%H:%M} vs "
+                  f"{reference[0]:%Y-%m-%d %H:%M} → {reference[1]:%Y-%m-%d %H:%M}): " + "; ".join(decision.reasons))
+
+
+def _champion_window(settings: Settings):
+    """The champion's training window (from its MLflow run), or None without a champion."""
+    from datetime import UTC, timedelta
+
+    from recloop import registry
+
+    try:
+        version = registry.version_by_alias(settings, "champion")
+        if version is None:
+            return None
+        from mlflow import MlflowClient
+
+        run = MlflowClient().get_run(registry.version_info(settings, version)["run_id"])
+        first, last = run.data.tags["recloop.train_window"].split("..")
+    except Exception:  # noqa: BLE001 - no registry yet: fall back to the days before
+        return None
+    start = datetime.strptime(first, "%Y-%m-%dT%H").replace(tzinfo=UTC)
+    return start, datetime.strptime(last, "%Y-%m-%dT%H").replace(tzinfo=UTC) + timedelta(hours=1)
+
+
 @app.command("demo")
 def demo_command(
     days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 3,

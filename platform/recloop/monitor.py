@@ -1,0 +1,194 @@
+"""Drift and data-quality monitoring: a recent window of events against the champion's training window.
+
+Findings, in the order they decide:
+
+1. **data quality** — a column that suddenly arrives null or constant is its own finding, not drift:
+   retraining on broken data would teach the model the breakage, so it alerts and does not retrain;
+2. **KPI decay** — online CTR (and AUC) per model version against the baseline recorded when the
+   champion was promoted (fed by serving; none yet: the decision then rests on the data);
+3. **drift** — Evidently's ``DataDriftPreset`` over the context and item columns (per-column methods and
+   thresholds as Evidently chooses them for the sample size), judged by the share of drifted columns;
+   and, for entity keys, the share of recent events on ids the reference never saw (a new catalog wave
+   is that, more than any distribution distance over thousands of ids);
+4. otherwise **ok**.
+
+Windows are sampled to at most ``sample_rows`` rows each, so a 10M-row window costs no more than a small
+one. ``decide`` is pure; ``run_monitor`` does the IO.
+
+Example::
+
+    decision = run_monitor(settings, load_spec("synthetic"), reference=(start, end), current=(start, end))
+    decision.decision, decision.drifted_columns
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Literal
+
+import pandas as pd
+
+Outcome = Literal["ok", "drift", "kpi_decay", "data_quality"]
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """What counts as drift, decay or broken data.
+
+    Args:
+        drift_share: dataset drift when at least this share of the monitored columns drifted.
+        new_id_share: drift when at least this share of recent events use entity ids unseen in the
+            reference (a new catalog, a new user base).
+        null_jump: a column whose null share rose by more than this is broken.
+        sample_rows: rows sampled from each window.
+        max_ctr_drop: relative drop of online CTR against the promotion baseline that counts as decay.
+    """
+
+    drift_share: float = 0.3
+    new_id_share: float = 0.3
+    null_jump: float = 0.5
+    sample_rows: int = 50_000
+    max_ctr_drop: float = 0.10
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class MonitorDecision:
+    decision: Outcome
+    reasons: tuple[str, ...]
+    drift_share: float
+    drifted_columns: tuple[str, ...]
+    kpi: dict[str, float | None] = field(default_factory=dict)
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["reasons"], out["drifted_columns"] = list(self.reasons), list(self.drifted_columns)
+        return out
+
+
+# --- pure checks ---------------------------------------------------------------------------------------------
+
+
+def quality_findings(reference: pd.DataFrame, current: pd.DataFrame, columns: list[str],
+                     config: MonitorConfig) -> list[str]:
+    """Columns that went null or constant in the current window (while they were not in the reference)."""
+    findings = []
+    for column in columns:
+        before, now = reference[column].isna().mean(), current[column].isna().mean()
+        if now - before > config.null_jump:
+            findings.append(f"{column}: {now:.0%} null (reference {before:.0%})")
+            continue
+        if current[column].nunique(dropna=True) <= 1 < reference[column].nunique(dropna=True):
+            findings.append(f"{column}: constant in the current window")
+    return findings
+
+
+def new_id_findings(reference: pd.DataFrame, current: pd.DataFrame, keys: list[str],
+                    config: MonitorConfig) -> tuple[list[str], dict[str, float]]:
+    findings, figures = [], {}
+    for key in keys:
+        unseen = float((~current[key].isin(set(reference[key].dropna().unique()))).mean())
+        figures[f"{key}_unseen_share"] = unseen
+        if unseen >= config.new_id_share:
+            findings.append(f"{key}: {unseen:.0%} of recent events on ids unseen in the reference")
+    return findings, figures
+
+
+def kpi_findings(kpis: dict[str, float | None], baseline: dict[str, float | None], config: MonitorConfig) -> list[str]:
+    """Online CTR against the baseline recorded at promotion (both optional)."""
+    ctr, base = kpis.get("ctr"), baseline.get("ctr")
+    if ctr is None or base is None or not base > 0:
+        return []
+    if ctr < base * (1 - config.max_ctr_drop):
+        return [f"online CTR {ctr:.4f} is {1 - ctr / base:.0%} below the baseline {base:.4f}"]
+    return []
+
+
+def decide(quality: list[str], kpi: list[str], drift_share: float, drifted: list[str], new_ids: list[str],
+           config: MonitorConfig, kpis: dict | None = None, figures: dict | None = None) -> MonitorDecision:
+    """The typed decision (see the module docstring for the order)."""
+    kpis, figures = kpis or {}, figures or {}
+    drifted_columns = tuple(sorted(set(drifted) | {reason.split(":")[0] for reason in new_ids}))
+    if quality:
+        return MonitorDecision("data_quality", tuple(quality), drift_share, drifted_columns, kpis, figures)
+    if kpi:
+        return MonitorDecision("kpi_decay", tuple(kpi), drift_share, drifted_columns, kpis, figures)
+    reasons = list(new_ids)
+    if drift_share >= config.drift_share:
+        reasons.append(f"{drift_share:.0%} of monitored columns drifted: {', '.join(sorted(drifted))}")
+    if reasons:
+        return MonitorDecision("drift", tuple(reasons), drift_share, drifted_columns, kpis, figures)
+    return MonitorDecision("ok", ("no drift, no broken column, no KPI decay",), drift_share, drifted_columns, kpis,
+                           figures)
+
+
+# --- Evidently and IO ----------------------------------------------------------------------------------------
+
+
+def evidently_drift(reference: pd.DataFrame, current: pd.DataFrame, columns: list[str],
+                    config: MonitorConfig) -> tuple[float, list[str], dict[str, float]]:
+    """Share of drifted columns, the drifted ones, and each column's drift score (Evidently)."""
+    from evidently import DataDefinition, Dataset, Report
+    from evidently.presets import DataDriftPreset
+
+    numeric = [c for c in columns if pd.api.types.is_numeric_dtype(reference[c]) and reference[c].nunique() > 20]
+    categorical = [c for c in columns if c not in numeric]
+    definition = DataDefinition(numerical_columns=numeric, categorical_columns=categorical)
+
+    def dataset(frame: pd.DataFrame) -> Dataset:
+        data = frame[columns].copy()
+        for column in categorical:
+            data[column] = data[column].astype("string").fillna("<null>")
+        return Dataset.from_pandas(data, data_definition=definition)
+
+    snapshot = Report([DataDriftPreset(drift_share=config.drift_share)], include_tests=True).run(
+        current_data=dataset(current), reference_data=dataset(reference))
+    result = snapshot.dict()
+    scores, drifted, share = {}, [], 0.0
+    for metric in result["metrics"]:
+        name = str(metric.get("metric_name") or metric.get("metric_id"))
+        if name.startswith("DriftedColumnsCount"):
+            share = float(metric["value"]["share"])
+        elif name.startswith("ValueDrift(column="):
+            scores[name.split("column=")[1].split(",")[0]] = float(metric["value"])
+    for test in result["tests"]:
+        name = str(test.get("name", ""))
+        if name.startswith("Value Drift for column ") and str(test.get("status")).endswith("FAIL"):
+            drifted.append(name.removeprefix("Value Drift for column "))
+    return share, sorted(drifted), scores
+
+
+def sample(frame: pd.DataFrame, rows: int, seed: int) -> pd.DataFrame:
+    return frame.sample(rows, random_state=seed) if len(frame) > rows else frame
+
+
+def run_monitor(settings, spec, reference: tuple[datetime, datetime], current: tuple[datetime, datetime],
+                config: MonitorConfig | None = None, kpis: dict | None = None,
+                baseline: dict | None = None) -> MonitorDecision:
+    """Compare the lake's events in ``current`` with those in ``reference`` (both [start, end))."""
+    from recloop.features.job import _to_us, read_lake_window
+
+    config = config or MonitorConfig()
+    keys = [k for k in (spec.user_key, spec.item_key) if k]
+    monitored = [c.name for c in spec.columns if c.role in ("categorical", "numeric")]
+    columns = [*monitored, *keys]
+
+    def window(bounds: tuple[datetime, datetime]) -> pd.DataFrame:
+        table = read_lake_window(settings, spec, _to_us(bounds[0]), _to_us(bounds[1]), columns=columns)
+        return sample(table.to_pandas(), config.sample_rows, config.seed) if table.num_rows else pd.DataFrame()
+
+    ref, cur = window(reference), window(current)
+    if ref.empty or cur.empty:
+        raise ValueError(f"no events in the {'reference' if ref.empty else 'current'} window")
+    quality = quality_findings(ref, cur, monitored, config)
+    healthy = [c for c in monitored if not any(f.startswith(f"{c}:") for f in quality)]
+    share, drifted, scores = evidently_drift(ref, cur, healthy, config) if healthy else (0.0, [], {})
+    new_ids, figures = new_id_findings(ref, cur, keys, config)
+    figures.update({f"drift_score.{k}": v for k, v in scores.items() if not math.isnan(v)})
+    figures.update(reference_rows=float(len(ref)), current_rows=float(len(cur)))
+    kpis = kpis or {}
+    return decide(quality, kpi_findings(kpis, baseline or {}, config), share, drifted, new_ids, config, kpis, figures)
+

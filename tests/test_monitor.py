@@ -1,0 +1,60 @@
+"""Drift monitoring: each scenario of the synthetic world gives the decision it should, and `none` none."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from recloop.monitor import MonitorConfig, decide, kpi_findings, run_monitor
+from recloop.schema import load_spec
+from recloop.simulate import WorldConfig
+
+SPEC = load_spec("synthetic")
+CONFIG = MonitorConfig()
+
+
+def day(n: int) -> datetime:
+    return datetime(2026, 1, n, tzinfo=UTC)
+
+
+def test_decision_order_is_quality_then_kpi_then_drift():
+    both = decide(["price: 100% null"], ["online CTR down"], 0.8, ["device"], [], CONFIG)
+    assert both.decision == "data_quality" and both.reasons == ("price: 100% null",)
+    assert decide([], ["online CTR down"], 0.8, ["device"], [], CONFIG).decision == "kpi_decay"
+    drift = decide([], [], 0.4, ["country", "device"], ["item_id: 60% unseen"], CONFIG)
+    assert drift.decision == "drift" and drift.drifted_columns == ("country", "device", "item_id")
+    assert decide([], [], 0.2, ["device"], [], CONFIG).decision == "ok"  # one column of five is not enough
+    assert kpi_findings({"ctr": 0.08}, {"ctr": 0.10}, CONFIG) == ["online CTR 0.0800 is 20% below the baseline 0.1000"]
+    assert kpi_findings({"ctr": 0.095}, {"ctr": 0.10}, CONFIG) == []
+    assert kpi_findings({}, {"ctr": 0.10}, CONFIG) == []
+
+
+@pytest.mark.parametrize(("scenario", "decision", "columns"), [
+    ("sudden", "drift", {"item_id"}),
+    ("covariate", "drift", {"device", "country"}),
+    ("broken_column", "data_quality", set()),
+])
+def test_each_scenario_is_found_the_day_it_starts(scenario, decision, columns, tmp_path, lake_factory):
+    world = WorldConfig(seed=3, days=4, events_per_day=8000, drift=scenario, drift_day=3)
+    settings = lake_factory(tmp_path, world, features=False)
+    before = run_monitor(settings, SPEC, reference=(day(1), day(3)), current=(day(3), day(4)))
+    after = run_monitor(settings, SPEC, reference=(day(1), day(3)), current=(day(4), day(5)))
+    assert before.decision == "ok", before.reasons
+    assert after.decision == decision, after.reasons
+    assert columns <= set(after.drifted_columns)
+    if scenario == "broken_column":
+        assert after.reasons == ("price: 100% null (reference 0%)",)
+
+
+def test_no_drift_means_no_false_alarm(tmp_path, lake_factory):
+    settings = lake_factory(tmp_path, WorldConfig(seed=5, days=7, events_per_day=8000), features=False)
+    decisions = [run_monitor(settings, SPEC, reference=(day(d - 2), day(d)), current=(day(d), day(d + 1))).decision
+                 for d in range(3, 8)]
+    assert decisions.count("ok") == len(decisions), decisions  # 0 false positives in 5 runs
+
+
+def test_an_empty_window_is_a_clear_error(tmp_path, lake_factory):
+    settings = lake_factory(tmp_path, WorldConfig(seed=5, days=1, events_per_day=500), features=False)
+    with pytest.raises(ValueError, match="no events in the current window"):
+        run_monitor(settings, SPEC, reference=(day(1), day(2)), current=(day(9), day(10)))
