@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,6 +84,8 @@ def _floor_failures(scores: ModelScores, thresholds: GateThresholds) -> list[str
     from mlflow.models import MetricThreshold
     from mlflow.models.evaluation import EvaluationResult
 
+    # MLflow logs "Model validation passed!" at INFO for every check; the decision carries the result.
+    logging.getLogger("mlflow.models.evaluation.validation").setLevel(logging.WARNING)
     floors = {"auc": MetricThreshold(threshold=thresholds.min_auc, greater_is_better=True),
               "logloss": MetricThreshold(threshold=thresholds.max_logloss, greater_is_better=False)}
     failures = []
