@@ -51,6 +51,14 @@ def _progress(description: str, total: int, quiet: bool) -> Iterator[Progress]:
         yield progress
 
 
+def _load_spec(name: str):
+    """The dataset spec, or exit 2 with the spec's own message."""
+    try:
+        return load_spec(name)
+    except SpecError as err:
+        raise _fail(str(err)) from err
+
+
 def _parse_start(value: str) -> datetime:
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -65,10 +73,7 @@ def _run_simulation(config: WorldConfig, out: Path, quiet: bool) -> SimulationSu
 
 
 def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -> IngestSummary:
-    try:
-        spec = load_spec(spec_name)
-    except SpecError as err:
-        raise _fail(str(err)) from err
+    spec = _load_spec(spec_name)
     from recloop.ingest.run import discover
 
     try:
@@ -190,10 +195,7 @@ def features_command(
 ) -> None:
     """Build features for a window: vocabularies, training rows, entity tables; then update Feast."""
     settings = Settings()
-    try:
-        dataset = load_spec(spec)
-    except SpecError as err:
-        raise _fail(str(err)) from err
+    dataset = _load_spec(spec)
     window = {k: _parse_start(v) for k, v in (("start", start), ("end", end)) if v}
     summary = _run_features(settings, dataset, window, json_out, materialize)
     if json_out:
@@ -333,22 +335,17 @@ def drift_command(
     json_out: JsonOption = False,
 ) -> None:
     """Check the newest events for drift and broken columns against the champion's training window."""
-    from datetime import timedelta
+    from datetime import UTC, timedelta
 
-    import pyarrow.compute as pc
-
-    from recloop.features.job import read_lake_window
+    from recloop.features.job import lake_time_bounds
     from recloop.monitor import run_monitor
 
     settings = Settings()
-    try:
-        dataset = load_spec(spec)
-    except SpecError as err:
-        raise _fail(str(err)) from err
-    stamps = read_lake_window(settings, dataset, None, None, columns=[dataset.timestamp])
-    if stamps.num_rows == 0:
+    dataset = _load_spec(spec)
+    bounds = lake_time_bounds(settings, dataset)
+    if bounds is None:
         raise _fail("the lake has no events yet: run `recloop ingest`")
-    newest = pc.max(stamps[dataset.timestamp]).as_py()
+    newest = datetime.fromtimestamp(bounds[1] / 1_000_000, tz=UTC)
     end = newest.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
     current = (end - timedelta(hours=hours), end)
     reference = _champion_window(settings) or (current[0] - timedelta(days=reference_days), current[0])

@@ -120,6 +120,15 @@ def read_lake_window(settings: Settings, spec: DatasetSpec, start_us: int | None
         return lake.read_events(ledger, settings.home, settings.lake_events_dir, columns=columns, filter=condition)
 
 
+def lake_time_bounds(settings: Settings, spec: DatasetSpec) -> tuple[int, int] | None:
+    """First and last event time in the committed lake (UTC microseconds), or None if it is empty."""
+    table = read_lake_window(settings, spec, None, None, columns=[spec.timestamp])
+    if table.num_rows == 0:
+        return None
+    stamps = table[spec.timestamp].cast(pa.int64())
+    return pc.min(stamps).as_py(), pc.max(stamps).as_py()
+
+
 def build_features(
     settings: Settings, spec: DatasetSpec, config: FeatureConfig, *, start: datetime | None = None,
     end: datetime | None = None, backend: FrameBackend | None = None,
@@ -134,11 +143,10 @@ def build_features(
     store = StateStore(layout.state)
     latest = store.latest()
 
-    bounds = read_lake_window(settings, spec, None, None, columns=[spec.timestamp])
-    if bounds.num_rows == 0:
+    bounds = lake_time_bounds(settings, spec)
+    if bounds is None:
         return FeatureRunSummary("", "", backend.name, message="the lake has no events yet: run `recloop ingest`")
-    stamps = bounds[spec.timestamp].cast(pa.int64())
-    lake_first, lake_last = pc.min(stamps).as_py(), pc.max(stamps).as_py()
+    lake_first, lake_last = bounds
     start_us = _to_us(start) if start else (latest.as_of_us if latest else lake_first)
     end_us = _to_us(end) if end else lake_last + 1
     start_us -= start_us % HOUR_US
