@@ -45,7 +45,8 @@ class CanaryConfig:
         bake_seconds: time at a step before it is judged.
         min_requests, min_feedback: traffic the challenger must have seen at a step to be judged.
         max_error_rate_increase: absolute increase of the error rate allowed over the champion.
-        max_p99_ratio: challenger p99 latency at most this multiple of the champion's.
+        max_p99_ratio: challenger p99 scoring latency (the model's own time per request) at most this
+            multiple of the champion's.
         max_ctr_drop: relative drop of online CTR allowed (0.05 = 5 %).
         max_auc_drop: absolute drop of online AUC allowed (when both have one).
     """

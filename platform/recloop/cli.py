@@ -326,6 +326,67 @@ def rollback_command(
     _emit(state) if json_out else console.print(f"aliases: {state}")
 
 
+@app.command("serve")
+def serve_command(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    dataset: Annotated[str, typer.Option(help="Dataset spec of the requests' context and of the feedback.")]
+    = "synthetic",
+) -> None:
+    """Run the serving API (/rank, /feedback, /healthz, /metrics, /admin/*) on the registry's models."""
+    import uvicorn
+
+    from recloop.serve.app import create_app
+
+    spec = _load_spec(dataset)
+    console.print(f"serving on http://{host}:{port} (models from {Settings().resolved_mlflow_tracking_uri()})")
+    uvicorn.run(create_app(Settings(), spec), host=host, port=port, log_level="warning")
+
+
+CANARY_ACTIONS = ("status", "step", "promote", "rollback", "start")
+
+
+@app.command("canary")
+def canary_command(
+    action: Annotated[str, typer.Argument(help="status | step | promote | rollback | start")],
+    config: Annotated[Path | None, typer.Option(help="YAML with CanaryConfig fields (steps, bake_seconds, ...).")]
+    = None,
+    reason: Annotated[str, typer.Option(help="Why (promote, rollback): recorded in MLflow.")] = "by an operator",
+    shadow: Annotated[bool, typer.Option(help="start: score with the challenger in shadow instead.")] = False,
+    json_out: JsonOption = False,
+) -> None:
+    """The canary controller: show the state, judge and act (step), or promote / roll back by hand."""
+    from recloop.serve import controller
+
+    if action not in CANARY_ACTIONS:
+        raise _fail(f"unknown action {action!r}: one of {', '.join(CANARY_ACTIONS)}")
+    settings = Settings()
+    try:
+        canary_config = controller.load_config(config)
+        if action == "status":
+            result = controller.status(settings, canary_config)
+        elif action == "step":
+            result = controller.step(settings, canary_config)
+        elif action == "start":
+            result = controller.start(settings, canary_config, mode="shadow" if shadow else "canary")
+        else:
+            result = controller.manual(settings, action, reason)
+    except (controller.NoCanary, ValueError, FileNotFoundError) as err:
+        raise _fail(str(err)) from err
+    if json_out:
+        _emit(result)
+        return
+    decision = result.get("decision") or {}
+    console.print(f"aliases: {result.get('aliases')}")
+    if result.get("active", True) and "share" in result:
+        console.print(f"challenger v{result.get('challenger', result.get('version'))} at {result['share']:.0%} "
+                      f"({result.get('mode', 'canary')})")
+    if decision:
+        console.print(f"[bold]{result.get('action', decision.get('action'))}[/]: " + "; ".join(decision["reasons"]))
+    elif "message" in result:
+        console.print(result["message"])
+
+
 @app.command("drift")
 def drift_command(
     hours: Annotated[int, typer.Option(min=1, help="Newest hours of events to check.")] = 24,

@@ -50,8 +50,10 @@ def metrics(labels: np.ndarray, probabilities: np.ndarray, oracle: np.ndarray | 
     else:
         out.update(auc=auc(labels, probabilities), logloss=log_loss(labels, probabilities),
                    calibration=float(probabilities.mean() / max(labels.mean(), 1e-12)))
-    if oracle is not None:
-        out["oracle_auc"] = auc(labels, oracle)
+    if oracle is not None:  # known for simulated events only: served traffic fed back has none
+        oracle = np.asarray(oracle, dtype=np.float64)
+        known = np.isfinite(oracle)
+        out["oracle_auc"] = auc(labels[known], oracle[known]) if known.any() else float("nan")
         out["auc_vs_oracle"] = out["auc"] / out["oracle_auc"] if out["oracle_auc"] == out["oracle_auc"] else float("nan")
     return out
 

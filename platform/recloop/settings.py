@@ -39,7 +39,11 @@ class Settings(BaseSettings):
         object_store_url, object_store_access_key, object_store_secret_key: an S3-compatible object store.
         frame_backend: ``auto`` (cuDF when a GPU and cuDF are there, pandas otherwise), ``cudf`` or
             ``pandas``.
-        admin_token: bearer token for the serving API's admin endpoints.
+        admin_token: bearer token for the serving API's admin endpoints (admin endpoints refuse every
+            request while it is empty).
+        serve_poll_seconds: how often the serving API checks MLflow for moved aliases and canary share.
+        serve_torch_threads: intra-op threads per scoring call (requests already run in parallel).
+        feedback_flush_seconds: how often served feedback is written to the landing zone as a file.
     """
 
     model_config = SettingsConfigDict(env_prefix="RECLOOP_", env_file=".env", extra="ignore", frozen=True)
@@ -58,6 +62,9 @@ class Settings(BaseSettings):
     object_store_secret_key: SecretStr = SecretStr("")
     frame_backend: Literal["auto", "cudf", "pandas"] = "auto"
     admin_token: SecretStr = SecretStr("")
+    serve_poll_seconds: float = 2.0
+    serve_torch_threads: int = 1
+    feedback_flush_seconds: float = 5.0
 
     @property
     def landing_dir(self) -> Path:
@@ -82,6 +89,11 @@ class Settings(BaseSettings):
     def ledger_path(self) -> Path:
         """The ingestion ledger (SQLite). Its name starts with ``_`` so dataset readers skip it."""
         return self.lake_dir / "_ledger.sqlite"
+
+    @property
+    def serving_dir(self) -> Path:
+        """The serving API's journal (requests, feedback) and its cache of downloaded models."""
+        return self.home / "serving"
 
     def resolved_mlflow_tracking_uri(self) -> str:
         """The tracking URI to use: the configured one, or SQLite under ``home``."""

@@ -195,7 +195,7 @@ class RankingModel(nn.Module):
         """``values`` with ids beyond a table's rows replaced by the out-of-vocabulary row (1)."""
         tables = len(self.table_names)
         batch = (offsets.numel() - 1) // tables
-        table_of_value = torch.searchsorted(offsets[::batch][1:tables], torch.arange(values.numel(),
+        table_of_value = torch.searchsorted(offsets[::batch][1:tables].contiguous(), torch.arange(values.numel(),
                                             device=values.device), right=True)
         rows = torch.tensor(self.embeddings.layout.rows, device=values.device)[table_of_value]
         return torch.where(values < rows, values, torch.ones_like(values))

@@ -1,0 +1,1 @@
+"""The serving API: FastAPI app, request features, model hot-swap, journal, metrics, canary controller."""

@@ -1,0 +1,372 @@
+"""The serving API (FastAPI under uvicorn): ``/rank``, ``/feedback``, ``/healthz``, ``/metrics``, ``/admin/*``.
+
+- ``POST /rank`` scores up to 1000 candidates for a user with the live deployment: the champion, or the
+  challenger for the sticky canary share of users (``canary.route``). A challenger that errors or
+  returns NaN is never what the user gets: the champion answers instead and the failure is counted
+  against the challenger. In shadow mode the challenger scores every request and the champion answers.
+- ``POST /feedback`` records impressions and clicks of a request (each event once) and, every
+  ``RECLOOP_FEEDBACK_FLUSH_SECONDS``, the serving process writes new events to the landing zone as a
+  parquet file in the dataset spec's columns: served traffic feeds the next retrain.
+- ``/admin/*`` needs ``Authorization: Bearer $RECLOOP_ADMIN_TOKEN``.
+
+Example::
+
+    app = create_app(Settings())            # what `recloop serve` runs
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+"""
+
+
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import torch
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from recloop import canary
+from recloop.features.config import FeatureConfig
+from recloop.schema import DatasetSpec, load_spec
+from recloop.serve.features import FeastOnline, OnlineReader, RequestError, RequestFeatures
+from recloop.serve.journal import FeedbackError, Journal, UnknownRequest
+from recloop.serve.metrics import ServingMetrics
+from recloop.serve.models import Deployment, ModelPool, score
+from recloop.settings import Settings
+
+log = logging.getLogger("recloop.serve")
+
+MAX_CANDIDATES = 1000
+INT64_MAX = 2**63 - 1
+Id = Annotated[int, Field(ge=0, le=INT64_MAX)]
+ContextValue = str | int | float | bool | None | list[Any]
+
+
+class RankRequest(BaseModel):
+    """A ranking request. ``context`` holds the spec's categorical, numeric and list columns, each one
+    value for all candidates or a list with one value per candidate; ``ts`` (default: now) is the event
+    time the features are computed at."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+    user_id: Id
+    item_ids: list[Id] = Field(min_length=1, max_length=MAX_CANDIDATES)
+    context: dict[str, ContextValue] = Field(default_factory=dict, max_length=64)
+    ts: datetime | None = None
+    top_k: int | None = Field(default=None, ge=1, le=MAX_CANDIDATES)
+
+
+class RankedItem(BaseModel):
+    item_id: int
+    score: float
+
+
+class RankResponse(BaseModel):
+    request_id: str
+    model_version: str
+    variant: Literal["champion", "challenger"]
+    items: list[RankedItem]
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    impressions: list[Id] = Field(min_length=1, max_length=MAX_CANDIDATES)
+    clicks: list[Id] = Field(default_factory=list, max_length=MAX_CANDIDATES)
+
+
+class CanaryRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    share: float = Field(ge=0.0, le=1.0)
+    mode: Literal["canary", "shadow"] | None = None
+
+
+class ReasonRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field(default="by an operator", max_length=500)
+
+
+class Service:
+    """Everything a request touches, built once per process."""
+
+    def __init__(self, settings: Settings, spec: DatasetSpec, online: OnlineReader | None = None,
+                 pool: ModelPool | None = None):
+        self.settings, self.spec = settings, spec
+        self.metrics = ServingMetrics()
+        self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), online or FeastOnline(settings))
+        self.pool = pool or ModelPool(settings)
+        self.pool.on_swap = lambda old, new: self._deployed(new)
+        self.journal = Journal(settings.serving_dir / "journal.db", spec)
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+
+    def _deployed(self, live: Deployment) -> None:
+        self.metrics.swaps.inc()
+        self.metrics.deployment(live.versions, live.share, live.mode == "shadow")
+
+    def start(self) -> None:
+        torch.set_num_threads(max(1, self.settings.serve_torch_threads))
+        try:
+            self.pool.sync()
+        except Exception as err:  # noqa: BLE001 - serve what can be served; the watcher retries
+            log.warning("first model sync failed: %s", err)
+        self._deployed(self.pool.live)
+        self.pool.start()
+
+        def flush_feedback() -> None:
+            while not self._stop.wait(self.settings.feedback_flush_seconds):
+                self.land_feedback()
+                self.features.refresh()
+
+        self._flusher = threading.Thread(target=flush_feedback, name="recloop-feedback", daemon=True)
+        self._flusher.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.pool.stop()
+        if self._flusher:
+            self._flusher.join(timeout=10)
+        self.land_feedback()
+        self.journal.close()
+
+    def land_feedback(self) -> int:
+        try:
+            _, rows = self.journal.land_feedback(self.settings.landing_dir)
+        except Exception as err:  # noqa: BLE001 - kept in the journal; the next flush retries
+            log.error("writing feedback to the landing zone failed: %s", err)
+            return 0
+        self.metrics.landed.inc(rows)
+        return rows
+
+    # --- ranking ----------------------------------------------------------------------------------------
+
+    def rank(self, body: RankRequest) -> RankResponse:
+        started = time.perf_counter()
+        live = self.pool.live  # this request's models, whatever the watcher swaps meanwhile
+        if live.champion is None:
+            raise HTTPException(503, "no champion model is deployed yet (train and gate a model first)")
+        canary_on = live.challenger is not None and live.mode == "canary"
+        variant = canary.route(body.user_id, live.share, live.salt) if canary_on else "champion"
+        ts = body.ts or datetime.now(UTC)
+        ts_us = int((ts if ts.tzinfo else ts.replace(tzinfo=UTC)).timestamp() * 1_000_000)
+        try:
+            rows, fallbacks = self.features.rows(body.user_id, body.item_ids, body.context, ts_us)
+        except RequestError as err:
+            raise HTTPException(422, str(err)) from err
+        self.metrics.fallbacks.labels("user").inc(fallbacks.user)
+        self.metrics.fallbacks.labels("item").inc(fallbacks.items)
+
+        evaluations, all_scores = [], {}
+        routed = live.challenger if variant == "challenger" else live.champion
+        served_scores, status = self._evaluate(routed, rows, "served", evaluations, all_scores)
+        served = routed
+        if status != "ok" and routed is live.challenger:  # never hand the user a broken answer
+            served = live.champion
+            served_scores, status = self._evaluate(served, rows, "served", evaluations, all_scores)
+            status = "fallback" if status == "ok" else status
+        if status not in ("ok", "fallback"):
+            self.metrics.requests.labels(variant, served.version, "error").inc()
+            raise HTTPException(500, f"model v{served.version} could not score this request ({status})")
+        if live.challenger is not None and live.mode == "shadow":
+            self._evaluate(live.challenger, rows, "shadow", evaluations, all_scores)
+
+        order = np.argsort(-served_scores, kind="stable")[: body.top_k or len(body.item_ids)]
+        items = [RankedItem(item_id=body.item_ids[i], score=float(served_scores[i])) for i in order]
+        request_id = uuid.uuid4().hex
+        latency_ms = (time.perf_counter() - started) * 1000
+        per_candidate = {k: isinstance(v, list) and len(v) == len(body.item_ids)
+                         and not (k in self._list_columns and v and not isinstance(v[0], list))
+                         for k, v in body.context.items()}
+        payload = {"item_ids": body.item_ids, "context": body.context, "per_candidate": per_candidate,
+                   "scores": all_scores, "ranked": [body.item_ids[i] for i in order]}
+        self.journal.record(
+            (request_id, time.time(), ts_us, body.user_id, variant, served.version, latency_ms, json.dumps(payload)),
+            [(request_id, *e, time.time()) for e in evaluations])
+        self.metrics.requests.labels(variant, served.version, status).inc()
+        self.metrics.latency.labels(variant, served.version).observe(latency_ms / 1000)
+        return RankResponse(request_id=request_id, model_version=served.version, variant=variant, items=items)
+
+    @property
+    def _list_columns(self) -> set[str]:
+        return {c.name for c in self.spec.by_role("multi_hot")}
+
+    def _evaluate(self, model, rows, role: str, evaluations: list, all_scores: dict
+                  ) -> tuple[np.ndarray, str]:
+        began = time.perf_counter()
+        try:
+            values = score(model, rows).numpy()
+            status = "ok" if np.isfinite(values).all() else "nan"
+        except Exception as err:  # noqa: BLE001 - a model failing is data for the canary, not a crash
+            log.error("model v%s failed to score: %s", model.version, err)
+            values, status = np.full(rows.num_rows, np.nan), "error"
+        # The model's own time: feature reads are the same for both variants and would only add noise
+        # to the canary's latency comparison (the request latency is in the metrics' histograms).
+        latency = (time.perf_counter() - began) * 1000
+        evaluations.append((model.version, role, status, latency))
+        self.metrics.evaluations.labels(model.version, role, status).inc()
+        if status == "ok":
+            all_scores[model.version] = [round(float(v), 6) for v in values]
+        return values, status
+
+
+def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synthetic", *,
+               online: OnlineReader | None = None, pool: ModelPool | None = None) -> FastAPI:
+    settings = settings or Settings()
+    spec = load_spec(spec) if isinstance(spec, str) else spec
+    holder: dict[str, Service] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service = Service(settings, spec, online, pool)
+        service.start()
+        holder["service"] = service
+        app.state.service = service
+        yield
+        service.stop()
+
+    app = FastAPI(title="recloop serving", version="1", lifespan=lifespan)
+    bearer = HTTPBearer(auto_error=False)
+
+    def service() -> Service:
+        return holder["service"]
+
+    def admin(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        token = settings.admin_token.get_secret_value()
+        if not token:
+            raise HTTPException(403, "admin endpoints are disabled: set RECLOOP_ADMIN_TOKEN")
+        if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), token.encode()):
+            raise HTTPException(401, "a valid admin bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError):
+        if "service" in holder:
+            holder["service"].metrics.invalid.labels(request.url.path, "422").inc()
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in err.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.post("/rank", response_model=RankResponse)
+    def rank(body: RankRequest, svc: Annotated[Service, Depends(service)]) -> RankResponse:
+        try:
+            return svc.rank(body)
+        except HTTPException as err:
+            if err.status_code < 500:
+                svc.metrics.invalid.labels("/rank", str(err.status_code)).inc()
+            raise
+
+    @app.post("/feedback")
+    def feedback(body: FeedbackRequest, svc: Annotated[Service, Depends(service)]) -> dict:
+        try:
+            result = svc.journal.add_feedback(body.request_id, body.impressions, body.clicks)
+        except UnknownRequest as err:
+            svc.metrics.invalid.labels("/feedback", "404").inc()
+            raise HTTPException(404, str(err)) from err
+        except FeedbackError as err:
+            svc.metrics.invalid.labels("/feedback", "422").inc()
+            raise HTTPException(422, str(err)) from err
+        if result["accepted"]:
+            svc.metrics.feedback(result["served_version"], result["accepted"], result["clicks"])
+        svc.metrics.duplicates.inc(result["duplicates"])
+        return result
+
+    @app.get("/healthz")
+    def healthz(svc: Annotated[Service, Depends(service)]) -> JSONResponse:
+        live = svc.pool.live
+        body = {"ready": live.champion is not None, "versions": live.versions, "share": live.share,
+                "mode": live.mode, "feature_state": svc.features.state_version, "swaps": svc.pool.swaps,
+                "watcher_error": svc.pool.last_error}
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/metrics")
+    def metrics(svc: Annotated[Service, Depends(service)]) -> Response:
+        return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/admin/reload", dependencies=[Depends(admin)])
+    def reload(svc: Annotated[Service, Depends(service)]) -> dict:
+        swapped = svc.pool.sync()
+        svc.features.refresh()
+        return {"swapped": swapped, "versions": svc.pool.live.versions, "share": svc.pool.live.share,
+                "feature_state": svc.features.state_version}
+
+    @app.post("/admin/canary", dependencies=[Depends(admin)])
+    def set_canary(body: CanaryRequest, svc: Annotated[Service, Depends(service)]) -> dict:
+        from recloop.serve import controller
+
+        try:
+            state = controller.set_share(settings, body.share, body.mode, who="admin-api")
+        except controller.NoCanary as err:
+            raise HTTPException(409, str(err)) from err
+        live = svc.pool.set_share(state["share"], state["mode"])
+        svc.metrics.deployment(live.versions, live.share, live.mode == "shadow")
+        return state
+
+    @app.post("/admin/promote", dependencies=[Depends(admin)])
+    def promote(body: ReasonRequest, svc: Annotated[Service, Depends(service)]) -> dict:
+        from recloop.serve import controller
+
+        try:
+            result = controller.manual(settings, "promote", body.reason, who="admin-api")
+        except controller.NoCanary as err:
+            raise HTTPException(409, str(err)) from err
+        svc.pool.sync()
+        return result
+
+    @app.post("/admin/rollback", dependencies=[Depends(admin)])
+    def rollback(body: ReasonRequest, svc: Annotated[Service, Depends(service)]) -> dict:
+        from recloop.serve import controller
+
+        try:
+            result = controller.manual(settings, "rollback", body.reason, who="admin-api")
+        except controller.NoCanary as err:
+            raise HTTPException(409, str(err)) from err
+        svc.pool.sync()
+        return result
+
+    @app.post("/admin/flush", dependencies=[Depends(admin)])
+    def flush(svc: Annotated[Service, Depends(service)]) -> dict:
+        return {"landed": svc.land_feedback()}
+
+    return app
+
+
+class ServerThread:
+    """Run an app under uvicorn in a background thread (tests, the demo, benchmarks)::
+
+        with ServerThread(create_app(settings), port=0) as server:
+            httpx.get(f"{server.url}/healthz")
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        import socket
+
+        import uvicorn
+
+        if port == 0:
+            with socket.socket() as probe:
+                probe.bind((host, 0))
+                port = probe.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    access_log=False))
+        self.thread = threading.Thread(target=self.server.run, name="recloop-uvicorn", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise RuntimeError("the serving API did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

@@ -1,0 +1,172 @@
+"""Model inputs for a ranking request, built by the training job's own row builder.
+
+A request names a user, the candidate items and a context (the spec's categorical, numeric and list
+columns, each one value for every candidate or a list with one value per candidate). The user's and the
+items' state comes from the Feast online store in one batched read of ``ranking_v1``; the request then
+goes through ``features.job.training_rows`` exactly as a training event would, with the online state in
+place of the point-in-time state. One code path for both sides is what keeps training and serving
+consistent (``tests/test_serve.py`` checks served rows against the training rows of the same events).
+
+An entity the online store does not know gets the training job's "never seen" values (zero counts,
+the prior CTR, the capped recency), and is counted as a fallback.
+
+Example::
+
+    builder = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), FeastOnline(settings))
+    rows, fallbacks = builder.rows(user_id=7, item_ids=[3, 9], context={"device": "ios"}, ts_us=now_us)
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from recloop.features import ops
+from recloop.features.backend import get_backend
+from recloop.features.config import FeatureConfig
+from recloop.features.job import ENTITY_PREFIXES, FeatureLayout, training_rows
+from recloop.features.state import FeatureState, StateStore
+from recloop.ingest.validate import ARROW_TYPES
+from recloop.schema import DatasetSpec
+from recloop.settings import Settings
+
+CONTEXT_ROLES = ("categorical", "numeric", "multi_hot")
+DEFAULT_POSITION = 1  # rank as if every candidate were shown first: the model's position effect is a constant
+
+
+class RequestError(ValueError):
+    """A request the features cannot be built for (unknown context column, wrong type or length)."""
+
+
+class OnlineReader(Protocol):
+    def read(self, user_id: int, item_ids: list[int]) -> dict[str, np.ndarray]:
+        """Raw entity state: ``user_<stat>`` (length 1) and ``item_<stat>`` (one per item); NaN = unknown."""
+
+
+class FeastOnline:
+    """The ``ranking_v1`` feature service of the Feast online store (SQLite or Redis per settings)."""
+
+    def __init__(self, settings: Settings):
+        from recloop.features.store import FEATURE_SERVICE, feature_store
+
+        self.store = feature_store(settings)
+        self.service = self.store.get_feature_service(FEATURE_SERVICE)
+
+    def read(self, user_id: int, item_ids: list[int]) -> dict[str, np.ndarray]:
+        entities = {"user_id": [user_id] * len(item_ids), "item_id": list(item_ids)}
+        response = self.store.get_online_features(features=self.service, entity_rows=entities).proto
+        vectors = dict(zip(response.metadata.feature_names.val, response.results, strict=True))
+        out = {}
+        for prefix in ENTITY_PREFIXES.values():
+            for stat in ops.STAT_NAMES:
+                values = vectors[f"{prefix}_{stat}"].values
+                out[f"{prefix}_{stat}"] = _floats(values[:1] if prefix == "user" else values)
+        return out
+
+
+def _floats(values) -> np.ndarray:
+    """Feast value protos as float64, NaN where the store had nothing (faster than Feast's ``to_dict``)."""
+    out = np.full(len(values), np.nan)
+    for i, value in enumerate(values):
+        kind = value.WhichOneof("val")
+        if kind is not None and kind != "null_val":
+            out[i] = getattr(value, kind)
+    return out
+
+
+@dataclass(frozen=True)
+class Fallbacks:
+    """Entities of one request that the online store did not know."""
+
+    user: int
+    items: int
+
+
+class RequestFeatures:
+    """Builds model input rows for requests; reloads vocabularies and statistics when the job writes a new state."""
+
+    def __init__(self, settings: Settings, spec: DatasetSpec, config: FeatureConfig, online: OnlineReader):
+        self.spec, self.config, self.online = spec, config, online
+        self.backend = get_backend("pandas")  # a request is 1-1000 rows: the host is faster than a launch
+        self._states = StateStore(FeatureLayout.for_settings(settings).state)
+        self._state: FeatureState | None = None
+        self._lock = threading.Lock()
+        self.refresh()
+        self._context_columns = {c.name: c for role in CONTEXT_ROLES for c in spec.by_role(role)}
+
+    @property
+    def state_version(self) -> int | None:
+        return self._state.version if self._state else None
+
+    def refresh(self) -> bool:
+        """Load the newest feature state if the feature job wrote one since; returns whether it did."""
+        versions = self._states.versions()
+        if not versions or (self._state and self._state.version == versions[-1]):
+            return False
+        state = self._states.load(versions[-1])
+        with self._lock:
+            self._state = state
+        return True
+
+    def rows(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int
+             ) -> tuple[pa.Table, Fallbacks]:
+        """One row per candidate, with the training rows' ``d_*``, ``c_*`` and ``m_*`` columns."""
+        state = self._state
+        if state is None:
+            raise RuntimeError("no feature state yet: run `recloop features` before serving")
+        window = self._window(user_id, item_ids, context, ts_us)
+        raw = self.online.read(user_id, item_ids)
+        n = len(item_ids)
+        befores = {}
+        for prefix in ENTITY_PREFIXES.values():
+            columns = {f"{prefix}_{s}": raw[f"{prefix}_{s}"] for s in ops.STAT_NAMES}
+            if prefix == "user":
+                columns = {k: np.repeat(v, n) for k, v in columns.items()}
+            befores[prefix] = self.backend.frames.DataFrame(columns)
+        fallbacks = Fallbacks(user=int(np.isnan(raw["user_events_total"]).all()),
+                              items=int(np.isnan(raw["item_events_total"]).sum()))
+        return training_rows(self.backend, self.config, self.spec, window, state.vocabularies, state.stats,
+                             befores), fallbacks
+
+    def _window(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int) -> pa.Table:
+        """The request as a table of events, in the spec's columns (what ingestion would have landed)."""
+        spec, n = self.spec, len(item_ids)
+        unknown = sorted(set(context) - set(self._context_columns))
+        if unknown:
+            raise RequestError(f"unknown context columns {unknown}; allowed: {sorted(self._context_columns)}")
+        columns: dict[str, pa.Array] = {
+            spec.event_id: pa.array([""] * n, pa.string()),
+            spec.timestamp: pa.array(np.full(n, ts_us), pa.timestamp("us", tz="UTC")),
+            spec.label: pa.array(np.zeros(n, np.int8)),
+        }
+        if spec.user_key:
+            columns[spec.user_key] = pa.array(np.full(n, user_id, dtype=np.int64))
+        if spec.item_key:
+            columns[spec.item_key] = pa.array(np.asarray(item_ids, dtype=np.int64))
+        for name, column in self._context_columns.items():
+            value = context.get(name, DEFAULT_POSITION if name == "position" else None)
+            columns[name] = _broadcast(name, value, n, ARROW_TYPES[column.dtype])
+        for oracle in spec.by_role("oracle"):
+            columns[oracle.name] = pa.nulls(n, ARROW_TYPES[oracle.dtype])
+        columns["_ts_us"] = pa.array(np.full(n, ts_us, dtype=np.int64))
+        return pa.table(columns)
+
+
+def _broadcast(name: str, value: Any, n: int, arrow_type: pa.DataType) -> pa.Array:
+    """A context value as a column of ``n``: one value for every candidate, or one per candidate."""
+    is_list_type = pa.types.is_list(arrow_type)
+    per_candidate = isinstance(value, list) and (not is_list_type or (value and isinstance(value[0], list | None)))
+    if is_list_type and isinstance(value, list) and not value:
+        per_candidate = False
+    values = value if per_candidate else [value] * n
+    if len(values) != n:
+        raise RequestError(f"context {name!r} has {len(values)} values for {n} candidates "
+                           "(give one value, or one per candidate)")
+    try:
+        return pa.array(values, arrow_type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as err:
+        raise RequestError(f"context {name!r}: {err}") from err

@@ -1,0 +1,241 @@
+"""The serving journal: every request, every model evaluation, every feedback event (SQLite, WAL).
+
+It is what closes the loop and what the canary controller judges on:
+
+- ``requests``: who asked, what was served by which version (the payload keeps candidates, context,
+  scores and the ranked list, so feedback can be turned into full events later);
+- ``evaluations``: one row per model that scored a request (the served one, and the challenger in
+  shadow mode), with its latency and status (``ok``, ``error``, ``nan``);
+- ``feedback``: one row per impression, keyed by its event id (``<request_id>-<item_id>``): a repeated
+  feedback call is ignored, so every event exists once. ``landed_file`` is set once the event was
+  written to the landing zone; events written but not marked (a crash in between) are written again
+  and ingestion drops the duplicate ids, so nothing is lost and nothing lands twice.
+
+Request rows are written by a background thread in batches (a request never waits on SQLite); feedback
+is written synchronously, because its answer says what was accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recloop.evaluate import auc
+from recloop.ingest.validate import ARROW_TYPES
+from recloop.schema import DatasetSpec
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    request_id TEXT PRIMARY KEY, at REAL NOT NULL, ts_us INTEGER NOT NULL, user_id INTEGER NOT NULL,
+    variant TEXT NOT NULL, served_version TEXT NOT NULL, latency_ms REAL NOT NULL, payload TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS evaluations (
+    request_id TEXT NOT NULL, version TEXT NOT NULL, role TEXT NOT NULL, status TEXT NOT NULL,
+    latency_ms REAL NOT NULL, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS evaluations_by_version ON evaluations (version, at);
+CREATE TABLE IF NOT EXISTS feedback (
+    event_id TEXT PRIMARY KEY, request_id TEXT NOT NULL, item_id INTEGER NOT NULL, label INTEGER NOT NULL,
+    at REAL NOT NULL, served_version TEXT NOT NULL, scores TEXT NOT NULL, landed_file TEXT);
+CREATE INDEX IF NOT EXISTS feedback_by_time ON feedback (at);
+CREATE INDEX IF NOT EXISTS feedback_unlanded ON feedback (landed_file) WHERE landed_file IS NULL;
+"""
+
+
+class FeedbackError(ValueError):
+    """Feedback that does not match its request (unknown request, items that were not candidates)."""
+
+
+class UnknownRequest(FeedbackError):
+    pass
+
+
+@dataclass(frozen=True)
+class VersionTraffic:
+    """What one model version did since a point in time (input of ``canary.decide``)."""
+
+    requests: int
+    errors: int
+    nan_responses: int
+    p99_ms: float
+    impressions: int
+    clicks: int
+    online_auc: float | None
+
+
+class Journal:
+    def __init__(self, path: Path, spec: DatasetSpec | None = None):
+        """``spec``: the dataset feedback lands as (only ``land_feedback`` needs it)."""
+        self.path, self.spec = Path(path), spec
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._writer = threading.Thread(target=self._write_loop, name="recloop-journal", daemon=True)
+        self._writer.start()
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def record(self, request: tuple, evaluations: list[tuple]) -> None:
+        """Queue a request row and its evaluations (written within ~50 ms, or at the next ``flush``)."""
+        self._queue.put((request, evaluations))
+
+    def flush(self) -> None:
+        """Write every queued request now."""
+        batch = []
+        while True:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if not batch:
+            return
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT OR IGNORE INTO requests VALUES (?,?,?,?,?,?,?,?)", [r for r, _ in batch])
+            self._db.executemany("INSERT INTO evaluations VALUES (?,?,?,?,?,?)", [e for _, es in batch for e in es])
+            self._db.execute("COMMIT")
+
+    def _write_loop(self) -> None:
+        while not self._stop.wait(0.05):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._writer.join(timeout=5)
+        self.flush()
+        self._db.close()
+
+    # --- feedback -------------------------------------------------------------------------------------
+
+    def add_feedback(self, request_id: str, impressions: list[int], clicks: list[int]) -> dict[str, int]:
+        """Record one event per impression (label 1 if clicked); returns counts of new and repeated events."""
+        self.flush()  # the request may still be queued
+        with self._lock:
+            row = self._db.execute("SELECT payload, served_version FROM requests WHERE request_id = ?",
+                                   (request_id,)).fetchone()
+        if row is None:
+            raise UnknownRequest(f"unknown request id {request_id!r}")
+        payload, served_version = json.loads(row[0]), row[1]
+        candidates = {item: i for i, item in enumerate(payload["item_ids"])}
+        strangers = sorted({i for i in impressions if i not in candidates})
+        if strangers:
+            raise FeedbackError(f"items {strangers[:10]} were not candidates of request {request_id}")
+        unshown = sorted(set(clicks) - set(impressions))
+        if unshown:
+            raise FeedbackError(f"clicks on items {unshown[:10]} that are not among the impressions")
+        clicked, now = set(clicks), time.time()
+        rows = []
+        for item in dict.fromkeys(impressions):  # an item shown twice in one list is one event
+            index = candidates[item]
+            scores = {version: values[index] for version, values in payload["scores"].items()}
+            rows.append((f"{request_id}-{item}", request_id, item, int(item in clicked), now, served_version,
+                         json.dumps(scores), None))
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            ids = [r[0] for r in rows]
+            seen = {r[0] for r in self._db.execute(
+                f"SELECT event_id FROM feedback WHERE event_id IN ({','.join('?' * len(ids))})", ids)}
+            new = [r for r in rows if r[0] not in seen]
+            self._db.executemany("INSERT INTO feedback VALUES (?,?,?,?,?,?,?,?)", new)
+            self._db.execute("COMMIT")
+        return {"accepted": len(new), "duplicates": len(rows) - len(new), "clicks": sum(r[3] for r in new),
+                "served_version": served_version}
+
+    def land_feedback(self, landing_dir: Path, limit: int = 200_000) -> tuple[Path | None, int]:
+        """Write events not landed yet as one parquet file in the landing zone; returns it and its rows."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT f.event_id, f.item_id, f.label, r.ts_us, r.user_id, r.payload FROM feedback f "
+                "JOIN requests r USING (request_id) WHERE f.landed_file IS NULL LIMIT ?", (limit,)).fetchall()
+        if not rows:
+            return None, 0
+        table = self._events(rows)
+        folder = Path(landing_dir) / "serving"
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"feedback-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = folder / f".{name}.tmp"
+        pq.write_table(table, tmp)
+        tmp.rename(folder / name)  # atomic: the ingester never sees half a file
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany("UPDATE feedback SET landed_file = ? WHERE event_id = ?",
+                                 [(name, r[0]) for r in rows])
+            self._db.execute("COMMIT")
+        return folder / name, len(rows)
+
+    def _events(self, rows: list[tuple]) -> pa.Table:
+        """Feedback rows as events in the dataset spec's columns (context per candidate, served position)."""
+        spec = self.spec
+        if spec is None:
+            raise ValueError("this journal was opened without a dataset spec: it cannot land feedback")
+        payloads: dict[str, dict] = {}
+        columns: dict[str, list] = {c.name: [] for c in spec.columns}
+        for event_id, item, label, ts_us, user_id, raw in rows:
+            payload = payloads.setdefault(raw, json.loads(raw))
+            index = payload["item_ids"].index(item)
+            values = {spec.event_id: event_id, spec.timestamp: ts_us, spec.label: label}
+            if spec.user_key:
+                values[spec.user_key] = user_id
+            if spec.item_key:
+                values[spec.item_key] = item
+            for name, value in payload["context"].items():
+                values[name] = value[index] if payload["per_candidate"].get(name) else value
+            if "position" in columns and "position" not in payload["context"]:
+                values["position"] = payload["ranked"].index(item) + 1
+            for name, column in columns.items():
+                column.append(values.get(name))
+        arrays = {}
+        for column in spec.columns:
+            values = columns[column.name]
+            if column.dtype == "timestamp":
+                arrays[column.name] = pa.array(np.asarray(values, dtype=np.int64), pa.timestamp("us", tz="UTC"))
+            else:
+                arrays[column.name] = pa.array(values, ARROW_TYPES[column.dtype])
+        return pa.table(arrays)
+
+    # --- what the canary controller reads ----------------------------------------------------------------
+
+    def traffic(self, version: str, since: float) -> VersionTraffic:
+        """Requests, errors, NaNs, p99 latency, feedback and online AUC of ``version`` since ``since``."""
+        self.flush()
+        with self._lock:
+            evaluations = self._db.execute(
+                "SELECT status, latency_ms FROM evaluations WHERE version = ? AND at >= ?", (version, since)).fetchall()
+            feedback = self._db.execute(
+                "SELECT label, served_version, scores FROM feedback WHERE at >= ?", (since,)).fetchall()
+        latencies = np.array([ms for _, ms in evaluations], dtype=np.float64)
+        served = [(label, v) for label, v, _ in feedback if v == version]
+        labels, scores = [], []
+        for label, _, raw in feedback:
+            score = json.loads(raw).get(version)
+            if score is not None:
+                labels.append(label)
+                scores.append(score)
+        online_auc = auc(np.array(labels), np.array(scores)) if len(labels) >= 2 else float("nan")
+        return VersionTraffic(
+            requests=len(evaluations), errors=sum(s == "error" for s, _ in evaluations),
+            nan_responses=sum(s == "nan" for s, _ in evaluations),
+            p99_ms=float(np.percentile(latencies, 99)) if len(latencies) else 0.0,
+            impressions=len(served), clicks=sum(label for label, _ in served),
+            online_auc=None if online_auc != online_auc else online_auc,
+        )
+
+    def online_ctr(self, since: float = 0.0) -> dict[str, dict[str, float]]:
+        """Impressions, clicks and CTR per served version since ``since``."""
+        with self._lock:
+            rows = self._db.execute("SELECT served_version, COUNT(*), SUM(label) FROM feedback WHERE at >= ? "
+                                    "GROUP BY served_version", (since,)).fetchall()
+        return {v: {"impressions": n, "clicks": int(c or 0), "ctr": (c or 0) / n} for v, n, c in rows}

@@ -1,0 +1,57 @@
+"""Prometheus metrics of the serving API (``GET /metrics``), on a registry of its own per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServingMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("recloop_requests", "Ranking requests by routed variant, answering version and "
+                                "outcome (ok, fallback = challenger failed and the champion answered, error)",
+                                ["variant", "version", "status"], registry=r)
+        self.latency = Histogram("recloop_request_seconds", "Ranking latency by routed variant and version",
+                                 ["variant", "version"], buckets=LATENCY_BUCKETS, registry=r)
+        self.evaluations = Counter("recloop_model_evaluations", "Model scoring calls by version, role "
+                                   "(served, shadow) and status (ok, nan, error)", ["version", "role", "status"],
+                                   registry=r)
+        self.invalid = Counter("recloop_invalid_requests", "Requests refused with a 4xx answer",
+                               ["endpoint", "status"], registry=r)
+        self.fallbacks = Counter("recloop_feature_fallbacks", "Entities missing from the online store, served "
+                                 "with the never-seen defaults", ["entity"], registry=r)
+        self.impressions = Counter("recloop_impressions", "Feedback impressions by serving version", ["version"],
+                                   registry=r)
+        self.clicks = Counter("recloop_clicks", "Feedback clicks by serving version", ["version"], registry=r)
+        self.online_ctr = Gauge("recloop_online_ctr", "Clicks / impressions by serving version since start",
+                                ["version"], registry=r)
+        self.duplicates = Counter("recloop_feedback_duplicates", "Feedback events already recorded (ignored)",
+                                  registry=r)
+        self.landed = Counter("recloop_feedback_landed_events", "Feedback events written to the landing zone",
+                              registry=r)
+        self.canary_share = Gauge("recloop_canary_share", "Share of users routed to the challenger", registry=r)
+        self.shadow = Gauge("recloop_canary_shadow", "1 when the challenger runs in shadow mode", registry=r)
+        self.model_info = Gauge("recloop_model_info", "The version serving under each alias (value 1)",
+                                ["alias", "version"], registry=r)
+        self.swaps = Counter("recloop_model_swaps", "Deployments swapped in", registry=r)
+        self._counts: dict[str, list[int]] = {}
+
+    def feedback(self, version: str, impressions: int, clicks: int) -> None:
+        self.impressions.labels(version).inc(impressions)
+        self.clicks.labels(version).inc(clicks)
+        total = self._counts.setdefault(version, [0, 0])
+        total[0] += impressions
+        total[1] += clicks
+        if total[0]:
+            self.online_ctr.labels(version).set(total[1] / total[0])
+
+    def deployment(self, versions: dict[str, str | None], share: float, shadow: bool) -> None:
+        self.model_info.clear()
+        for alias, version in versions.items():
+            if version is not None:
+                self.model_info.labels(alias, version).set(1)
+        self.canary_share.set(share)
+        self.shadow.set(1 if shadow else 0)

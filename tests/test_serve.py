@@ -1,0 +1,426 @@
+"""The serving API end to end: a real uvicorn server, the Feast online store, models from the MLflow
+registry, simulated users clicking by the ground truth, and the canary controller moving real aliases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from safetensors.torch import load_file, save_file
+
+from recloop import registry
+from recloop.canary import CanaryConfig
+from recloop.features import store
+from recloop.features.config import FeatureConfig
+from recloop.features.job import FeatureLayout, build_features
+from recloop.gate import GateThresholds, run_gate
+from recloop.ingest import ingest
+from recloop.ingest.lake import read_events
+from recloop.ingest.ledger import Ledger
+from recloop.model import ModelConfig
+from recloop.schema import load_spec
+from recloop.serve import controller
+from recloop.serve.app import ServerThread, create_app
+from recloop.serve.features import FeastOnline, RequestFeatures
+from recloop.serve.traffic import SimulatedUsers, drive
+from recloop.settings import Settings
+from recloop.simulate import World, WorldConfig
+from recloop.train import TrainConfig, TrainSummary, latest_checkpoint, read_checkpoint, train
+
+SPEC = load_spec("synthetic")
+WORLD = WorldConfig(seed=3, days=3, events_per_day=5000)
+DAY3 = datetime(2026, 1, 4, tzinfo=UTC)
+TOKEN = "s3cret-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+# Small traffic per step: judged on wide guardrails, except the one each bad challenger breaks.
+CANARY = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=60, min_feedback=300, max_ctr_drop=0.25,
+                      max_p99_ratio=4.0, max_auc_drop=0.2)
+
+
+def replayed_world() -> World:
+    """The world in the state it had after the simulated days (click histories included)."""
+    world = World(WORLD)
+    for day in range(WORLD.days):
+        for hour in range(24):
+            world.hour_events(day, hour)
+    return world
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, lake_factory) -> Settings:
+    """Three simulated days, features in Feast's online store, version 1 trained and gated as champion."""
+    root = tmp_path_factory.mktemp("serve")
+    built = lake_factory(root, WORLD)
+    settings = Settings(home=built.home, frame_backend="pandas", admin_token=TOKEN, serve_poll_seconds=0.1,
+                        feedback_flush_seconds=3600)
+    store.apply_repo(settings)
+    store.materialize(settings, DAY3, timedelta(days=7))
+    summary = train(settings, TrainConfig(days=3, epochs=2, batch_size=512, validation_hours=12, device="cpu",
+                                          model=ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(32,))))
+    logged = registry.log_training(settings, summary, _example(settings))
+    gated = run_gate(settings, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False)
+    assert gated["alias"] == "champion"
+    return settings
+
+
+def _example(settings: Settings):
+    files = sorted(FeatureLayout.for_settings(settings).training.glob("*.parquet"))
+    return pq.read_table(files[-1]).slice(0, 5).to_pandas()
+
+
+@pytest.fixture(scope="module")
+def server(home: Settings):
+    with ServerThread(create_app(home)) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server, home: Settings):
+    """A client of the running server, with the deployment reset to champion v1 and no challenger."""
+    if registry.version_by_alias(home, "challenger"):
+        registry.remove_alias(home, "challenger")
+    if registry.version_by_alias(home, "champion") != "1":
+        registry.set_alias(home, "champion", "1")
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        wait_for(http, lambda h: h["versions"] == {"champion": "1", "challenger": None})
+        yield http
+
+
+def wait_for(http: httpx.Client, condition, timeout: float = 20.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        health = http.get("/healthz").json()
+        if condition(health):
+            return health
+        if time.time() > deadline:
+            raise AssertionError(f"the server never reached the expected state: {health}")
+        time.sleep(0.05)
+
+
+def variant(home: Settings, change, top_mlp: tuple[int, ...] | None = None) -> str:
+    """Register a copy of the champion's checkpoint with its weights changed; returns the new version."""
+    source = latest_checkpoint(home)
+    target = home.home / "checkpoints" / f"variant-{uuid.uuid4().hex[:8]}" / source.name
+    shutil.copytree(source, target)
+    weights = load_file(target / "model.safetensors")
+    change(weights)
+    save_file(weights, target / "model.safetensors")
+    if top_mlp is not None:
+        state = json.loads((target / "state.json").read_text())
+        state["model"]["top_mlp"] = list(top_mlp)
+        (target / "state.json").write_text(json.dumps(state))
+    base = TrainSummary(**read_checkpoint(source)["summary"])
+    base.checkpoint, base.run_id = str(target), f"{base.run_id}-{target.parent.name}"
+    return registry.log_training(home, base, _example(home)).version
+
+
+def unchanged(weights) -> None:
+    pass
+
+
+def inverted(weights) -> None:
+    """Scores reversed: the ranking shows users their least likely clicks first."""
+    weights["over_arch.layers.2.weight"].neg_()
+    weights["over_arch.layers.2.bias"].neg_()
+
+
+def nan_scores(weights) -> None:
+    weights["over_arch.layers.0.bias"][:] = float("nan")
+
+
+SLOW_WIDTH = 1 << 17
+
+
+def widened(weights) -> None:
+    """The same function computed ~4000x wider: zero units added to the top MLP (ReLU(0) adds nothing)."""
+    first, bias, last = (weights[k] for k in ("over_arch.layers.0.weight", "over_arch.layers.0.bias",
+                                               "over_arch.layers.2.weight"))
+    grow = SLOW_WIDTH - first.shape[0]
+    weights["over_arch.layers.0.weight"] = _pad(first, (grow, first.shape[1]), 0)
+    weights["over_arch.layers.0.bias"] = _pad(bias, (grow,), 0)
+    weights["over_arch.layers.2.weight"] = _pad(last, (last.shape[0], grow), 1)
+
+
+def _pad(tensor, extra_shape, dim):
+    import torch
+
+    return torch.cat([tensor, torch.zeros(extra_shape, dtype=tensor.dtype)], dim=dim).contiguous()
+
+
+def run_canary(home: Settings, http: httpx.Client, server, version: str, users: SimulatedUsers,
+               requests: int = 200) -> tuple[list[dict], list]:
+    """Start a canary for ``version`` and let the controller judge it after each round of traffic."""
+    registry.set_alias(home, "challenger", version, who="test", why="canary under test")
+    controller.start(home, CANARY)
+    decisions, rounds = [], []
+    for _ in range(len(CANARY.steps) + 1):
+        share = float(registry.version_info(home, version)["tags"]["canary.share"])
+        wait_for(http, lambda h, share=share: h["versions"]["challenger"] == version and h["share"] == share)
+        # Two users at a time: the latency guardrail compares the models' own scoring times, which
+        # many requests at once on a 2-core machine would blur into CPU contention.
+        rounds.append(asyncio.run(drive(server.url, users, requests, concurrency=2)))
+        decisions.append(controller.step(home, CANARY))
+        if decisions[-1]["action"] in ("promote", "rollback"):
+            break
+    return decisions, rounds
+
+
+# --- validation and auth ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    ({"user_id": 1}, "item_ids"),
+    ({"user_id": -1, "item_ids": [1]}, "greater than or equal to 0"),
+    ({"user_id": "bob", "item_ids": [1]}, "valid integer"),
+    ({"user_id": 1, "item_ids": []}, "at least 1 item"),
+    ({"user_id": 1, "item_ids": list(range(1001))}, "at most 1000 items"),
+    ({"user_id": 1, "item_ids": [1], "colour": "red"}, "Extra inputs are not permitted"),
+    ({"user_id": 1, "item_ids": [1], "context": {"colour": "red"}}, "unknown context columns ['colour']"),
+    ({"user_id": 1, "item_ids": [1, 2], "context": {"price": [1.0, 2.0, 3.0]}}, "3 values for 2 candidates"),
+    ({"user_id": 1, "item_ids": [1], "context": {"price": "cheap"}}, "context 'price'"),
+    ({"user_id": 1, "item_ids": [1], "top_k": 0}, "greater than or equal to 1"),
+])
+def test_rank_refuses_bad_requests_with_a_clear_4xx(client: httpx.Client, body, fragment):
+    response = client.post("/rank", json=body)
+    assert response.status_code == 422
+    assert fragment in json.dumps(response.json()), response.json()
+
+
+def test_feedback_is_validated_against_its_request(client: httpx.Client):
+    answer = client.post("/rank", json={"user_id": 3, "item_ids": [1, 2, 3]}).json()
+    rid = answer["request_id"]
+    unknown = client.post("/feedback", json={"request_id": uuid.uuid4().hex, "impressions": [1]})
+    assert unknown.status_code == 404 and "unknown request id" in unknown.json()["detail"]
+    stranger = client.post("/feedback", json={"request_id": rid, "impressions": [1, 99]})
+    assert stranger.status_code == 422 and "[99] were not candidates" in stranger.json()["detail"]
+    unshown = client.post("/feedback", json={"request_id": rid, "impressions": [1], "clicks": [2]})
+    assert unshown.status_code == 422 and "not among the impressions" in unshown.json()["detail"]
+    malformed = client.post("/feedback", json={"request_id": "../../etc", "impressions": [1]})
+    assert malformed.status_code == 422
+
+
+def test_admin_endpoints_need_the_token(client: httpx.Client, home: Settings):
+    for path in ("/admin/reload", "/admin/flush", "/admin/promote", "/admin/rollback"):
+        assert client.post(path).status_code == 401
+        assert client.post(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.post("/admin/canary", json={"share": 0.5}).status_code == 401
+    assert client.post("/admin/reload", headers=AUTH).json()["versions"]["champion"] == "1"
+    no_canary = client.post("/admin/canary", json={"share": 0.5}, headers=AUTH)
+    assert no_canary.status_code == 409 and "no canary" in no_canary.json()["detail"]
+    assert client.post("/admin/canary", json={"share": 2}, headers=AUTH).status_code == 422
+
+
+def test_admin_endpoints_are_off_without_a_configured_token(home: Settings, tmp_path: Path):
+    from fastapi.testclient import TestClient
+
+    settings = Settings(home=home.home, frame_backend="pandas", serve_poll_seconds=60)
+    with TestClient(create_app(settings)) as local:
+        response = local.post("/admin/reload", headers={"Authorization": "Bearer "})
+        assert response.status_code in (401, 403)
+        assert local.post("/admin/reload", headers=AUTH).status_code == 403
+
+
+def test_health_and_metrics(client: httpx.Client):
+    assert client.get("/healthz").json()["ready"] is True
+    client.post("/rank", json={"user_id": 10**15, "item_ids": [10**15, 1]})  # unknown user and item
+    text = client.get("/metrics").text
+    for name in ("recloop_requests_total", "recloop_request_seconds_bucket", "recloop_feature_fallbacks_total",
+                 "recloop_canary_share", "recloop_model_info", "recloop_online_ctr", "recloop_invalid_requests_total"):
+        assert name in text, name
+    fallbacks = [line for line in text.splitlines() if line.startswith('recloop_feature_fallbacks_total{entity="user"}')]
+    assert float(fallbacks[0].split()[-1]) >= 1
+
+
+# --- consistency with training --------------------------------------------------------------------------------
+
+
+def test_served_rows_equal_the_training_rows_of_the_same_events(home: Settings, tmp_path: Path):
+    """Serve the next hour's events before they exist, then build their training rows: the same inputs."""
+    settings = Settings(home=tmp_path / "home", frame_backend="pandas")
+    shutil.copytree(home.home, settings.home, ignore=shutil.ignore_patterns("serving", "registry.db"))
+    # A fresh Feast registry: the copied one records the original's SQLite tables as its infrastructure,
+    # and applying the copy would drop them there.
+    store.apply_repo(settings)
+    world = replayed_world()
+    hour = world.hour_events(3, 0).to_pandas()
+    first = hour[~hour["user_id"].duplicated() & ~hour["item_id"].duplicated()].head(40)
+    builder = RequestFeatures(settings, SPEC, FeatureConfig.for_spec(SPEC), FeastOnline(settings))
+    served = {}
+    for event in first.itertuples():
+        ts_us = int(event.ts.value // 1000)
+        context = {c: getattr(event, c) for c in ("device", "country", "category", "price", "position")}
+        context["history"] = [int(i) for i in event.history]
+        context = {k: (v.item() if hasattr(v, "item") else v) for k, v in context.items()}
+        rows, _ = builder.rows(int(event.user_id), [int(event.item_id)], context, ts_us)
+        served[event.event_id] = rows.to_pylist()[0]
+    landing = tmp_path / "next-hour"
+    landing.mkdir()
+    pq.write_table(pa.Table.from_pandas(hour, preserve_index=False), landing / "events-day3-h00.parquet")
+    ingest(landing, SPEC, settings, now=datetime(2026, 2, 1, tzinfo=UTC))
+    build_features(settings, SPEC, FeatureConfig.for_spec(SPEC))
+    training = ds.dataset(FeatureLayout.for_settings(settings).training, format="parquet").to_table(
+        filter=ds.field("event_id").isin(list(served))).to_pylist()
+    assert len(training) == len(served) == 40
+    columns = [c for c in training[0] if c.startswith(("d_", "c_", "m_"))]
+    for row in training:
+        mine = served[row["event_id"]]
+        for column in columns:
+            if column.startswith("d_"):
+                assert mine[column] == pytest.approx(row[column], rel=1e-5, abs=1e-6), column
+            else:
+                assert mine[column] == row[column], column
+
+
+# --- feedback closes the loop ---------------------------------------------------------------------------------
+
+
+def test_feedback_lands_exactly_once(client: httpx.Client, home: Settings, tmp_path: Path):
+    users = SimulatedUsers(replayed_world(), day=3.1, seed=5)
+    sent = {}
+    for _ in range(5):
+        body, who = users.request()
+        answer = client.post("/rank", json=body).json()
+        shown, clicked, _ = users.react(answer, who)
+        feedback = {"request_id": answer["request_id"], "impressions": shown, "clicks": clicked}
+        first = client.post("/feedback", json=feedback).json()
+        again = client.post("/feedback", json=feedback).json()
+        assert first["accepted"] == len(shown) and again == {**first, "accepted": 0, "duplicates": len(shown),
+                                                                "clicks": 0}
+        sent.update({f"{answer['request_id']}-{item}": int(item in clicked) for item in shown})
+    landed = client.post("/admin/flush", headers=AUTH).json()["landed"]
+    assert landed >= len(sent)
+    assert client.post("/admin/flush", headers=AUTH).json()["landed"] == 0  # nothing twice
+    for _ in range(2):  # ingesting twice lands nothing twice either
+        ingest(home.landing_dir, SPEC, home)
+    with Ledger.open(home.ledger_path) as ledger:
+        lake = read_events(ledger, home.home, home.lake_events_dir, filter=ds.field("event_id").isin(list(sent)))
+    events = lake.to_pandas()
+    assert sorted(events["event_id"]) == sorted(sent)
+    assert dict(zip(events["event_id"], events["label"].astype(int), strict=True)) == sent
+    assert events["position"].between(1, users.shown).all() and events["price"].notna().all()
+    assert events["p_click"].isna().all()  # served traffic has no ground truth
+
+
+# --- hot swaps under load ---------------------------------------------------------------------------------------
+
+
+def test_no_request_fails_while_aliases_move_under_load(client: httpx.Client, home: Settings, server):
+    twin = variant(home, unchanged)
+    live = {"1", twin}
+    stop = threading.Event()
+    moves = []
+
+    def flip() -> None:
+        versions = ["1", twin]
+        while not stop.is_set():
+            target = versions[len(moves) % 2]
+            registry.set_alias(home, "champion", target, who="test", why="flip under load")
+            moves.append(target)
+            time.sleep(0.3)
+
+    swaps_before = client.get("/healthz").json()["swaps"]
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        users = SimulatedUsers(replayed_world(), day=3.2, seed=7)
+        summary = asyncio.run(drive(server.url, users, 400, concurrency=200, feedback=False))
+    finally:
+        stop.set()
+        flipper.join()
+    assert summary.failed == 0, summary.errors
+    assert summary.requests == 400
+    assert set(summary.versions) <= live and len(summary.versions) == 2, summary.versions
+    assert client.get("/healthz").json()["swaps"] - swaps_before >= 2 and len(moves) >= 3
+
+
+# --- the canary controller on simulated traffic ----------------------------------------------------------------
+
+
+def test_a_good_challenger_is_stepped_up_and_promoted(client: httpx.Client, home: Settings, server):
+    from mlflow import MlflowClient
+
+    version = variant(home, unchanged)
+    users = SimulatedUsers(replayed_world(), day=3.3, seed=11)
+    decisions, rounds = run_canary(home, client, server, version, users)
+    assert [d["action"] for d in decisions] == ["step", "promote"], [d["decision"]["reasons"] for d in decisions]
+    assert all(r.failed == 0 for r in rounds)
+    assert rounds[0].versions["1"] and rounds[0].versions[version]  # both served at 50 %
+    assert set(rounds[1].versions) == {version}  # 100 %
+    assert registry.aliases(home) == {"champion": version, "challenger": None, "previous": "1"}
+    wait_for(client, lambda h: h["versions"] == {"champion": version, "challenger": None})
+    tags = registry.version_info(home, version)["tags"]
+    assert tags["canary.outcome"] == "promoted"
+    run = MlflowClient().get_run(tags[controller.RUN_TAG])
+    assert run.data.tags["recloop.kind"] == "canary" and run.info.status == "FINISHED"
+    shares = [m.value for m in MlflowClient().get_metric_history(run.info.run_id, "share")]
+    assert shares == [1.0, 1.0]  # stepped to 100 %, then promoted
+    assert run.data.metrics["champion_requests"] > 0  # at 100 %: judged against the champion's earlier traffic
+    assert "challenger_ctr" in run.data.metrics
+
+
+@pytest.mark.parametrize(("change", "top_mlp", "reason"), [
+    (nan_scores, None, "NaN scores"),
+    (widened, (SLOW_WIDTH,), "p99 latency"),
+    (inverted, None, "online CTR"),
+], ids=["nan", "slow", "worse-ctr"])
+def test_a_bad_challenger_is_rolled_back(client: httpx.Client, home: Settings, server, change, top_mlp, reason):
+    version = variant(home, change, top_mlp)
+    users = SimulatedUsers(replayed_world(), day=3.4, seed=13)
+    decisions, rounds = run_canary(home, client, server, version, users)
+    final = decisions[-1]
+    assert final["action"] == "rollback", json.dumps([d["decision"] for d in decisions])
+    assert any(reason in r for r in final["decision"]["reasons"]), final["decision"]["reasons"]
+    assert all(r.failed == 0 for r in rounds)  # users never saw the failure
+    if change is nan_scores:
+        assert set(rounds[0].versions) == {"1"}  # the champion answered for the broken challenger
+    if change is inverted:
+        assert rounds[0].ctr(version) < rounds[0].ctr("1")
+    aliases = registry.aliases(home)
+    assert aliases["challenger"] is None and aliases["champion"] == "1"
+    tags = registry.version_info(home, version)["tags"]
+    assert tags["canary.outcome"] == "rolled_back" and reason in tags["canary.reasons"]
+    wait_for(client, lambda h: h["versions"]["challenger"] is None)
+
+
+def test_shadow_mode_serves_the_champion_and_scores_both(client: httpx.Client, home: Settings, server):
+    version = variant(home, unchanged)
+    registry.set_alias(home, "challenger", version, who="test", why="shadow")
+    controller.start(home, CANARY, mode="shadow")
+    wait_for(client, lambda h: h["versions"]["challenger"] == version and h["mode"] == "shadow")
+    users = SimulatedUsers(replayed_world(), day=3.5, seed=17)
+    summary = asyncio.run(drive(server.url, users, 80, concurrency=4))
+    assert set(summary.versions) == {"1"}
+    seen = controller.status(home, CANARY)
+    assert seen["stats"]["challenger"]["requests"] >= 80  # it scored every request in the shadow
+    assert seen["stats"]["challenger"]["online_auc"] is not None
+
+
+def test_canary_command(home: Settings, client: httpx.Client):
+    from typer.testing import CliRunner
+
+    from recloop.cli import app
+
+    runner = CliRunner()
+    env = {"RECLOOP_HOME": str(home.home)}
+    out = runner.invoke(app, ["canary", "status", "--json"], env=env)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["active"] is False
+    out = runner.invoke(app, ["canary", "promote", "--json"], env=env)
+    assert out.exit_code == 2 and "no challenger" in out.output
+    version = variant(home, unchanged)
+    registry.set_alias(home, "challenger", version)
+    out = runner.invoke(app, ["canary", "rollback", "--reason", "review found a bug", "--json"], env=env)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["aliases"]["challenger"] is None
+    assert "review found a bug" in registry.version_info(home, version)["tags"]["canary.reasons"]
