@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -424,3 +425,41 @@ def test_canary_command(home: Settings, client: httpx.Client):
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["aliases"]["challenger"] is None
     assert "review found a bug" in registry.version_info(home, version)["tags"]["canary.reasons"]
+
+
+def test_arrow_batches_score_as_the_logged_pyfunc_does(home: Settings):
+    """The serving path (Arrow → batch) and the MLflow pyfunc's (pandas → batch) give the same scores."""
+    import torch
+
+    from recloop.ranker_pyfunc import frame_to_batch
+    from recloop.serve.models import load_version, score
+
+    loaded = load_version(home, "1")
+    rows = pq.read_table(sorted(FeatureLayout.for_settings(home).training.glob("*.parquet"))[-1]).slice(0, 300)
+    batch = frame_to_batch(rows.to_pandas(), list(loaded.dense), list(loaded.tables))
+    with torch.no_grad():
+        expected = torch.sigmoid(loaded.model(batch.dense, batch.values, batch.offsets)).numpy()
+    np.testing.assert_allclose(score(loaded, rows).numpy(), expected, rtol=1e-6)
+
+
+@pytest.mark.services
+def test_redis_reader_answers_as_feast_does(home: Settings, tmp_path: Path):
+    import redis
+
+    from recloop.serve.features import RedisOnline
+
+    url = "redis://127.0.0.1:6379/10"
+    redis.Redis.from_url(url).flushdb()
+    settings = Settings(home=tmp_path / "home", frame_backend="pandas", feast_online_store="redis", redis_url=url)
+    shutil.copytree(home.home, settings.home, ignore=shutil.ignore_patterns("serving", "registry.db"))
+    store.apply_repo(settings)
+    store.materialize(settings, DAY3, timedelta(days=7))
+    ours, feasts = RedisOnline(settings), FeastOnline(settings)
+    items = [0, 1, 2, 3, 5, 8, 13, 10**12, 3]  # an unknown id and a repeated one
+    for user in (0, 7, 42, 10**12):
+        mine, theirs = ours.read(user, items), feasts.read(user, items)
+        assert mine.keys() == theirs.keys()
+        for name in mine:
+            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+    assert np.isnan(ours.read(10**12, [10**12])["user_events_total"]).all()
+    redis.Redis.from_url(url).flushdb()

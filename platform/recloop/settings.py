@@ -43,6 +43,7 @@ class Settings(BaseSettings):
             request while it is empty).
         serve_poll_seconds: how often the serving API checks MLflow for moved aliases and canary share.
         serve_torch_threads: intra-op threads per scoring call (requests already run in parallel).
+        serve_threads: requests scored at once per serving process (the rest wait their turn).
         feedback_flush_seconds: how often served feedback is written to the landing zone as a file.
     """
 
@@ -64,6 +65,7 @@ class Settings(BaseSettings):
     admin_token: SecretStr = SecretStr("")
     serve_poll_seconds: float = 2.0
     serve_torch_threads: int = 1
+    serve_threads: int = 4
     feedback_flush_seconds: float = 5.0
 
     @property

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -77,13 +78,20 @@ class Vocabulary:
         keep = self.table.filter(pc.greater_equal(self.table["index"], 0))
         return keep.select(["value", "index"]).sort_by("index")
 
+    @cached_property
+    def _lookup_arrays(self) -> tuple[pa.Array, pa.Array]:
+        """Admitted values and their indices, computed once (a vocabulary never changes; serving looks
+        up every request)."""
+        admitted = self.admitted().combine_chunks()
+        return admitted["value"].combine_chunks(), admitted["index"].combine_chunks()
+
     def lookup_arrow(self, values: pa.Array | pa.ChunkedArray) -> pa.Array:
         """Indices for ``values`` (any length, nulls allowed), on the host."""
-        admitted = self.admitted().combine_chunks()
+        admitted_values, admitted_indices = self._lookup_arrays
         values = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
-        values = values.cast(admitted.schema.field("value").type)
-        position = pc.index_in(values, value_set=admitted["value"])
-        found = pc.take(admitted["index"].combine_chunks(), position)
+        values = values.cast(admitted_values.type)
+        position = pc.index_in(values, value_set=admitted_values)
+        found = pc.take(admitted_indices, position)
         indices = pc.if_else(pc.is_null(values), NULL_INDEX, pc.fill_null(found, OOV_INDEX))
         return indices.cast(pa.int64())
 

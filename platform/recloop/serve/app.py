@@ -16,6 +16,7 @@ Example::
 """
 
 
+import gc
 import json
 import logging
 import secrets
@@ -38,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from recloop import canary
 from recloop.features.config import FeatureConfig
 from recloop.schema import DatasetSpec, load_spec
-from recloop.serve.features import FeastOnline, OnlineReader, RequestError, RequestFeatures
+from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
 from recloop.serve.journal import FeedbackError, Journal, UnknownRequest
 from recloop.serve.metrics import ServingMetrics
 from recloop.serve.models import Deployment, ModelPool, score
@@ -102,7 +103,8 @@ class Service:
                  pool: ModelPool | None = None):
         self.settings, self.spec = settings, spec
         self.metrics = ServingMetrics()
-        self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), online or FeastOnline(settings))
+        self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec),
+                                        online or online_reader(settings))
         self.pool = pool or ModelPool(settings)
         self.pool.on_swap = lambda old, new: self._deployed(new)
         self.journal = Journal(settings.serving_dir / "journal.db", spec)
@@ -120,6 +122,10 @@ class Service:
         except Exception as err:  # noqa: BLE001 - serve what can be served; the watcher retries
             log.warning("first model sync failed: %s", err)
         self._deployed(self.pool.live)
+        # Everything loaded so far (MLflow, Feast, torch, the models) lives as long as the process: move it
+        # out of the collector's reach, so a full collection does not pause requests for hundreds of ms.
+        gc.collect()
+        gc.freeze()
         self.pool.start()
 
         def flush_feedback() -> None:
@@ -226,6 +232,11 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synt
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        import anyio.to_thread
+
+        # Requests beyond this many wait in the event loop instead of adding threads that fight over the GIL:
+        # past capacity, dozens of threads make every request slower and the throughput collapse.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.serve_threads
         service = Service(settings, spec, online, pool)
         service.start()
         holder["service"] = service
