@@ -155,23 +155,10 @@ def ingest_command(
 
 def _run_features(settings: Settings, dataset, window: dict, quiet: bool, materialize: bool) -> dict:
     """The feature job, then (if the dataset has users and items) Feast apply + materialize."""
-    from datetime import timedelta
+    from recloop import pipeline
 
-    from recloop.features.config import FeatureConfig
-    from recloop.features.job import build_features
-
-    config = FeatureConfig.for_spec(dataset)
-    with console.status("building features", spinner="dots") if not quiet else _quiet():
-        summary = build_features(settings, dataset, config, **window).to_dict()
-    summary["feast_applied"], summary["materialized"] = False, []
-    if materialize and summary["rows"] and dataset.user_key and dataset.item_key:
-        from recloop.features import store
-
-        with console.status("updating the Feast feature store", spinner="dots") if not quiet else _quiet():
-            summary["feast_applied"] = store.apply_repo(settings)
-            summary["materialized"] = store.materialize(settings, datetime.fromisoformat(summary["end"]),
-                                                        timedelta(seconds=config.ttl_seconds))
-    return summary
+    with console.status("building features and updating Feast", spinner="dots") if not quiet else _quiet():
+        return pipeline.build_features(settings, dataset.name, window, materialize)
 
 
 def _print_features(summary: dict) -> None:
@@ -265,14 +252,9 @@ def train_command(
 
 def _track(summary) -> dict:
     """Log a training run to MLflow and register its model (once per run: a rerun finds it)."""
-    import pyarrow.parquet as pq
+    from recloop import pipeline
 
-    from recloop import registry
-
-    settings = Settings()
-    example = pq.read_table(sorted(Path(summary.checkpoint).parents[2].glob("features/training/*.parquet"))[-1])
-    logged = registry.log_training(settings, summary, example.slice(0, 5).to_pandas())
-    return {"run_id": logged.run_id, "version": logged.version, "model_uri": logged.model_uri}
+    return pipeline.register_training(Settings(), summary)
 
 
 @app.command("gate")
@@ -396,51 +378,19 @@ def drift_command(
     json_out: JsonOption = False,
 ) -> None:
     """Check the newest events for drift and broken columns against the champion's training window."""
-    from datetime import UTC, timedelta
+    from recloop import pipeline
 
-    from recloop.features.job import lake_time_bounds
-    from recloop.monitor import run_monitor
-
-    settings = Settings()
-    dataset = _load_spec(spec)
-    bounds = lake_time_bounds(settings, dataset)
-    if bounds is None:
-        raise _fail("the lake has no events yet: run `recloop ingest`")
-    newest = datetime.fromtimestamp(bounds[1] / 1_000_000, tz=UTC)
-    end = newest.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
-    current = (end - timedelta(hours=hours), end)
-    reference = _champion_window(settings) or (current[0] - timedelta(days=reference_days), current[0])
+    _load_spec(spec)
     try:
-        decision = run_monitor(settings, dataset, reference=reference, current=current)
+        result = pipeline.check_drift(Settings(), spec, hours=hours, reference_days=reference_days)
     except ValueError as err:
         raise _fail(str(err)) from err
-    result = {**decision.to_dict(), "reference": [t.isoformat() for t in reference],
-              "current": [t.isoformat() for t in current]}
     if json_out:
         _emit(result)
         return
-    console.print(f"[bold]{decision.decision}[/] ({current[0]:%Y-%m-%d %H:%M} → {current[1]:%H:%M} vs "
-                  f"{reference[0]:%Y-%m-%d %H:%M} → {reference[1]:%Y-%m-%d %H:%M}): " + "; ".join(decision.reasons))
-
-
-def _champion_window(settings: Settings):
-    """The champion's training window (from its MLflow run), or None without a champion."""
-    from datetime import UTC, timedelta
-
-    from recloop import registry
-
-    try:
-        version = registry.version_by_alias(settings, "champion")
-        if version is None:
-            return None
-        from mlflow import MlflowClient
-
-        run = MlflowClient().get_run(registry.version_info(settings, version)["run_id"])
-        first, last = run.data.tags["recloop.train_window"].split("..")
-    except Exception:  # noqa: BLE001 - no registry yet: fall back to the days before
-        return None
-    start = datetime.strptime(first, "%Y-%m-%dT%H").replace(tzinfo=UTC)
-    return start, datetime.strptime(last, "%Y-%m-%dT%H").replace(tzinfo=UTC) + timedelta(hours=1)
+    current, reference = result["current"], result["reference"]
+    console.print(f"[bold]{result['decision']}[/] ({current[0]} → {current[1]} vs {reference[0]} → {reference[1]}): "
+                  + "; ".join(result["reasons"]))
 
 
 @app.command("demo")

@@ -44,6 +44,8 @@ class MonitorConfig:
         null_jump: a column whose null share rose by more than this is broken.
         sample_rows: rows sampled from each window.
         max_ctr_drop: relative drop of online CTR against the promotion baseline that counts as decay.
+        max_auc_drop: absolute drop of online AUC (from feedback) against the baseline that counts as decay.
+        min_impressions: feedback impressions the window needs before its KPIs are judged.
     """
 
     drift_share: float = 0.3
@@ -51,6 +53,8 @@ class MonitorConfig:
     null_jump: float = 0.5
     sample_rows: int = 50_000
     max_ctr_drop: float = 0.10
+    max_auc_drop: float = 0.03
+    min_impressions: int = 2000
     seed: int = 0
 
 
@@ -99,12 +103,14 @@ def new_id_findings(reference: pd.DataFrame, current: pd.DataFrame, keys: list[s
 
 def kpi_findings(kpis: dict[str, float | None], baseline: dict[str, float | None], config: MonitorConfig) -> list[str]:
     """Online CTR against the baseline recorded at promotion (both optional)."""
+    findings = []
     ctr, base = kpis.get("ctr"), baseline.get("ctr")
-    if ctr is None or base is None or not base > 0:
-        return []
-    if ctr < base * (1 - config.max_ctr_drop):
-        return [f"online CTR {ctr:.4f} is {1 - ctr / base:.0%} below the baseline {base:.4f}"]
-    return []
+    if ctr is not None and base is not None and base > 0 and ctr < base * (1 - config.max_ctr_drop):
+        findings.append(f"online CTR {ctr:.4f} is {1 - ctr / base:.0%} below the baseline {base:.4f}")
+    auc, base_auc = kpis.get("auc"), baseline.get("auc")
+    if auc is not None and base_auc is not None and base_auc - auc > config.max_auc_drop:
+        findings.append(f"online AUC {auc:.4f} is {base_auc - auc:.4f} below the baseline {base_auc:.4f}")
+    return findings
 
 
 def decide(quality: list[str], kpi: list[str], drift_share: float, drifted: list[str], new_ids: list[str],

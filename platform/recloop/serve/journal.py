@@ -233,6 +233,20 @@ class Journal:
             online_auc=None if online_auc != online_auc else online_auc,
         )
 
+    def window_kpis(self, version: str, start_us: int, end_us: int) -> dict[str, float | None]:
+        """Online CTR and AUC of ``version``'s served requests with event time in [start, end)."""
+        self.flush()
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT f.label, f.scores FROM feedback f JOIN requests r USING (request_id) "
+                "WHERE f.served_version = ? AND r.ts_us >= ? AND r.ts_us < ?", (version, start_us, end_us)).fetchall()
+        labels = np.array([label for label, _ in rows])
+        scores = np.array([json.loads(raw).get(version, np.nan) for _, raw in rows], dtype=np.float64)
+        online_auc = auc(labels, scores) if len(rows) >= 2 and np.isfinite(scores).all() else float("nan")
+        return {"impressions": float(len(rows)), "clicks": float(labels.sum()) if len(rows) else 0.0,
+                "ctr": float(labels.mean()) if len(rows) else None,
+                "auc": None if online_auc != online_auc else online_auc}
+
     def online_ctr(self, since: float = 0.0) -> dict[str, dict[str, float]]:
         """Impressions, clicks and CTR per served version since ``since``."""
         with self._lock:

@@ -34,6 +34,7 @@ class TrafficSummary:
     impressions: Counter = field(default_factory=Counter)
     clicks: Counter = field(default_factory=Counter)
     expected_clicks: Counter = field(default_factory=Counter)
+    oracle_clicks: Counter = field(default_factory=Counter)
     latencies_ms: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -46,6 +47,8 @@ class TrafficSummary:
                 "versions": dict(self.versions), "impressions": dict(self.impressions), "clicks": dict(self.clicks),
                 "ctr": {v: self.ctr(v) for v in self.impressions},
                 "expected_ctr": {v: self.expected_clicks[v] / n for v, n in self.impressions.items() if n},
+                "vs_oracle": {v: self.expected_clicks[v] / self.oracle_clicks[v] for v in self.impressions
+                              if self.oracle_clicks[v]},
                 "p50_ms": float(np.percentile(latencies, 50)), "p99_ms": float(np.percentile(latencies, 99)),
                 "seconds": self.seconds, "rps": self.requests / self.seconds if self.seconds else 0.0}
 
@@ -85,6 +88,21 @@ class SimulatedUsers:
             body["ts"] = self.ts.isoformat()
         return body, {"user": user, "device": device}
 
+    def oracle_expected(self, body: dict, who: dict) -> float:
+        """Expected clicks had the ranking followed the true click probabilities (the best possible)."""
+        items = np.array(body["item_ids"])
+        first = self.world.click_probability(self.day, np.full(len(items), who["user"]), items,
+                                             np.full(len(items), who["device"]), np.ones(len(items)))
+        best = items[np.argsort(-first, kind="stable")[: self.shown]]
+        return float(self.world.click_probability(self.day, np.full(len(best), who["user"]), best,
+                                                  np.full(len(best), who["device"]), np.arange(1, len(best) + 1)).sum())
+
+    def expected(self, ranked: list[int], who: dict) -> float:
+        """Expected clicks on the top ``shown`` of a ranking."""
+        shown = np.array(ranked[: self.shown])
+        return float(self.world.click_probability(self.day, np.full(len(shown), who["user"]), shown,
+                                                  np.full(len(shown), who["device"]), np.arange(1, len(shown) + 1)).sum())
+
     def react(self, answer: dict, who: dict) -> tuple[list[int], list[int], float]:
         """Impressions (the top ``shown``), the clicked ones, and the expected number of clicks."""
         shown = [item["item_id"] for item in answer["items"][: self.shown]]
@@ -94,15 +112,16 @@ class SimulatedUsers:
         return shown, clicked, float(p.sum())
 
 
-async def drive(url: str, users: SimulatedUsers, requests: int, concurrency: int = 16, feedback: bool = True,
-                timeout: float = 30.0) -> TrafficSummary:
-    """Send ``requests`` ranking requests (``concurrency`` at a time) and their feedback; count everything."""
+async def drive(url: str, users: SimulatedUsers, requests: int | list[tuple[dict, dict]], concurrency: int = 16,
+                feedback: bool = True, timeout: float = 30.0) -> TrafficSummary:
+    """Send ranking requests (a number of new ones, or given ``(body, who)`` pairs; ``concurrency`` at a
+    time) and their feedback; count everything, with expected and oracle clicks per version."""
     import httpx
 
     summary = TrafficSummary()
     queue: asyncio.Queue = asyncio.Queue()
-    for _ in range(requests):
-        queue.put_nowait(users.request())
+    for pair in requests if isinstance(requests, list) else (users.request() for _ in range(requests)):
+        queue.put_nowait(pair)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def worker(client: httpx.AsyncClient) -> None:
@@ -135,6 +154,7 @@ async def drive(url: str, users: SimulatedUsers, requests: int, concurrency: int
             summary.impressions[version] += len(shown)
             summary.clicks[version] += len(clicked)
             summary.expected_clicks[version] += expected
+            summary.oracle_clicks[version] += users.oracle_expected(body, who)
 
     began = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:

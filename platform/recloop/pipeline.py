@@ -1,0 +1,183 @@
+"""The loop's stages as plain functions returning JSON-ready dicts: what the CLI and the Prefect flows call.
+
+Each stage reads and writes through ``Settings`` only, so a flow run on a worker and a command on a
+laptop do the same thing. No stage knows about Prefect; ``flows/`` wraps them as tasks.
+
+Example::
+
+    ingest_new(settings)                      # landing/ → lake
+    build_features(settings)                  # lake → features, Feast online store
+    trained = train_and_register(settings, TrainConfig(mode="incremental"))
+    gate(settings, trained["mlflow"]["version"])
+    check_drift(settings, hours=24)
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from recloop.schema import load_spec
+from recloop.settings import Settings
+
+
+def ingest_new(settings: Settings, spec: str = "synthetic", source: Path | None = None) -> dict:
+    """Ingest what is new in the landing zone (or ``source``); a file seen before is skipped."""
+    from recloop.ingest import ingest
+
+    summary = ingest(source or settings.landing_dir, load_spec(spec), settings)
+    return {k: v for k, v in summary.to_dict().items() if k != "results"}
+
+
+def build_features(settings: Settings, spec: str = "synthetic", window: dict | None = None,
+                   materialize: bool = True) -> dict:
+    """The feature job, then (if the dataset has users and items) Feast apply + incremental materialize."""
+    from recloop.features.config import FeatureConfig
+    from recloop.features.job import build_features as run_job
+
+    dataset = load_spec(spec)
+    config = FeatureConfig.for_spec(dataset)
+    summary = run_job(settings, dataset, config, **(window or {})).to_dict()
+    summary["feast_applied"], summary["materialized"] = False, []
+    if materialize and summary["rows"] and dataset.user_key and dataset.item_key:
+        from recloop.features import store
+
+        summary["feast_applied"] = store.apply_repo(settings)
+        summary["materialized"] = store.materialize(settings, datetime.fromisoformat(summary["end"]),
+                                                    timedelta(seconds=config.ttl_seconds))
+    return summary
+
+
+def register_training(settings: Settings, summary) -> dict:
+    """Log a training run to MLflow and register its model (once per run: a rerun finds it)."""
+    import pyarrow.parquet as pq
+
+    from recloop import registry
+
+    example = pq.read_table(sorted(Path(summary.checkpoint).parents[2].glob("features/training/*.parquet"))[-1])
+    logged = registry.log_training(settings, summary, example.slice(0, 5).to_pandas())
+    return {"run_id": logged.run_id, "version": logged.version, "model_uri": logged.model_uri}
+
+
+def train_and_register(settings: Settings, config, warm_start: Path | None = None) -> dict:
+    """Train (full, or incremental from the champion's checkpoint) and register the model in MLflow.
+
+    Incremental runs warm-start from the champion when there is one (the model users get), else from
+    the newest completed run.
+    """
+    from recloop import registry
+    from recloop.train import train
+
+    if config.mode == "incremental" and warm_start is None:
+        champion = registry.version_by_alias(settings, "champion")
+        if champion is not None:
+            warm_start = Path(registry.version_info(settings, champion)["checkpoint"])
+    summary = train(settings, config, warm_start=warm_start)
+    result = summary.to_dict()
+    result["mlflow"] = register_training(settings, summary)
+    return result
+
+
+def gate(settings: Settings, version: str | None = None, thresholds=None, smoke_check: bool = True) -> dict:
+    from recloop.gate import run_gate
+
+    return run_gate(settings, version, thresholds, smoke_check=smoke_check)
+
+
+def champion_window(settings: Settings) -> tuple[datetime, datetime] | None:
+    """The champion's training window (from its MLflow run), or None without a champion."""
+    from recloop import registry
+
+    try:
+        version = registry.version_by_alias(settings, "champion")
+        if version is None:
+            return None
+        from mlflow import MlflowClient
+
+        run = MlflowClient().get_run(registry.version_info(settings, version)["run_id"])
+        first, last = run.data.tags["recloop.train_window"].split("..")
+    except Exception:  # noqa: BLE001 - no registry yet: the caller falls back to the days before
+        return None
+    start = datetime.strptime(first, "%Y-%m-%dT%H").replace(tzinfo=UTC)
+    return start, datetime.strptime(last, "%Y-%m-%dT%H").replace(tzinfo=UTC) + timedelta(hours=1)
+
+
+def champion_kpis(settings: Settings, start: datetime, end: datetime, min_impressions: int
+                  ) -> tuple[dict, dict]:
+    """The champion's online KPIs over served requests in [start, end) and its baseline from promotion."""
+    from recloop import registry
+    from recloop.serve.journal import Journal
+
+    journal_path = settings.serving_dir / "journal.db"
+    version = registry.version_by_alias(settings, "champion")
+    if version is None or not journal_path.exists():
+        return {}, {}
+    journal = Journal(journal_path)
+    try:
+        kpis = journal.window_kpis(version, int(start.timestamp() * 1e6), int(end.timestamp() * 1e6))
+    finally:
+        journal.close()
+    if kpis["impressions"] < min_impressions:
+        return {k: v for k, v in kpis.items() if k in ("impressions", "clicks")}, {}
+    tags = registry.version_info(settings, version)["tags"]
+    baseline = {k: float(tags[f"kpi.baseline_{k}"]) for k in ("ctr", "auc") if f"kpi.baseline_{k}" in tags}
+    return {**kpis, "version": version}, baseline
+
+
+def check_drift(settings: Settings, spec: str = "synthetic", hours: int = 24, reference_days: int = 7,
+                config=None, kpis: dict | None = None, baseline: dict | None = None, log: bool = False) -> dict:
+    """The monitor over the newest ``hours`` of the lake against the champion's training window.
+
+    KPIs default to the champion's online CTR and AUC over the same hours (from the serving journal),
+    against the baseline recorded when it was promoted. With ``log``, the decision is an MLflow run.
+    """
+    from recloop.monitor import MonitorConfig
+
+    config = config or MonitorConfig()
+    from recloop.features.job import lake_time_bounds
+    from recloop.monitor import run_monitor
+
+    dataset = load_spec(spec)
+    bounds = lake_time_bounds(settings, dataset)
+    if bounds is None:
+        raise ValueError("the lake has no events yet: run `recloop ingest`")
+    newest = datetime.fromtimestamp(bounds[1] / 1_000_000, tz=UTC)
+    end = newest.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    current = (end - timedelta(hours=hours), end)
+    reference = champion_window(settings) or (current[0] - timedelta(days=reference_days), current[0])
+    if reference[1] > current[0]:  # the champion trained on part of the window: compare with what came before
+        reference = (min(reference[0], current[0] - timedelta(days=1)), current[0])
+    if kpis is None:
+        kpis, found_baseline = champion_kpis(settings, current[0], current[1], config.min_impressions)
+        baseline = baseline if baseline is not None else found_baseline
+    decision = run_monitor(settings, dataset, reference=reference, current=current, config=config, kpis=kpis,
+                           baseline=baseline)
+    result = {**decision.to_dict(), "reference": [t.isoformat() for t in reference],
+              "current": [t.isoformat() for t in current], "baseline": baseline or {}}
+    if log:
+        log_monitoring(settings, result)
+    return result
+
+
+MONITOR_EXPERIMENT = "recloop-monitor"
+
+
+def log_monitoring(settings: Settings, result: dict) -> str:
+    """One MLflow run per monitoring check: decision and reasons as tags, figures as metrics, all as JSON."""
+    import mlflow
+
+    from recloop import registry
+
+    registry.configure(settings)
+    experiment = mlflow.get_experiment_by_name(MONITOR_EXPERIMENT)
+    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(MONITOR_EXPERIMENT)
+    with mlflow.start_run(experiment_id=experiment_id, run_name=f"monitor {result['current'][0]}") as run:
+        mlflow.set_tags({"recloop.kind": "monitor", "decision": result["decision"],
+                         "reasons": "; ".join(result["reasons"])[:4000], "window": "..".join(result["current"]),
+                         "drifted_columns": ", ".join(result["drifted_columns"])})
+        figures = {"drift_share": result["drift_share"], **result.get("figures", {}),
+                   **{f"kpi.{k}": v for k, v in result.get("kpis", {}).items() if isinstance(v, int | float)}}
+        mlflow.log_metrics({k.replace(":", "."): float(v) for k, v in figures.items()
+                            if isinstance(v, int | float) and v == v})
+        mlflow.log_dict(result, "monitor.json")
+    return run.info.run_id
