@@ -23,7 +23,8 @@ def monitor_task(spec: str, hours: int) -> dict:
 
 @flow(name="drift", log_prints=True)
 def drift_flow(spec: str = "synthetic", hours: int = 24, now: float | None = None,
-               cooldown_seconds: float = 6 * 3600, retrain_inline: bool = False) -> dict:
+               cooldown_seconds: float = 6 * 3600, retrain_inline: bool = False,
+               retrain_parameters: dict | None = None) -> dict:
     result = monitor_task(spec, hours)
     verdict = trigger.decide_and_record(Settings(), result["decision"], result["reasons"],
                                         now=time.time() if now is None else now,
@@ -35,9 +36,10 @@ def drift_flow(spec: str = "synthetic", hours: int = 24, now: float | None = Non
     result["trigger"] = verdict.to_dict()
     if verdict.retrain:
         emit_event(event="recloop.retrain.requested", resource={"prefect.resource.id": "recloop.loop"},
-                   payload={"reason": verdict.reason, "decision": result["decision"]})
+                   payload={"reason": verdict.reason, "decision": result["decision"],
+                            "parameters": retrain_parameters or {}})
         if retrain_inline:
             from retrain_flow import retrain_flow
 
-            result["retrain"] = retrain_flow(mode="full", reason=verdict.reason)
+            result["retrain"] = retrain_flow(mode="full", reason=verdict.reason, **(retrain_parameters or {}))
     return result

@@ -15,14 +15,15 @@ from recloop.flow_support import tag_run
 @flow(name="retrain", log_prints=True)
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
                  spec: str = "synthetic", days: int = 7, epochs: int = 1, batch_size: int = 4096,
-                 validation_hours: int = 6, canary_config: str | None = None) -> dict:
+                 validation_hours: int = 6, canary_config: str | None = None,
+                 gate_thresholds: str | None = None) -> dict:
     result: dict = {"mode": mode, "reason": reason}
     result["ingest"] = ingest_flow(spec)
     result["features"] = features_flow(spec)
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs if mode == "full" else 1,
                                  batch_size=batch_size, validation_hours=validation_hours)
     version = result["train"]["mlflow"]["version"]
-    result["gate"] = gate_flow(version)
+    result["gate"] = gate_flow(version, gate_thresholds)
     if result["gate"]["alias"] == "challenger":
         result["canary"] = canary_flow(config_path=canary_config, start=True)
     tag_run(f"model-version:{version}", f"mode:{mode}")

@@ -393,68 +393,145 @@ def drift_command(
                   + "; ".join(result["reasons"]))
 
 
-@app.command("demo")
-def demo_command(
-    days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 3,
-    events_per_day: Annotated[int, typer.Option(min=1, help="Impressions per day.")] = 50_000,
-    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
-    drift: Annotated[str, typer.Option(help=f"Drift scenario: {', '.join(DRIFT_SCENARIOS)}.")] = "sudden",
-    drift_day: Annotated[int, typer.Option(min=0, help="First drifted day, counted from 0.")] = 2,
+@app.command("retrain")
+def retrain_command(
+    full: Annotated[bool, typer.Option("--full", help="Full retrain from scratch instead of incremental.")] = False,
+    reason: Annotated[str, typer.Option(help="Why: recorded on the flow run.")] = "by hand",
+    wait: Annotated[bool, typer.Option(help="With a Prefect server: wait for the run to finish.")] = False,
     json_out: JsonOption = False,
 ) -> None:
-    """Run the loop on embedded defaults. Today: simulate, ingest, features (and Feast), train, register, gate.
+    """Start a retrain now: the deployment on the Prefect server (RECLOOP_PREFECT_API_URL), else the flow here."""
+    import os
 
-    Later stages (canary, drift monitor) join this command as they land.
-    """
+    from recloop.flow_support import configure_prefect
+
+    settings = Settings()
+    configure_prefect(settings)
+    mode = "full" if full else "incremental"
+    if os.environ.get("PREFECT_API_URL"):
+        from prefect.deployments import run_deployment
+
+        name = f"retrain/{mode}-retrain"
+        try:
+            run = run_deployment(name, parameters={"mode": mode, "reason": reason}, timeout=None if wait else 0)
+        except Exception as err:  # noqa: BLE001 - e.g. not deployed yet: say so in one line
+            raise _fail(f"could not start deployment {name!r} ({err}); run `prefect deploy --all` first") from err
+        result = {"deployment": name, "flow_run_id": str(run.id), "state": run.state.name if run.state else None}
+    else:
+        from recloop.demo import load_flows
+
+        with _quiet_logs():
+            outcome = load_flows()["retrain_flow"](mode=mode, reason=reason)
+        result = {"mode": mode, "version": outcome["train"]["mlflow"]["version"], "gate": {
+            k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary")}
+    if json_out:
+        _emit(result)
+    else:
+        console.print(result)
+
+
+@app.command("up")
+def up_command(host: Annotated[str, typer.Option(help="Address the services listen on.")] = "127.0.0.1",
+               json_out: JsonOption = False) -> None:
+    """Start the Prefect, MLflow and Evidently UIs and the serving API in the background; print their addresses."""
+    from recloop import services
+
+    started = services.up(Settings(), host)
+    if json_out:
+        _emit(started)
+        return
+    for name, entry in started.items():
+        console.print(f"{name:10} {entry['url']:28} {entry['status']} (pid {entry['pid']})")
+    console.print("stop them with: recloop down")
+
+
+@app.command("down")
+def down_command(json_out: JsonOption = False) -> None:
+    """Stop what `recloop up` started."""
+    from recloop import services
+
+    stopped = services.down(Settings())
+    _emit(stopped) if json_out else console.print(stopped or "nothing was running")
+
+
+@app.command("demo")
+def demo_command(
+    days: Annotated[int, typer.Option(min=2, help="Simulated days (day 0 bootstraps the first model).")] = 5,
+    events_per_day: Annotated[int, typer.Option(min=100, help="The world's own impressions per day.")] = 20_000,
+    requests_per_day: Annotated[int, typer.Option(min=4, help="Ranking requests simulated users send per day.")]
+    = 400,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    drift: Annotated[str, typer.Option(help=f"Drift scenario: {', '.join(DRIFT_SCENARIOS)}.")] = "sudden",
+    drift_day: Annotated[int, typer.Option(min=1, help="First drifted day, counted from 0.")] = 2,
+    json_out: JsonOption = False,
+) -> None:
+    """The whole loop over simulated days: serving, feedback, canary, drift checks, retrains; table + HTML report."""
+    from recloop.demo import DayRecord, DemoConfig, run_demo
+
     if drift not in DRIFT_SCENARIOS:
         raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
     settings = Settings()
-    config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift,  # type: ignore[arg-type]
-                         drift_day=drift_day)
-    simulated = _run_simulation(config, settings.landing_dir, quiet=json_out)
-    ingested = _run_ingest(settings.landing_dir, "synthetic", settings, quiet=json_out)
-    features = _run_features(settings, load_spec("synthetic"), {}, json_out, materialize=True)
-    from recloop.train import TrainConfig, TrainError, train
+    config = DemoConfig(days=days, events_per_day=events_per_day, requests_per_day=requests_per_day, seed=seed,
+                        drift=drift, drift_day=drift_day)
+    if not json_out:
+        console.print(f"recloop demo: {days} simulated days, drift '{drift}' from day {drift_day}; "
+                      f"home {settings.home.resolve()}")
 
-    gated: dict = {}
-    try:
-        with console.status("training the ranking model", spinner="dots") if not json_out else _quiet():
-            summary = train(settings, TrainConfig(mode="full", days=days, batch_size=2048))
-        trained = summary.to_dict()
-        with console.status("registering and gating the model", spinner="dots") if not json_out else _quiet():
-            trained["mlflow"] = _track(summary)
-            from recloop.gate import run_gate
+    def on_day(record: DayRecord) -> None:
+        if not json_out:
+            console.print(f"day {record.day}: {record.events:,} events, {record.requests} requests, drift "
+                          f"{record.drift}, {record.retrain} → v{record.candidate_version} {record.gate}; canary "
+                          f"{', '.join(record.canary) or '-'} ({record.seconds} s)")
 
-            try:
-                gated = {k: v for k, v in run_gate(settings, trained["mlflow"]["version"]).items() if k != "report"}
-            except RuntimeError as err:  # e.g. this exact model is already the champion (a rerun)
-                gated = {"skipped": str(err)}
-    except TrainError as err:
-        trained = {"error": str(err)}
+    import os
+
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    with _quiet_logs():
+        summary = run_demo(settings, config, on_day=on_day)
     if json_out:
-        _emit({"home": str(settings.home), "simulate": {k: v for k, v in simulated.to_dict().items() if k != "paths"},
-               "ingest": {k: v for k, v in ingested.to_dict().items() if k != "files_detail"},
-               "features": features, "train": trained, "gate": gated})
+        _emit(summary)
         return
-    console.print(f"simulated {simulated.events:,} events over {simulated.days} days "
-                  f"(drift: {simulated.drift} from day {simulated.drift_day}) into {simulated.out_dir}")
-    _print_ingest(ingested)
-    _print_features(features)
-    if "error" in trained:
-        console.print(f"training skipped: {trained['error']}")
-    else:
-        console.print(f"trained {trained['samples']:,} samples ({trained['samples_per_s']:,.0f}/s): validation AUC "
-                      f"{trained['auc']:.4f} vs the oracle's {trained['oracle_auc']:.4f}; checkpoint "
-                      f"{trained['checkpoint']}; MLflow version {trained['mlflow']['version']}")
-        if "skipped" in gated:
-            console.print(f"gate: {gated['skipped']}")
-        elif gated:
-            verdict = f"passed → {gated['alias']}" if gated["passed"] else "refused: " + "; ".join(gated["reasons"])
-            console.print(f"gate: version {gated['version']} {verdict}")
-        console.print(f"review: .venv/bin/mlflow ui --backend-store-uri "
-                      f"{settings.resolved_mlflow_tracking_uri()}")
-    console.print(f"lake: {settings.lake_events_dir}   quarantine: {settings.quarantine_dir}   "
-                  f"features: {settings.home / 'features'}")
+    table = Table(title="recloop demo", show_edge=False)
+    for column in ("day", "events", "drift", "retrain", "cand. AUC", "champ. AUC", "oracle AUC", "gate", "canary",
+                   "champion", "online CTR", "vs oracle", "never retrained"):
+        table.add_column(column, justify="right")
+    for day in summary["days"]:
+        table.add_row(str(day["day"]), f"{day['events']:,}", day["drift"], day["retrain"], _fmt(day["candidate_auc"]),
+                      _fmt(day["champion_auc"]), _fmt(day["oracle_auc"]), day["gate"],
+                      "\n".join(day["canary"]) or "-", day["champion"] or "-",
+                      "\n".join(f"v{v}: {c:.3f}" for v, c in day["online_ctr"].items()) or "-",
+                      _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]))
+    Console(stderr=True, width=max(console.width, 200)).print(table)
+    efficacy = summary.get("efficacy")
+    if efficacy:
+        console.print(f"loop efficacy: two cycles after the drift the served ranking earns {efficacy['recovery']:.1%} "
+                      f"of its pre-drift share of the oracle's clicks (never retrained: "
+                      f"{efficacy['never_retrain_recovery']:.1%}); target ≥ 95%: "
+                      f"{'met' if efficacy['met'] else 'not met'}")
+    console.print(f"freshness (events landed → challenger serving): {summary['freshness_seconds']} s; "
+                  f"full retrains triggered by drift: {summary['full_retrains']}; total {summary['seconds']} s")
+    console.print(f"report: {summary['report']}")
+    console.print("review it all: .venv/bin/recloop up  (Prefect, MLflow and Evidently UIs, the serving API)")
+
+
+def _fmt(value) -> str:
+    return "-" if value is None or value != value else f"{value:.4f}"
+
+
+@contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """MLflow and Prefect log at INFO by default: the demo's own lines are the story."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("mlflow", "prefect", "alembic", "httpx", "uvicorn")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -135,8 +135,9 @@ def decide(quality: list[str], kpi: list[str], drift_share: float, drifted: list
 
 
 def evidently_drift(reference: pd.DataFrame, current: pd.DataFrame, columns: list[str],
-                    config: MonitorConfig) -> tuple[float, list[str], dict[str, float]]:
-    """Share of drifted columns, the drifted ones, and each column's drift score (Evidently)."""
+                    config: MonitorConfig, timestamp: datetime | None = None
+                    ) -> tuple[float, list[str], dict[str, float], object]:
+    """Share of drifted columns, the drifted ones, each column's drift score, and Evidently's snapshot."""
     from evidently import DataDefinition, Dataset, Report
     from evidently.presets import DataDriftPreset
 
@@ -151,7 +152,8 @@ def evidently_drift(reference: pd.DataFrame, current: pd.DataFrame, columns: lis
         return Dataset.from_pandas(data, data_definition=definition)
 
     snapshot = Report([DataDriftPreset(drift_share=config.drift_share)], include_tests=True).run(
-        current_data=dataset(current), reference_data=dataset(reference))
+        current_data=dataset(current), reference_data=dataset(reference),
+        timestamp=timestamp.replace(tzinfo=None) if timestamp else None)
     result = snapshot.dict()
     scores, drifted, share = {}, [], 0.0
     for metric in result["metrics"]:
@@ -164,7 +166,7 @@ def evidently_drift(reference: pd.DataFrame, current: pd.DataFrame, columns: lis
         name = str(test.get("name", ""))
         if name.startswith("Value Drift for column ") and str(test.get("status")).endswith("FAIL"):
             drifted.append(name.removeprefix("Value Drift for column "))
-    return share, sorted(drifted), scores
+    return share, sorted(drifted), scores, snapshot
 
 
 def sample(frame: pd.DataFrame, rows: int, seed: int) -> pd.DataFrame:
@@ -173,8 +175,11 @@ def sample(frame: pd.DataFrame, rows: int, seed: int) -> pd.DataFrame:
 
 def run_monitor(settings, spec, reference: tuple[datetime, datetime], current: tuple[datetime, datetime],
                 config: MonitorConfig | None = None, kpis: dict | None = None,
-                baseline: dict | None = None) -> MonitorDecision:
-    """Compare the lake's events in ``current`` with those in ``reference`` (both [start, end))."""
+                baseline: dict | None = None, on_snapshot=None) -> MonitorDecision:
+    """Compare the lake's events in ``current`` with those in ``reference`` (both [start, end)).
+
+    ``on_snapshot`` receives Evidently's snapshot of the drift report (for the workspace's history).
+    """
     from recloop.features.job import _to_us, read_lake_window
 
     config = config or MonitorConfig()
@@ -191,7 +196,10 @@ def run_monitor(settings, spec, reference: tuple[datetime, datetime], current: t
         raise ValueError(f"no events in the {'reference' if ref.empty else 'current'} window")
     quality = quality_findings(ref, cur, monitored, config)
     healthy = [c for c in monitored if not any(f.startswith(f"{c}:") for f in quality)]
-    share, drifted, scores = evidently_drift(ref, cur, healthy, config) if healthy else (0.0, [], {})
+    share, drifted, scores, snapshot = evidently_drift(ref, cur, healthy, config, timestamp=current[1]) \
+        if healthy else (0.0, [], {}, None)
+    if on_snapshot is not None and snapshot is not None:
+        on_snapshot(snapshot)
     new_ids, figures = new_id_findings(ref, cur, keys, config)
     figures.update({f"drift_score.{k}": v for k, v in scores.items() if not math.isnan(v)})
     figures.update(reference_rows=float(len(ref)), current_rows=float(len(cur)))

@@ -144,18 +144,33 @@ def check_drift(settings: Settings, spec: str = "synthetic", hours: int = 24, re
     newest = datetime.fromtimestamp(bounds[1] / 1_000_000, tz=UTC)
     end = newest.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
     current = (end - timedelta(hours=hours), end)
-    reference = champion_window(settings) or (current[0] - timedelta(days=reference_days), current[0])
-    if reference[1] > current[0]:  # the champion trained on part of the window: compare with what came before
-        reference = (min(reference[0], current[0] - timedelta(days=1)), current[0])
+    trained = champion_window(settings)
+    if trained is None:
+        reference = (current[0] - timedelta(days=reference_days), current[0])
+    else:
+        # The newest stretch the champion learned from, as long as the checked window: like with like. (All of
+        # a full retrain's week would keep reporting the drift it was retrained on, as long as it holds
+        # days from before the change.)
+        last = min(trained[1], current[0])
+        reference = (max(trained[0], last - timedelta(hours=hours)), last)
+        if reference[0] >= reference[1]:
+            reference = (current[0] - timedelta(hours=hours), current[0])
     if kpis is None:
         kpis, found_baseline = champion_kpis(settings, current[0], current[1], config.min_impressions)
         baseline = baseline if baseline is not None else found_baseline
+    snapshots: list = []
     decision = run_monitor(settings, dataset, reference=reference, current=current, config=config, kpis=kpis,
-                           baseline=baseline)
+                           baseline=baseline, on_snapshot=snapshots.append)
     result = {**decision.to_dict(), "reference": [t.isoformat() for t in reference],
               "current": [t.isoformat() for t in current], "baseline": baseline or {}}
     if log:
-        log_monitoring(settings, result)
+        result["mlflow_run_id"] = log_monitoring(settings, result)
+        from recloop import dashboards
+
+        if snapshots:
+            result["evidently_snapshot"] = dashboards.record_run(
+                settings, snapshots[0], kpis=result.get("kpis"), version=(result.get("kpis") or {}).get("version"),
+                when=current[1], decision=result["decision"])
     return result
 
 

@@ -19,6 +19,7 @@ import getpass
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,10 +122,12 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
         })
         mlflow.log_dict(_flatten("", {"slices": summary.slices}, {}), "validation_slices.json")
         inputs = example[[c for c in example.columns if c.startswith(("d_", "c_", "m_"))]]
-        info = mlflow.pyfunc.log_model(
-            name="model", python_model=ranker_pyfunc.__file__, artifacts={"checkpoint": summary.checkpoint},
-            input_example=inputs, pip_requirements=["mlflow>=3", "torch>=2.5", "safetensors", "pandas", "numpy"],
-        )
+        with warnings.catch_warnings():  # its hint about integer columns: ours are indices, never missing
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
+            info = mlflow.pyfunc.log_model(
+                name="model", python_model=ranker_pyfunc.__file__, artifacts={"checkpoint": summary.checkpoint},
+                input_example=inputs, pip_requirements=["mlflow>=3", "torch>=2.5", "safetensors", "pandas", "numpy"],
+            )
     version = register(settings, info.model_uri, run.info.run_id)
     return LoggedModel(run.info.run_id, info.model_uri, version)
 

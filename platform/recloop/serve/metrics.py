@@ -38,6 +38,7 @@ class ServingMetrics:
                                 ["alias", "version"], registry=r)
         self.swaps = Counter("recloop_model_swaps", "Deployments swapped in", registry=r)
         self._counts: dict[str, list[int]] = {}
+        self._info_labels: list[tuple[str, str]] = []
 
     def feedback(self, version: str, impressions: int, clicks: int) -> None:
         self.impressions.labels(version).inc(impressions)
@@ -49,9 +50,10 @@ class ServingMetrics:
             self.online_ctr.labels(version).set(total[1] / total[0])
 
     def deployment(self, versions: dict[str, str | None], share: float, shadow: bool) -> None:
-        self.model_info.clear()
-        for alias, version in versions.items():
-            if version is not None:
-                self.model_info.labels(alias, version).set(1)
+        for labels in self._info_labels:  # (not ``remove``: Feast switches prometheus_client to multiprocess mode)
+            self.model_info.labels(*labels).set(0)
+        self._info_labels = [(alias, version) for alias, version in versions.items() if version is not None]
+        for labels in self._info_labels:
+            self.model_info.labels(*labels).set(1)
         self.canary_share.set(share)
         self.shadow.set(1 if shadow else 0)

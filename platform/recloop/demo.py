@@ -1,0 +1,390 @@
+"""``recloop demo``: the whole loop over simulated days, on embedded defaults, with a report.
+
+Day 0 bootstraps: the world's first day lands, the ``retrain`` flow trains a full model and the gate makes
+it champion. The serving API starts (in this process). Then each simulated day:
+
+1. **morning to evening**: simulated users call ``/rank`` and click by the ground truth, in rounds; after
+   each round the ``canary`` flow judges a challenger if there is one (hold, step, promote, roll back);
+   their feedback is written to the landing zone;
+2. **night**: the world's own events for the day land too; the ``drift`` flow compares the day with the
+   champion's training window — drift or KPI decay starts a full ``retrain`` (debounced by a cool-down
+   in simulated time); otherwise the hourly schedule's work runs as one incremental ``retrain``
+   (ingest → features → train → gate → canary start).
+
+Every flow is a Prefect flow run (state under ``$RECLOOP_HOME/prefect``), every model an MLflow run and
+version, so ``recloop up`` shows the same history in the Prefect and MLflow UIs.
+
+Alongside, the same requests are ranked offline by the day-0 model, never retrained: the baseline
+the loop must beat after a drift. Both are measured as expected clicks relative to the oracle that
+ranks by the true click probability (``vs_oracle``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from recloop.canary import CanaryConfig
+from recloop.gate import GateThresholds
+from recloop.settings import Settings
+from recloop.simulate import World, WorldConfig
+
+FLOW_MODULES = ("ingest_flow", "features_flow", "train_flow", "gate_flow", "canary_flow", "drift_flow",
+                "retrain_flow")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Args:
+    days: simulated days (day 0 bootstraps the first model).
+    events_per_day: the world's own impressions per day (the logged traffic every retrain learns from).
+    requests_per_day: ranking requests simulated users send to the serving API per day.
+    rounds: the day's requests come in this many rounds; the canary is judged after each.
+    drift, drift_day: the world's drift scenario and its first day.
+    cooldown_days: after a drift-triggered retrain, no other for this long (simulated time).
+    """
+
+    days: int = 5
+    events_per_day: int = 20_000
+    requests_per_day: int = 400
+    rounds: int = 4
+    seed: int = 0
+    drift: str = "sudden"
+    drift_day: int = 2
+    cooldown_days: float = 1.5
+    full_epochs: int = 3
+    batch_size: int | None = None  # default: about 32 steps per day of events
+    candidates: int = 100
+    shown: int = 10
+    # A small world: guardrails wide enough for a few hundred requests per step.
+    canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(
+        steps=(0.25, 0.5, 1.0), bake_seconds=0, min_requests=15, min_feedback=100, max_ctr_drop=0.3,
+        max_p99_ratio=3.0, max_auc_drop=0.15))
+    # Held-out windows of a few thousand rows: an incremental model may lose up to 0.01 AUC (noise at this size).
+    gate: GateThresholds = field(default_factory=lambda: GateThresholds(max_auc_drop_incremental=0.01,
+                                                                        max_slice_auc_drop=0.03))
+
+
+@dataclass
+class DayRecord:
+    day: int
+    events: int = 0
+    requests: int = 0
+    drift: str = "-"
+    drift_reasons: list[str] = field(default_factory=list)
+    retrain: str = "-"
+    candidate_version: str | None = None
+    candidate_auc: float | None = None
+    champion_auc: float | None = None
+    oracle_auc: float | None = None
+    gate: str = "-"
+    canary: list[str] = field(default_factory=list)
+    champion: str | None = None
+    online_ctr: dict[str, float] = field(default_factory=dict)
+    vs_oracle: float | None = None
+    baseline_vs_oracle: float | None = None
+    seconds: float = 0.0
+
+
+def load_flows() -> dict[str, Callable]:
+    """The Prefect flows of the checkout's ``flows/`` folder (they import each other by module name)."""
+    folder = Path(__file__).resolve().parents[2] / "flows"
+    if not (folder / "retrain_flow.py").exists():
+        raise FileNotFoundError(f"no flows/ folder at {folder}: run the demo from a checkout of recloop")
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    return {name: getattr(importlib.import_module(name), name) for name in FLOW_MODULES}
+
+
+def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord], None] | None = None) -> dict:
+    import os
+
+    from recloop.flow_support import configure_prefect
+
+    # The flows read their settings from the environment, as they do on a worker.
+    os.environ["RECLOOP_HOME"] = str(settings.home.resolve())
+    configure_prefect(settings)
+    flows = load_flows()
+    started = time.perf_counter()
+    canary_path = _write_canary_config(settings, config.canary)
+    world_config = WorldConfig(seed=config.seed, days=config.days, events_per_day=config.events_per_day,
+                               drift=config.drift, drift_day=config.drift_day)  # type: ignore[arg-type]
+    world = World(world_config)
+    batch_size = config.batch_size or max(128, min(2048, config.events_per_day // 32))
+    train_args = {"batch_size": batch_size, "validation_hours": 6, "canary_config": str(canary_path),
+                  "gate_thresholds": str(_write_json(settings, "gate.json", asdict(config.gate)))}
+
+    bootstrap = DayRecord(day=0)
+    bootstrap.events = _land_day(world, 0, settings)
+    first = flows["retrain_flow"](mode="full", reason="bootstrap", days=1, epochs=config.full_epochs, **train_args)
+    _record_training(bootstrap, first, "full (bootstrap)")
+    records = [bootstrap]
+    if on_day:
+        on_day(bootstrap)
+    frozen = _frozen_ranker(settings, first["gate"]["version"])
+    last_full_day = 0
+
+    from recloop import registry
+    from recloop.serve.app import ServerThread, create_app
+
+    serving = Settings(**{**settings.model_dump(), "serve_poll_seconds": 0.2, "feedback_flush_seconds": 3600})
+    app = create_app(serving)
+    freshness: list[float] = []
+    with ServerThread(app) as server:
+        for day in range(1, config.days):
+            began = time.perf_counter()
+            record = DayRecord(day=day)
+            served, baseline = _serve_day(server.url, app, world, day, config, flows, canary_path, record, frozen)
+            record.requests, record.online_ctr = served["requests"], served["ctr"]
+            record.vs_oracle, record.baseline_vs_oracle = served["vs_oracle"], baseline
+            app.state.service.land_feedback()
+            record.events = _land_day(world, day, settings)
+            landed_at = time.perf_counter()
+            flows["ingest_flow"]()  # the hourly ingest has landed the day by the time the monitor looks
+            now = (world_config.start + timedelta(days=day + 1)).timestamp()
+            drift = flows["drift_flow"](hours=24, now=now, cooldown_seconds=config.cooldown_days * 86400,
+                                        retrain_inline=True, retrain_parameters={
+                                            **train_args, "days": day + 1, "epochs": config.full_epochs})
+            record.drift, record.drift_reasons = drift["decision"], list(drift["reasons"])
+            if "retrain" in drift:
+                outcome, kind = drift["retrain"], "full (drift)"
+                last_full_day = day
+            else:
+                outcome = flows["retrain_flow"](mode="incremental", reason="scheduled", days=day + 1, **train_args)
+                kind = "incremental"
+            _record_training(record, outcome, kind)
+            if outcome["gate"]["alias"] == "challenger":
+                freshness.append(_until_serving(server.url, outcome["gate"]["version"]) + time.perf_counter()
+                                 - landed_at)
+            record.champion = registry.version_by_alias(settings, "champion")
+            record.seconds = round(time.perf_counter() - began, 1)
+            records.append(record)
+            if on_day:
+                on_day(record)
+    summary = _summarize(records, config, freshness, last_full_day)
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    summary["report"] = str(write_report(settings, records, summary, config))
+    return summary
+
+
+def _write_canary_config(settings: Settings, canary: CanaryConfig) -> Path:
+    return _write_json(settings, "canary.json", {**asdict(canary), "steps": list(canary.steps)})
+
+
+def _write_json(settings: Settings, name: str, content: dict) -> Path:
+    """A config file the flows read (flow parameters stay small and visible in the Prefect UI)."""
+    path = settings.home.resolve() / "loop" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(content, indent=2) + "\n")
+    return path
+
+
+def _land_day(world: World, day: int, settings: Settings) -> int:
+    """The world's own events of a day, one parquet file per hour, into the landing zone."""
+    date = (world.config.start + timedelta(days=day)).strftime("%Y-%m-%d")
+    folder = settings.landing_dir / "world" / date
+    folder.mkdir(parents=True, exist_ok=True)
+    events = 0
+    for hour in range(24):
+        table = world.hour_events(day, hour)
+        tmp = folder / f".events-{date}T{hour:02d}.parquet.tmp"
+        pq.write_table(table, tmp)
+        tmp.rename(folder / f"events-{date}T{hour:02d}.parquet")
+        events += table.num_rows
+    return events
+
+
+def _record_training(record: DayRecord, outcome: dict, kind: str) -> None:
+    record.retrain = kind
+    gate = outcome["gate"]
+    record.candidate_version = gate["version"]
+    record.candidate_auc = gate["candidate"].get("auc")
+    record.oracle_auc = gate["candidate"].get("oracle_auc")
+    record.champion_auc = (gate.get("champion_scores") or {}).get("auc")
+    record.gate = ("passed → " + gate["alias"]) if gate["passed"] else "refused"
+    if "canary" in outcome:
+        record.canary.append(f"start v{gate['version']}")
+
+
+class _FrozenRanker:
+    """The day-0 model ranking the day's requests offline with the same online features (the baseline)."""
+
+    def __init__(self, settings: Settings, version: str):
+        from recloop.features.config import FeatureConfig
+        from recloop.schema import load_spec
+        from recloop.serve.features import RequestFeatures, online_reader
+        from recloop.serve.models import load_version
+
+        spec = load_spec("synthetic")
+        self.model = load_version(settings, version)
+        self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), online_reader(settings))
+
+    def rank(self, body: dict) -> list[int]:
+        from datetime import datetime
+
+        from recloop.serve.models import score
+
+        self.features.refresh()
+        ts_us = int(datetime.fromisoformat(body["ts"]).timestamp() * 1_000_000)
+        rows, _ = self.features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)
+        scores = score(self.model, rows).numpy()
+        return [body["item_ids"][i] for i in np.argsort(-scores, kind="stable")]
+
+
+def _frozen_ranker(settings: Settings, version: str) -> _FrozenRanker:
+    return _FrozenRanker(settings, version)
+
+
+def _serve_day(url: str, app, world: World, day: int, config: DemoConfig, flows: dict, canary_path: Path,
+               record: DayRecord, frozen: _FrozenRanker) -> tuple[dict, float]:
+    from recloop.serve.traffic import SimulatedUsers, TrafficSummary, drive
+
+    total = TrafficSummary()
+    baseline_clicks = oracle_clicks = 0.0
+    per_round = max(1, config.requests_per_day // config.rounds)
+    for round_index in range(config.rounds):
+        users = SimulatedUsers(world, day=day + (round_index + 0.5) / config.rounds, candidates=config.candidates,
+                               shown=config.shown, seed=config.seed * 1000 + day * 10 + round_index)
+        pairs = [users.request() for _ in range(per_round)]
+        summary = asyncio.run(drive(url, users, pairs, concurrency=4))
+        for body, who in pairs:
+            baseline_clicks += users.expected(frozen.rank(body), who)
+            oracle_clicks += users.oracle_expected(body, who)
+        total.requests += summary.requests
+        total.failed += summary.failed
+        for counter in ("errors", "versions", "impressions", "clicks", "expected_clicks", "oracle_clicks"):
+            getattr(total, counter).update(getattr(summary, counter))
+        step = flows["canary_flow"](config_path=str(canary_path))
+        if step["action"] not in ("none", "hold"):
+            record.canary.append(f"{step['action']} v{step['challenger']}" + (
+                f" → {step['share']:.0%}" if step["action"] == "step" else ""))
+            if step["action"] == "rollback":
+                record.canary[-1] += ": " + "; ".join(step["decision"]["reasons"])
+            _wait_for_deployment(url, app.state.service.settings)
+    served = total.to_dict()
+    expected = sum(total.expected_clicks.values())
+    served["vs_oracle"] = expected / sum(total.oracle_clicks.values()) if total.oracle_clicks else None
+    if total.failed:
+        raise RuntimeError(f"{total.failed} requests failed on day {day}: {dict(total.errors)}")
+    return served, baseline_clicks / oracle_clicks if oracle_clicks else None
+
+
+def _wait_for_deployment(url: str, settings: Settings, timeout: float = 30.0) -> None:
+    """Let the server pick up moved aliases and shares before the next round (it polls every 0.2 s)."""
+    import httpx
+
+    from recloop.serve.models import registry_wanted
+
+    wanted = registry_wanted(settings)
+    target = (wanted.champion, wanted.challenger, wanted.share if wanted.challenger else 0.0)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        health = httpx.get(f"{url}/healthz").json()
+        if (health["versions"]["champion"], health["versions"]["challenger"], health["share"]) == target:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the serving API did not pick up {target} within {timeout:.0f} s")
+
+
+def _until_serving(url: str, version: str, timeout: float = 30.0) -> float:
+    """Seconds until the server routes canary traffic to ``version``."""
+    import httpx
+
+    began = time.perf_counter()
+    while time.perf_counter() - began < timeout:
+        health = httpx.get(f"{url}/healthz").json()
+        if health["versions"]["challenger"] == version and health["share"] > 0:
+            break
+        time.sleep(0.05)
+    return time.perf_counter() - began
+
+
+def _summarize(records: list[DayRecord], config: DemoConfig, freshness: list[float], last_full_day: int) -> dict:
+    days = [asdict(r) for r in records]
+    summary: dict = {"days": days, "config": asdict(config),
+                     "full_retrains": sum(r.retrain.startswith("full (drift)") for r in records),
+                     "freshness_seconds": [round(f, 1) for f in freshness]}
+    served = {r.day: r.vs_oracle for r in records if r.vs_oracle is not None}
+    baseline = {r.day: r.baseline_vs_oracle for r in records if r.baseline_vs_oracle is not None}
+    before = [served[d] for d in served if d < config.drift_day]
+    if config.drift != "none" and before and config.drift_day + 2 in served:
+        pre = float(np.mean(before))
+        recovered = served[config.drift_day + 2]
+        summary["efficacy"] = {
+            "pre_drift_vs_oracle": round(pre, 4), "drift_day_vs_oracle": round(served.get(config.drift_day, np.nan), 4),
+            "two_cycles_after_vs_oracle": round(recovered, 4), "recovery": round(recovered / pre, 4),
+            "never_retrain_two_cycles_after": round(baseline.get(config.drift_day + 2, np.nan), 4),
+            "never_retrain_recovery": round(baseline.get(config.drift_day + 2, np.nan) / pre, 4),
+            "target": ">= 0.95 of the pre-drift level within two cycles",
+            "met": bool(recovered / pre >= 0.95)}
+    return summary
+
+
+def write_report(settings: Settings, records: list[DayRecord], summary: dict, config: DemoConfig) -> Path:
+    """An HTML page: the per-day table and plots of online KPI and AUC with retrain, promotion and drift markers."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    days = [r.day for r in records]
+    figure = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, subplot_titles=(
+        "Served ranking vs the oracle (expected clicks)", "Offline AUC on each day's held-out hours"))
+    figure.add_trace(go.Scatter(x=days, y=[r.vs_oracle for r in records], name="recloop (served)",
+                                mode="lines+markers"), row=1, col=1)
+    figure.add_trace(go.Scatter(x=days, y=[r.baseline_vs_oracle for r in records], name="never retrained",
+                                mode="lines+markers", line={"dash": "dot"}), row=1, col=1)
+    for name, values in (("candidate", [r.candidate_auc for r in records]), ("champion", [r.champion_auc for r in records]),
+                         ("oracle", [r.oracle_auc for r in records])):
+        figure.add_trace(go.Scatter(x=days, y=values, name=f"{name} AUC", mode="lines+markers"), row=2, col=1)
+    for r in records:
+        if r.drift not in ("-", "ok"):
+            figure.add_vline(x=r.day, line={"color": "red", "dash": "dash"}, annotation_text=f"drift: {r.drift}")
+        if r.retrain.startswith("full"):
+            figure.add_vline(x=r.day + 0.1, line={"color": "purple"}, annotation_text="full retrain",
+                             annotation_position="bottom right")
+        if any(c.startswith("promote") for c in r.canary):
+            figure.add_vline(x=r.day - 0.1, line={"color": "green"}, annotation_text="promoted",
+                             annotation_position="top left")
+    if config.drift != "none":
+        figure.add_vrect(x0=config.drift_day - 0.5, x1=config.days - 0.5, fillcolor="red", opacity=0.05,
+                         line_width=0)
+    figure.update_layout(height=760, width=1100, title=f"recloop demo — {config.days} days, drift "
+                         f"'{config.drift}' from day {config.drift_day}", xaxis2_title="simulated day")
+    rows = "".join(
+        f"<tr><td>{r.day}</td><td>{r.events:,}</td><td>{r.requests}</td><td>{r.drift}</td><td>{r.retrain}</td>"
+        f"<td>{_f(r.candidate_auc)}</td><td>{_f(r.champion_auc)}</td><td>{_f(r.oracle_auc)}</td><td>{r.gate}</td>"
+        f"<td>{'<br>'.join(r.canary) or '-'}</td><td>{r.champion or '-'}</td>"
+        f"<td>{', '.join(f'v{v}: {c:.3f}' for v, c in r.online_ctr.items()) or '-'}</td>"
+        f"<td>{_f(r.vs_oracle)}</td><td>{_f(r.baseline_vs_oracle)}</td></tr>" for r in records)
+    efficacy = summary.get("efficacy")
+    verdict = "" if not efficacy else (
+        f"<p><b>Loop efficacy</b>: two cycles after the drift the served ranking earns {efficacy['recovery']:.1%} of "
+        f"its pre-drift share of the oracle's clicks (never retrained: {efficacy['never_retrain_recovery']:.1%}); "
+        f"target ≥ 95%: {'met' if efficacy['met'] else 'not met'}.</p>")
+    html = f"""<!doctype html><html><head><meta charset="utf-8"><title>recloop demo</title>
+<style>body{{font-family:sans-serif;margin:24px}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style></head><body>
+<h1>recloop demo</h1>{verdict}
+<table><tr><th>day</th><th>events</th><th>requests</th><th>drift</th><th>retrain</th><th>candidate AUC</th>
+<th>champion AUC</th><th>oracle AUC</th><th>gate</th><th>canary</th><th>champion</th><th>online CTR</th>
+<th>served / oracle</th><th>never retrained / oracle</th></tr>{rows}</table>
+{figure.to_html(full_html=False, include_plotlyjs=True)}
+<p>Freshness (events landed → challenger serving canary traffic): {summary['freshness_seconds']} s.
+Total {summary.get('seconds', '')} s.</p></body></html>"""
+    path = settings.home.resolve() / "reports" / "demo.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(html)
+    return path
+
+
+def _f(value) -> str:
+    return "-" if value is None or value != value else f"{value:.4f}"

@@ -1,0 +1,124 @@
+"""``recloop up`` / ``recloop down``: the UIs and the serving API as local background processes.
+
+Each runs in its own session (so ``down`` stops it with its children), logs to
+``$RECLOOP_HOME/run/<name>.log``, and is recorded in ``$RECLOOP_HOME/run/<name>.pid``. They read the same
+state the demo and the flows write: Prefect's database under ``$RECLOOP_HOME/prefect``, MLflow's
+SQLite store, the Evidently workspace, the registry's models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from recloop.settings import Settings
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    port: int
+    health: str  # path answered with 200 once it is up
+
+    def url(self, host: str) -> str:
+        return f"http://{host}:{self.port}"
+
+
+SERVICES = (Service("prefect", 4200, "/api/health"), Service("mlflow", 5000, "/health"),
+            Service("evidently", 8001, "/"), Service("serving", 8000, "/metrics"))
+
+
+def _command(service: Service, settings: Settings, host: str) -> list[str]:
+    bin_dir = Path(sys.executable).parent
+    if service.name == "prefect":
+        return [str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(service.port)]
+    if service.name == "mlflow":
+        return [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", settings.resolved_mlflow_tracking_uri(),
+                "--host", host, "--port", str(service.port)]
+    if service.name == "evidently":
+        from recloop.dashboards import workspace_path
+
+        return [str(bin_dir / "evidently"), "ui", "--workspace", str(workspace_path(settings)), "--host", host,
+                "--port", str(service.port)]
+    return [str(bin_dir / "recloop"), "serve", "--host", host, "--port", str(service.port)]
+
+
+def _run_dir(settings: Settings) -> Path:
+    folder = settings.home.resolve() / "run"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0) -> dict[str, dict]:
+    """Start what is not running yet and wait until each answers; returns name → url, pid, status."""
+    import httpx
+
+    from recloop.flow_support import configure_prefect
+
+    configure_prefect(settings)
+    env = {**os.environ, "RECLOOP_HOME": str(settings.home.resolve()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)  # the server itself must not point at another one
+    started = {}
+    for service in SERVICES:
+        pid_file = _run_dir(settings) / f"{service.name}.pid"
+        if pid_file.exists() and _alive(int(pid_file.read_text())):
+            started[service.name] = {"url": service.url(host), "pid": int(pid_file.read_text()), "status": "running"}
+            continue
+        log = open(_run_dir(settings) / f"{service.name}.log", "ab")  # noqa: SIM115 - handed to the child
+        process = subprocess.Popen(_command(service, settings, host), env=env, stdout=log, stderr=log,
+                                   start_new_session=True)
+        pid_file.write_text(str(process.pid))
+        started[service.name] = {"url": service.url(host), "pid": process.pid, "status": "starting"}
+    deadline = time.time() + timeout
+    for service in SERVICES:
+        entry = started[service.name]
+        while entry["status"] != "up":
+            try:
+                if httpx.get(entry["url"] + service.health, timeout=2).status_code == 200:
+                    entry["status"] = "up"
+                    break
+            except httpx.HTTPError:
+                pass
+            if not _alive(entry["pid"]) or time.time() > deadline:
+                entry["status"] = f"failed: see {_run_dir(settings) / (service.name + '.log')}"
+                break
+            time.sleep(0.5)
+    return started
+
+
+def down(settings: Settings) -> dict[str, str]:
+    """Stop every service ``up`` started (the whole process group), then forget it."""
+    stopped = {}
+    for service in SERVICES:
+        pid_file = _run_dir(settings) / f"{service.name}.pid"
+        if not pid_file.exists():
+            continue
+        pid = int(pid_file.read_text())
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+            for _ in range(50):
+                if not _alive(pid):
+                    break
+                time.sleep(0.1)
+            else:
+                os.killpg(pid, signal.SIGKILL)
+            stopped[service.name] = "stopped"
+        else:
+            stopped[service.name] = "was not running"
+        pid_file.unlink()
+    return stopped
