@@ -139,13 +139,13 @@ def test_the_demo_runs_every_stage_each_day(prefect_server, tmp_path: Path, monk
     settings = Settings(home=tmp_path / "home", frame_backend="pandas")
     monkeypatch.setenv("RECLOOP_FRAME_BACKEND", "pandas")
     monkeypatch.setenv("RECLOOP_HOME", str(settings.home))
-    summary = run_demo(settings, DemoConfig(days=4, events_per_day=3000, requests_per_day=120, rounds=3, seed=1,
+    summary = run_demo(settings, DemoConfig(days=4, events_per_day=4000, requests_per_day=120, rounds=3, seed=1,
                                             drift="sudden", drift_day=2))
     days = summary["days"]
     assert [d["day"] for d in days] == [0, 1, 2, 3]
     assert days[0]["gate"] == "passed → champion"
     for day in days[1:]:
-        assert day["requests"] == 120 and day["events"] == 3000
+        assert day["requests"] == 120 and day["events"] == 4000
         assert day["drift"] in ("ok", "drift", "kpi_decay", "data_quality")
         assert day["retrain"] in ("incremental", "full (drift)")
         assert day["gate"] in ("refused", "passed → challenger", "passed → champion")
