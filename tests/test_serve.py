@@ -237,7 +237,8 @@ def test_health_and_metrics(client: httpx.Client):
     client.post("/rank", json={"user_id": 10**15, "item_ids": [10**15, 1]})  # unknown user and item
     text = client.get("/metrics").text
     for name in ("recloop_requests_total", "recloop_request_seconds_bucket", "recloop_feature_fallbacks_total",
-                 "recloop_canary_share", "recloop_model_info", "recloop_online_ctr", "recloop_invalid_requests_total"):
+                 "recloop_canary_share", "recloop_model_info", "recloop_online_ctr", "recloop_invalid_requests_total",
+                 "recloop_drift_share", "recloop_retrains_triggered_total"):
         assert name in text, name
     fallbacks = [line for line in text.splitlines() if line.startswith('recloop_feature_fallbacks_total{entity="user"}')]
     assert float(fallbacks[0].split()[-1]) >= 1

@@ -165,6 +165,7 @@ def check_drift(settings: Settings, spec: str = "synthetic", hours: int = 24, re
               "current": [t.isoformat() for t in current], "baseline": baseline or {}}
     if log:
         result["mlflow_run_id"] = log_monitoring(settings, result)
+        _remember(settings, result)
         from recloop import dashboards
 
         if snapshots:
@@ -175,6 +176,22 @@ def check_drift(settings: Settings, spec: str = "synthetic", hours: int = 24, re
 
 
 MONITOR_EXPERIMENT = "recloop-monitor"
+
+
+def _remember(settings: Settings, result: dict) -> None:
+    """Keep the latest monitoring result and a count per decision (the loop's Prometheus metrics read them)."""
+    import json
+    import os
+
+    folder = settings.home.resolve() / "loop"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "monitor.json"
+    state = json.loads(path.read_text()) if path.exists() else {"decisions": {}}
+    state["decisions"][result["decision"]] = state["decisions"].get(result["decision"], 0) + 1
+    state["last"] = {k: result[k] for k in ("decision", "drift_share", "drifted_columns", "current")}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def log_monitoring(settings: Settings, result: dict) -> str:

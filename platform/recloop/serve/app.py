@@ -102,7 +102,7 @@ class Service:
     def __init__(self, settings: Settings, spec: DatasetSpec, online: OnlineReader | None = None,
                  pool: ModelPool | None = None):
         self.settings, self.spec = settings, spec
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics(settings.home)
         self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec),
                                         online or online_reader(settings))
         self.pool = pool or ModelPool(settings)

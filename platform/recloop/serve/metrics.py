@@ -2,15 +2,50 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+class LoopCollector:
+    """The loop's own metrics, read at scrape time from what the monitor and the trigger record under
+    ``$RECLOOP_HOME/loop``: last drift share, monitoring decisions, full retrains requested."""
+
+    def __init__(self, home: Path):
+        self.folder = Path(home).resolve() / "loop"
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        monitor_file, triggers_file = self.folder / "monitor.json", self.folder / "triggers.json"
+        monitor = json.loads(monitor_file.read_text()) if monitor_file.exists() else {"decisions": {}}
+        triggers = json.loads(triggers_file.read_text()) if triggers_file.exists() else []
+        share = GaugeMetricFamily("recloop_drift_share", "Share of monitored columns drifted in the last check")
+        share.add_metric([], float((monitor.get("last") or {}).get("drift_share", 0.0)))
+        yield share
+        decisions = CounterMetricFamily("recloop_monitor_decisions", "Monitoring checks by decision",
+                                        labels=["decision"])
+        for decision, count in monitor["decisions"].items():
+            decisions.add_metric([decision], count)
+        yield decisions
+        retrains = CounterMetricFamily("recloop_retrains_triggered", "Full retrains requested by drift or KPI decay")
+        retrains.add_metric([], len(triggers))
+        yield retrains
+        last = GaugeMetricFamily("recloop_last_retrain_request_timestamp_seconds", "When the last full retrain "
+                                 "was requested (event time)")
+        last.add_metric([], max((t["at"] for t in triggers), default=0.0))
+        yield last
+
+
 class ServingMetrics:
-    def __init__(self) -> None:
+    def __init__(self, home: Path | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        if home is not None:
+            r.register(LoopCollector(home))
         self.requests = Counter("recloop_requests", "Ranking requests by routed variant, answering version and "
                                 "outcome (ok, fallback = challenger failed and the champion answered, error)",
                                 ["variant", "version", "status"], registry=r)
