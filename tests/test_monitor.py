@@ -58,3 +58,31 @@ def test_an_empty_window_is_a_clear_error(tmp_path, lake_factory):
     settings = lake_factory(tmp_path, WorldConfig(seed=5, days=1, events_per_day=500), features=False)
     with pytest.raises(ValueError, match="no events in the current window"):
         run_monitor(settings, SPEC, reference=(day(1), day(2)), current=(day(9), day(10)))
+
+
+@pytest.mark.parametrize(("scenario", "first", "retrains"), [
+    ("sudden", "drift", 1),            # found by the first check after it, retrained once despite repeats
+    ("broken_column", "data_quality", 0),  # alerts, never retrains on broken data
+    ("none", "ok", 0),                 # no false alarm in any run
+])
+def test_monitoring_every_six_hours_requests_at_most_one_retrain(scenario, first, retrains, tmp_path, lake_factory):
+    from datetime import timedelta
+
+    from recloop import trigger
+    from recloop.settings import Settings
+
+    world = WorldConfig(seed=6, days=5, events_per_day=8000, drift=scenario, drift_day=3)
+    settings = lake_factory(tmp_path, world, features=False)
+    home = Settings(home=settings.home)
+    config = trigger.TriggerConfig(cooldown_seconds=3 * 86400)
+    checks = [day(4) + timedelta(hours=6 * k) for k in range(1, 7)]  # from 6 h after the drift, for 1.5 days
+    decisions, requested = [], []
+    for t in checks:
+        found = run_monitor(settings, SPEC, reference=(day(2), day(4)), current=(t - timedelta(hours=6), t))
+        decisions.append(found.decision)
+        requested.append(trigger.decide_and_record(home, found.decision, list(found.reasons), now=t.timestamp(),
+                                                   config=config).retrain)
+    assert decisions[0] == first, decisions
+    assert sum(requested) == retrains and requested[0] is (retrains == 1), (decisions, requested)
+    if scenario == "none":
+        assert decisions.count("ok") == len(decisions), decisions  # false positives: 0 of 6
