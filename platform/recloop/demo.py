@@ -66,10 +66,12 @@ class DemoConfig:
     batch_size: int | None = None  # default: about 32 steps per day of events
     candidates: int = 100
     shown: int = 10
-    # A small world: guardrails wide enough for a few hundred requests per step.
+    # A small world judged on a few hundred requests per step, in one process with everything else:
+    # the online CTR guardrail decides; p99 of ~100 scoring times is their maximum (a pause anywhere in the
+    # process), and AUC pooled over two different halves of the users is not comparable at this size.
     canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(
         steps=(0.25, 0.5, 1.0), bake_seconds=0, min_requests=15, min_feedback=100, max_ctr_drop=0.3,
-        max_p99_ratio=3.0, max_auc_drop=0.15))
+        max_p99_ratio=10.0, max_auc_drop=1.0))
     # Held-out windows of a few thousand rows: an incremental model may lose up to 0.01 AUC, and calibration
     # is measured within ±25 % (noise at this size; the defaults suit production windows).
     gate: GateThresholds = field(default_factory=lambda: GateThresholds(
@@ -351,7 +353,7 @@ def write_report(settings: Settings, records: list[DayRecord], summary: dict, co
         figure.add_trace(go.Scatter(x=days, y=values, name=f"{name} AUC", mode="lines+markers"), row=2, col=1)
     for r in records:
         if r.drift not in ("-", "ok"):
-            figure.add_vline(x=r.day, line={"color": "red", "dash": "dash"}, annotation_text=f"drift: {r.drift}")
+            figure.add_vline(x=r.day, line={"color": "red", "dash": "dash"}, annotation_text=r.drift)
         if r.retrain.startswith("full"):
             figure.add_vline(x=r.day + 0.1, line={"color": "purple"}, annotation_text="full retrain",
                              annotation_position="bottom right")
@@ -361,6 +363,8 @@ def write_report(settings: Settings, records: list[DayRecord], summary: dict, co
     if config.drift != "none":
         figure.add_vrect(x0=config.drift_day - 0.5, x1=config.days - 0.5, fillcolor="red", opacity=0.05,
                          line_width=0)
+    figure.update_yaxes(title_text="expected clicks / oracle's", row=1, col=1)
+    figure.update_yaxes(title_text="AUC", row=2, col=1)
     figure.update_layout(height=760, width=1100, title=f"recloop demo — {config.days} days, drift "
                          f"'{config.drift}' from day {config.drift_day}", xaxis2_title="simulated day")
     rows = "".join(
