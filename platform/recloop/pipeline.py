@@ -170,7 +170,7 @@ def check_drift(settings: Settings, spec: str = "synthetic", hours: int = 24, re
 
         if snapshots:
             result["evidently_snapshot"] = dashboards.record_run(
-                settings, snapshots[0], kpis=result.get("kpis"), version=(result.get("kpis") or {}).get("version"),
+                settings, snapshots[0], kpis=result.get("kpi"), version=(result.get("kpi") or {}).get("version"),
                 when=current[1], decision=result["decision"])
     return result
 
@@ -208,7 +208,7 @@ def log_monitoring(settings: Settings, result: dict) -> str:
                          "reasons": "; ".join(result["reasons"])[:4000], "window": "..".join(result["current"]),
                          "drifted_columns": ", ".join(result["drifted_columns"])})
         figures = {"drift_share": result["drift_share"], **result.get("figures", {}),
-                   **{f"kpi.{k}": v for k, v in result.get("kpis", {}).items() if isinstance(v, int | float)}}
+                   **{f"kpi.{k}": v for k, v in result.get("kpi", {}).items() if isinstance(v, int | float)}}
         mlflow.log_metrics({k.replace(":", "."): float(v) for k, v in figures.items()
                             if isinstance(v, int | float) and v == v})
         mlflow.log_dict(result, "monitor.json")
