@@ -464,3 +464,16 @@ def test_redis_reader_answers_as_feast_does(home: Settings, tmp_path: Path):
             np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
     assert np.isnan(ours.read(10**12, [10**12])["user_events_total"]).all()
     redis.Redis.from_url(url).flushdb()
+
+
+def test_admin_canary_share_and_rollback(client: httpx.Client, home: Settings):
+    version = variant(home, unchanged)
+    registry.set_alias(home, "challenger", version, who="test", why="admin endpoints")
+    moved = client.post("/admin/canary", json={"share": 0.5, "mode": "shadow"}, headers=AUTH)
+    assert moved.status_code == 200 and moved.json() == {"version": version, "share": 0.5, "mode": "shadow"}
+    assert registry.version_info(home, version)["tags"]["canary.share"] == "0.5"
+    wait_for(client, lambda h: h["versions"]["challenger"] == version and h["mode"] == "shadow")
+    undone = client.post("/admin/rollback", json={"reason": "admin says no"}, headers=AUTH)
+    assert undone.status_code == 200 and undone.json()["aliases"]["challenger"] is None
+    assert "admin says no" in registry.version_info(home, version)["tags"]["canary.reasons"]
+    assert client.get("/healthz").json()["versions"]["challenger"] is None  # swapped before answering

@@ -319,27 +319,23 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synt
         svc.metrics.deployment(live.versions, live.share, live.mode == "shadow")
         return state
 
-    @app.post("/admin/promote", dependencies=[Depends(admin)])
-    def promote(body: ReasonRequest, svc: Annotated[Service, Depends(service)]) -> dict:
+    def manual(action: str, reason: str, svc: Service) -> dict:
         from recloop.serve import controller
 
         try:
-            result = controller.manual(settings, "promote", body.reason, who="admin-api")
+            result = controller.manual(settings, action, reason, who="admin-api")
         except controller.NoCanary as err:
             raise HTTPException(409, str(err)) from err
         svc.pool.sync()
         return result
+
+    @app.post("/admin/promote", dependencies=[Depends(admin)])
+    def promote(body: ReasonRequest, svc: Annotated[Service, Depends(service)]) -> dict:
+        return manual("promote", body.reason, svc)
 
     @app.post("/admin/rollback", dependencies=[Depends(admin)])
     def rollback(body: ReasonRequest, svc: Annotated[Service, Depends(service)]) -> dict:
-        from recloop.serve import controller
-
-        try:
-            result = controller.manual(settings, "rollback", body.reason, who="admin-api")
-        except controller.NoCanary as err:
-            raise HTTPException(409, str(err)) from err
-        svc.pool.sync()
-        return result
+        return manual("rollback", body.reason, svc)
 
     @app.post("/admin/flush", dependencies=[Depends(admin)])
     def flush(svc: Annotated[Service, Depends(service)]) -> dict:
