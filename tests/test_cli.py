@@ -31,17 +31,12 @@ def test_simulate_then_ingest_with_json(runner: CliRunner, tmp_path: Path):
     assert (tmp_path / "home" / "lake" / "events" / "date=2026-01-01").is_dir()
 
 
-def test_demo_runs_simulate_ingest_and_features(runner: CliRunner):
-    result = runner.invoke(app, ["demo", "--days", "1", "--events-per-day", "300", "--json"])
-    assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout)
-    assert summary["simulate"]["events"] == 300 and summary["ingest"]["rows_landed"] == 300
-    assert summary["features"]["rows"] == 300 and summary["features"]["materialized"] == ["user_stats", "item_stats"]
-    assert summary["train"]["samples"] > 0 and "checkpoint" in summary["train"]
-    assert summary["train"]["mlflow"]["version"] == "1" and summary["gate"]["version"] == "1"
-    assert isinstance(summary["gate"]["passed"], bool) and "reasons" in summary["gate"]
-    again = json.loads(runner.invoke(app, ["demo", "--days", "1", "--events-per-day", "300", "--json"]).stdout)
-    assert again["train"]["mlflow"]["version"] == "1"  # the same training run is not registered twice
+def test_demo_refuses_bad_options_clearly(runner: CliRunner):
+    """The demo itself runs in tests/test_flows.py (under a Prefect test server); here: its argument checks."""
+    too_short = runner.invoke(app, ["demo", "--days", "1"])
+    assert too_short.exit_code == 2 and "--days" in too_short.output
+    unknown = runner.invoke(app, ["demo", "--drift", "sideways"])
+    assert unknown.exit_code == 2 and "sideways" in unknown.output
 
 
 def test_features_on_an_empty_lake_is_a_message_and_exit_0(runner: CliRunner):
