@@ -137,7 +137,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     records = [bootstrap]
     if on_day:
         on_day(bootstrap)
-    frozen = _frozen_ranker(settings, first["gate"]["version"])
+    frozen = _FrozenRanker(settings, first["gate"]["version"])
     last_full_day = 0
 
     from recloop import registry
@@ -245,10 +245,6 @@ class _FrozenRanker:
         rows, _ = self.features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)
         scores = score(self.model, rows).numpy()
         return [body["item_ids"][i] for i in np.argsort(-scores, kind="stable")]
-
-
-def _frozen_ranker(settings: Settings, version: str) -> _FrozenRanker:
-    return _FrozenRanker(settings, version)
 
 
 def _serve_day(url: str, app, world: World, day: int, config: DemoConfig, flows: dict, canary_path: Path,

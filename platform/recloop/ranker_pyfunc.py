@@ -11,28 +11,15 @@ from __future__ import annotations
 import mlflow
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import torch
 
-from recloop.data.loader import Batch
+from recloop.data.loader import Batch, rows_to_batch
 
 
 def frame_to_batch(frame: pd.DataFrame, dense: list[str], tables: list[str]) -> Batch:
-    """Feature rows → a batch in the kernels' layout (one-hot ``c_*`` tables, then ``m_*`` lists)."""
-    size = len(frame)
-    dense_values = torch.tensor(frame[dense].to_numpy(dtype=np.float32)) if dense else torch.zeros(size, 0)
-    parts, lengths = [], []
-    for name in tables:
-        if name.startswith("m_"):
-            lists = [np.asarray(v if v is not None else [], dtype=np.int64) for v in frame[name]]
-            parts.append(torch.tensor(np.concatenate(lists) if lists else np.zeros(0, np.int64)))
-            lengths.append(torch.tensor([len(v) for v in lists], dtype=torch.int64))
-        else:
-            parts.append(torch.tensor(frame[name].to_numpy(dtype=np.int64)))
-            lengths.append(torch.ones(size, dtype=torch.int64))
-    all_lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int64)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), all_lengths.cumsum(0)])
-    return Batch(dense_values, torch.zeros(size), torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64),
-                 offsets)
+    """Feature rows → a batch in the kernels' layout (the serving API's conversion, from pandas)."""
+    return rows_to_batch(pa.Table.from_pandas(frame[[*dense, *tables]], preserve_index=False), dense, tables)
 
 
 class RecloopRanker(mlflow.pyfunc.PythonModel):

@@ -25,11 +25,12 @@ from __future__ import annotations
 import json
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
@@ -279,3 +280,22 @@ def training_files(folder: Path, start: str | None = None, end: str | None = Non
     files = sorted(Path(folder).glob("*.parquet"))
     return [f for f in files if (start is None or f.stem >= start[:13]) and (end is None or f.stem < end[:13])]
 
+
+def rows_to_batch(rows: pa.Table, dense: Sequence[str], tables: Sequence[str]) -> Batch:
+    """Feature rows → the kernels' jagged layout, straight from Arrow (one-hot ``c_*`` then ``m_*`` lists)."""
+    size = rows.num_rows
+    dense_values = torch.from_numpy(np.stack([rows[c].to_numpy() for c in dense], axis=1).astype(np.float32)) \
+        if dense else torch.zeros(size, 0)
+    parts, lengths = [], []
+    for name in tables:
+        if name.startswith("m_"):
+            lists = rows[name].combine_chunks()
+            parts.append(pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.int64))
+            lengths.append(pc.list_value_length(lists).fill_null(0).to_numpy().astype(np.int64))
+        else:
+            parts.append(rows[name].to_numpy().astype(np.int64))
+            lengths.append(np.ones(size, dtype=np.int64))
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(all_lengths)])
+    values = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return Batch(dense_values, torch.zeros(size), torch.from_numpy(values), torch.from_numpy(offsets))

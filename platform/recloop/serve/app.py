@@ -189,10 +189,8 @@ class Service:
         items = [RankedItem(item_id=body.item_ids[i], score=float(served_scores[i])) for i in order]
         request_id = uuid.uuid4().hex
         latency_ms = (time.perf_counter() - started) * 1000
-        per_candidate = {k: isinstance(v, list) and len(v) == len(body.item_ids)
-                         and not (k in self._list_columns and v and not isinstance(v[0], list))
-                         for k, v in body.context.items()}
-        payload = {"item_ids": body.item_ids, "context": body.context, "per_candidate": per_candidate,
+        payload = {"item_ids": body.item_ids, "context": body.context,
+                   "per_candidate": self.features.per_candidate(body.context),
                    "scores": all_scores, "ranked": [body.item_ids[i] for i in order]}
         self.journal.record(
             (request_id, time.time(), ts_us, body.user_id, variant, served.version, latency_ms, json.dumps(payload)),
@@ -200,10 +198,6 @@ class Service:
         self.metrics.requests.labels(variant, served.version, status).inc()
         self.metrics.latency.labels(variant, served.version).observe(latency_ms / 1000)
         return RankResponse(request_id=request_id, model_version=served.version, variant=variant, items=items)
-
-    @property
-    def _list_columns(self) -> set[str]:
-        return {c.name for c in self.spec.by_role("multi_hot")}
 
     def _evaluate(self, model, rows, role: str, evaluations: list, all_scores: dict
                   ) -> tuple[np.ndarray, str]:

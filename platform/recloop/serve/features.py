@@ -156,6 +156,11 @@ class RequestFeatures:
         self.refresh()
         self._context_columns = {c.name: c for role in CONTEXT_ROLES for c in spec.by_role(role)}
 
+    def per_candidate(self, context: dict[str, Any]) -> dict[str, bool]:
+        """For each context column of a (valid) request, whether it was given per candidate."""
+        return {name: per_candidate(value, ARROW_TYPES[self._context_columns[name].dtype])
+                for name, value in context.items()}
+
     @property
     def state_version(self) -> int | None:
         return self._state.version if self._state else None
@@ -214,13 +219,18 @@ class RequestFeatures:
         return pa.table(columns)
 
 
+def per_candidate(value: Any, arrow_type: pa.DataType) -> bool:
+    """Whether a context value gives one value per candidate (a list; for a list column, a list of lists)."""
+    if not isinstance(value, list):
+        return False
+    if pa.types.is_list(arrow_type):
+        return bool(value) and isinstance(value[0], list | None)
+    return True
+
+
 def _broadcast(name: str, value: Any, n: int, arrow_type: pa.DataType) -> pa.Array:
     """A context value as a column of ``n``: one value for every candidate, or one per candidate."""
-    is_list_type = pa.types.is_list(arrow_type)
-    per_candidate = isinstance(value, list) and (not is_list_type or (value and isinstance(value[0], list | None)))
-    if is_list_type and isinstance(value, list) and not value:
-        per_candidate = False
-    values = value if per_candidate else [value] * n
+    values = value if per_candidate(value, arrow_type) else [value] * n
     if len(values) != n:
         raise RequestError(f"context {name!r} has {len(values)} values for {n} candidates "
                            "(give one value, or one per candidate)")

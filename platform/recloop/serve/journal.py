@@ -246,10 +246,3 @@ class Journal:
         return {"impressions": float(len(rows)), "clicks": float(labels.sum()) if len(rows) else 0.0,
                 "ctr": float(labels.mean()) if len(rows) else None,
                 "auc": None if online_auc != online_auc else online_auc}
-
-    def online_ctr(self, since: float = 0.0) -> dict[str, dict[str, float]]:
-        """Impressions, clicks and CTR per served version since ``since``."""
-        with self._lock:
-            rows = self._db.execute("SELECT served_version, COUNT(*), SUM(label) FROM feedback WHERE at >= ? "
-                                    "GROUP BY served_version", (since,)).fetchall()
-        return {v: {"impressions": n, "clicks": int(c or 0), "ctr": (c or 0) / n} for v, n, c in rows}

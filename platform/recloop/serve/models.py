@@ -22,12 +22,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
-from recloop.data.loader import Batch
+from recloop.data.loader import rows_to_batch
 from recloop.model import RankingModel
 from recloop.settings import Settings
 
@@ -206,23 +204,3 @@ def score(loaded: LoadedModel, rows: pa.Table) -> torch.Tensor:
     """Click probabilities for feature rows (the request's ``d_*``, ``c_*``, ``m_*`` columns)."""
     batch = rows_to_batch(rows, loaded.dense, loaded.tables)
     return torch.sigmoid(loaded.model(batch.dense, batch.values, batch.offsets).float())
-
-
-def rows_to_batch(rows: pa.Table, dense: tuple[str, ...], tables: tuple[str, ...]) -> Batch:
-    """Feature rows → the kernels' jagged layout, straight from Arrow (one-hot ``c_*`` then ``m_*`` lists)."""
-    size = rows.num_rows
-    dense_values = torch.from_numpy(np.stack([rows[c].to_numpy() for c in dense], axis=1).astype(np.float32)) \
-        if dense else torch.zeros(size, 0)
-    parts, lengths = [], []
-    for name in tables:
-        if name.startswith("m_"):
-            lists = rows[name].combine_chunks()
-            parts.append(pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.int64))
-            lengths.append(pc.list_value_length(lists).fill_null(0).to_numpy().astype(np.int64))
-        else:
-            parts.append(rows[name].to_numpy().astype(np.int64))
-            lengths.append(np.ones(size, dtype=np.int64))
-    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    offsets = np.concatenate([[0], np.cumsum(all_lengths)])
-    values = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return Batch(dense_values, torch.zeros(size), torch.from_numpy(values), torch.from_numpy(offsets))
