@@ -137,6 +137,7 @@ class Service:
         self._flusher.start()
 
     def stop(self) -> None:
+        gc.unfreeze()  # frozen objects are never finalized: native modules would report them as leaked at exit
         self._stop.set()
         self.pool.stop()
         if self._flusher:
