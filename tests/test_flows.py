@@ -124,6 +124,7 @@ def test_flows_chain_and_the_drift_monitor_requests_exactly_one_retrain(prefect_
     assert [o["trigger"]["retrain"] for o in outcomes].count(True) <= 1
     assert sum(o["trigger"]["retrain"] for o in outcomes) == (1 if "drift" in decisions else 0)
     assert all("mlflow_run_id" in o for o in outcomes)
+    assert all("prediction_drift_score" in o["figures"] for o in outcomes)  # the champion scored both windows
     with get_client(sync_client=True) as client:
         tagged = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[
             f"model-version:{version}"])))
@@ -147,7 +148,7 @@ def test_the_demo_runs_every_stage_each_day(prefect_server, tmp_path: Path, monk
     for day in days[1:]:
         assert day["requests"] == 120 and day["events"] == 4000
         assert day["drift"] in ("ok", "drift", "kpi_decay", "data_quality")
-        assert day["retrain"] in ("incremental", "full (drift)")
+        assert day["retrain"] in ("incremental", "full (drift)", "full (kpi_decay)")
         assert day["gate"] in ("refused", "passed → challenger", "passed → champion")
         assert day["vs_oracle"] is not None and day["online_ctr"]
     assert days[2]["drift"] == "drift" and days[2]["retrain"] == "full (drift)"

@@ -86,3 +86,17 @@ def test_monitoring_every_six_hours_requests_at_most_one_retrain(scenario, first
     assert sum(requested) == retrains and requested[0] is (retrains == 1), (decisions, requested)
     if scenario == "none":
         assert decisions.count("ok") == len(decisions), decisions  # false positives: 0 of 6
+
+
+def test_prediction_drift_is_its_own_finding():
+    import numpy as np
+
+    from recloop.monitor import prediction_findings
+
+    rng = np.random.default_rng(0)
+    same, figures = prediction_findings(rng.beta(2, 8, 5000), rng.beta(2, 8, 5000), CONFIG)
+    assert same == [] and figures["prediction_drift_score"] >= 0
+    moved, figures = prediction_findings(rng.beta(2, 8, 5000), rng.beta(4, 6, 5000), CONFIG)
+    assert len(moved) == 1 and moved[0].startswith("prediction: the champion's mean score moved")
+    decision = decide([], [], 0.0, [], [], CONFIG, prediction=moved)
+    assert decision.decision == "drift" and decision.drifted_columns == ("prediction",)

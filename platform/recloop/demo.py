@@ -6,9 +6,10 @@ it champion. The serving API starts (in this process). Then each simulated day:
 1. **morning to evening**: simulated users call ``/rank`` and click by the ground truth, in rounds; after
    each round the ``canary`` flow judges a challenger if there is one (hold, step, promote, roll back);
    their feedback is written to the landing zone;
-2. **night**: the world's own events for the day land too; the ``drift`` flow compares the day with the
-   champion's training window — drift or KPI decay starts a full ``retrain`` (debounced by a cool-down
-   in simulated time); otherwise the hourly schedule's work runs as one incremental ``retrain``
+2. **night**: the world's own events for the day land too and are ingested, their features built; the
+   ``drift`` flow compares the day with the champion's training window (events and the champion's
+   scores) — drift or KPI decay starts a full ``retrain`` (debounced by a cool-down in simulated time);
+   otherwise the hourly schedule's work runs as one incremental ``retrain``
    (ingest → features → train → gate → canary start).
 
 Every flow is a Prefect flow run (state under ``$RECLOOP_HOME/prefect``), every model an MLflow run and
@@ -156,14 +157,16 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
             app.state.service.land_feedback()
             record.events = _land_day(world, day, settings)
             landed_at = time.perf_counter()
-            flows["ingest_flow"]()  # the hourly ingest has landed the day by the time the monitor looks
+            # By the time the monitor looks, the hourly runs have landed the day and built its features.
+            flows["ingest_flow"]()
+            flows["features_flow"]()
             now = (world_config.start + timedelta(days=day + 1)).timestamp()
             drift = flows["drift_flow"](hours=24, now=now, cooldown_seconds=config.cooldown_days * 86400,
                                         retrain_inline=True, retrain_parameters={
                                             **train_args, "days": day + 1, "epochs": config.full_epochs})
             record.drift, record.drift_reasons = drift["decision"], list(drift["reasons"])
             if "retrain" in drift:
-                outcome, kind = drift["retrain"], "full (drift)"
+                outcome, kind = drift["retrain"], f"full ({drift['decision']})"
                 last_full_day = day
             else:
                 outcome = flows["retrain_flow"](mode="incremental", reason="scheduled", days=day + 1, **train_args)
@@ -314,7 +317,7 @@ def _until_serving(url: str, version: str, timeout: float = 30.0) -> float:
 def _summarize(records: list[DayRecord], config: DemoConfig, freshness: list[float], last_full_day: int) -> dict:
     days = [asdict(r) for r in records]
     summary: dict = {"days": days, "config": asdict(config),
-                     "full_retrains": sum(r.retrain.startswith("full (drift)") for r in records),
+                     "full_retrains": sum(r.retrain in ("full (drift)", "full (kpi_decay)") for r in records),
                      "freshness_seconds": [round(f, 1) for f in freshness]}
     served = {r.day: r.vs_oracle for r in records if r.vs_oracle is not None}
     baseline = {r.day: r.baseline_vs_oracle for r in records if r.baseline_vs_oracle is not None}

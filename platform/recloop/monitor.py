@@ -9,7 +9,9 @@ Findings, in the order they decide:
 3. **drift** — Evidently's ``DataDriftPreset`` over the context and item columns (per-column methods and
    thresholds as Evidently chooses them for the sample size), judged by the share of drifted columns;
    and, for entity keys, the share of recent events on ids the reference never saw (a new catalog wave
-   is that, more than any distribution distance over thousands of ids);
+   is that, more than any distribution distance over thousands of ids); and **prediction drift**: the
+   champion's scores on the recent window's feature rows against its scores on the reference window's
+   (the same Evidently test, on the one ``prediction`` column);
 4. otherwise **ok**.
 
 Windows are sampled to at most ``sample_rows`` rows each, so a 10M-row window costs no more than a small
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Literal
 
+import numpy as np
 import pandas as pd
 
 Outcome = Literal["ok", "drift", "kpi_decay", "data_quality"]
@@ -114,15 +117,16 @@ def kpi_findings(kpis: dict[str, float | None], baseline: dict[str, float | None
 
 
 def decide(quality: list[str], kpi: list[str], drift_share: float, drifted: list[str], new_ids: list[str],
-           config: MonitorConfig, kpis: dict | None = None, figures: dict | None = None) -> MonitorDecision:
+           config: MonitorConfig, kpis: dict | None = None, figures: dict | None = None,
+           prediction: list[str] | None = None) -> MonitorDecision:
     """The typed decision (see the module docstring for the order)."""
-    kpis, figures = kpis or {}, figures or {}
-    drifted_columns = tuple(sorted(set(drifted) | {reason.split(":")[0] for reason in new_ids}))
+    kpis, figures, prediction = kpis or {}, figures or {}, prediction or []
+    drifted_columns = tuple(sorted(set(drifted) | {reason.split(":")[0] for reason in [*new_ids, *prediction]}))
     if quality:
         return MonitorDecision("data_quality", tuple(quality), drift_share, drifted_columns, kpis, figures)
     if kpi:
         return MonitorDecision("kpi_decay", tuple(kpi), drift_share, drifted_columns, kpis, figures)
-    reasons = list(new_ids)
+    reasons = [*new_ids, *prediction]
     if drift_share >= config.drift_share:
         reasons.append(f"{drift_share:.0%} of monitored columns drifted: {', '.join(sorted(drifted))}")
     if reasons:
@@ -169,16 +173,33 @@ def evidently_drift(reference: pd.DataFrame, current: pd.DataFrame, columns: lis
     return share, sorted(drifted), scores, snapshot
 
 
+def prediction_findings(reference: np.ndarray, current: np.ndarray, config: MonitorConfig
+                        ) -> tuple[list[str], dict[str, float]]:
+    """Whether the model's scores drifted between the windows (Evidently's test on one numeric column)."""
+    rng = np.random.default_rng(config.seed)
+    frames = [pd.DataFrame({"prediction": rng.choice(scores, config.sample_rows, replace=False)
+                            if len(scores) > config.sample_rows else scores}) for scores in (reference, current)]
+    _, drifted, scores, _ = evidently_drift(frames[0], frames[1], ["prediction"], config)
+    figures = {"prediction_drift_score": scores.get("prediction", float("nan")),
+               "prediction_mean_reference": float(np.mean(reference)), "prediction_mean_current": float(np.mean(current))}
+    if "prediction" not in drifted:
+        return [], figures
+    return [f"prediction: the champion's mean score moved from {figures['prediction_mean_reference']:.4f} to "
+            f"{figures['prediction_mean_current']:.4f} (drift score {figures['prediction_drift_score']:.3f})"], figures
+
+
 def sample(frame: pd.DataFrame, rows: int, seed: int) -> pd.DataFrame:
     return frame.sample(rows, random_state=seed) if len(frame) > rows else frame
 
 
 def run_monitor(settings, spec, reference: tuple[datetime, datetime], current: tuple[datetime, datetime],
                 config: MonitorConfig | None = None, kpis: dict | None = None,
-                baseline: dict | None = None, on_snapshot=None) -> MonitorDecision:
+                baseline: dict | None = None, on_snapshot=None,
+                predictions: tuple[np.ndarray, np.ndarray] | None = None) -> MonitorDecision:
     """Compare the lake's events in ``current`` with those in ``reference`` (both [start, end)).
 
-    ``on_snapshot`` receives Evidently's snapshot of the drift report (for the workspace's history).
+    ``on_snapshot`` receives Evidently's snapshot of the drift report (for the workspace's history);
+    ``predictions``: the champion's scores on the reference and current windows, for prediction drift.
     """
     from recloop.features.job import _to_us, read_lake_window
 
@@ -203,6 +224,11 @@ def run_monitor(settings, spec, reference: tuple[datetime, datetime], current: t
     new_ids, figures = new_id_findings(ref, cur, keys, config)
     figures.update({f"drift_score.{k}": v for k, v in scores.items() if not math.isnan(v)})
     figures.update(reference_rows=float(len(ref)), current_rows=float(len(cur)))
+    prediction: list[str] = []
+    if predictions is not None and all(len(p) >= 2 for p in predictions):
+        prediction, prediction_figures = prediction_findings(*predictions, config)
+        figures.update(prediction_figures)
     kpis = kpis or {}
-    return decide(quality, kpi_findings(kpis, baseline or {}, config), share, drifted, new_ids, config, kpis, figures)
+    return decide(quality, kpi_findings(kpis, baseline or {}, config), share, drifted, new_ids, config, kpis, figures,
+                  prediction)
 

@@ -159,8 +159,9 @@ def check_drift(settings: Settings, spec: str = "synthetic", hours: int = 24, re
         kpis, found_baseline = champion_kpis(settings, current[0], current[1], config.min_impressions)
         baseline = baseline if baseline is not None else found_baseline
     snapshots: list = []
+    predictions = champion_predictions(settings, reference, current)
     decision = run_monitor(settings, dataset, reference=reference, current=current, config=config, kpis=kpis,
-                           baseline=baseline, on_snapshot=snapshots.append)
+                           baseline=baseline, on_snapshot=snapshots.append, predictions=predictions)
     result = {**decision.to_dict(), "reference": [t.isoformat() for t in reference],
               "current": [t.isoformat() for t in current], "baseline": baseline or {}}
     if log:
@@ -173,6 +174,36 @@ def check_drift(settings: Settings, spec: str = "synthetic", hours: int = 24, re
                 settings, snapshots[0], kpis=result.get("kpi"), version=(result.get("kpi") or {}).get("version"),
                 when=current[1], decision=result["decision"])
     return result
+
+
+def champion_predictions(settings: Settings, reference: tuple[datetime, datetime], current: tuple[datetime, datetime],
+                         rows: int = 50_000) -> tuple | None:
+    """The champion's scores on about ``rows`` shuffled feature rows of each window, or None (no champion,
+    or no feature rows for a window yet)."""
+    import itertools
+    import math
+
+    import numpy as np
+
+    from recloop import registry
+    from recloop.data import ChunkLoader, FeatureSchema
+    from recloop.data.loader import training_files
+    from recloop.evaluate import predict
+    from recloop.features.job import FeatureLayout
+    from recloop.train import load_model
+
+    version = registry.version_by_alias(settings, "champion")
+    layout = FeatureLayout.for_settings(settings)
+    if version is None or not layout.schema.exists():
+        return None
+    windows = [training_files(layout.training, f"{a:%Y-%m-%dT%H}", f"{b:%Y-%m-%dT%H}") for a, b in (reference, current)]
+    if not all(windows):
+        return None
+    model, _ = load_model(registry.version_info(settings, version)["checkpoint"])
+    schema = FeatureSchema.load(layout.schema)
+    batches = math.ceil(rows / 4096)
+    return tuple(np.asarray(predict(model, itertools.islice(ChunkLoader(files, schema, 4096).epoch(0), batches))[1])
+                 for files in windows)
 
 
 MONITOR_EXPERIMENT = "recloop-monitor"
