@@ -13,19 +13,21 @@ from prefect.events import emit_event
 
 from recloop import pipeline, trigger
 from recloop.flow_support import markdown_table, publish, tag_run
+from recloop.monitor import load_config
 from recloop.settings import Settings
 
 
 @task(retries=2, retry_delay_seconds=10, persist_result=True)
-def monitor_task(spec: str, hours: int) -> dict:
-    return pipeline.check_drift(Settings(), spec, hours=hours, log=True)
+def monitor_task(spec: str, hours: int, config_path: str | None) -> dict:
+    config = load_config(config_path) if config_path else None
+    return pipeline.check_drift(Settings(), spec, hours=hours, config=config, log=True)
 
 
 @flow(name="drift", log_prints=True)
 def drift_flow(spec: str = "synthetic", hours: int = 24, now: float | None = None,
                cooldown_seconds: float = 6 * 3600, retrain_inline: bool = False,
-               retrain_parameters: dict | None = None) -> dict:
-    result = monitor_task(spec, hours)
+               retrain_parameters: dict | None = None, config_path: str | None = None) -> dict:
+    result = monitor_task(spec, hours, config_path)
     verdict = trigger.decide_and_record(Settings(), result["decision"], result["reasons"],
                                         now=time.time() if now is None else now,
                                         config=trigger.TriggerConfig(cooldown_seconds=cooldown_seconds))

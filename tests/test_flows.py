@@ -125,6 +125,7 @@ def test_flows_chain_and_the_drift_monitor_requests_exactly_one_retrain(prefect_
     assert sum(o["trigger"]["retrain"] for o in outcomes) == (1 if "drift" in decisions else 0)
     assert all("mlflow_run_id" in o for o in outcomes)
     assert all("prediction_drift_score" in o["figures"] for o in outcomes)  # the champion scored both windows
+    assert all(o["served_features"]["drift_share"] >= 0 for o in outcomes)
     with get_client(sync_client=True) as client:
         tagged = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[
             f"model-version:{version}"])))

@@ -100,3 +100,27 @@ def test_prediction_drift_is_its_own_finding():
     assert len(moved) == 1 and moved[0].startswith("prediction: the champion's mean score moved")
     decision = decide([], [], 0.0, [], [], CONFIG, prediction=moved)
     assert decision.decision == "drift" and decision.drifted_columns == ("prediction",)
+
+
+def test_per_column_drift_methods_and_thresholds_come_from_config(tmp_path):
+    import numpy as np
+    import pandas as pd
+
+    from recloop.monitor import evidently_drift, load_config
+
+    rng = np.random.default_rng(1)
+    reference = pd.DataFrame({"device": rng.choice(["a", "b", "c"], 5000, p=[0.6, 0.3, 0.1]),
+                              "price": rng.lognormal(3, 0.5, 5000)})
+    current = pd.DataFrame({"device": rng.choice(["a", "b", "c"], 5000, p=[0.3, 0.3, 0.4]),
+                            "price": rng.lognormal(3, 0.5, 5000)})
+    _, drifted, _, _ = evidently_drift(reference, current, ["device", "price"], CONFIG)
+    assert drifted == ["device"]
+    path = tmp_path / "monitor.yaml"
+    path.write_text("per_column_method: {device: psi}\nper_column_threshold: {device: 10.0}\n")
+    lenient = load_config(path)
+    assert lenient.per_column_method == {"device": "psi"} and lenient.drift_share == CONFIG.drift_share
+    _, drifted, _, _ = evidently_drift(reference, current, ["device", "price"], lenient)
+    assert drifted == []  # a PSI of 10 is what this config calls drift
+    path.write_text("drift_shares: 0.5\n")
+    with pytest.raises(ValueError, match="unknown monitor settings \\['drift_shares'\\]"):
+        load_config(path)

@@ -375,15 +375,20 @@ def drift_command(
     reference_days: Annotated[int, typer.Option(min=1, help="Reference when there is no champion: days "
                                                 "before the checked hours.")] = 7,
     spec: Annotated[str, typer.Option(help="Dataset spec of the lake's events.")] = "synthetic",
+    config: Annotated[Path | None, typer.Option(help="YAML of MonitorConfig fields (thresholds, per-column "
+                                                "drift methods).")] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Check the newest events for drift and broken columns against the champion's training window."""
     from recloop import pipeline
+    from recloop.monitor import load_config
 
     _load_spec(spec)
     try:
-        result = pipeline.check_drift(Settings(), spec, hours=hours, reference_days=reference_days)
-    except ValueError as err:
+        monitor_config = load_config(config) if config else None
+        result = pipeline.check_drift(Settings(), spec, hours=hours, reference_days=reference_days,
+                                      config=monitor_config)
+    except (ValueError, OSError) as err:
         raise _fail(str(err)) from err
     if json_out:
         _emit(result)

@@ -52,6 +52,9 @@ class MonitorConfig:
         max_ctr_drop: relative drop of online CTR against the promotion baseline that counts as decay.
         max_auc_drop: absolute drop of online AUC (from feedback) against the baseline that counts as decay.
         min_impressions: feedback impressions the window needs before its KPIs are judged.
+        per_column_method, per_column_threshold: Evidently's drift test and threshold for named columns
+            (e.g. ``{"price": "psi"}``, ``{"price": 0.2}``); the others get Evidently's choice for their
+            type and sample size.
     """
 
     drift_share: float = 0.3
@@ -63,6 +66,8 @@ class MonitorConfig:
     max_auc_drop: float = 0.03
     min_impressions: int = 2000
     seed: int = 0
+    per_column_method: dict[str, str] = field(default_factory=dict)
+    per_column_threshold: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,9 @@ def evidently_drift(reference: pd.DataFrame, current: pd.DataFrame, columns: lis
             data[column] = data[column].astype("string").fillna("<null>")
         return Dataset.from_pandas(data, data_definition=definition)
 
-    snapshot = Report([DataDriftPreset(drift_share=config.drift_share)], include_tests=True).run(
+    chosen = {"per_column_method": {c: m for c, m in config.per_column_method.items() if c in columns} or None,
+              "per_column_threshold": {c: t for c, t in config.per_column_threshold.items() if c in columns} or None}
+    snapshot = Report([DataDriftPreset(drift_share=config.drift_share, **chosen)], include_tests=True).run(
         current_data=dataset(current), reference_data=dataset(reference),
         timestamp=timestamp.replace(tzinfo=None) if timestamp else None)
     result = snapshot.dict()
@@ -191,6 +198,19 @@ def prediction_findings(reference: np.ndarray, current: np.ndarray, config: Moni
         return [], figures
     return [f"prediction: the champion's mean score moved from {figures['prediction_mean_reference']:.4f} to "
             f"{figures['prediction_mean_current']:.4f} (drift score {figures['prediction_drift_score']:.3f})"], figures
+
+
+def load_config(path) -> MonitorConfig:
+    """A MonitorConfig from YAML or JSON (keys as the dataclass fields); defaults for what it leaves out."""
+    from pathlib import Path
+
+    import yaml
+
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    unknown = sorted(set(raw) - set(MonitorConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{path}: unknown monitor settings {unknown}; known: {sorted(MonitorConfig.__dataclass_fields__)}")
+    return MonitorConfig(**raw)
 
 
 def sample(frame: pd.DataFrame, rows: int, seed: int) -> pd.DataFrame:

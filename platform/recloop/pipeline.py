@@ -16,9 +16,13 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from recloop.schema import load_spec
 from recloop.settings import Settings
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def ingest_new(settings: Settings, spec: str = "synthetic", source: Path | None = None) -> dict:
@@ -159,11 +163,22 @@ def check_drift(settings: Settings, spec: str = "synthetic", hours: int = 24, re
         kpis, found_baseline = champion_kpis(settings, current[0], current[1], config.min_impressions)
         baseline = baseline if baseline is not None else found_baseline
     snapshots: list = []
-    predictions = champion_predictions(settings, reference, current)
+    inputs = served_inputs(settings, reference, current, config.sample_rows)
+    predictions = None if inputs is None else tuple(frame["prediction"].to_numpy() for frame in inputs)
     decision = run_monitor(settings, dataset, reference=reference, current=current, config=config, kpis=kpis,
                            baseline=baseline, on_snapshot=snapshots.append, predictions=predictions)
     result = {**decision.to_dict(), "reference": [t.isoformat() for t in reference],
               "current": [t.isoformat() for t in current], "baseline": baseline or {}}
+    if inputs is not None:
+        # The model's inputs as served (entity state, recency, counts shift by nature as time passes):
+        # reported per column for review, not decided on; the scores they produce are (prediction drift).
+        from recloop.monitor import evidently_drift
+
+        columns = [c for c in inputs[0].columns if c != "prediction"]
+        share, drifted, _, _ = evidently_drift(inputs[0], inputs[1], columns, config)
+        result["served_features"] = {"drift_share": share, "drifted_columns": drifted}
+    else:
+        result["served_features"] = None
     if log:
         result["mlflow_run_id"] = log_monitoring(settings, result)
         _remember(settings, result)
@@ -176,19 +191,19 @@ def check_drift(settings: Settings, spec: str = "synthetic", hours: int = 24, re
     return result
 
 
-def champion_predictions(settings: Settings, reference: tuple[datetime, datetime], current: tuple[datetime, datetime],
-                         rows: int = 50_000) -> tuple | None:
-    """The champion's scores on about ``rows`` shuffled feature rows of each window, or None (no champion,
-    or no feature rows for a window yet)."""
+def served_inputs(settings: Settings, reference: tuple[datetime, datetime], current: tuple[datetime, datetime],
+                  rows: int = 50_000) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """About ``rows`` shuffled feature rows of each window as the champion sees them (its dense inputs,
+    ``d_*``) with its score (``prediction``); None without a champion or feature rows for a window."""
     import itertools
     import math
 
-    import numpy as np
+    import pandas as pd
+    import torch
 
     from recloop import registry
     from recloop.data import ChunkLoader, FeatureSchema
     from recloop.data.loader import training_files
-    from recloop.evaluate import predict
     from recloop.features.job import FeatureLayout
     from recloop.train import load_model
 
@@ -201,9 +216,16 @@ def champion_predictions(settings: Settings, reference: tuple[datetime, datetime
         return None
     model, _ = load_model(registry.version_info(settings, version)["checkpoint"])
     schema = FeatureSchema.load(layout.schema)
-    batches = math.ceil(rows / 4096)
-    return tuple(np.asarray(predict(model, itertools.islice(ChunkLoader(files, schema, 4096).epoch(0), batches))[1])
-                 for files in windows)
+    frames = []
+    for files in windows:
+        parts = []
+        with torch.no_grad():
+            for batch in itertools.islice(ChunkLoader(files, schema, 4096).epoch(0), math.ceil(rows / 4096)):
+                part = pd.DataFrame(batch.dense.numpy(), columns=list(schema.dense))
+                part["prediction"] = torch.sigmoid(model(batch.dense, batch.values, batch.offsets)).numpy()
+                parts.append(part)
+        frames.append(pd.concat(parts, ignore_index=True))
+    return frames[0], frames[1]
 
 
 MONITOR_EXPERIMENT = "recloop-monitor"
@@ -238,7 +260,9 @@ def log_monitoring(settings: Settings, result: dict) -> str:
         mlflow.set_tags({"recloop.kind": "monitor", "decision": result["decision"],
                          "reasons": "; ".join(result["reasons"])[:4000], "window": "..".join(result["current"]),
                          "drifted_columns": ", ".join(result["drifted_columns"])})
+        served = result.get("served_features") or {}
         figures = {"drift_share": result["drift_share"], **result.get("figures", {}),
+                   **({"served_features_drift_share": served["drift_share"]} if served else {}),
                    **{f"kpi.{k}": v for k, v in result.get("kpi", {}).items() if isinstance(v, int | float)}}
         mlflow.log_metrics({k.replace(":", "."): float(v) for k, v in figures.items()
                             if isinstance(v, int | float) and v == v})
