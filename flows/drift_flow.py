@@ -32,7 +32,8 @@ def drift_flow(spec: str = "synthetic", hours: int = 24, now: float | None = Non
                                         now=time.time() if now is None else now,
                                         config=trigger.TriggerConfig(cooldown_seconds=cooldown_seconds))
     tag_run(f"drift:{result['decision']}")
-    publish("drift-summary", f"**{result['decision']}** — " + "; ".join(result["reasons"]) + "\n\n"
+    notes = "".join(f"\n\nnote: {note}" for note in result.get("notes", []))
+    publish("drift-summary", f"**{result['decision']}** — " + "; ".join(result["reasons"]) + notes + "\n\n"
             + markdown_table([{"drift_share": result["drift_share"], "drifted_columns": ", ".join(
                 result["drifted_columns"]), "trigger": verdict.reason}]), "drift monitor")
     result["trigger"] = verdict.to_dict()

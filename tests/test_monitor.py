@@ -124,3 +124,20 @@ def test_per_column_drift_methods_and_thresholds_come_from_config(tmp_path):
     path.write_text("drift_shares: 0.5\n")
     with pytest.raises(ValueError, match="unknown monitor settings \\['drift_shares'\\]"):
         load_config(path)
+
+
+def test_prediction_drift_is_a_note_unless_configured_to_decide(tmp_path, lake_factory):
+    import numpy as np
+
+    settings = lake_factory(tmp_path, WorldConfig(seed=5, days=3, events_per_day=3000), features=False)
+    rng = np.random.default_rng(0)
+    moved = (rng.beta(2, 8, 3000), rng.beta(4, 6, 3000))
+    windows = {"reference": (day(1), day(3)), "current": (day(3), day(4))}
+    noted = run_monitor(settings, SPEC, **windows, predictions=moved)
+    assert noted.decision == "ok" and noted.notes and noted.notes[0].startswith("prediction:")
+    assert noted.figures["prediction_drift_score"] >= CONFIG.prediction_drift
+    from dataclasses import replace
+
+    decided = run_monitor(settings, SPEC, **windows, predictions=moved,
+                          config=replace(CONFIG, prediction_drift_decides=True))
+    assert decided.decision == "drift" and "prediction" in decided.drifted_columns and decided.notes == ()
