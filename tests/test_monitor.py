@@ -141,3 +141,11 @@ def test_prediction_drift_is_a_note_unless_configured_to_decide(tmp_path, lake_f
     decided = run_monitor(settings, SPEC, **windows, predictions=moved,
                           config=replace(CONFIG, prediction_drift_decides=True))
     assert decided.decision == "drift" and "prediction" in decided.drifted_columns and decided.notes == ()
+
+
+def test_a_ctr_drop_counts_only_when_the_impressions_make_it_significant():
+    base = {"ctr": 0.20, "impressions": 800}
+    assert kpi_findings({"ctr": 0.17, "impressions": 3000}, base, CONFIG) == []  # 15 % lower, within the noise
+    large = {"ctr": 0.20, "impressions": 50_000}
+    assert kpi_findings({"ctr": 0.17, "impressions": 50_000}, large, CONFIG) == [
+        "online CTR 0.1700 is 15% below the baseline 0.2000"]

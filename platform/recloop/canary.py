@@ -109,6 +109,7 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
         "challenger_error_rate": challenger.error_rate, "champion_error_rate": champion.error_rate,
         "challenger_p99_ms": challenger.p99_ms, "champion_p99_ms": champion.p99_ms,
         "challenger_ctr": challenger.ctr, "champion_ctr": champion.ctr,
+        "challenger_impressions": challenger.impressions, "champion_impressions": champion.impressions,
         "challenger_auc": challenger.online_auc, "champion_auc": champion.online_auc,
     }
 

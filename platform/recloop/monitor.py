@@ -56,6 +56,7 @@ class MonitorConfig:
             it is reported in ``notes``, the figures, MLflow and the dashboards.
         max_ctr_drop: relative drop of online CTR against the promotion baseline that counts as decay.
         max_auc_drop: absolute drop of online AUC (from feedback) against the baseline that counts as decay.
+        kpi_z: and the CTR drop must be this many standard errors (both sides' impressions), when known.
         min_impressions: feedback impressions the window needs before its KPIs are judged.
         per_column_method, per_column_threshold: Evidently's drift test and threshold for named columns
             (e.g. ``{"price": "psi"}``, ``{"price": 0.2}``); the others get Evidently's choice for their
@@ -70,6 +71,7 @@ class MonitorConfig:
     prediction_drift_decides: bool = False
     max_ctr_drop: float = 0.10
     max_auc_drop: float = 0.03
+    kpi_z: float = 3.0
     min_impressions: int = 2000
     seed: int = 0
     per_column_method: dict[str, str] = field(default_factory=dict)
@@ -125,12 +127,26 @@ def kpi_findings(kpis: dict[str, float | None], baseline: dict[str, float | None
     """Online CTR against the baseline recorded at promotion (both optional)."""
     findings = []
     ctr, base = kpis.get("ctr"), baseline.get("ctr")
-    if ctr is not None and base is not None and base > 0 and ctr < base * (1 - config.max_ctr_drop):
+    if ctr is not None and base is not None and base > 0 and ctr < base * (1 - config.max_ctr_drop) \
+            and _significant_drop(ctr, kpis.get("impressions"), base, baseline.get("impressions"), config.kpi_z):
         findings.append(f"online CTR {ctr:.4f} is {1 - ctr / base:.0%} below the baseline {base:.4f}")
     auc, base_auc = kpis.get("auc"), baseline.get("auc")
     if auc is not None and base_auc is not None and base_auc - auc > config.max_auc_drop:
         findings.append(f"online AUC {auc:.4f} is {base_auc - auc:.4f} below the baseline {base_auc:.4f}")
     return findings
+
+
+def _significant_drop(ctr: float, n: float | None, base: float, base_n: float | None, z: float) -> bool:
+    """A two-proportion z-test of the drop, when both sides' impression counts are known (else: assume it is).
+
+    The baseline is measured on a canary step's few thousand impressions and the window on a day's: a 10 %
+    difference between two such CTRs is often noise.
+    """
+    if not n or not base_n:
+        return True
+    pooled = (ctr * n + base * base_n) / (n + base_n)
+    spread = (pooled * (1 - pooled) * (1 / n + 1 / base_n)) ** 0.5
+    return spread == 0 or (base - ctr) / spread >= z
 
 
 def decide(quality: list[str], kpi: list[str], drift_share: float, drifted: list[str], new_ids: list[str],

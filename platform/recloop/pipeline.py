@@ -124,7 +124,7 @@ def champion_kpis(settings: Settings, start: datetime, end: datetime, min_impres
     if kpis["impressions"] < min_impressions:
         return {k: v for k, v in kpis.items() if k in ("impressions", "clicks")}, {}
     tags = registry.version_info(settings, version)["tags"]
-    baseline = {k: float(tags[f"kpi.baseline_{k}"]) for k in ("ctr", "auc") if f"kpi.baseline_{k}" in tags}
+    baseline = {k: float(tags[f"kpi.baseline_{k}"]) for k in ("ctr", "auc", "impressions") if f"kpi.baseline_{k}" in tags}
     return {**kpis, "version": version}, baseline
 
 

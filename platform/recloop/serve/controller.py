@@ -161,7 +161,7 @@ def _apply(settings: Settings, challenger: str, decision: CanaryDecision, mode: 
         registry.tag(settings, challenger, {SHARE_TAG: decision.share, STARTED_TAG: now})
     elif decision.action == "promote":
         # The KPIs it earned in the canary are its baseline: the drift monitor judges decay against them.
-        baseline = {f"kpi.baseline_{k}": decision.figures.get(f"challenger_{k}") for k in ("ctr", "auc")}
+        baseline = {f"kpi.baseline_{k}": decision.figures.get(f"challenger_{k}") for k in ("ctr", "auc", "impressions")}
         registry.tag(settings, challenger, {"canary.outcome": "promoted", "canary.reasons": reasons,
                                             **{k: v for k, v in baseline.items() if v is not None and v == v}})
         registry.promote(settings, challenger, who=who, why="; ".join(decision.reasons))
