@@ -149,3 +149,12 @@ def test_a_ctr_drop_counts_only_when_the_impressions_make_it_significant():
     large = {"ctr": 0.20, "impressions": 50_000}
     assert kpi_findings({"ctr": 0.17, "impressions": 50_000}, large, CONFIG) == [
         "online CTR 0.1700 is 15% below the baseline 0.2000"]
+
+
+def test_an_auc_drop_counts_only_when_the_impressions_make_it_significant():
+    small = kpi_findings({"ctr": 0.2, "auc": 0.67, "impressions": 2500}, {"ctr": 0.2, "auc": 0.71,
+                                                                          "impressions": 1000}, CONFIG)
+    assert small == []  # 0.04 on a thousand impressions is noise
+    large = kpi_findings({"ctr": 0.2, "auc": 0.67, "impressions": 100_000}, {"ctr": 0.2, "auc": 0.71,
+                                                                             "impressions": 100_000}, CONFIG)
+    assert large == ["online AUC 0.6700 is 0.0400 below the baseline 0.7100"]

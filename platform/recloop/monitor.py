@@ -56,7 +56,7 @@ class MonitorConfig:
             it is reported in ``notes``, the figures, MLflow and the dashboards.
         max_ctr_drop: relative drop of online CTR against the promotion baseline that counts as decay.
         max_auc_drop: absolute drop of online AUC (from feedback) against the baseline that counts as decay.
-        kpi_z: and the CTR drop must be this many standard errors (both sides' impressions), when known.
+        kpi_z: and a CTR or AUC drop must be this many standard errors (both sides' impressions), when known.
         min_impressions: feedback impressions the window needs before its KPIs are judged.
         per_column_method, per_column_threshold: Evidently's drift test and threshold for named columns
             (e.g. ``{"price": "psi"}``, ``{"price": 0.2}``); the others get Evidently's choice for their
@@ -131,7 +131,8 @@ def kpi_findings(kpis: dict[str, float | None], baseline: dict[str, float | None
             and _significant_drop(ctr, kpis.get("impressions"), base, baseline.get("impressions"), config.kpi_z):
         findings.append(f"online CTR {ctr:.4f} is {1 - ctr / base:.0%} below the baseline {base:.4f}")
     auc, base_auc = kpis.get("auc"), baseline.get("auc")
-    if auc is not None and base_auc is not None and base_auc - auc > config.max_auc_drop:
+    if auc is not None and base_auc is not None and base_auc - auc > config.max_auc_drop and _significant_auc_drop(
+            auc, kpis.get("impressions"), kpis.get("ctr"), base_auc, baseline.get("impressions"), base, config.kpi_z):
         findings.append(f"online AUC {auc:.4f} is {base_auc - auc:.4f} below the baseline {base_auc:.4f}")
     return findings
 
@@ -147,6 +148,24 @@ def _significant_drop(ctr: float, n: float | None, base: float, base_n: float | 
     pooled = (ctr * n + base * base_n) / (n + base_n)
     spread = (pooled * (1 - pooled) * (1 / n + 1 / base_n)) ** 0.5
     return spread == 0 or (base - ctr) / spread >= z
+
+
+def _auc_se(auc: float, positives: float, negatives: float) -> float:
+    """Hanley & McNeil's standard error of an AUC."""
+    q1, q2 = auc / (2 - auc), 2 * auc * auc / (1 + auc)
+    variance = (auc * (1 - auc) + (positives - 1) * (q1 - auc * auc) + (negatives - 1) * (q2 - auc * auc)) \
+        / (positives * negatives)
+    return max(variance, 0.0) ** 0.5
+
+
+def _significant_auc_drop(auc: float, n: float | None, ctr: float | None, base_auc: float, base_n: float | None,
+                          base_ctr: float | None, z: float) -> bool:
+    """The AUC drop in standard errors of both measurements, when their sizes are known (else: assume it is)."""
+    if not n or not base_n or not ctr or not base_ctr:
+        return True
+    spread = (_auc_se(auc, ctr * n, (1 - ctr) * n) ** 2 + _auc_se(base_auc, base_ctr * base_n,
+                                                                     (1 - base_ctr) * base_n) ** 2) ** 0.5
+    return spread == 0 or (base_auc - auc) / spread >= z
 
 
 def decide(quality: list[str], kpi: list[str], drift_share: float, drifted: list[str], new_ids: list[str],
