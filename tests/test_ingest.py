@@ -116,6 +116,16 @@ def _duplicate_within(events: pa.Table, now: datetime) -> pa.Table:
     return with_column(events, "event_id", pa.array(ids))
 
 
+def _csv_non_finite_prices(events: pa.Table) -> bytes:
+    lines = to_csv(events).splitlines()
+    price = lines[0].split(",").index("price")
+    for row, text in enumerate(("Infinity", "1e999", "-inf", "NaN"), start=1):
+        cells = lines[row].split(",")
+        cells[price] = text
+        lines[row] = ",".join(cells)
+    return ("\n".join(lines) + "\n").encode()
+
+
 def _csv_bad_timestamp(events: pa.Table) -> bytes:
     lines = to_csv(events).splitlines()
     cells = lines[1].split(",")
@@ -165,6 +175,11 @@ CASES = {
                               "out_of_range:position"),
     "country-pattern": Case(_parquet("country.parquet", _replace_first("country", "usa")), "ingested", 1,
                             "pattern_mismatch:country"),
+    "price-plus-infinity": Case(_parquet("inf.parquet", _replace_first("price", float("inf"))), "ingested", 1,
+                                "non_finite:price"),
+    "price-nan": Case(_parquet("nan.parquet", _replace_first("price", float("nan"))), "ingested", 1,
+                      "non_finite:price"),
+    "csv-non-finite-prices": Case(_text("inf.csv", _csv_non_finite_prices), "ingested", 4, "non_finite:price"),
     "unparsable-timestamp": Case(_text("bad_ts.csv", _csv_bad_timestamp), "ingested", 1, "invalid_type:ts"),
     "far-future-timestamp": Case(_parquet("future.parquet", _far_future), "ingested", 1, "future_timestamp:ts"),
     "duplicate-ids-within-file": Case(_parquet("dups.parquet", _duplicate_within), "ingested", 2,
@@ -331,6 +346,18 @@ def test_extra_columns_can_be_ignored_by_the_spec(small_events, settings, now, t
     pq.write_table(small_events.append_column("coupon", pa.array(["x"] * len(small_events))), landing / "e.parquet")
     summary = ingest(landing, lenient, settings, now=now)
     assert summary.rows_landed == small_events.num_rows and "coupon" not in lake_rows(settings).column_names
+
+
+def test_a_spec_can_let_non_finite_values_of_a_column_land(small_events, settings, now, tmp_path):
+    columns = [c.model_copy(update={"allow_non_finite": True}) if c.name == "price" else c for c in SYNTHETIC.columns]
+    lenient = SYNTHETIC.model_copy(update={"columns": tuple(columns)})
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    (landing / "inf.csv").write_bytes(_csv_non_finite_prices(small_events))
+    summary = ingest(landing, lenient, settings, now=now)
+    assert summary.rows_landed == small_events.num_rows
+    prices = lake_rows(settings).sort_by("event_id")["price"].to_numpy(zero_copy_only=False)
+    assert np.isposinf(prices).sum() == 2 and np.isneginf(prices).sum() == 1 and np.isnan(prices).sum() >= 1
 
 
 def test_missing_source_is_a_clear_error(settings):

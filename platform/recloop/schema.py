@@ -42,6 +42,7 @@ Role = Literal[
 ]
 DType = Literal["string", "int8", "int32", "int64", "float32", "float64", "bool", "timestamp", "list<int64>"]
 
+FLOAT_DTYPES = ("float32", "float64")
 _SINGLE_ROLES = ("event_id", "timestamp", "label")
 _AT_MOST_ONE_ROLES = ("user_key", "item_key")
 _ROLE_DTYPES: dict[str, tuple[str, ...]] = {
@@ -72,10 +73,13 @@ class ColumnSpec(_Frozen):
         role: what the column means (see the module docstring).
         dtype: the type values are converted to on ingestion.
         nullable: whether a missing value is allowed (the event id, timestamp and label never are).
-        min, max: inclusive bounds for numbers; ISO dates or datetimes for the timestamp.
+        min, max: inclusive bounds for numbers; ISO dates or datetimes for the timestamp. A ``numeric``
+            column is a model input and needs both: no value the model sees is unbounded.
         allowed: the only values permitted (for example ``[0, 1]`` for a label).
         pattern: a regular expression every string value must match in full.
         separator: how a ``list<int64>`` value is written in text formats (CSV), e.g. ``"3|17|42"``.
+        allow_non_finite: for float columns, let NaN and ±infinity land; by default such a value is
+            quarantined (``non_finite:<column>``): one infinite price turns a whole training run into NaN.
     """
 
     name: str
@@ -87,6 +91,7 @@ class ColumnSpec(_Frozen):
     allowed: list[int | float | str | bool] | None = None
     pattern: str | None = None
     separator: str = "|"
+    allow_non_finite: bool = False
     description: str = ""
 
     @field_validator("pattern")
@@ -114,6 +119,10 @@ class ColumnSpec(_Frozen):
             raise ValueError(f"column {self.name!r}: min/max must be numbers for dtype {self.dtype}")
         if self.pattern is not None and self.dtype != "string":
             raise ValueError(f"column {self.name!r}: pattern only applies to string columns")
+        if self.allow_non_finite and self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"column {self.name!r}: allow_non_finite only applies to float columns")
+        if self.role == "numeric" and (self.min is None or self.max is None):
+            raise ValueError(f"column {self.name!r}: a numeric column is a model input and needs both min and max")
         return self
 
     def timestamp_bounds(self) -> tuple[datetime | None, datetime | None]:

@@ -6,13 +6,14 @@ Two steps:
    A value that cannot be converted becomes null in the typed table and its row gets
    ``invalid_type:<column>``. The fast path is one Arrow cast per column; only when it fails are the
    values examined one by one to find which rows are bad.
-2. **Check** the typed values with a pandera schema generated from the spec: nulls, ranges, allowed
-   values, patterns, timestamps in the future.
+2. **Check** the typed values: NaN and ±infinity in float columns (unless the spec allows them), then a
+   pandera schema generated from the spec: nulls, ranges, allowed values, patterns, timestamps in the
+   future.
 
 Reason codes (a row may have several, joined by ``"; "``)::
 
     missing_column:<c>     unexpected_column:<c>   invalid_type:<c>   null:<c>
-    out_of_range:<c>       not_allowed:<c>         pattern_mismatch:<c>
+    non_finite:<c>         out_of_range:<c>        not_allowed:<c>    pattern_mismatch:<c>
     future_timestamp:<c>   wrong_field_count:<got>/<expected>   duplicate_event_id
 """
 
@@ -27,7 +28,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recloop.schema import ColumnSpec, DatasetSpec
+from recloop.schema import FLOAT_DTYPES, ColumnSpec, DatasetSpec
 
 os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
 import pandera.pandas as pandera  # noqa: E402  (after the variable that silences its import warning)
@@ -111,8 +112,11 @@ def check_rows(table: pa.Table, spec: DatasetSpec, now: datetime) -> tuple[pa.Ta
     columns = {}
     for col in spec.columns:
         typed, bad = coerce_column(col, table[col.name])
-        columns[col.name] = typed
         problems.add(bad, f"invalid_type:{col.name}")
+        if col.dtype in FLOAT_DTYPES and not col.allow_non_finite:
+            typed, non_finite = _drop_non_finite(typed)
+            problems.add(non_finite, f"non_finite:{col.name}")
+        columns[col.name] = typed
     typed_table = pa.Table.from_arrays(list(columns.values()), schema=arrow_schema(spec).remove_metadata())
     _check_values(typed_table, spec, now, problems)
     return typed_table, problems
@@ -158,19 +162,32 @@ def coerce_column(col: ColumnSpec, values: pa.ChunkedArray | pa.Array) -> tuple[
     return _all_bad(arr, target)
 
 
+def _drop_non_finite(values: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """NaN and ±infinity to null; returns the array and a mask of the rows that held one."""
+    non_finite = pc.and_(values.is_valid(), pc.invert(pc.is_finite(values))).fill_null(False)
+    mask = np.asarray(non_finite)
+    if not mask.any():
+        return values, mask
+    return pc.if_else(non_finite, pa.scalar(None, values.type), values), mask
+
+
 def _all_bad(arr: pa.Array, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
     return pa.nulls(len(arr), target), np.asarray(arr.is_valid())
 
 
 def _from_floats(
-    col: ColumnSpec, values: np.ndarray, target: pa.DataType, present: np.ndarray | None = None
+    col: ColumnSpec, values: np.ndarray, target: pa.DataType, present: np.ndarray | None = None,
+    nan_written: np.ndarray | None = None,
 ) -> tuple[pa.Array, np.ndarray]:
     """Floats to the target type, marking fractional, out-of-range or unparsed (NaN) values bad.
 
     ``present`` says which rows had a value at all (default: the non-NaN ones); a present value that is
-    NaN here failed to parse.
+    NaN here failed to parse, unless ``nan_written`` says the text itself was ``nan`` (a float column
+    keeps it, for the non-finite check to judge).
     """
     parsed = ~np.isnan(values)
+    if nan_written is not None and col.dtype in FLOAT_DTYPES:
+        parsed |= nan_written
     present = parsed if present is None else present
     if col.dtype in _INT_BOUNDS:
         low, high = _INT_BOUNDS[col.dtype]
@@ -180,7 +197,8 @@ def _from_floats(
         ok = parsed & np.isin(values, (0.0, 1.0))
     else:
         ok = parsed
-    typed = pa.array(np.where(ok, values, 0), mask=~ok).cast(target)
+    with np.errstate(over="ignore"):  # a float64 beyond float32's range is infinite there: judged later
+        typed = pa.array(np.where(ok, values, 0), mask=~ok).cast(target)
     return typed, present & ~ok
 
 
@@ -217,7 +235,8 @@ def _parse_text(col: ColumnSpec, text: pa.Array, target: pa.DataType) -> tuple[p
         return typed, present & ~ok
     numbers = pd.to_numeric(pd.Series(stripped.to_numpy(zero_copy_only=False), dtype=object), errors="coerce")
     values = numbers.to_numpy(dtype=np.float64, na_value=np.nan)
-    return _from_floats(col, values, target, present)
+    nan_written = np.asarray(pc.match_substring_regex(stripped, r"^[+-]?nan$", ignore_case=True).fill_null(False))
+    return _from_floats(col, values, target, present, nan_written)
 
 
 def _parse_int_lists(col: ColumnSpec, text: pa.Array, present: np.ndarray) -> tuple[pa.Array, np.ndarray]:
@@ -264,8 +283,9 @@ def _check_values(table: pa.Table, spec: DatasetSpec, now: datetime, problems: R
         for (column, check), group in cases.groupby(["column", "check"], sort=True):
             code = "null" if check == "not_nullable" else str(check)
             rows = group["index"].to_numpy(dtype=np.int64)
-            if code == "null":  # a value that failed conversion is null now; it already has its reason
-                rows = np.setdiff1d(rows, problems.rows_with(f"invalid_type:{column}"))
+            if code == "null":  # a value that failed conversion, or was not finite, is null now: it has its reason
+                already = [problems.rows_with(f"{c}:{column}") for c in ("invalid_type", "non_finite")]
+                rows = np.setdiff1d(rows, np.concatenate(already))
             problems.add(rows, f"{code}:{column}")
     for col in spec.columns:
         if col.dtype == "list<int64>":
@@ -283,6 +303,10 @@ def _value_checks(col: ColumnSpec, spec: DatasetSpec, now: datetime) -> list[pan
         if col.role == "timestamp":
             limit = pd.Timestamp(now + timedelta(seconds=spec.max_future_seconds))
             checks.append(pandera.Check.le(limit, error="future_timestamp"))
+    elif col.allow_non_finite:  # NaN and ±infinity land as they are: bounds apply to finite values
+        low = -np.inf if col.min is None else float(col.min)
+        high = np.inf if col.max is None else float(col.max)
+        checks.append(pandera.Check(lambda s: _within_or_non_finite(s, low, high), error="out_of_range"))
     else:
         if col.min is not None:
             checks.append(pandera.Check.ge(col.min, error="out_of_range"))
@@ -293,6 +317,11 @@ def _value_checks(col: ColumnSpec, spec: DatasetSpec, now: datetime) -> list[pan
     if col.pattern is not None:
         checks.append(pandera.Check.str_matches(col.pattern, error="pattern_mismatch"))
     return checks
+
+
+def _within_or_non_finite(values: pd.Series, low: float, high: float) -> pd.Series:
+    floats = values.astype("float64")
+    return ~np.isfinite(floats) | ((floats >= low) & (floats <= high))
 
 
 def _check_list_column(col: ColumnSpec, values: pa.ListArray, problems: RowProblems) -> None:
