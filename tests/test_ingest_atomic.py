@@ -35,11 +35,11 @@ CRASHING_INGEST = textwrap.dedent(
 
     source, home, crash_at = sys.argv[1], sys.argv[2], sys.argv[3]
     if crash_at == "staging":
-        real_write = lake.pq.write_table
-        def write_half_then_die(table, where, **kwargs):
-            real_write(table.slice(0, table.num_rows // 2), where, **kwargs)
+        real_write = lake.StagedParquet.write
+        def write_half_then_die(self, table):
+            real_write(self, table.slice(0, table.num_rows // 2))
             os._exit(9)
-        lake.pq.write_table = write_half_then_die
+        lake.StagedParquet.write = write_half_then_die
     elif crash_at == "publishing":
         real_replace, renames = lake.os.replace, []
         def die_on_second_rename(src, dst):

@@ -83,8 +83,8 @@ def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -
 
     def on_file(result: FileResult) -> None:
         progress.advance(0)
-        if result.status == "rejected":
-            console.print(f"[yellow]rejected[/] {result.path}: {result.error}")
+        if result.status in ("rejected", "ignored"):
+            console.print(f"[yellow]{result.status}[/] {result.path}: {result.error}")
 
     with _progress(f"ingesting ({spec.name})", total, quiet) as progress:
         return ingest(source, spec, settings, on_file=on_file)
@@ -92,10 +92,12 @@ def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -
 
 def _print_ingest(summary: IngestSummary) -> None:
     table = Table(title=f"ingest {summary.source} (spec {summary.spec})", show_edge=False)
-    for column in ("files", "ingested", "skipped", "rejected", "rows in", "landed", "quarantined", "seconds"):
+    for column in ("files", "ingested", "skipped", "rejected", "ignored", "rows in", "landed", "quarantined",
+                   "seconds"):
         table.add_column(column, justify="right")
     table.add_row(*map(str, (summary.files, summary.files_ingested, summary.files_skipped, summary.files_rejected,
-                             summary.rows_in, summary.rows_landed, summary.rows_quarantined, summary.seconds)))
+                             summary.files_ignored, summary.rows_in, summary.rows_landed, summary.rows_quarantined,
+                             summary.seconds)))
     console.print(table)
     reasons: dict[str, int] = {}
     for result in summary.results:

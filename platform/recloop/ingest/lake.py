@@ -9,11 +9,12 @@ Layout under ``$RECLOOP_HOME``::
 The whole of ``lake/events`` reads as one dataset:
 ``pyarrow.dataset.dataset(lake/events, partitioning="hive")``.
 
-How one source file is committed (``stage`` → ledger ``begin_commit`` → ``publish`` → ``finish_commit``):
+How one source file is committed (``StagedParquet`` → ledger ``begin_commit`` → ``publish`` →
+``finish_commit``):
 
-1. every output is written under a hidden temporary name (``.part-….parquet.<token>.tmp``) beside its
-   final place and flushed to disk; dataset readers skip names that start with a dot;
-2. the ledger records the outputs: this is the commit point;
+1. every output is written, batch by batch, under a hidden temporary name (``.part-….parquet.<token>.tmp``)
+   beside its final place and flushed to disk; dataset readers skip names that start with a dot;
+2. the ledger records the outputs and the file's event ids in one transaction: this is the commit point;
 3. each temporary file is renamed to its final name (atomic within a file system);
 4. the ledger marks the file done.
 
@@ -27,8 +28,6 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -42,14 +41,36 @@ def partition_dir(events_dir: Path, date: str) -> Path:
     return events_dir / f"date={date}"
 
 
-def stage(table: pa.Table, final: Path, token: str) -> dict[str, str]:
-    """Write ``table`` under a hidden temporary name beside ``final``; return the pair to publish."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{token}{TEMP_SUFFIX}")
-    pq.write_table(table, tmp, compression="zstd")
-    with open(tmp, "rb+") as handle:
-        os.fsync(handle.fileno())
-    return {"tmp": str(tmp), "final": str(final)}
+class StagedParquet:
+    """One output parquet file, written batch by batch under a hidden temporary name beside ``final``.
+
+    ``close()`` flushes it to disk and returns the pair to publish; ``discard()`` deletes it (the source
+    file was rejected halfway). A batch is written as it comes, so memory does not grow with the file.
+    """
+
+    def __init__(self, final: Path, token: str):
+        self.final = final
+        self.tmp = final.with_name(f".{final.name}.{token}{TEMP_SUFFIX}")
+        self._writer: pq.ParquetWriter | None = None
+
+    def write(self, table: pa.Table) -> None:
+        if self._writer is None:
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            self._writer = pq.ParquetWriter(self.tmp, table.schema, compression="zstd")
+        self._writer.write_table(table)
+
+    def close(self) -> dict[str, str]:
+        if self._writer is None:
+            raise ValueError(f"nothing was written to {self.final}")
+        self._writer.close()
+        with open(self.tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        return {"tmp": str(self.tmp), "final": str(self.final)}
+
+    def discard(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 def relative_to_home(output: dict[str, str], home: Path) -> dict[str, str]:
@@ -91,91 +112,6 @@ def recover(ledger: Ledger, home: Path, roots: Iterable[Path]) -> list[str]:
                 if str(stray) not in claimed:
                     stray.unlink()
     return finished
-
-
-class IdSet:
-    """Exact set membership for many string ids, cheap to extend and to query.
-
-    Ids are kept as 64-bit hashes in sorted runs (with the ids beside them); a query is a binary search
-    per run, and every hash hit is confirmed by comparing the ids themselves, so a hash collision can
-    never make a new event look like a duplicate. Runs merge like a binary counter, so adding n ids
-    costs O(n log n) overall, however many files they come in.
-    """
-
-    def __init__(self) -> None:
-        self._runs: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted hashes, ids in the same order)
-
-    def __len__(self) -> int:
-        return sum(len(h) for h, _ in self._runs)
-
-    def add(self, ids: np.ndarray) -> None:
-        if len(ids) == 0:
-            return
-        ids = np.asarray(ids, dtype=object)
-        hashes = pd.util.hash_array(ids)
-        order = np.argsort(hashes, kind="stable")
-        self._runs.append((hashes[order], ids[order]))
-        while len(self._runs) > 1 and 2 * len(self._runs[-1][0]) >= len(self._runs[-2][0]):
-            (h2, i2), (h1, i1) = self._runs.pop(), self._runs.pop()
-            hashes, ids = np.concatenate([h1, h2]), np.concatenate([i1, i2])
-            order = np.argsort(hashes, kind="stable")
-            self._runs.append((hashes[order], ids[order]))
-
-    def contains(self, ids: np.ndarray) -> np.ndarray:
-        """(len(ids),) bool: which ids are in the set."""
-        ids = np.asarray(ids, dtype=object)
-        found = np.zeros(len(ids), dtype=bool)
-        if len(ids) == 0:
-            return found
-        hashes = pd.util.hash_array(ids)
-        for run_hashes, run_ids in self._runs:
-            pos = np.minimum(np.searchsorted(run_hashes, hashes), len(run_hashes) - 1)
-            for i in np.flatnonzero(run_hashes[pos] == hashes):
-                j = pos[i]
-                while j < len(run_hashes) and run_hashes[j] == hashes[i] and not found[i]:
-                    found[i] = run_ids[j] == ids[i]
-                    j += 1
-        return found
-
-
-class LandedIds:
-    """Event ids already in the lake, per date partition, for duplicate detection during one run.
-
-    Ids are checked within the dates an incoming file covers: a replayed event carries its original
-    timestamp, so it falls in the same partition. A partition's ids are read from disk (one column)
-    the first time it is needed, then kept up to date in memory as the run lands more files.
-    """
-
-    def __init__(self, events_dir: Path, event_id: str):
-        self._events_dir = events_dir
-        self._event_id = event_id
-        self._by_date: dict[str, IdSet] = {}
-        self._pending: dict[str, list[pa.Array]] = {}  # landed this run, folded in when next queried
-
-    def _load(self, date: str) -> IdSet:
-        if date not in self._by_date:
-            ids = IdSet()
-            folder = partition_dir(self._events_dir, date)
-            for f in sorted(folder.glob("part-*.parquet")) if folder.exists() else []:
-                ids.add(pq.read_table(f, columns=[self._event_id])[self._event_id].to_numpy())
-            self._by_date[date] = ids
-            self._pending.pop(date, None)  # already on disk, so already read
-        for pending in self._pending.pop(date, []):
-            self._by_date[date].add(pending.to_numpy(zero_copy_only=False))
-        return self._by_date[date]
-
-    def contains(self, ids: pa.Array, dates: Iterable[str]) -> np.ndarray:
-        """A boolean mask: which of ``ids`` are already landed in any of ``dates``."""
-        values = ids.to_numpy(zero_copy_only=False)
-        found = np.zeros(len(values), dtype=bool)
-        for date in sorted(set(dates)):
-            found |= self._load(date).contains(values)
-        return found
-
-    def add(self, date: str, ids: pa.Array) -> None:
-        """Record ids just landed in ``date`` (call after they are published)."""
-        if date in self._by_date:
-            self._pending.setdefault(date, []).append(ids)
 
 
 def committed_event_files(ledger: Ledger, home: Path, events_dir: Path) -> list[str]:

@@ -5,9 +5,14 @@ touched again) is not ingested twice, while a file rewritten with new content is
 SQLite database in the lake folder (``_ledger.sqlite``: the leading underscore keeps dataset readers
 away from it).
 
-A row's status moves ``committing`` → ``done``; ``rejected`` records a file that could not be read.
+A row's status moves ``committing`` → ``done``; ``rejected`` records a file whose bytes cannot be read.
 ``committing`` rows name the temporary and final paths of their outputs, so a run that was killed while
 renaming them into place can be finished by the next one (see ``recloop.ingest.lake``).
+
+The ledger also holds the **id set**: every event id in the lake, whatever its date. A file's new ids are
+added in the same transaction as its ``committing`` row (``begin_file`` … ``begin_commit``), so they count
+as landed exactly when the file does, and an event replayed with another timestamp is still a duplicate.
+A ledger written before the id set existed is filled from the lake once (``ensure_ids``).
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from __future__ import annotations
 import fcntl
 import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+
+import numpy as np
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -35,7 +42,10 @@ CREATE TABLE IF NOT EXISTS files (
     error            TEXT,
     recorded_at      TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS event_ids (id TEXT PRIMARY KEY) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+_QUERY_CHUNK = 20_000  # ids per query: below SQLite's limit on bound parameters
 
 
 @dataclass(frozen=True)
@@ -92,16 +102,72 @@ class Ledger:
             ).fetchall()
         return [_entry(r) for r in rows]
 
+    # --- the id set ------------------------------------------------------------------------------------
+
+    def ensure_ids(self, lake_ids: Callable[[], Iterable[Iterable[str]]]) -> int:
+        """Fill the id set from the lake if this ledger predates it; returns how many ids were added.
+
+        Args:
+            lake_ids: yields the event ids of every committed lake file (batch by batch).
+        """
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'event_ids'").fetchone()
+        if row is not None:
+            return 0
+        added = 0
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            if self._db.execute("SELECT 1 FROM files WHERE status != 'rejected' LIMIT 1").fetchone():
+                for batch in lake_ids():
+                    added += self._db.executemany("INSERT OR IGNORE INTO event_ids VALUES (?)",
+                                                  ((i,) for i in batch)).rowcount
+            self._db.execute("INSERT INTO meta VALUES ('event_ids', 'complete')")
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return added
+
+    def begin_file(self) -> None:
+        """Open the transaction that ``begin_commit`` closes: ids added meanwhile land with the file."""
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def landed(self, ids: list[str]) -> np.ndarray:
+        """(len(ids),) bool: which ids are in the lake, or were added earlier in this file's transaction."""
+        found: set[str] = set()
+        for start in range(0, len(ids), _QUERY_CHUNK):
+            chunk = ids[start:start + _QUERY_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            found.update(r[0] for r in self._db.execute(f"SELECT id FROM event_ids WHERE id IN ({marks})", chunk))
+        return np.fromiter((i in found for i in ids), dtype=bool, count=len(ids)) if found else np.zeros(len(ids), bool)
+
+    def add_ids(self, ids: Iterable[str]) -> None:
+        self._db.executemany("INSERT OR IGNORE INTO event_ids VALUES (?)", ((i,) for i in ids))
+
+    def abandon_file(self) -> None:
+        """Forget everything since ``begin_file`` (the file was rejected halfway, or the run failed)."""
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+
+    def event_id_count(self) -> int:
+        return self._db.execute("SELECT count(*) FROM event_ids").fetchone()[0]
+
+    # --- commits -----------------------------------------------------------------------------------------
+
     def begin_commit(
         self, *, sha256: str, path: str, size: int, spec: str, rows_in: int, rows_landed: int,
         rows_quarantined: int, outputs: list[dict[str, str]],
     ) -> None:
-        """Record the decision to publish these outputs: from here on, the file counts as ingested."""
+        """Record the decision to publish these outputs: from here on, the file counts as ingested.
+
+        Commits the transaction ``begin_file`` opened, with the ids added since: the commit point.
+        """
         self._db.execute(
             "INSERT OR REPLACE INTO files (sha256, path, size, spec, status, rows_in, rows_landed,"
             " rows_quarantined, outputs, error, recorded_at) VALUES (?, ?, ?, ?, 'committing', ?, ?, ?, ?, NULL, ?)",
             (sha256, path, size, spec, rows_in, rows_landed, rows_quarantined, json.dumps(outputs), _now()),
         )
+        if self._db.in_transaction:
+            self._db.execute("COMMIT")
 
     def finish_commit(self, sha256: str) -> None:
         self._db.execute(

@@ -1,10 +1,22 @@
-"""Read one landing file into an Arrow table of its original values, or reject it whole.
+"""Read one landing file, batch by batch, into Arrow tables of its original values, or reject it whole.
 
-A reader does no validation beyond what it takes to split a file into rows and columns: it returns the
+A reader does no validation beyond what it takes to split a file into rows and columns: it yields the
 values as they were written (strings for text formats, the file's own types for parquet), each row's
 position in the source, and the rows that could not even be split into fields (a Criteo line with the
-wrong number of tabs, a CSV line with the wrong number of commas) with their raw text. A file that cannot
-be read at all raises ``FileRejected`` with the reason.
+wrong number of tabs, a CSV line with the wrong number of commas) with their raw text. Memory stays
+bounded whatever the file's size: parquet is read a row group at a time in batches of at most
+``batch_rows`` rows, CSV in blocks of about ``batch_rows`` lines, Criteo TSV ``batch_rows`` lines at a time.
+
+A file that cannot be read raises ``FileRejected`` with the reason, before or during the batches:
+
+- ``permanent=True``: the bytes themselves are bad (truncated, not the format it claims, wrong
+  encoding, empty). The ledger remembers them, so the same bytes are not tried again.
+- ``permanent=False``: the file could not be read this time (it vanished, it is not readable, it changed
+  while being read). Nothing is remembered; the next run tries again.
+
+Files are opened without following a symbolic link and without blocking (a FIFO named ``x.csv`` must not
+hang the run), and the digest and the rows come from the same open handle: a file replaced or deleted
+after it was found is either read as it was or refused, never mixed.
 
 Row numbers (``source_row``) count data rows from 0 in file order: parquet rows, CSV lines after the
 header, Criteo lines.
@@ -16,11 +28,15 @@ import csv
 import gzip
 import hashlib
 import io
+import os
 import re
+import stat
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -31,15 +47,21 @@ from recloop.schema import DatasetSpec
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 CSV_SUFFIXES = (".csv", ".csv.gz")
+DEFAULT_BATCH_ROWS = 65_536
+_READ_ERRORS = (pa.ArrowException, OSError, EOFError, zlib.error, ValueError)
 
 
 class FileRejected(Exception):
-    """The file as a whole cannot be read (truncated, not the format it claims, wrong encoding, empty)."""
+    """The file cannot be ingested; ``permanent`` says whether its bytes are to blame (see module doc)."""
+
+    def __init__(self, reason: str, permanent: bool = True):
+        super().__init__(reason)
+        self.permanent = permanent
 
 
 @dataclass
-class SourceRows:
-    """What a reader got out of one file.
+class SourceBatch:
+    """A batch of rows of one file.
 
     Attributes:
         table: one row per readable row, columns as named in the file, original values.
@@ -58,63 +80,131 @@ class SourceRows:
         return self.table.num_rows + len(self.unsplittable)
 
 
-def file_digest(path: Path) -> str:
-    """SHA-256 of the file's bytes: the file's identity in the ledger."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+def open_landing_file(path: Path, identity: tuple[int, int] | None = None, follow: bool = False) -> BinaryIO:
+    """Open a landing file for reading, refusing links, special files and a file swapped since it was found.
+
+    Args:
+        identity: ``(st_dev, st_ino)`` seen when the file was found; the opened file must be that one.
+        follow: follow a symbolic link (only for a file the user named explicitly).
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as err:
+        raise FileRejected("vanished before it could be read", permanent=False) from err
+    except OSError as err:
+        if err.errno == 40:  # ELOOP: the last component became a symbolic link
+            raise FileRejected("symbolic link (not followed)", permanent=False) from err
+        raise FileRejected(f"cannot open: {err.strerror}", permanent=False) from err
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise FileRejected("not a regular file", permanent=False)
+    if identity is not None and (info.st_dev, info.st_ino) != identity:
+        os.close(fd)
+        raise FileRejected("replaced by another file after it was found", permanent=False)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def file_digest(handle: BinaryIO) -> tuple[str, int]:
+    """SHA-256 of the file's bytes (its identity in the ledger) and its size; leaves the handle at 0."""
+    digest, size = hashlib.sha256(), 0
+    try:
+        handle.seek(0)
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    return digest.hexdigest()
+            size += len(block)
+        handle.seek(0)
+    except OSError as err:
+        raise FileRejected(f"cannot read: {err.strerror or err}", permanent=False) from err
+    return digest.hexdigest(), size
 
 
-def read_source(path: Path, spec: DatasetSpec, digest: str) -> SourceRows:
-    """Read ``path`` as the spec's format says. Raises ``FileRejected`` if it cannot be read at all."""
-    if path.stat().st_size == 0:
+def check_unchanged(handle: BinaryIO, size: int) -> None:
+    """Refuse a file that grew or shrank while it was read (someone is still writing it in place)."""
+    now = os.fstat(handle.fileno()).st_size
+    if now != size:
+        raise FileRejected(f"changed while being read ({size} → {now} bytes)", permanent=False)
+
+
+def read_batches(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
+                 batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[SourceBatch]:
+    """Batches of the open file ``handle`` (called ``name``) as the spec's format says.
+
+    Raises ``FileRejected`` (before the first batch or between two) if the file cannot be read.
+    """
+    if os.fstat(handle.fileno()).st_size == 0:
         raise FileRejected("empty file (0 bytes)")
-    name = path.name.lower()
+    lowered = name.lower()
     if spec.format == "criteo_tsv":
-        return _read_criteo(path, spec, digest)
-    if name.endswith(PARQUET_SUFFIXES):
-        return _read_parquet(path)
-    if name.endswith(CSV_SUFFIXES):
-        return _read_csv(path)
+        return _read_criteo(handle, name, spec, digest, batch_rows)
+    if lowered.endswith(PARQUET_SUFFIXES):
+        return _read_parquet(handle, batch_rows)
+    if lowered.endswith(CSV_SUFFIXES):
+        return _read_csv(handle, lowered.endswith(".gz"), batch_rows)
+    suffix = Path(name).suffix or "(no suffix)"
     raise FileRejected(
-        f"unsupported file type {path.suffix or '(no suffix)'!r} for spec {spec.name!r}: "
-        f"expected {PARQUET_SUFFIXES + CSV_SUFFIXES}"
+        f"unsupported file type {suffix!r} for spec {spec.name!r}: expected {PARQUET_SUFFIXES + CSV_SUFFIXES}"
     )
 
 
-def _read_parquet(path: Path) -> SourceRows:
+def _guarded(batches: Iterator[SourceBatch], what: str) -> Iterator[SourceBatch]:
+    """Turn a read error in the middle of a file into ``FileRejected`` (the file's bytes are bad)."""
     try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as err:
+        yield from batches
+    except FileRejected:
+        raise
+    except _READ_ERRORS as err:
+        raise FileRejected(f"not a readable {what} file: {_utf8_hint(err)}") from err
+
+
+def _utf8_hint(err: Exception) -> str:
+    text = str(err)
+    return f"not UTF-8 text ({text})" if "UTF8" in text or "utf-8" in text.lower() else text
+
+
+# --- parquet -----------------------------------------------------------------------------------------------
+
+
+def _read_parquet(handle: BinaryIO, batch_rows: int) -> Iterator[SourceBatch]:
+    try:
+        source = pq.ParquetFile(handle, buffer_size=1 << 20, pre_buffer=False)
+    except _READ_ERRORS as err:
         raise FileRejected(f"not a readable parquet file: {err}") from err
-    return SourceRows(table=table, source_row=np.arange(table.num_rows, dtype=np.int64))
+
+    def batches() -> Iterator[SourceBatch]:
+        start = 0
+        for batch in source.iter_batches(batch_size=batch_rows, use_threads=False):
+            table = pa.Table.from_batches([batch])
+            yield SourceBatch(table=table, source_row=np.arange(start, start + table.num_rows, dtype=np.int64))
+            start += table.num_rows
+        if start == 0:  # no rows at all: still one (empty) batch, so the file's columns are checked
+            yield SourceBatch(table=source.schema_arrow.empty_table(), source_row=np.empty(0, np.int64))
+
+    return _guarded(batches(), "parquet")
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        data = path.read_bytes()
-        return gzip.decompress(data) if path.name.lower().endswith(".gz") else data
-    except (OSError, EOFError, zlib.error) as err:
-        raise FileRejected(f"cannot decompress: {err}") from err
+# --- CSV ---------------------------------------------------------------------------------------------------
 
 
-def _decode_utf8(data: bytes) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise FileRejected(f"not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r})") from err
+def _text_stream(handle: BinaryIO, compressed: bool) -> BinaryIO:
+    return gzip.GzipFile(fileobj=handle, mode="rb") if compressed else handle  # type: ignore[return-value]
 
 
-def _read_csv(path: Path) -> SourceRows:
+def _read_csv(handle: BinaryIO, compressed: bool, batch_rows: int) -> Iterator[SourceBatch]:
     """CSV with a header line; every column read as text, empty fields as null."""
-    data = _read_bytes(path)
-    _decode_utf8(data)  # reject the whole file on a bad encoding rather than mangling values
-    header_line = data.split(b"\n", 1)[0].rstrip(b"\r")
+    try:
+        header_line = _text_stream(handle, compressed).readline().rstrip(b"\r\n")
+        handle.seek(0)
+    except _READ_ERRORS as err:
+        raise FileRejected(f"cannot decompress: {err}") from err
     if not header_line.strip():
         raise FileRejected("no header line")
-    names = next(csv.reader([header_line.decode("utf-8")]))
+    try:
+        names = next(csv.reader([header_line.decode("utf-8")]))
+    except UnicodeDecodeError as err:
+        raise FileRejected(f"not UTF-8 text (header byte {err.start})") from err
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
         raise FileRejected(f"header names columns more than once: {duplicated}")
@@ -122,76 +212,130 @@ def _read_csv(path: Path) -> SourceRows:
     invalid: list[tuple[int, str, str]] = []
 
     def on_invalid_row(row: pacsv.InvalidRow) -> str:
-        # row.number is the 1-based line number (header = line 1) when reading single-threaded.
+        # row.number is the 1-based physical line (header = line 1) when reading single-threaded.
         invalid.append(
             (int(row.number) - 2, row.text, f"wrong_field_count:{row.actual_columns}/{row.expected_columns}")
         )
         return "skip"
 
     try:
-        table = pacsv.read_csv(
-            io.BytesIO(data),
-            read_options=pacsv.ReadOptions(use_threads=False, block_size=64 << 20),
+        reader = pacsv.open_csv(
+            _text_stream(handle, compressed),
+            read_options=pacsv.ReadOptions(use_threads=False, block_size=max(1 << 16, batch_rows * 256),
+                                           column_names=names, skip_rows=1),
             parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid_row),
             convert_options=pacsv.ConvertOptions(
                 column_types={n: pa.string() for n in names}, strings_can_be_null=True, null_values=[""]
             ),
         )
-    except pa.ArrowException as err:
-        raise FileRejected(f"not a readable CSV file: {err}") from err
-    source_row = _rows_not_skipped(table.num_rows, [r for r, _, _ in invalid])
-    return SourceRows(table=table, source_row=source_row, unsplittable=invalid, text=True)
+    except _READ_ERRORS as err:
+        raise FileRejected(f"not a readable CSV file: {_utf8_hint(err)}") from err
+
+    def batches() -> Iterator[SourceBatch]:
+        rows = _RowNumbers()
+        for batch in reader:
+            table = pa.Table.from_batches([batch])
+            skipped, invalid[:] = list(invalid), []
+            yield SourceBatch(table=table, source_row=rows.take(table.num_rows, skipped), unsplittable=skipped,
+                              text=True)
+        if invalid or rows.next == 0:  # bad lines after the last good one; or no rows (columns still checked)
+            empty = pa.table({n: pa.array([], pa.string()) for n in names})
+            yield SourceBatch(table=empty, source_row=rows.take(0, list(invalid)), unsplittable=list(invalid),
+                              text=True)
+
+    return _guarded(batches(), "CSV")
 
 
-def _rows_not_skipped(kept: int, skipped: list[int]) -> np.ndarray:
-    """Positions 0..kept+len(skipped)-1 without the skipped ones, in order."""
-    total = kept + len(skipped)
-    mask = np.ones(total, dtype=bool)
-    mask[np.asarray(skipped, dtype=np.int64)] = False
-    return np.flatnonzero(mask).astype(np.int64)
+class _RowNumbers:
+    """Hands out source row numbers to parsed rows in order, passing over the lines the parser skipped."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self._skipped: set[int] = set()
+
+    def take(self, count: int, skipped: list[tuple[int, str, str]]) -> np.ndarray:
+        self._skipped.update(r for r, _, _ in skipped)
+        ahead = np.array(sorted(r for r in self._skipped if r >= self.next), dtype=np.int64)
+        span = np.arange(self.next, self.next + count + len(ahead), dtype=np.int64)
+        numbers = span[~np.isin(span, ahead)][:count]
+        if count:
+            self.next = int(numbers[-1]) + 1
+            self._skipped = {r for r in self._skipped if r >= self.next}
+        return numbers
 
 
-def _read_criteo(path: Path, spec: DatasetSpec, digest: str) -> SourceRows:
-    """Criteo TSV: no header, fields = the spec's file fields; id and timestamp derived (see CriteoOptions)."""
+# --- Criteo TSV ----------------------------------------------------------------------------------------------
+
+
+def _read_criteo(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
+                 batch_rows: int) -> Iterator[SourceBatch]:
+    """Criteo TSV: no header, fields = the spec's file fields; id and timestamp derived (see CriteoOptions).
+
+    Rows are spread evenly over the file's day, so the lines are counted first (one extra pass).
+    """
     assert spec.criteo is not None  # validated by the spec
-    text = _decode_utf8(_read_bytes(path))
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # the newline that ends the last line
+    compressed = name.lower().endswith(".gz")
+    try:
+        total_lines = _count_lines(_text_stream(handle, compressed))
+        handle.seek(0)
+    except _READ_ERRORS as err:
+        raise FileRejected(f"cannot decompress: {err}") from err
+    match = re.search(spec.criteo.day_pattern, name)
+    day_start = spec.criteo.start + timedelta(days=int(match.group(1)) if match else 0)
+    start_us = int(day_start.timestamp() * 1_000_000)
+    step_us = 86_400_000_000 // max(total_lines, 1)
     fields = spec.file_fields
-    tabs = len(fields) - 1
-    good, bad = [], []
-    for number, line in enumerate(lines):
-        line = line.rstrip("\r")
-        count = line.count("\t")
-        if count == tabs:
-            good.append(number)
-        else:
-            bad.append((number, line, f"wrong_field_count:{count + 1}/{len(fields)}"))
-    body = "\n".join(lines[i].rstrip("\r") for i in good)
-    if good:
-        try:
+
+    def parse(first_line: int, raw_lines: list[bytes]) -> SourceBatch:
+        good, bad, body = [], [], []
+        for offset, raw in enumerate(raw_lines):
+            number = first_line + offset
+            try:
+                line = raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise FileRejected(f"not UTF-8 text (line {number}, byte {err.start})") from err
+            count = line.count("\t")
+            if count == len(fields) - 1:
+                good.append(number)
+                body.append(line)
+            else:
+                bad.append((number, line, f"wrong_field_count:{count + 1}/{len(fields)}"))
+        if body:
             table = pacsv.read_csv(
-                io.BytesIO(body.encode("utf-8") + b"\n"),
-                read_options=pacsv.ReadOptions(column_names=fields, block_size=64 << 20),
+                io.BytesIO(("\n".join(body) + "\n").encode("utf-8")),
+                read_options=pacsv.ReadOptions(column_names=fields, block_size=64 << 20, use_threads=False),
                 parse_options=pacsv.ParseOptions(delimiter="\t", quote_char=False),
                 convert_options=pacsv.ConvertOptions(
                     column_types={n: pa.string() for n in fields}, strings_can_be_null=True, null_values=[""]
                 ),
             )
-        except pa.ArrowException as err:
-            raise FileRejected(f"not a readable Criteo TSV file: {err}") from err
-    else:
-        table = pa.table({n: pa.array([], pa.string()) for n in fields})
+        else:
+            table = pa.table({n: pa.array([], pa.string()) for n in fields})
+        # Derived columns: rows spread evenly over the file's day; ids from content hash + line number.
+        source_row = np.asarray(good, dtype=np.int64)
+        ids = pa.array([f"criteo-{digest[:16]}-{i}" for i in good], pa.string())
+        table = table.append_column(spec.event_id, ids).append_column(
+            spec.timestamp, pa.array(start_us + source_row * step_us, pa.timestamp("us", tz="UTC"))
+        )
+        return SourceBatch(table=table, source_row=source_row, unsplittable=bad, text=True)
 
-    # Derived columns: rows spread evenly over the file's day; ids from content hash + line number.
-    match = re.search(spec.criteo.day_pattern, path.name)
-    day_start = spec.criteo.start + timedelta(days=int(match.group(1)) if match else 0)
-    source_row = np.asarray(good, dtype=np.int64)
-    step_us = 86_400_000_000 // max(len(lines), 1)
-    ts_us = int(day_start.timestamp() * 1_000_000) + source_row * step_us
-    ids = pa.array([f"criteo-{digest[:16]}-{i}" for i in good], pa.string())
-    table = table.append_column(spec.event_id, ids).append_column(
-        spec.timestamp, pa.array(ts_us, pa.timestamp("us", tz="UTC"))
-    )
-    return SourceRows(table=table, source_row=source_row, unsplittable=bad, text=True)
+    def batches() -> Iterator[SourceBatch]:
+        stream, first, chunk = _text_stream(handle, compressed), 0, []
+        for raw in stream:
+            chunk.append(raw)
+            if len(chunk) == batch_rows:
+                yield parse(first, chunk)
+                first, chunk = first + len(chunk), []
+        if chunk or first == 0:
+            yield parse(first, chunk)
+
+    return _guarded(batches(), "Criteo TSV")
+
+
+def _count_lines(stream: BinaryIO) -> int:
+    """Lines as the reader will see them: a last line without its newline counts too."""
+    count, last = 0, b"\n"
+    for block in iter(lambda: stream.read(1 << 20), b""):
+        count += block.count(b"\n")
+        last = block[-1:]
+    return count + (last != b"\n")

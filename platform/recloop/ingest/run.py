@@ -1,30 +1,50 @@
 """Ingest a file or a folder of files: read, check, de-duplicate, land good rows, quarantine the rest.
 
-Every row is accounted for: for each file, ``rows_in == rows_landed + rows_quarantined``; a file that
-cannot be read at all is ``rejected`` (recorded with its error, and the run goes on); a file whose bytes
-were ingested before is ``skipped``. One ingest run at a time per lake (a file lock), and each file is
-committed atomically (see ``lake.py``).
+Every file found is accounted for in the summary, and every row of every file read:
+
+- ``ingested``: ``rows_in == rows_landed + rows_quarantined``;
+- ``skipped``: its bytes were ingested (or rejected) before;
+- ``rejected``: it could not be read, with the reason: bad bytes (remembered by the ledger), or a file
+  that vanished, changed while being read, is unreadable, a symbolic link or not a regular file (not
+  remembered: the next run looks again). The run goes on with the next file;
+- ``ignored``: a hidden (``.``) or metadata (``_``) name, by convention a file still being written or
+  not an event file, with the reason.
+
+One ingest run at a time per lake (a file lock); each file is read and landed batch by batch (memory
+bounded whatever its size) and committed atomically (see ``lake.py``); an event id already anywhere in
+the lake is a duplicate (see the id set in ``ledger.py``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from recloop.ingest import lake
 from recloop.ingest.ledger import Ledger, exclusive_lock
-from recloop.ingest.readers import FileRejected, SourceRows, file_digest, read_source
+from recloop.ingest.readers import (
+    DEFAULT_BATCH_ROWS,
+    FileRejected,
+    SourceBatch,
+    check_unchanged,
+    file_digest,
+    open_landing_file,
+    read_batches,
+)
 from recloop.ingest.validate import RowProblems, check_rows
 from recloop.schema import DatasetSpec
 from recloop.settings import Settings
@@ -32,11 +52,11 @@ from recloop.settings import Settings
 
 @dataclass
 class FileResult:
-    """What happened to one source file."""
+    """What happened to one file found under the source (``error``: the reason, when not ingested)."""
 
     path: str
-    status: Literal["ingested", "skipped", "rejected"]
-    sha256: str
+    status: Literal["ingested", "skipped", "rejected", "ignored"]
+    sha256: str | None
     rows_in: int = 0
     rows_landed: int = 0
     rows_quarantined: int = 0
@@ -47,7 +67,11 @@ class FileResult:
 
 @dataclass
 class IngestSummary:
-    """The outcome of one ``ingest`` call; ``to_dict()`` is the CLI's ``--json`` output."""
+    """The outcome of one ``ingest`` call; ``to_dict()`` is the CLI's ``--json`` output.
+
+    ``files`` counts the event files considered (ingested + skipped + rejected); ignored names are
+    counted apart in ``files_ignored``. ``results`` has one entry for everything found.
+    """
 
     source: str
     spec: str
@@ -55,6 +79,7 @@ class IngestSummary:
     files_ingested: int = 0
     files_skipped: int = 0
     files_rejected: int = 0
+    files_ignored: int = 0
     rows_in: int = 0
     rows_landed: int = 0
     rows_quarantined: int = 0
@@ -64,10 +89,11 @@ class IngestSummary:
 
     def add(self, result: FileResult) -> None:
         self.results.append(result)
-        self.files += 1
+        self.files += result.status != "ignored"
         self.files_ingested += result.status == "ingested"
         self.files_skipped += result.status == "skipped"
         self.files_rejected += result.status == "rejected"
+        self.files_ignored += result.status == "ignored"
         self.rows_in += result.rows_in
         self.rows_landed += result.rows_landed
         self.rows_quarantined += result.rows_quarantined
@@ -78,17 +104,65 @@ class IngestSummary:
         return out
 
 
-def discover(source: Path) -> list[Path]:
-    """The files to ingest under ``source`` in path order, skipping hidden (``.``) and ``_`` names."""
-    if not source.exists():
+@dataclass(frozen=True)
+class Candidate:
+    """A file found under the source, and what ingestion will do with it.
+
+    Attributes:
+        action: ``read``, ``ignore`` (hidden or metadata name) or ``refuse`` (never read), with ``reason``.
+        identity: ``(st_dev, st_ino)`` when found: the file opened later must be this one.
+        follow: a symbolic link is followed (only for a file named explicitly as the source).
+    """
+
+    path: Path
+    action: Literal["read", "ignore", "refuse"]
+    reason: str | None = None
+    identity: tuple[int, int] | None = None
+    follow: bool = False
+
+
+def discover(source: Path) -> list[Candidate]:
+    """Everything under ``source`` in path order, each with its action; links are never followed.
+
+    A file named explicitly is read (through a link, if it is one: the user chose it); inside a folder,
+    a symbolic link (which could lead anywhere: ``/etc/passwd``, another lake) and anything but a regular
+    file or folder are refused, and names starting with ``.`` or ``_`` are ignored (a folder with such a
+    name counts once, unsearched).
+    """
+    if not source.exists() and not source.is_symlink():
         raise FileNotFoundError(f"nothing to ingest: {source} does not exist")
-    if source.is_file():
-        return [source]
-    return sorted(
-        p
-        for p in source.rglob("*")
-        if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(source).parts)
-    )
+    if not source.is_dir():
+        info = source.stat() if source.exists() else None
+        if info is None or not stat.S_ISREG(info.st_mode):
+            return [Candidate(source, "refuse", "not a regular file")]
+        return [Candidate(source, "read", identity=(info.st_dev, info.st_ino), follow=True)]
+    found: list[Candidate] = []
+    _walk(source, found)
+    return sorted(found, key=lambda c: str(c.path))
+
+
+def _walk(folder: Path, found: list[Candidate]) -> None:
+    try:
+        entries = list(os.scandir(folder))
+    except OSError as err:
+        found.append(Candidate(folder, "refuse", f"folder cannot be listed: {err.strerror}"))
+        return
+    for entry in entries:
+        path = Path(entry.path)
+        is_dir = entry.is_dir(follow_symlinks=False)
+        if entry.name.startswith((".", "_")):
+            kind = "hidden" if entry.name.startswith(".") else "metadata"
+            what = "folder, not searched" if is_dir else "file"
+            found.append(Candidate(path, "ignore", f"{kind} name ({entry.name[0]!r}): {what}"))
+        elif entry.is_symlink():
+            found.append(Candidate(path, "refuse", "symbolic link (not followed: it may lead outside the folder)"))
+        elif is_dir:
+            _walk(path, found)
+        elif entry.is_file(follow_symlinks=False):
+            info = entry.stat(follow_symlinks=False)
+            found.append(Candidate(path, "read", identity=(info.st_dev, info.st_ino)))
+        else:
+            found.append(Candidate(path, "refuse", "not a regular file (a pipe, socket or device)"))
 
 
 def ingest(
@@ -98,6 +172,7 @@ def ingest(
     *,
     now: datetime | None = None,
     on_file: Callable[[FileResult], None] | None = None,
+    batch_rows: int = DEFAULT_BATCH_ROWS,
 ) -> IngestSummary:
     """Ingest ``source`` (a file or a folder) into the lake under ``settings.home``.
 
@@ -107,6 +182,7 @@ def ingest(
         settings: where the lake, quarantine and ledger live.
         now: the ingest clock (timestamps beyond ``now + spec.max_future_seconds`` are quarantined).
         on_file: called after each file, e.g. to advance a progress bar.
+        batch_rows: rows read, checked and written at a time: what bounds the memory a file takes.
 
     Example::
 
@@ -115,13 +191,13 @@ def ingest(
     """
     started = time.perf_counter()
     now = now or datetime.now(UTC)
-    files = discover(Path(source))
+    candidates = discover(Path(source))
     summary = IngestSummary(source=str(source), spec=spec.name)
     with exclusive_lock(settings.lake_dir / "_ingest.lock"), Ledger.open(settings.ledger_path) as ledger:
         summary.recovered = lake.recover(ledger, settings.home, [settings.lake_events_dir, settings.quarantine_dir])
-        landed_ids = lake.LandedIds(settings.lake_events_dir, spec.event_id)
-        for path in files:
-            result = _ingest_file(path, spec, settings, ledger, landed_ids, now)
+        ledger.ensure_ids(lambda: _lake_ids(ledger, settings, spec))
+        for candidate in candidates:
+            result = _ingest_candidate(candidate, spec, settings, ledger, now, batch_rows)
             summary.add(result)
             if on_file:
                 on_file(result)
@@ -129,70 +205,130 @@ def ingest(
     return summary
 
 
-def _ingest_file(
-    path: Path, spec: DatasetSpec, settings: Settings, ledger: Ledger, landed_ids: lake.LandedIds, now: datetime
-) -> FileResult:
-    digest = file_digest(path)
-    size = path.stat().st_size
-    known = ledger.get(digest)
-    if known is not None:
-        note = f"already {known.status} as {known.path}" if known.path != str(path) else f"already {known.status}"
-        return FileResult(str(path), "skipped", digest, error=None if known.status == "done" else note)
+def _lake_ids(ledger: Ledger, settings: Settings, spec: DatasetSpec) -> Iterator[list[str]]:
+    """The event ids of every committed lake file, batch by batch (to fill an older ledger's id set)."""
+    for path in lake.committed_event_files(ledger, settings.home, settings.lake_events_dir):
+        for batch in pq.ParquetFile(path).iter_batches(columns=[spec.event_id]):
+            yield batch.column(0).to_pylist()
+
+
+def _ingest_candidate(candidate: Candidate, spec: DatasetSpec, settings: Settings, ledger: Ledger, now: datetime,
+                      batch_rows: int) -> FileResult:
+    path = str(candidate.path)
+    if candidate.action == "ignore":
+        return FileResult(path, "ignored", None, error=candidate.reason)
+    if candidate.action == "refuse":
+        return FileResult(path, "rejected", None, error=candidate.reason)
     try:
-        rows = read_source(path, spec, digest)
+        handle = open_landing_file(candidate.path, candidate.identity, candidate.follow)
     except FileRejected as err:
-        ledger.record_rejected(sha256=digest, path=str(path), size=size, spec=spec.name, error=str(err))
-        return FileResult(str(path), "rejected", digest, error=str(err))
+        return FileResult(path, "rejected", None, error=str(err))
+    with handle:
+        try:
+            digest, size = file_digest(handle)
+        except FileRejected as err:
+            return FileResult(path, "rejected", None, error=str(err))
+        known = ledger.get(digest)
+        if known is not None:
+            note = f"already {known.status} as {known.path}" if known.path != path else f"already {known.status}"
+            return FileResult(path, "skipped", digest, error=None if known.status == "done" else note)
+        staging = _Staging(settings, digest[:16], now)
+        ledger.begin_file()
+        try:
+            return _land(handle, candidate.path, digest, size, spec, settings, ledger, staging, now, batch_rows)
+        except FileRejected as err:
+            staging.discard()
+            ledger.abandon_file()
+            if err.permanent:
+                ledger.record_rejected(sha256=digest, path=path, size=size, spec=spec.name, error=str(err))
+            return FileResult(path, "rejected", digest, error=str(err))
+        except BaseException:  # a write failed, or the run was interrupted: nothing of this file stays
+            staging.discard()
+            ledger.abandon_file()
+            raise
 
-    typed, problems = check_rows(rows.table, spec, now)
-    if typed is not None:
-        _flag_duplicates(typed, spec, problems, landed_ids)
-    bad = problems.bad_mask()
-    reasons = problems.reasons()
 
-    token = digest[:16]
-    outputs, partitions, staged_ids = [], [], []
-    if typed is not None and (~bad).any():
-        landed = typed.filter(pa.array(~bad))
-        dates = _utc_dates(landed[spec.timestamp])
-        for date in sorted(pc.unique(dates).to_pylist()):
-            part = landed.filter(pc.equal(dates, pa.scalar(date, pa.date32())))
-            final = lake.partition_dir(settings.lake_events_dir, date.isoformat()) / f"part-{token}.parquet"
-            outputs.append(lake.relative_to_home(lake.stage(part, final, token), settings.home))
-            partitions.append(date.isoformat())
-            staged_ids.append((date.isoformat(), part[spec.event_id].combine_chunks()))
-    quarantined = _quarantine_table(rows, np.flatnonzero(bad), reasons, path, now)
-    if quarantined.num_rows:
+class _Staging:
+    """The outputs of one source file while it is read: one per event date, plus its quarantine file."""
+
+    def __init__(self, settings: Settings, token: str, now: datetime):
+        self.settings, self.token = settings, token
+        self.partitions: dict[str, lake.StagedParquet] = {}
         folder = settings.quarantine_dir / f"date={now.strftime('%Y-%m-%d')}"
-        outputs.append(lake.relative_to_home(lake.stage(quarantined, folder / f"{token}.parquet", token),
-                                             settings.home))
+        self.quarantine = lake.StagedParquet(folder / f"{token}.parquet", token)
+        self.quarantined = 0
 
-    rows_landed = int((~bad).sum()) if typed is not None else 0
-    result = FileResult(
-        str(path), "ingested", digest, rows_in=rows.rows_in, rows_landed=rows_landed,
-        rows_quarantined=quarantined.num_rows, partitions=partitions,
-        reasons=_count_reasons(quarantined["_reason"].to_pylist()) if quarantined.num_rows else {},
-    )
+    def land(self, date: str, table: pa.Table) -> None:
+        if date not in self.partitions:
+            final = lake.partition_dir(self.settings.lake_events_dir, date) / f"part-{self.token}.parquet"
+            self.partitions[date] = lake.StagedParquet(final, self.token)
+        self.partitions[date].write(table)
+
+    def quarantine_rows(self, table: pa.Table) -> None:
+        self.quarantine.write(table)
+        self.quarantined += table.num_rows
+
+    def close(self) -> list[dict[str, str]]:
+        staged = list(self.partitions.values()) + ([self.quarantine] if self.quarantined else [])
+        return [lake.relative_to_home(output.close(), self.settings.home) for output in staged]
+
+    def discard(self) -> None:
+        for output in [*self.partitions.values(), self.quarantine]:
+            output.discard()
+
+
+def _land(handle: BinaryIO, path: Path, digest: str, size: int, spec: DatasetSpec, settings: Settings,
+          ledger: Ledger, staging: _Staging, now: datetime, batch_rows: int) -> FileResult:
+    """Read, check and stage the file batch by batch, then commit it (ledger) and publish its outputs."""
+    result = FileResult(str(path), "ingested", digest)
+    reasons: Counter[str] = Counter()
+    for batch in read_batches(handle, path.name, spec, digest, batch_rows):
+        typed, problems = _checked(batch, spec, now)
+        if typed is not None:
+            _flag_duplicates(typed, spec, problems, ledger)
+        bad = problems.bad_mask()
+        if typed is not None and (~bad).any():
+            landed = typed.filter(pa.array(~bad))
+            dates = _utc_dates(landed[spec.timestamp])
+            for date in sorted(pc.unique(dates).to_pylist()):
+                staging.land(date.isoformat(), landed.filter(pc.equal(dates, pa.scalar(date, pa.date32()))))
+            ledger.add_ids(landed[spec.event_id].to_pylist())
+            result.rows_landed += landed.num_rows
+        quarantined = _quarantine_table(batch, np.flatnonzero(bad), problems.reasons(), path, now)
+        if quarantined.num_rows:
+            staging.quarantine_rows(quarantined)
+            reasons.update(code for reason in quarantined["_reason"].to_pylist() for code in reason.split("; "))
+        result.rows_in += batch.rows_in
+    check_unchanged(handle, size)
+    result.rows_quarantined = staging.quarantined
+    result.partitions = sorted(staging.partitions)
+    result.reasons = dict(sorted(reasons.items()))
     if result.rows_in != result.rows_landed + result.rows_quarantined:  # the contract; never expected to fire
         raise RuntimeError(f"row accounting broken for {path}: {result}")
+    outputs = staging.close()
     ledger.begin_commit(sha256=digest, path=str(path), size=size, spec=spec.name, rows_in=result.rows_in,
-                        rows_landed=rows_landed, rows_quarantined=result.rows_quarantined, outputs=outputs)
+                        rows_landed=result.rows_landed, rows_quarantined=result.rows_quarantined, outputs=outputs)
     lake.publish(outputs, settings.home)
     ledger.finish_commit(digest)
-    for date, ids in staged_ids:
-        landed_ids.add(date, ids)
     return result
 
 
-def _flag_duplicates(typed: pa.Table, spec: DatasetSpec, problems: RowProblems, landed: lake.LandedIds) -> None:
-    """Among rows still good: a repeated id within the file (first one wins), or an id already landed."""
+def _checked(batch: SourceBatch, spec: DatasetSpec, now: datetime) -> tuple[pa.Table | None, RowProblems]:
+    """``check_rows``; a value that breaks the checks themselves rejects the file, not the run."""
+    try:
+        return check_rows(batch.table, spec, now)
+    except Exception as err:  # noqa: BLE001 - one file's odd contents must not stop ingestion of the rest
+        raise FileRejected(f"could not be checked ({type(err).__name__}: {err})", permanent=False) from err
+
+
+def _flag_duplicates(typed: pa.Table, spec: DatasetSpec, problems: RowProblems, ledger: Ledger) -> None:
+    """Among rows still good: a repeated id within the file (first one wins), or an id anywhere in the lake."""
     good = np.flatnonzero(~problems.bad_mask())
     if len(good) == 0:
         return
-    ids = typed[spec.event_id].take(pa.array(good)).combine_chunks()
-    within = pd.Series(ids, dtype=pd.ArrowDtype(pa.string())).duplicated(keep="first").to_numpy()
-    dates = pc.unique(_utc_dates(typed[spec.timestamp].take(pa.array(good)))).to_pylist()
-    already = landed.contains(ids, [d.isoformat() for d in dates])
+    ids = typed[spec.event_id].take(pa.array(good)).to_pylist()
+    within = pd.Series(ids, dtype=object).duplicated(keep="first").to_numpy()
+    already = ledger.landed(ids)
     problems.add(good[within | already], "duplicate_event_id")
 
 
@@ -202,22 +338,22 @@ def _utc_dates(timestamps: pa.ChunkedArray) -> pa.Array:
 
 
 def _quarantine_table(
-    rows: SourceRows, bad_rows: np.ndarray, reasons: np.ndarray, path: Path, now: datetime
+    batch: SourceBatch, bad_rows: np.ndarray, reasons: np.ndarray, path: Path, now: datetime
 ) -> pa.Table:
     """Rejected rows with their original values (as text), the reason, the source file and row number."""
-    split = rows.table.take(pa.array(bad_rows, pa.int64()))
-    count = split.num_rows + len(rows.unsplittable)
+    split = batch.table.take(pa.array(bad_rows, pa.int64()))
+    count = split.num_rows + len(batch.unsplittable)
     columns: dict[str, pa.Array] = {
         "_source_file": pa.array([str(path)] * count, pa.string()),
         "_source_row": pa.array(
-            np.concatenate([rows.source_row[bad_rows], np.array([r for r, _, _ in rows.unsplittable], np.int64)]),
+            np.concatenate([batch.source_row[bad_rows], np.array([r for r, _, _ in batch.unsplittable], np.int64)]),
             pa.int64(),
         ),
-        "_reason": pa.array(list(reasons[bad_rows]) + [reason for _, _, reason in rows.unsplittable], pa.string()),
-        "_raw_line": pa.array([None] * split.num_rows + [line for _, line, _ in rows.unsplittable], pa.string()),
+        "_reason": pa.array(list(reasons[bad_rows]) + [reason for _, _, reason in batch.unsplittable], pa.string()),
+        "_raw_line": pa.array([None] * split.num_rows + [line for _, line, _ in batch.unsplittable], pa.string()),
         "_ingested_at": pa.array([now] * count, pa.timestamp("us", tz="UTC")),
     }
-    padding = pa.nulls(len(rows.unsplittable), pa.string())
+    padding = pa.nulls(len(batch.unsplittable), pa.string())
     for name in split.column_names:
         columns[name] = pa.concat_arrays([_as_text(split[name].combine_chunks()), padding])
     return pa.table(columns)
@@ -231,8 +367,3 @@ def _as_text(values: pa.Array) -> pa.Array:
         return values.cast(pa.string())
     except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
         return pa.array([None if v is None else json.dumps(v, default=str) for v in values.to_pylist()], pa.string())
-
-
-def _count_reasons(joined: list[str]) -> dict[str, int]:
-    counts = Counter(code for reason in joined for code in reason.split("; "))
-    return dict(sorted(counts.items()))
