@@ -88,6 +88,35 @@ def test_a_later_window_materializes_incrementally(built: Settings, tmp_path: Pa
     np.testing.assert_allclose(online["user_events_total"].astype(float), users.loc[recent, "user_events_total"])
 
 
+def test_a_copied_home_never_touches_the_original_online_store(built: Settings, tmp_path: Path):
+    """Feast's registry records each SQLite online table with its absolute path; a copied home's first
+    apply used to tear down the tables at those paths: the original's."""
+    users = offline_latest(built, "user_stats", "user_id")
+    ids = list(users.index[:10])
+    before = store.online_features(built, {"user_id": ids, "item_id": [0] * len(ids)})
+    original_db = built.home / "feast" / "online.db"
+    tables = _sqlite_tables(original_db)
+    assert {"recloop_user_stats", "recloop_item_stats"} <= tables
+
+    copy = Settings(home=tmp_path / "copy", frame_backend="pandas")
+    shutil.copytree(built.home, copy.home)
+    assert store.apply_repo(copy) is True
+    store.materialize(copy, END + timedelta(hours=1), TTL)
+
+    assert _sqlite_tables(original_db) == tables
+    after = store.online_features(built, {"user_id": ids, "item_id": [0] * len(ids)})
+    pd.testing.assert_frame_equal(after, before)
+    copied = store.online_features(copy, {"user_id": ids, "item_id": [0] * len(ids)})
+    np.testing.assert_allclose(copied["user_events_total"].astype(float), users.loc[ids, "user_events_total"])
+
+
+def _sqlite_tables(path: Path) -> set[str]:
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        return {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
 @pytest.mark.services
 def test_redis_online_store(built: Settings, tmp_path: Path):
     import redis

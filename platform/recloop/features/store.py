@@ -4,6 +4,10 @@ recloop never imports ``feature_repo/``; Feast parses it (as ``feast apply`` doe
 objects up by name (``ranking_v1``). The configuration is built from ``Settings`` so that switching
 the online store to Redis is one setting (``RECLOOP_FEAST_ONLINE_STORE=redis``).
 
+Each ``RECLOOP_HOME`` owns its Feast state: the registry file and the SQLite online store are resolved
+under the home when Feast is configured, and ``apply_repo`` first forgets tables a copied registry
+recorded in another home (see ``forget_other_homes_tables``), so no home's apply can tear down another's.
+
 Example::
 
     store = feature_store(settings)
@@ -51,6 +55,18 @@ def redis_connection_string(url: str) -> str:
     return f"{parsed.hostname or '127.0.0.1'}:{parsed.port or 6379},db={db}{extra}"
 
 
+def _online_db(settings: Settings) -> Path:
+    """The SQLite online store of this home (when the online store is SQLite)."""
+    return settings.home.resolve() / "feast" / "online.db"
+
+
+def _registry_file(settings: Settings) -> Path | None:
+    """The registry file of this home, or None for a SQL registry."""
+    if settings.feast_registry.startswith(("postgresql", "mysql", "sqlite")):
+        return None
+    return Path(settings.feast_registry) if settings.feast_registry else settings.home.resolve() / "feast" / "registry.db"
+
+
 def repo_config(settings: Settings):
     """Feast's RepoConfig for these settings (the same as feature_store.yaml for the defaults)."""
     from feast.repo_config import RepoConfig
@@ -59,11 +75,12 @@ def repo_config(settings: Settings):
     if settings.feast_online_store == "redis":
         online = {"type": "redis", "connection_string": redis_connection_string(settings.redis_url)}
     else:
-        online = {"type": "sqlite", "path": str(home / "feast" / "online.db")}
-    if settings.feast_registry.startswith(("postgresql", "mysql", "sqlite")):
+        online = {"type": "sqlite", "path": str(_online_db(settings))}
+    registry_file = _registry_file(settings)
+    if registry_file is None:
         registry = {"registry_type": "sql", "path": settings.feast_registry, "cache_ttl_seconds": 60}
     else:
-        registry = settings.feast_registry or str(home / "feast" / "registry.db")
+        registry = str(registry_file)
     (home / "feast").mkdir(parents=True, exist_ok=True)
     return RepoConfig(project="recloop", provider="local", registry=registry, online_store=online,
                       offline_store={"type": "duckdb"}, entity_key_serialization_version=3,
@@ -104,6 +121,7 @@ def apply_repo(settings: Settings, force: bool = False) -> bool:
     if not force and marker.exists() and marker.read_text() == fingerprint:
         return False
     _environment(settings)
+    forget_other_homes_tables(settings)
     repo = _repo_path(settings)
     for path in repo.glob("*.py"):  # definitions read RECLOOP_HOME at import: import them afresh
         sys.modules.pop(path.stem, None)
@@ -123,6 +141,43 @@ def apply_repo(settings: Settings, force: bool = False) -> bool:
         sys.path.remove(str(repo))
     marker.write_text(fingerprint)
     return True
+
+
+def forget_other_homes_tables(settings: Settings) -> list[str]:
+    """Drop from this home's registry file the SQLite online tables that live in another home.
+
+    Feast's registry records each SQLite online table with its absolute path, and ``apply`` tears down
+    a recorded table whose path differs from the configured one. A registry copied with its home (a
+    backup restored elsewhere, a copy to experiment in) names the original's tables: applying it would
+    delete the original's online store while its server still reads it. The entries are removed from
+    the record only (the tables themselves are never touched); ``apply`` then creates this home's own.
+    Everything else in the registry (definitions, materialization intervals) is kept.
+
+    Returns:
+        The paths of the tables forgotten.
+    """
+    from feast.protos.feast.core.Registry_pb2 import Registry as RegistryProto
+
+    registry_file = _registry_file(settings)
+    if registry_file is None or not registry_file.exists():
+        return []
+    proto = RegistryProto.FromString(registry_file.read_bytes())
+    own = str(_online_db(settings))
+    kept, foreign = [], []
+    for infra_object in proto.infra.infra_objects:
+        is_other_home = infra_object.HasField("sqlite_table") and infra_object.sqlite_table.path != own
+        (foreign if is_other_home else kept).append(infra_object)
+    if not foreign:
+        return []
+    del proto.infra.infra_objects[:]
+    proto.infra.infra_objects.extend(kept)
+    staged = registry_file.with_name(f".{registry_file.name}.tmp")
+    with open(staged, "wb") as handle:
+        handle.write(proto.SerializeToString())
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(staged, registry_file)
+    return sorted({f"{o.sqlite_table.path}:{o.sqlite_table.name}" for o in foreign})
 
 
 def materialize(settings: Settings, end: datetime, ttl: timedelta) -> list[str]:
