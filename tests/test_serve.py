@@ -191,11 +191,38 @@ def run_canary(home: Settings, http: httpx.Client, server, version: str, users: 
     ({"user_id": 1, "item_ids": [1, 2], "context": {"price": [1.0, 2.0, 3.0]}}, "3 values for 2 candidates"),
     ({"user_id": 1, "item_ids": [1], "context": {"price": "cheap"}}, "context 'price'"),
     ({"user_id": 1, "item_ids": [1], "top_k": 0}, "greater than or equal to 1"),
+    ({"user_id": 1, "item_ids": [1], "context": {"position": 2**53}}, "position"),
+    ({"user_id": 1, "item_ids": [1], "context": {"position": 1001}}, "outside the spec's range [1, 1000]"),
+    ({"user_id": 1, "item_ids": [1, 2], "context": {"price": [1.0, -5.0]}}, "outside the spec's range [0, 1000000]"),
+    ({"user_id": 1, "item_ids": [1], "context": {"position": None}}, "context 'position' cannot be null"),
+    ('{"user_id": 1, "item_ids": [1], "context": {"price": Infinity}}', "finite number"),
+    ('{"user_id": 1, "item_ids": [1], "context": {"price": 1e999}}', "finite number"),
+    ('{"user_id": 1, "item_ids": [1, 2], "context": {"price": [1.0, NaN]}}', "finite number"),
 ])
 def test_rank_refuses_bad_requests_with_a_clear_4xx(client: httpx.Client, body, fragment):
-    response = client.post("/rank", json=body)
+    """Each bad request answers 422 naming its problem (a raw string is sent as it is: JSON with
+    ``Infinity`` and ``NaN``, which Python's parser accepts)."""
+    if isinstance(body, str):
+        response = client.post("/rank", content=body, headers={"Content-Type": "application/json"})
+    else:
+        response = client.post("/rank", json=body)
     assert response.status_code == 422
     assert fragment in json.dumps(response.json()), response.json()
+
+
+def test_rank_refuses_an_oversized_body_before_reading_it_all(client: httpx.Client, home: Settings):
+    padding = "x" * (home.serve_max_body_bytes + 1)
+    body = json.dumps({"user_id": 1, "item_ids": [1], "context": {"device": padding}})
+    declared = client.post("/rank", content=body, headers={"Content-Type": "application/json"})
+    assert declared.status_code == 413 and "limit" in declared.json()["detail"]
+
+    def chunks():  # no Content-Length: the limit holds on the bytes actually received
+        for start in range(0, len(body), 65536):
+            yield body[start:start + 65536].encode()
+
+    streamed = client.post("/rank", content=chunks(), headers={"Content-Type": "application/json"})
+    assert streamed.status_code == 413
+    assert client.post("/rank", json={"user_id": 1, "item_ids": [1]}).status_code == 200
 
 
 def test_feedback_is_validated_against_its_request(client: httpx.Client):

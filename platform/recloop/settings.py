@@ -45,6 +45,7 @@ class Settings(BaseSettings):
         serve_torch_threads: intra-op threads per scoring call (requests already run in parallel).
         serve_threads: requests scored at once per serving process (the rest wait their turn).
         feedback_flush_seconds: how often served feedback is written to the landing zone as a file.
+        serve_max_body_bytes: the largest request body the serving API reads (larger: 413).
     """
 
     model_config = SettingsConfigDict(env_prefix="RECLOOP_", env_file=".env", extra="ignore", frozen=True)
@@ -67,6 +68,7 @@ class Settings(BaseSettings):
     serve_torch_threads: int = 1
     serve_threads: int = 4
     feedback_flush_seconds: float = 5.0
+    serve_max_body_bytes: int = 1 << 20
 
     @property
     def landing_dir(self) -> Path:

@@ -25,7 +25,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from recloop import canary
 from recloop.features.config import FeatureConfig
@@ -49,8 +49,14 @@ log = logging.getLogger("recloop.serve")
 
 MAX_CANDIDATES = 1000
 INT64_MAX = 2**63 - 1
+EXACT_INT = 2**53  # integers beyond this lose precision as float64, which is what the model computes in
 Id = Annotated[int, Field(ge=0, le=INT64_MAX)]
-ContextValue = str | int | float | bool | None | list[Any]
+# Context values: numbers finite and exact as float64 (the spec's own bounds are checked per column when
+# the features are built), text of a sane length; a list gives one value per candidate, or is a
+# multi-hot value.
+Number = Annotated[int, Field(strict=True, ge=-EXACT_INT, le=EXACT_INT)] | Annotated[float, Field(allow_inf_nan=False)]
+Scalar = StrictBool | Number | Annotated[str, Field(max_length=1024)] | None
+ContextValue = Scalar | Annotated[list[Scalar | list[Number | None]], Field(max_length=MAX_CANDIDATES)]
 
 
 class RankRequest(BaseModel):
@@ -94,6 +100,55 @@ class CanaryRequest(BaseModel):
 class ReasonRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: str = Field(default="by an operator", max_length=500)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` answers 413 before the app sees it.
+
+    A declared ``Content-Length`` over the limit is refused without reading; otherwise the body is
+    read up to the limit (chunked bodies included) and handed on. Without it, a 50 MB ``/rank`` body
+    was parsed, scored and stored verbatim in the journal.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        detail = json.dumps({"detail": f"request body over the limit of {self.max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(detail)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": detail})
 
 
 class Service:
@@ -240,6 +295,7 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synt
         service.stop()
 
     app = FastAPI(title="recloop serving", version="1", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=settings.serve_max_body_bytes)
     bearer = HTTPBearer(auto_error=False)
 
     def service() -> Service:

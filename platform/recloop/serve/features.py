@@ -31,7 +31,7 @@ from recloop.features.config import FeatureConfig
 from recloop.features.job import ENTITY_PREFIXES, FeatureLayout, training_rows
 from recloop.features.state import FeatureState, StateStore
 from recloop.ingest.validate import ARROW_TYPES
-from recloop.schema import DatasetSpec
+from recloop.schema import ColumnSpec, DatasetSpec
 from recloop.settings import Settings
 
 CONTEXT_ROLES = ("categorical", "numeric", "multi_hot")
@@ -213,6 +213,8 @@ class RequestFeatures:
         for name, column in self._context_columns.items():
             value = context.get(name, DEFAULT_POSITION if name == "position" else None)
             columns[name] = _broadcast(name, value, n, ARROW_TYPES[column.dtype])
+            if column.role == "numeric":
+                _check_numeric(column, columns[name])
         for oracle in spec.by_role("oracle"):
             columns[oracle.name] = pa.nulls(n, ARROW_TYPES[oracle.dtype])
         columns["_ts_us"] = pa.array(np.full(n, ts_us, dtype=np.int64))
@@ -226,6 +228,21 @@ def per_candidate(value: Any, arrow_type: pa.DataType) -> bool:
     if pa.types.is_list(arrow_type):
         return bool(value) and isinstance(value[0], list | None)
     return True
+
+
+def _check_numeric(column: ColumnSpec, values: pa.Array) -> None:
+    """Refuse what ingestion would have quarantined: a null where the spec allows none, a number that is
+    not finite or outside the spec's bounds (the model never saw such a value in training)."""
+    if not column.nullable and values.null_count:
+        raise RequestError(f"context {column.name!r} cannot be null")
+    numbers = values.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    present = ~np.asarray(values.is_null())
+    with np.errstate(invalid="ignore"):
+        bad = present & ~(np.isfinite(numbers) & (numbers >= float(column.min)) & (numbers <= float(column.max)))
+    if bad.any():
+        low, high = (f"{float(b):.15g}" for b in (column.min, column.max))
+        raise RequestError(f"context {column.name!r}: {numbers[bad][0]:.15g} is outside the spec's range "
+                           f"[{low}, {high}]")
 
 
 def _broadcast(name: str, value: Any, n: int, arrow_type: pa.DataType) -> pa.Array:
