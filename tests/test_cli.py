@@ -71,3 +71,76 @@ def test_bad_arguments_exit_2_with_a_message(runner: CliRunner, args: list[str],
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+# --- the error boundary: one line, the right exit code, JSON whatever happens --------------------------
+
+
+@pytest.fixture
+def dead_mlflow(monkeypatch: pytest.MonkeyPatch):
+    """MLflow's address is a port nothing listens on; MLflow's client variables are restored afterwards."""
+    import os
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.setenv("RECLOOP_MLFLOW_TRACKING_URI", uri)
+    names = [k for k in os.environ if k.startswith("MLFLOW_HTTP_REQUEST")]
+    saved = {k: os.environ.pop(k) for k in names}
+    yield uri
+    for key in [k for k in os.environ if k.startswith("MLFLOW_HTTP_REQUEST")]:
+        del os.environ[key]
+    os.environ.update(saved)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_mlflow_is_one_line_naming_it_and_exit_3(runner: CliRunner, dead_mlflow: str):
+    result = runner.invoke(app, ["promote", "1", "--json"])
+    assert result.exit_code == 3, result.output
+    payload = json.loads(result.stdout)
+    assert payload["kind"] == "service_unavailable" and dead_mlflow in payload["error"]
+    assert "Traceback" not in result.output
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [
+        line for line in result.stderr.splitlines() if line.startswith("error: MLflow at")]
+
+
+@pytest.mark.timeout(60)
+def test_debug_lets_the_traceback_through(runner: CliRunner, dead_mlflow: str):
+    from recloop.endpoints import ServiceUnavailable
+
+    result = runner.invoke(app, ["--debug", "promote", "1"])
+    assert result.exit_code != 0 and isinstance(result.exception, ServiceUnavailable)
+
+
+def test_an_unexpected_failure_is_one_line_and_json(runner: CliRunner, tmp_path: Path):
+    landing = tmp_path / "landing"
+    assert runner.invoke(app, ["simulate", "--out", str(landing), "--days", "1", "--events-per-day", "100",
+                               "--json"]).exit_code == 0
+    ledger = tmp_path / "home" / "lake" / "_ledger.sqlite"
+    ledger.parent.mkdir(parents=True)
+    ledger.write_bytes(b"this is not a SQLite database, it was overwritten " * 100)
+    result = runner.invoke(app, ["ingest", str(landing), "--json"])
+    assert result.exit_code == 1
+    assert json.loads(result.stdout) == {"error": "DatabaseError: file is not a database", "kind": "DatabaseError"}
+    assert "Traceback" not in result.output and "--debug" in result.stderr
+
+
+def test_a_usage_error_under_json_is_json_too(runner: CliRunner):
+    result = runner.invoke(app, ["ingest", "--spec", "nope", "--json"])
+    assert result.exit_code == 2
+    assert json.loads(result.stdout)["kind"] == "usage" and "unknown spec" in json.loads(result.stdout)["error"]
+    parse_error = runner.invoke(app, ["ingest", "--days", "3", "--json"])
+    assert parse_error.exit_code == 2 and "--days" in json.loads(parse_error.stdout)["error"]
+
+
+def test_json_output_is_strict_json(capsys: pytest.CaptureFixture):
+    import numpy as np
+
+    from recloop.cli_boundary import emit_json
+
+    emit_json({"auc": float("nan"), "ratio": np.float32(1.5), "scores": np.array([np.inf, -np.inf, 2.0]),
+               "count": np.int64(3), "when": Path("/x")})
+    line = capsys.readouterr().out
+    assert json.loads(line, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}")) == {
+        "auc": None, "ratio": 1.5, "scores": [None, None, 2.0], "count": 3, "when": "/x"}

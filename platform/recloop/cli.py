@@ -1,14 +1,13 @@
 """The ``recloop`` command.
 
 Human-readable output and progress bars go to stderr; with ``--json`` the command prints exactly one JSON
-object on stdout, for scripts and flows. Errors in what the user asked for exit with code 2 and a
-one-line message.
+object on stdout, for scripts and flows, errors included. A failure is one line: errors in what the user
+asked for exit with code 2, an unreachable service with 3, anything else with 1; ``recloop --debug``
+shows the traceback (see ``cli_boundary``).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -20,12 +19,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from recloop.cli_boundary import ErrorBoundary, UserError, debug_option, emit_json, fail
 from recloop.ingest import FileResult, IngestSummary, ingest
 from recloop.schema import SpecError, load_spec
 from recloop.settings import Settings
 from recloop.simulate import DRIFT_SCENARIOS, SimulationSummary, WorldConfig, simulate
 
 app = typer.Typer(
+    cls=ErrorBoundary,
     add_completion=False,
     no_args_is_help=True,
     help="recloop: continuous retraining for GPU recommenders. Settings come from RECLOOP_* variables.",
@@ -35,9 +36,15 @@ console = Console(stderr=True)
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")]
 
 
-def _fail(message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(code=2)
+@app.callback()
+def _options(ctx: typer.Context,
+             debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a failure.")] = False) -> None:
+    """recloop: continuous retraining for GPU recommenders. Settings come from RECLOOP_* variables."""
+    debug_option(ctx, debug)
+
+
+def _fail(message: str) -> UserError:
+    return fail(message)
 
 
 @contextmanager
@@ -110,7 +117,7 @@ def _print_ingest(summary: IngestSummary) -> None:
 
 
 def _emit(payload: dict) -> None:
-    sys.stdout.write(json.dumps(payload, default=str) + "\n")
+    emit_json(payload)
 
 
 @app.command("simulate")
@@ -417,6 +424,10 @@ def retrain_command(
     mode = "full" if full else "incremental"
     if os.environ.get("PREFECT_API_URL"):
         from prefect.deployments import run_deployment
+
+        from recloop import endpoints
+
+        endpoints.require_prefect(os.environ["PREFECT_API_URL"], endpoints.limits_for(settings))
 
         name = f"retrain/{mode}-retrain"
         try:

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import os
 
+from recloop import endpoints
 from recloop.settings import Settings
 
 
 def configure_prefect(settings: Settings) -> None:
     """Embedded defaults before Prefect is imported: its state under ``RECLOOP_HOME`` (so ``recloop up``
-    shows the demo's runs), a patient ephemeral server, no analytics; ``RECLOOP_PREFECT_API_URL`` points
-    at a real server instead."""
+    shows the demo's runs), a patient ephemeral server, no analytics, bounded client timeouts and retries
+    (``recloop.endpoints``); ``RECLOOP_PREFECT_API_URL`` points at a real server instead."""
     os.environ.setdefault("PREFECT_HOME", str(settings.home.resolve() / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    endpoints.prefect_environment(endpoints.limits_for(settings))
     if settings.prefect_api_url:
         os.environ.setdefault("PREFECT_API_URL", settings.prefect_api_url)
 

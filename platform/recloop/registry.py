@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from recloop import endpoints
 from recloop.ingest.ledger import exclusive_lock
 from recloop.settings import Settings
 
@@ -41,11 +42,15 @@ class LoggedModel:
 
 
 def configure(settings: Settings) -> str:
-    """Point MLflow at this installation; returns the experiment id."""
+    """Point MLflow at this installation; returns the experiment id.
+
+    Raises:
+        endpoints.ServiceUnavailable: a tracking server that does not answer, within seconds.
+    """
     import mlflow
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    uri = settings.resolved_mlflow_tracking_uri()
+    uri = endpoints.with_connect_timeout(endpoints.require_mlflow(settings), endpoints.limits_for(settings))
     settings.home.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)

@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 
 import pandas as pd
 
+from recloop import endpoints
 from recloop.settings import Settings
 
 FEATURE_SERVICE = "ranking_v1"
@@ -47,12 +48,13 @@ def _repo_path(settings: Settings) -> Path:
     return repo.resolve()
 
 
-def redis_connection_string(url: str) -> str:
-    """``redis://host:port/db`` → Feast's ``host:port,db=N``."""
+def redis_connection_string(url: str, limits: endpoints.Limits | None = None) -> str:
+    """``redis://host:port/db`` → Feast's ``host:port,db=N`` (with our connect and read timeouts)."""
     parsed = urlparse(url)
     db = parsed.path.strip("/") or "0"
     extra = f",password={parsed.password}" if parsed.password else ""
-    return f"{parsed.hostname or '127.0.0.1'}:{parsed.port or 6379},db={db}{extra}"
+    return (f"{parsed.hostname or '127.0.0.1'}:{parsed.port or 6379},db={db}{extra}"
+            f"{endpoints.feast_redis_options(limits or endpoints.Limits())}")
 
 
 def _online_db(settings: Settings) -> Path:
@@ -73,12 +75,14 @@ def repo_config(settings: Settings):
 
     home = settings.home.resolve()
     if settings.feast_online_store == "redis":
-        online = {"type": "redis", "connection_string": redis_connection_string(settings.redis_url)}
+        online = {"type": "redis",
+                  "connection_string": redis_connection_string(settings.redis_url, endpoints.limits_for(settings))}
     else:
         online = {"type": "sqlite", "path": str(_online_db(settings))}
     registry_file = _registry_file(settings)
     if registry_file is None:
-        registry = {"registry_type": "sql", "path": settings.feast_registry, "cache_ttl_seconds": 60}
+        registry = {"registry_type": "sql", "cache_ttl_seconds": 60,
+                    "path": endpoints.with_connect_timeout(settings.feast_registry, endpoints.limits_for(settings))}
     else:
         registry = str(registry_file)
     (home / "feast").mkdir(parents=True, exist_ok=True)
@@ -90,7 +94,7 @@ def repo_config(settings: Settings):
 def _environment(settings: Settings) -> None:
     """What the repo definitions and YAML read: an absolute RECLOOP_HOME (and the Redis address)."""
     os.environ["RECLOOP_HOME"] = str(settings.home.resolve())
-    os.environ["RECLOOP_FEAST_REDIS"] = redis_connection_string(settings.redis_url)
+    os.environ["RECLOOP_FEAST_REDIS"] = redis_connection_string(settings.redis_url, endpoints.limits_for(settings))
 
 
 def feature_store(settings: Settings):
@@ -226,7 +230,6 @@ def _materialize_redis(settings: Settings, store, view, start: datetime, end: da
     """Our pipelined writer (see online_writer.py), then record the interval in Feast's registry."""
     import pyarrow as pa
     import pyarrow.dataset as ds
-    import redis
 
     from recloop.features.online_writer import write_to_redis
 
@@ -239,7 +242,7 @@ def _materialize_redis(settings: Settings, store, view, start: datetime, end: da
         filter=(timestamp >= pa.scalar(start, pa.timestamp("us", tz="UTC")))
         & (timestamp < pa.scalar(end, pa.timestamp("us", tz="UTC"))),
     )
-    client = redis.Redis.from_url(settings.redis_url)
+    client = endpoints.redis_client(settings.redis_url, endpoints.limits_for(settings))
     written = write_to_redis(client, project=store.project, view=view.name, join_key=join_key, table=table,
                              features=features)
     store.registry.apply_materialization(view, store.project, start, end)

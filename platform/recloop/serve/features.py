@@ -77,14 +77,13 @@ class RedisOnline:
     """
 
     def __init__(self, settings: Settings):
-        import redis
-
+        from recloop.endpoints import limits_for, redis_client
         from recloop.features.online_writer import _field_key, entity_key_head
         from recloop.features.store import FEATURE_SERVICE, feature_store
 
         store = feature_store(settings)
         self.project = store.project
-        self.client = redis.Redis.from_url(settings.redis_url)
+        self.client = redis_client(settings.redis_url, limits_for(settings))
         self.views = {}
         for projection in store.get_feature_service(FEATURE_SERVICE).feature_view_projections:
             view = store.get_feature_view(projection.name)
