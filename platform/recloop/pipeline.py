@@ -254,8 +254,7 @@ def log_monitoring(settings: Settings, result: dict) -> str:
     from recloop import registry
 
     registry.configure(settings)
-    experiment = mlflow.get_experiment_by_name(MONITOR_EXPERIMENT)
-    experiment_id = experiment.experiment_id if experiment else mlflow.create_experiment(MONITOR_EXPERIMENT)
+    experiment_id = registry.experiment(settings, MONITOR_EXPERIMENT)
     with mlflow.start_run(experiment_id=experiment_id, run_name=f"monitor {result['current'][0]}") as run:
         mlflow.set_tags({"recloop.kind": "monitor", "decision": result["decision"],
                          "reasons": "; ".join(result["reasons"])[:4000], "window": "..".join(result["current"]),

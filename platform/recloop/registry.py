@@ -41,7 +41,7 @@ class LoggedModel:
 
 
 def configure(settings: Settings) -> str:
-    """Point MLflow at this installation; returns the experiment id."""
+    """Point MLflow at this installation; returns the id of the training experiment."""
     import mlflow
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -49,14 +49,24 @@ def configure(settings: Settings) -> str:
     settings.home.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    experiment = mlflow.get_experiment_by_name(EXPERIMENT)
-    if experiment is not None:
-        return experiment.experiment_id
-    location = settings.mlflow_artifact_uri or (settings.home.resolve() / "mlartifacts").as_uri()
+    return experiment(settings, EXPERIMENT)
+
+
+def experiment(settings: Settings, name: str) -> str:
+    """The id of experiment ``name``, created with its artifacts under ``RECLOOP_HOME/mlartifacts`` (or the
+    configured object store). Every experiment is made here: one created without a location would write
+    to ``./mlruns`` of whatever directory the process runs in."""
+    import mlflow
+
+    found = mlflow.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    base = settings.mlflow_artifact_uri or (settings.home.resolve() / "mlartifacts").as_uri()
+    location = base if name == EXPERIMENT else f"{base.rstrip('/')}/{name}"
     try:
-        return mlflow.create_experiment(EXPERIMENT, artifact_location=location)
+        return mlflow.create_experiment(name, artifact_location=location)
     except Exception:  # noqa: BLE001 - created meanwhile by another process
-        return mlflow.get_experiment_by_name(EXPERIMENT).experiment_id
+        return mlflow.get_experiment_by_name(name).experiment_id
 
 
 def _client(settings: Settings):
