@@ -21,7 +21,6 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 
@@ -96,10 +95,9 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
     import mlflow
     from mlflow import MlflowClient
 
-    from recloop import ranker_pyfunc
-    from recloop.train import read_checkpoint
+    from recloop import checkpoint, ranker_pyfunc
 
-    state = read_checkpoint(Path(summary.checkpoint))
+    state = checkpoint.read(summary.checkpoint)
     experiment = configure(settings)
     client = MlflowClient()
     for earlier in client.search_runs([experiment], f"tags.`recloop.run_id` = '{summary.run_id}'"):
@@ -128,7 +126,7 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             "recloop.train_window": f"{summary.train_hours[0]}..{summary.train_hours[-1]}",
             "recloop.validation_window": f"{summary.validation_hours[0]}..{summary.validation_hours[-1]}",
             "recloop.state_version": str(summary.state_version),
-            "recloop.warm_start": summary.warm_start or "", "recloop.checkpoint": summary.checkpoint,
+            "recloop.warm_start": summary.warm_start or "",
         })
         mlflow.log_dict(_flatten("", {"slices": summary.slices}, {}), "validation_slices.json")
         inputs = example[[c for c in example.columns if c.startswith(("d_", "c_", "m_"))]]
@@ -202,14 +200,36 @@ def describe(settings: Settings, version: str, description: str) -> None:
     _client(settings).update_model_version(MODEL_NAME, version, description=description)
 
 
-def version_info(settings: Settings, version: str) -> dict:
-    """Tags, run id, checkpoint and aliases of a version."""
+@dataclass(frozen=True)
+class VersionInfo:
+    """A registered version as the loop reads it: its tags and aliases, and its training run's lineage.
+
+    ``train_window`` and ``validation_window`` are the first and last training-file hours
+    (``YYYY-MM-DDTHH``) of the run. The checkpoint itself is found by ``checkpoint.resolve``.
+    """
+
+    version: str
+    run_id: str | None
+    tags: dict[str, str]
+    aliases: tuple[str, ...]
+    mode: str | None
+    source: str
+    train_window: tuple[str, str] | None
+    validation_window: tuple[str, str] | None
+
+
+def version_info(settings: Settings, version: str) -> VersionInfo:
     client = _client(settings)
     found = client.get_model_version(MODEL_NAME, version)
-    run = client.get_run(found.run_id) if found.run_id else None
-    return {"version": str(found.version), "run_id": found.run_id, "tags": dict(found.tags),
-            "aliases": list(found.aliases), "checkpoint": run.data.tags.get("recloop.checkpoint") if run else None,
-            "mode": run.data.tags.get("recloop.mode") if run else None, "source": found.source}
+    run_tags = client.get_run(found.run_id).data.tags if found.run_id else {}
+
+    def window(name: str) -> tuple[str, str] | None:
+        value = run_tags.get(name)
+        return tuple(value.split("..", 1)) if value else None  # type: ignore[return-value]
+
+    return VersionInfo(str(found.version), found.run_id, dict(found.tags), tuple(found.aliases),
+                       run_tags.get("recloop.mode"), found.source, window("recloop.train_window"),
+                       window("recloop.validation_window"))
 
 
 def promote(settings: Settings, version: str, *, who: str | None = None, why: str = "") -> dict[str, str | None]:

@@ -1,4 +1,5 @@
-"""The canary: which users the challenger serves, and the pure promote / step / hold / roll-back decision.
+"""The canary's pure core: which users the challenger serves, and the start / hold / step / promote /
+roll-back decision.
 
 Routing is sticky: a user's place in [0, 1) is a hash of their id, and the challenger serves the
 users below the current share. Raising the share only adds users, so nobody flips back and forth
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 Variant = Literal["champion", "challenger"]
-Action = Literal["hold", "step", "promote", "rollback"]
+Action = Literal["start", "hold", "step", "promote", "rollback"]
 
 
 def position(user_id: int | str, salt: str = "recloop-canary") -> float:
@@ -63,7 +64,9 @@ class CanaryConfig:
 
 @dataclass(frozen=True)
 class VariantStats:
-    """What one model did during the current step (from serving metrics and feedback)."""
+    """What one model version did over a period, from the serving journal: its evaluations (requests,
+    errors, NaN answers, p99 of its own scoring time), the feedback on requests it served (impressions,
+    clicks) and its online AUC over every impression it scored."""
 
     requests: int = 0
     errors: int = 0
@@ -81,6 +84,9 @@ class VariantStats:
     def ctr(self) -> float:
         return self.clicks / self.impressions if self.impressions else math.nan
 
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ctr": None if math.isnan(self.ctr) else self.ctr, "error_rate": self.error_rate}
+
 
 @dataclass(frozen=True)
 class CanaryState:
@@ -90,6 +96,8 @@ class CanaryState:
 
 @dataclass(frozen=True)
 class CanaryDecision:
+    """What to do with the challenger, the share of users it serves afterwards, why, and the figures."""
+
     action: Action
     share: float
     reasons: tuple[str, ...]
@@ -99,6 +107,12 @@ class CanaryDecision:
         out = asdict(self)
         out["reasons"] = list(self.reasons)
         return out
+
+
+def start(config: CanaryConfig, mode: Literal["canary", "shadow"] = "canary") -> CanaryDecision:
+    """Put a new challenger at the first step (in shadow mode it serves nobody and scores everyone)."""
+    share = 0.0 if mode == "shadow" else config.steps[0]
+    return CanaryDecision("start", share, (f"{mode} started at {share:.0%} of users",), {})
 
 
 def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState, config: CanaryConfig,

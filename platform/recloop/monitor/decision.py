@@ -1,4 +1,7 @@
-"""Drift and data-quality monitoring: a recent window of events against the champion's training window.
+"""The monitor's pure core: drift, KPI decay and data quality → a decision, and whether it retrains.
+
+A recent window of events is compared with the newest stretch of the champion's training window
+(``choose_windows``).
 
 Findings, in the order they decide:
 
@@ -15,23 +18,26 @@ Findings, in the order they decide:
    only when ``prediction_drift_decides`` is set (see ``MonitorConfig``);
 4. otherwise **ok**.
 
-Windows are sampled to at most ``sample_rows`` rows each, so a 10M-row window costs no more than a small
-one. ``decide`` is pure; ``run_monitor`` does the IO.
+Then the trigger (``should_retrain``): ``drift`` and ``kpi_decay`` request a full retrain, ``data_quality``
+alerts and does not retrain (training on a broken column teaches the model the breakage), and after a
+requested retrain further requests wait out a cool-down, so a drift that persists for hours (as it does
+until the new model is out) cannot start a storm of retrains.
+
+Everything here is pure; ``monitor.drift`` computes the Evidently figures and ``monitor.runner`` does the IO.
 
 Example::
 
-    decision = run_monitor(settings, load_spec("synthetic"), reference=(start, end), current=(start, end))
-    decision.decision, decision.drifted_columns
+    reference, current = choose_windows(newest_event, hours=24, trained=champion_window, reference_days=7)
+    decision = decide(quality, kpi, share, drifted, new_ids, MonitorConfig())
+    should_retrain(decision, last_requested_at=None, now=time.time(), config=TriggerConfig()).retrain
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
 from typing import Literal
 
-import numpy as np
 import pandas as pd
 
 Outcome = Literal["ok", "drift", "kpi_decay", "data_quality"]
@@ -187,118 +193,67 @@ def decide(quality: list[str], kpi: list[str], drift_share: float, drifted: list
                            figures)
 
 
-# --- Evidently and IO ----------------------------------------------------------------------------------------
+# --- the windows --------------------------------------------------------------------------------------------
 
 
-def evidently_drift(reference: pd.DataFrame, current: pd.DataFrame, columns: list[str],
-                    config: MonitorConfig, timestamp: datetime | None = None
-                    ) -> tuple[float, list[str], dict[str, float], object]:
-    """Share of drifted columns, the drifted ones, each column's drift score, and Evidently's snapshot."""
-    from evidently import DataDefinition, Dataset, Report
-    from evidently.presets import DataDriftPreset
-
-    numeric = [c for c in columns if pd.api.types.is_numeric_dtype(reference[c]) and reference[c].nunique() > 20]
-    categorical = [c for c in columns if c not in numeric]
-    definition = DataDefinition(numerical_columns=numeric, categorical_columns=categorical)
-
-    def dataset(frame: pd.DataFrame) -> Dataset:
-        data = frame[columns].copy()
-        for column in categorical:
-            data[column] = data[column].astype("string").fillna("<null>")
-        return Dataset.from_pandas(data, data_definition=definition)
-
-    chosen = {"per_column_method": {c: m for c, m in config.per_column_method.items() if c in columns} or None,
-              "per_column_threshold": {c: t for c, t in config.per_column_threshold.items() if c in columns} or None}
-    snapshot = Report([DataDriftPreset(drift_share=config.drift_share, **chosen)], include_tests=True).run(
-        current_data=dataset(current), reference_data=dataset(reference),
-        timestamp=timestamp.replace(tzinfo=None) if timestamp else None)
-    result = snapshot.dict()
-    scores, drifted, share = {}, [], 0.0
-    for metric in result["metrics"]:
-        name = str(metric.get("metric_name") or metric.get("metric_id"))
-        if name.startswith("DriftedColumnsCount"):
-            share = float(metric["value"]["share"])
-        elif name.startswith("ValueDrift(column="):
-            scores[name.split("column=")[1].split(",")[0]] = float(metric["value"])
-    for test in result["tests"]:
-        name = str(test.get("name", ""))
-        if name.startswith("Value Drift for column ") and str(test.get("status")).endswith("FAIL"):
-            drifted.append(name.removeprefix("Value Drift for column "))
-    return share, sorted(drifted), scores, snapshot
+Window = tuple[datetime, datetime]
 
 
-def prediction_findings(reference: np.ndarray, current: np.ndarray, config: MonitorConfig
-                        ) -> tuple[list[str], dict[str, float]]:
-    """Whether the model's scores drifted between the windows: Evidently's drift score for one numeric
-    column (normed Wasserstein distance at these sizes) at least ``config.prediction_drift``."""
-    rng = np.random.default_rng(config.seed)
-    frames = [pd.DataFrame({"prediction": rng.choice(scores, config.sample_rows, replace=False)
-                            if len(scores) > config.sample_rows else scores}) for scores in (reference, current)]
-    _, _, scores, _ = evidently_drift(frames[0], frames[1], ["prediction"], config)
-    figures = {"prediction_drift_score": scores.get("prediction", float("nan")),
-               "prediction_mean_reference": float(np.mean(reference)), "prediction_mean_current": float(np.mean(current))}
-    if not figures["prediction_drift_score"] >= config.prediction_drift:
-        return [], figures
-    return [f"prediction: the champion's mean score moved from {figures['prediction_mean_reference']:.4f} to "
-            f"{figures['prediction_mean_current']:.4f} (drift score {figures['prediction_drift_score']:.3f})"], figures
+def choose_windows(newest: datetime, hours: int, trained: Window | None, reference_days: int) -> tuple[Window, Window]:
+    """The reference and current windows (each ``[start, end)``) of a check.
 
-
-def load_config(path) -> MonitorConfig:
-    """A MonitorConfig from YAML or JSON (keys as the dataclass fields); defaults for what it leaves out."""
-    from pathlib import Path
-
-    import yaml
-
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    unknown = sorted(set(raw) - set(MonitorConfig.__dataclass_fields__))
-    if unknown:
-        raise ValueError(f"{path}: unknown monitor settings {unknown}; known: {sorted(MonitorConfig.__dataclass_fields__)}")
-    return MonitorConfig(**raw)
-
-
-def sample(frame: pd.DataFrame, rows: int, seed: int) -> pd.DataFrame:
-    return frame.sample(rows, random_state=seed) if len(frame) > rows else frame
-
-
-def run_monitor(settings, spec, reference: tuple[datetime, datetime], current: tuple[datetime, datetime],
-                config: MonitorConfig | None = None, kpis: dict | None = None,
-                baseline: dict | None = None, on_snapshot=None,
-                predictions: tuple[np.ndarray, np.ndarray] | None = None) -> MonitorDecision:
-    """Compare the lake's events in ``current`` with those in ``reference`` (both [start, end)).
-
-    ``on_snapshot`` receives Evidently's snapshot of the drift report (for the workspace's history);
-    ``predictions``: the champion's scores on the reference and current windows, for prediction drift.
+    Current: the ``hours`` up to the end of the hour of the newest event. Reference: the newest stretch
+    of the champion's training window ``trained``, as long as the current one and ending before it starts
+    (like with like: all of a full retrain's week would keep reporting the drift it was retrained on, as
+    long as it holds days from before the change). Without a champion, or when its training ended after
+    the current window began with nothing before it: the ``reference_days`` (or ``hours``) before.
     """
-    from recloop.features.job import _to_us, read_lake_window
+    end = newest.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    current = (end - timedelta(hours=hours), end)
+    if trained is None:
+        return (current[0] - timedelta(days=reference_days), current[0]), current
+    last = min(trained[1], current[0])
+    reference = (max(trained[0], last - timedelta(hours=hours)), last)
+    if reference[0] >= reference[1]:
+        reference = (current[0] - timedelta(hours=hours), current[0])
+    return reference, current
 
-    config = config or MonitorConfig()
-    keys = [k for k in (spec.user_key, spec.item_key) if k]
-    monitored = [c.name for c in spec.columns if c.role in ("categorical", "numeric")]
-    columns = [*monitored, *keys]
 
-    def window(bounds: tuple[datetime, datetime]) -> pd.DataFrame:
-        table = read_lake_window(settings, spec, _to_us(bounds[0]), _to_us(bounds[1]), columns=columns)
-        return sample(table.to_pandas(), config.sample_rows, config.seed) if table.num_rows else pd.DataFrame()
+# --- the trigger --------------------------------------------------------------------------------------------
 
-    ref, cur = window(reference), window(current)
-    if ref.empty or cur.empty:
-        raise ValueError(f"no events in the {'reference' if ref.empty else 'current'} window")
-    quality = quality_findings(ref, cur, monitored, config)
-    healthy = [c for c in monitored if not any(f.startswith(f"{c}:") for f in quality)]
-    share, drifted, scores, snapshot = evidently_drift(ref, cur, healthy, config, timestamp=current[1]) \
-        if healthy else (0.0, [], {}, None)
-    if on_snapshot is not None and snapshot is not None:
-        on_snapshot(snapshot)
-    new_ids, figures = new_id_findings(ref, cur, keys, config)
-    figures.update({f"drift_score.{k}": v for k, v in scores.items() if not math.isnan(v)})
-    figures.update(reference_rows=float(len(ref)), current_rows=float(len(cur)))
-    prediction: list[str] = []
-    if predictions is not None and all(len(p) >= 2 for p in predictions):
-        prediction, prediction_figures = prediction_findings(*predictions, config)
-        figures.update(prediction_figures)
-    kpis = kpis or {}
-    decisive = prediction if config.prediction_drift_decides else []
-    decision = decide(quality, kpi_findings(kpis, baseline or {}, config), share, drifted, new_ids, config, kpis,
-                      figures, decisive)
-    return replace(decision, notes=tuple(prediction)) if prediction and not decisive else decision
 
+@dataclass(frozen=True)
+class TriggerConfig:
+    """Args:
+    cooldown_seconds: after a requested retrain, no other is requested for this long.
+    retrain_on: monitoring decisions that request a full retrain.
+    """
+
+    cooldown_seconds: float = 6 * 3600
+    retrain_on: tuple[str, ...] = ("drift", "kpi_decay")
+
+
+@dataclass(frozen=True)
+class TriggerVerdict:
+    retrain: bool
+    alert: bool
+    reason: str
+    decision: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def should_retrain(decision: MonitorDecision, last_requested_at: float | None, now: float,
+                   config: TriggerConfig) -> TriggerVerdict:
+    """Whether a monitoring decision requests a full retrain now (see the module docstring)."""
+    outcome, detail = decision.decision, "; ".join(decision.reasons)
+    if outcome == "data_quality":
+        return TriggerVerdict(False, True, f"data quality: alert, no retrain on broken data ({detail})", outcome)
+    if outcome not in config.retrain_on:
+        return TriggerVerdict(False, False, f"{outcome}: nothing to do", outcome)
+    if last_requested_at is not None and now - last_requested_at < config.cooldown_seconds:
+        left = config.cooldown_seconds - (now - last_requested_at)
+        return TriggerVerdict(False, False, f"{outcome}, but a retrain was requested {now - last_requested_at:.0f} s "
+                                            f"ago: cool-down, {left:.0f} s left", outcome)
+    return TriggerVerdict(True, outcome == "kpi_decay", f"{outcome}: full retrain ({detail})", outcome)

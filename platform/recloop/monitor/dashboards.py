@@ -19,7 +19,6 @@ import pandas as pd
 from recloop.settings import Settings
 
 PROJECT = "recloop"
-MONITORED = ("device", "country", "category", "price", "position")
 
 
 def workspace_path(settings: Settings) -> Path:
@@ -28,8 +27,9 @@ def workspace_path(settings: Settings) -> Path:
     return path
 
 
-def project(settings: Settings, columns: tuple[str, ...] = MONITORED):
-    """The workspace and its ``recloop`` project, created with its panels the first time."""
+def project(settings: Settings, columns: tuple[str, ...] = ()):
+    """The workspace and its ``recloop`` project, created with its panels the first time (a per-column drift
+    bar for each of ``columns``: the dataset spec's monitored columns)."""
     from evidently.sdk.models import PanelMetric
     from evidently.sdk.panels import bar_plot_panel, line_plot_panel
     from evidently.ui.workspace import Workspace
@@ -60,12 +60,12 @@ def project(settings: Settings, columns: tuple[str, ...] = MONITORED):
 
 
 def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: str | None, when: datetime,
-               decision: str) -> str:
+               decision: str, columns: tuple[str, ...] = ()) -> str:
     """Add one monitoring run: the drift report's snapshot, and (when there was feedback) a KPI snapshot."""
     from evidently import DataDefinition, Dataset, Report
     from evidently.metrics import MeanValue
 
-    workspace, found = project(settings)
+    workspace, found = project(settings, columns)
     tags = [f"decision:{decision}"] + ([f"model-version:{version}"] if version else [])
     drift_snapshot._tags = [*(drift_snapshot._tags or []), *tags]
     reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M}")
