@@ -6,10 +6,12 @@ counters), never pickle, and points ``latest.json`` at the newest complete one (
     $RECLOOP_HOME/checkpoints/<run id>/step-000400/{model.safetensors, dense_optimizer.safetensors, state.json}
     $RECLOOP_HOME/checkpoints/<run id>/latest.json
 
-A registered model version carries its step folder as an MLflow artifact. Everything that starts from a
+A registered model version carries its step folder as an MLflow artifact, and the size and SHA-256 of
+each of its files as a version tag (``MANIFEST_TAG``, see ``manifest``). Everything that starts from a
 registered version (the gate, warm start, serving, the monitor's scoring) goes through ``resolve``,
-which downloads that artifact once into ``$RECLOOP_HOME/cache/models/`` — never a path on the trainer's
-disk, so a process on another machine (or another home) finds the same files.
+which downloads that artifact into ``$RECLOOP_HOME/cache/models/``, verified against the manifest
+before it counts as complete, checked again on each use and fetched afresh when damaged — never a path
+on the trainer's disk, so a process on another machine (or another home) finds the same files.
 
 Example::
 
@@ -20,7 +22,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
 
 STEP_PREFIX = "step-"
 KEEP_STEPS = 2
+log = logging.getLogger("recloop.checkpoint")
 
 
 class CheckpointError(RuntimeError):
@@ -172,31 +178,148 @@ def cache_dir(settings: Settings) -> Path:
     return settings.home.resolve() / "cache" / "models"
 
 
-def resolve(settings: Settings, version: str, model_name: str | None = None) -> Path:
-    """The step folder of a registered version's checkpoint, downloaded from the registry once.
+MANIFEST_TAG = "checkpoint.manifest"
+_MANIFEST_FILE = ".manifest.json"  # beside ``.complete``: what the cached copy was checked against
 
-    The download lands in a staging folder renamed into place, so a reader never sees half a model.
+
+def manifest(step_dir: Path | str) -> dict[str, dict[str, int | str]]:
+    """Size and SHA-256 of every file of a step folder: recorded on the version at registration, so a
+    download can be checked against what was registered rather than against itself."""
+    folder = Path(step_dir)
+    return {path.name: {"size": path.stat().st_size, "sha256": _sha256(path)}
+            for path in sorted(folder.iterdir()) if path.is_file()}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify(step_dir: Path, expected: dict | None) -> str | None:
+    """Why ``step_dir`` is not the checkpoint that was registered, or None when it is.
+
+    With a manifest every file must have its registered size and SHA-256. Without one (a version
+    registered before manifests) the files are checked for what can be checked alone: ``state.json``
+    parses and each safetensors file is as long as its own header says.
     """
+    if expected is not None:
+        for name, recorded in sorted(expected.items()):
+            path = step_dir / name
+            if not path.is_file():
+                return f"{name} is missing"
+            size = path.stat().st_size
+            if size != recorded["size"]:
+                return f"{name} is {size} bytes, {recorded['size']} were registered"
+            if _sha256(path) != recorded["sha256"]:
+                return f"{name} does not have the registered SHA-256"
+        return None
+    try:
+        json.loads((step_dir / "state.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"state.json cannot be read: {err}"
+    for path in sorted(step_dir.glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem:
+            return f"{path.name}: {problem}"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """A safetensors file is an 8-byte header length, a JSON header, then the tensors' bytes."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return f"{size} bytes: shorter than a safetensors header"
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            return f"{size} bytes: its header alone claims {length}"
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError:
+            return "its header is not JSON"
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if size != 8 + length + end:
+        return f"{size} bytes where its header says {8 + length + end}"
+    return None
+
+
+def resolve(settings: Settings, version: str, model_name: str | None = None, refetch: bool = False) -> Path:
+    """The step folder of a registered version's checkpoint, downloaded from the registry and verified.
+
+    A download is checked against the size and SHA-256 recorded at registration (``MANIFEST_TAG``)
+    before it is marked complete, and lands in a staging folder renamed into place, so a reader never
+    sees half a model. A cached copy is checked again on every call (against the manifest it was
+    downloaded with: no registry call) and fetched afresh when it no longer matches; ``refetch`` fetches
+    it afresh anyway.
+
+    Raises:
+        CheckpointError: the registry's own copy does not match what was registered (or has no
+            checkpoint); naming the file and the difference.
+    """
+    name = model_name or _model_name()
+    target = cache_dir(settings) / name / f"v{version}"
+    if (target / ".complete").exists() and not refetch:
+        expected = _read_manifest(target)
+        folder = _step_folder(target, version)
+        problem = verify(folder, expected)
+        if problem is None:
+            return folder
+        log.warning("cached model v%s is damaged (%s): fetching it again", version, problem)
+    return _download(settings, name, version, target)
+
+
+def _model_name() -> str:
+    from recloop import registry
+
+    return registry.MODEL_NAME
+
+
+def _download(settings: Settings, name: str, version: str, target: Path) -> Path:
     import mlflow
+    from mlflow import MlflowClient
 
     from recloop import registry
 
-    name = model_name or registry.MODEL_NAME
-    target = cache_dir(settings) / name / f"v{version}"
-    done = target / ".complete"
-    if not done.exists():
-        registry.configure(settings)
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-        staging = target.with_name(f".v{version}.{os.getpid()}.{threading.get_ident()}")
-        shutil.rmtree(staging, ignore_errors=True)
+    registry.configure(settings)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    recorded = MlflowClient().get_model_version(name, version).tags.get(MANIFEST_TAG)
+    expected = json.loads(recorded) if recorded else None
+    staging = target.with_name(f".v{version}.{os.getpid()}.{threading.get_ident()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(staging))
+        problem = verify(_step_folder(staging, version), expected)
+        if problem:
+            raise CheckpointError(f"model version {version}: the registry's copy of its checkpoint is damaged "
+                                  f"({problem})")
+        (staging / _MANIFEST_FILE).write_text(json.dumps(expected))
+        (staging / ".complete").touch()
         target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished first: keep theirs
-            shutil.rmtree(staging, ignore_errors=True)
-        done.touch()
-    found = sorted(p.parent for p in target.rglob("state.json"))
+        if target.exists():  # a damaged copy: moved aside, then removed (a reader holding it keeps its files)
+            aside = target.with_name(f".v{version}.damaged.{os.getpid()}.{threading.get_ident()}")
+            with contextlib.suppress(OSError):
+                os.rename(target, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        with contextlib.suppress(OSError):  # another process placed a copy meanwhile: it was verified too
+            os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return _step_folder(target, version)
+
+
+def _read_manifest(target: Path) -> dict | None:
+    try:
+        return json.loads((target / _MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _step_folder(root: Path, version: str) -> Path:
+    found = sorted(p.parent for p in root.rglob("state.json"))
     if not found:
         raise CheckpointError(f"model version {version} has no checkpoint (state.json) in its artifacts")
     return found[-1]

@@ -141,12 +141,16 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
                 name="model", python_model=ranker_pyfunc.__file__, artifacts={"checkpoint": summary.checkpoint},
                 input_example=inputs, pip_requirements=["mlflow>=3", "torch>=2.5", "safetensors", "pandas", "numpy"],
             )
-    version = register(settings, info.model_uri, run.info.run_id)
+    # What a download must match: sizes and checksums of the checkpoint's files, on the version itself.
+    files = json.dumps(checkpoint.manifest(state["path"]), separators=(",", ":"))
+    version = register(settings, info.model_uri, run.info.run_id, tags={checkpoint.MANIFEST_TAG: files})
     return LoggedModel(run.info.run_id, info.model_uri, version)
 
 
-def register(settings: Settings, model_uri: str, run_id: str | None = None, attempts: int = 8) -> str:
-    """A new version of the registered model; safe when several runs register at once.
+def register(settings: Settings, model_uri: str, run_id: str | None = None, attempts: int = 8,
+             tags: dict[str, str] | None = None) -> str:
+    """A new version of the registered model (with ``tags`` from its creation); safe when several runs
+    register at once.
 
     MLflow numbers versions ``MAX(version)+1``, so two registrations can collide: registrations are
     serialized with a file lock on this machine and retried with backoff against a shared server.
@@ -162,7 +166,7 @@ def register(settings: Settings, model_uri: str, run_id: str | None = None, atte
                 except MlflowException as err:
                     if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
                         raise
-                version = client.create_model_version(MODEL_NAME, model_uri, run_id=run_id)
+                version = client.create_model_version(MODEL_NAME, model_uri, run_id=run_id, tags=tags)
                 return str(version.version)
             except MlflowException:
                 if attempt == attempts - 1:

@@ -32,6 +32,7 @@ from recloop.settings import Settings
 EXPERIMENT = "recloop-canary"
 SHARE_TAG, MODE_TAG, STARTED_TAG = "canary.share", "canary.mode", "canary.step_started_at"
 RUN_TAG = "canary.run_id"
+LOAD_FAILED_TAG = "serving.load_failed"  # set by a serving process that could not load the version
 CANARY_STARTED_TAG = "canary.started_at"
 Mode = Literal["canary", "shadow"]
 
@@ -152,8 +153,9 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
         journal.close()
     if mode == "shadow":  # the challenger answered nobody: judge its CTR by the champion's
         stats["challenger"] = _shadowed(stats["challenger"], stats["champion"])
+    decision = decide(stats["champion"], stats["challenger"], state, config, now, load_error=tags.get(LOAD_FAILED_TAG))
     return CanaryStatus(True, aliases, "", challenger, champion, state.share, mode, started, STARTED_TAG in tags,
-                        stats, decide(stats["champion"], stats["challenger"], state, config, now))
+                        stats, decision)
 
 
 def _shadowed(challenger: VariantStats, champion: VariantStats) -> VariantStats:

@@ -116,8 +116,11 @@ def start(config: CanaryConfig, mode: Literal["canary", "shadow"] = "canary") ->
 
 
 def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState, config: CanaryConfig,
-           now: float) -> CanaryDecision:
-    """Hold, step the share up, promote (after the last step) or roll back; with reasons and figures."""
+           now: float, load_error: str | None = None) -> CanaryDecision:
+    """Hold, step the share up, promote (after the last step) or roll back; with reasons and figures.
+
+    ``load_error``: why a serving process could not load the challenger; it is rolled back at once.
+    """
     figures = {
         "share": state.share, "challenger_requests": challenger.requests, "champion_requests": champion.requests,
         "challenger_error_rate": challenger.error_rate, "champion_error_rate": champion.error_rate,
@@ -130,6 +133,8 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
     def verdict(action: Action, reasons: list[str], share: float | None = None) -> CanaryDecision:
         return CanaryDecision(action, state.share if share is None else share, tuple(reasons), figures)
 
+    if load_error:
+        return verdict("rollback", [f"challenger does not load in serving: {load_error}"], 0.0)
     if challenger.nan_responses:
         return verdict("rollback", [f"challenger returned NaN scores {challenger.nan_responses} times"], 0.0)
     baked = now - state.step_started_at

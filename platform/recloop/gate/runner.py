@@ -24,6 +24,16 @@ class GateError(RuntimeError):
     """The gate cannot judge: no versions, the candidate is the champion, its held-out hours are gone."""
 
 
+def _unloadable() -> tuple[type[BaseException], ...]:
+    from safetensors import SafetensorError
+
+    from recloop.checkpoint import CheckpointError
+
+    # A damaged or inconsistent checkpoint: files that do not match the registered checksums, bytes that
+    # are not safetensors, tensors that do not fit the configuration (torch raises RuntimeError).
+    return (CheckpointError, SafetensorError, OSError, ValueError, RuntimeError)
+
+
 @dataclass(frozen=True)
 class GateOutcome:
     """What the gate decided about one version, and what it moved."""
@@ -105,6 +115,25 @@ def held_out_files(settings: Settings, info) -> list[Path]:
     return files
 
 
+def _refuse_unloadable(settings: Settings, client, info, champion_version: str | None, mode: str,
+                       err: BaseException) -> GateOutcome:
+    """A candidate whose checkpoint cannot be loaded fails the gate, tagged with the reason like any other."""
+    from recloop import registry
+
+    version = info.version
+    reasons = [f"the candidate's checkpoint cannot be loaded: {type(err).__name__}: {err}"[:2000]]
+    empty = ModelScores({})
+    decision = GateDecision(False, tuple(reasons), {}, champion_version is None)
+    report = report_markdown(decision, empty, None, version, champion_version, mode)
+    client.log_text(info.run_id, report, f"gate_report_v{version}.md")
+    registry.describe(settings, version, report)
+    registry.tag(settings, version, {"gate": "failed", "gate.reasons": json.dumps(reasons),
+                                     "gate.champion": champion_version or "",
+                                     "gate.window": "..".join(info.validation_window or ())})
+    return GateOutcome(version, False, tuple(reasons), None, champion_version, mode, champion_version is None,
+                       empty, None, {}, report)
+
+
 def run_gate(settings: Settings, candidate_version: str | None = None, thresholds: GateThresholds | None = None,
              smoke_check: bool = True) -> GateOutcome:
     """Judge a registered version (default: the newest) against the champion and move the aliases:
@@ -133,9 +162,16 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     present = set(pq.read_schema(files[0]).names)
     schema = FeatureSchema.load(FeatureLayout.for_settings(settings).schema,
                                 extra=tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS) if c in present))
-    candidate = score_version(settings, candidate_version, files, schema)
-    champion = score_version(settings, champion_version, files, schema) if champion_version else None
     mode = info.mode or "full"
+    unloadable = _unloadable()
+    try:
+        candidate = score_version(settings, candidate_version, files, schema)
+    except unloadable as err:  # the candidate's own files: a verdict on it, not a failure of the gate
+        return _refuse_unloadable(settings, client, info, champion_version, mode, err)
+    try:
+        champion = score_version(settings, champion_version, files, schema) if champion_version else None
+    except unloadable as err:
+        raise GateError(f"the champion v{champion_version} cannot be loaded to compare with: {err}") from err
     decision = decide(candidate, champion, thresholds, mode)  # type: ignore[arg-type]
     reasons = list(decision.reasons)
     if smoke_check:

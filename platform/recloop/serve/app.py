@@ -37,12 +37,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from recloop import canary
+from recloop.endpoints import ServiceUnavailable
 from recloop.features.config import FeatureConfig
 from recloop.schema import DatasetSpec, load_spec
 from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
+from recloop.serve.health import Readiness
 from recloop.serve.journal import FeedbackError, Journal, UnknownRequest
 from recloop.serve.metrics import ServingMetrics
-from recloop.serve.models import Deployment, ModelPool, score
+from recloop.serve.models import Deployment, LoadFailure, ModelPool, score
 from recloop.settings import Settings
 
 log = logging.getLogger("recloop.serve")
@@ -162,6 +164,8 @@ class Service:
                                         online or online_reader(settings))
         self.pool = pool or ModelPool(settings)
         self.pool.on_swap = lambda old, new: self._deployed(new)
+        self.pool.on_load_failure = self._load_failed
+        self.readiness = Readiness(self.pool, self.features)
         self.journal = Journal(settings.serving_dir / "journal.db", spec)
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -170,12 +174,20 @@ class Service:
         self.metrics.swaps.inc()
         self.metrics.deployment(live.versions, live.share, live.mode == "shadow")
 
+    def _load_failed(self, failure: LoadFailure) -> None:
+        """Mark the version in the registry: the canary controller rolls back a challenger so marked."""
+        from recloop import registry
+        from recloop.canary.controller import LOAD_FAILED_TAG
+
+        try:
+            registry.tag(self.settings, failure.version, {LOAD_FAILED_TAG: failure.reason[:4000],
+                                                          f"{LOAD_FAILED_TAG}_at": failure.at})
+        except Exception as err:  # noqa: BLE001 - the registry may be what is down; the watcher retries
+            log.warning("could not mark v%s as failing to load: %s", failure.version, err)
+
     def start(self) -> None:
         torch.set_num_threads(max(1, self.settings.serve_torch_threads))
-        try:
-            self.pool.sync()
-        except Exception as err:  # noqa: BLE001 - serve what can be served; the watcher retries
-            log.warning("first model sync failed: %s", err)
+        self.pool.try_sync()  # a registry that does not answer costs seconds; the watcher retries it
         self._deployed(self.pool.live)
         # Everything loaded so far (MLflow, Feast, torch, the models) lives as long as the process: move it
         # out of the collector's reach, so a full collection does not pause requests for hundreds of ms.
@@ -215,7 +227,7 @@ class Service:
         started = time.perf_counter()
         live = self.pool.live  # this request's models, whatever the watcher swaps meanwhile
         if live.champion is None:
-            raise HTTPException(503, "no champion model is deployed yet (train and gate a model first)")
+            raise HTTPException(503, self.readiness.check().reasons[0])
         canary_on = live.challenger is not None and live.mode == "canary"
         variant = canary.route(body.user_id, live.share, live.salt) if canary_on else "champion"
         ts = body.ts or datetime.now(UTC)
@@ -224,6 +236,9 @@ class Service:
             rows, fallbacks = self.features.rows(body.user_id, body.item_ids, body.context, ts_us)
         except RequestError as err:
             raise HTTPException(422, str(err)) from err
+        except Exception as err:  # noqa: BLE001 - no feature state, online store gone: unavailable, and why
+            log.error("features for a request failed: %s: %s", type(err).__name__, err)
+            raise HTTPException(503, f"features unavailable: {type(err).__name__}: {err}") from err
         self.metrics.fallbacks.labels("user").inc(fallbacks.user)
         self.metrics.fallbacks.labels("item").inc(fallbacks.items)
 
@@ -341,11 +356,12 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synt
 
     @app.get("/healthz")
     def healthz(svc: Annotated[Service, Depends(service)]) -> JSONResponse:
-        live = svc.pool.live
-        body = {"ready": live.champion is not None, "versions": live.versions, "share": live.share,
-                "mode": live.mode, "feature_state": svc.features.state_version, "swaps": svc.pool.swaps,
-                "watcher_error": svc.pool.last_error}
-        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+        live, verdict = svc.pool.live, svc.readiness.check()
+        body = {"ready": verdict.ready, "reasons": list(verdict.reasons), "versions": live.versions,
+                "share": live.share, "mode": live.mode, "feature_state": svc.features.state_version,
+                "swaps": svc.pool.swaps, "watcher_error": svc.pool.last_error,
+                "load_failures": {v: f.reason for v, f in svc.pool.failures.items()}}
+        return JSONResponse(body, status_code=200 if verdict.ready else 503)
 
     @app.get("/metrics")
     def metrics(svc: Annotated[Service, Depends(service)]) -> Response:
@@ -353,10 +369,14 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synt
 
     @app.post("/admin/reload", dependencies=[Depends(admin)])
     def reload(svc: Annotated[Service, Depends(service)]) -> dict:
-        swapped = svc.pool.sync()
+        try:
+            swapped = svc.pool.sync(force=True)  # versions that failed to load are tried (and fetched) again
+        except ServiceUnavailable as err:
+            raise HTTPException(503, str(err)) from err
         svc.features.refresh()
         return {"swapped": swapped, "versions": svc.pool.live.versions, "share": svc.pool.live.share,
-                "feature_state": svc.features.state_version}
+                "feature_state": svc.features.state_version,
+                "load_failures": {v: f.reason for v, f in svc.pool.failures.items()}}
 
     @app.post("/admin/canary", dependencies=[Depends(admin)])
     def set_canary(body: CanaryRequest, svc: Annotated[Service, Depends(service)]) -> dict:

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -121,8 +122,39 @@ class RedisOnline:
 
 
 def online_reader(settings: Settings) -> OnlineReader:
-    """The reader for the configured online store."""
-    return RedisOnline(settings) if settings.feast_online_store == "redis" else FeastOnline(settings)
+    """The reader for the configured online store, connected on first use (see ``DeferredOnline``)."""
+    return DeferredOnline(lambda: RedisOnline(settings) if settings.feast_online_store == "redis"
+                          else FeastOnline(settings))
+
+
+class OnlineUnavailable(RuntimeError):
+    """The online store cannot be read (not set up yet, or its service is down)."""
+
+
+class DeferredOnline:
+    """An online reader built on first use, and built again on later reads until that works.
+
+    A serving process starts (and says why it is not ready) even when Feast was never applied or Redis
+    is down; the first request after the store is there connects.
+    """
+
+    def __init__(self, build: Callable[[], OnlineReader]):
+        self._build = build
+        self._reader: OnlineReader | None = None
+        self._lock = threading.Lock()
+
+    def read(self, user_id: int, item_ids: list[int]) -> dict[str, np.ndarray]:
+        reader = self._reader
+        if reader is None:
+            with self._lock:
+                if self._reader is None:
+                    try:
+                        self._reader = self._build()
+                    except Exception as err:  # noqa: BLE001 - any failure to connect is the store's
+                        raise OnlineUnavailable(f"the online store cannot be opened: {type(err).__name__}: {err}"
+                                                ) from err
+                reader = self._reader
+        return reader.read(user_id, item_ids)
 
 
 def _floats(values) -> np.ndarray:

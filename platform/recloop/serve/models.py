@@ -4,7 +4,9 @@
 request reads it once and uses that object to the end, so a request in flight finishes on the models
 it started with. The watcher thread polls MLflow (aliases, and the canary tags on the challenger),
 downloads and loads any new version *before* it swaps, then replaces ``live`` in one assignment:
-requests never wait on a load, and a version that fails to load is logged and not swapped in.
+requests never wait on a load. Each version loads on its own, so a bad challenger never keeps the
+champion from serving (see ``ModelPool``); a version that fails to load is recorded, reported, and
+tried again later.
 
 Versions are fetched from the MLflow registry (``checkpoint.resolve``: the checkpoint is a logged
 artifact, safetensors + JSON), so a serving replica needs no shared filesystem with the trainer.
@@ -24,6 +26,7 @@ import pyarrow as pa
 import torch
 
 from recloop.data.loader import rows_to_batch
+from recloop.endpoints import ServiceUnavailable
 from recloop.model import RankingModel
 from recloop.settings import Settings
 
@@ -91,53 +94,110 @@ def registry_wanted(settings: Settings) -> Wanted:
 
 
 def load_version(settings: Settings, version: str) -> LoadedModel:
-    """A registered version, downloaded once (``checkpoint.resolve``) and loaded on the CPU."""
+    """A registered version, downloaded and verified (``checkpoint.resolve``) and loaded on the CPU.
+
+    A copy that passed verification and still fails to load is fetched once more before giving up
+    (a version registered before checksums were recorded can only be checked that way).
+    """
     from recloop import checkpoint
 
-    model, state = checkpoint.load_model(checkpoint.resolve(settings, version), device="cpu")
+    try:
+        model, state = checkpoint.load_model(checkpoint.resolve(settings, version), device="cpu")
+    except (checkpoint.CheckpointError, ServiceUnavailable):
+        raise
+    except Exception as err:  # noqa: BLE001 - e.g. SafetensorError: the bytes are bad, not the caller
+        log.warning("model v%s does not load (%s): fetching it again", version, err)
+        model, state = checkpoint.load_model(checkpoint.resolve(settings, version, refetch=True), device="cpu")
     inputs = checkpoint.trained_inputs(state)
     return LoadedModel(version, model, inputs.dense, inputs.table_names)
 
 
+@dataclass(frozen=True)
+class LoadFailure:
+    """A version that could not be loaded: why, when, and when the watcher tries it again."""
+
+    version: str
+    reason: str
+    at: float
+    retry_at: float
+
+
 class ModelPool:
-    """Live deployment + background watcher. ``loader`` and ``source`` are injectable for tests of the swap."""
+    """Live deployment + background watcher. ``loader`` and ``source`` are injectable for tests of the swap.
+
+    Each version loads on its own: a champion that loads serves even when the challenger does not (the
+    challenger is left out, and ``on_load_failure`` hears of it, once per version and failure); a new
+    champion that does not load leaves the current one serving. A failed version is tried again after
+    ``retry_seconds``, or at once by ``sync(force=True)`` (``/admin/reload``).
+    """
 
     def __init__(self, settings: Settings, loader: Callable[[Settings, str], LoadedModel] = load_version,
-                 source: Callable[[Settings], Wanted] = registry_wanted, cache_size: int = 4):
+                 source: Callable[[Settings], Wanted] = registry_wanted, cache_size: int = 4,
+                 retry_seconds: float = 60.0):
         self.settings = settings
         self.live = Deployment()
         self.swaps = 0
         self.last_error: str | None = None
+        self.failures: dict[str, LoadFailure] = {}
+        self.wanted: Wanted | None = None
         self._loader, self._source = loader, source
         self._cache: OrderedDict[str, LoadedModel] = OrderedDict()
         self._cache_size = cache_size
+        self._retry_seconds = retry_seconds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sync_lock = threading.Lock()
         self.on_swap: Callable[[Deployment, Deployment], None] | None = None
+        self.on_load_failure: Callable[[LoadFailure], None] | None = None
 
-    def _model(self, version: str | None) -> LoadedModel | None:
+    def _model(self, version: str | None, force: bool) -> LoadedModel | None:
+        """The loaded version, or None when it does not load (recorded in ``failures``)."""
         if version is None:
             return None
         if version not in self._cache:
-            self._cache[version] = self._loader(self.settings, version)
+            failed = self.failures.get(version)
+            if failed is not None and not force and time.time() < failed.retry_at:
+                return None
+            try:
+                self._cache[version] = self._loader(self.settings, version)
+            except ServiceUnavailable:
+                raise  # the registry is down: not this version's fault
+            except Exception as err:  # noqa: BLE001 - one bad version must not take serving down
+                now = time.time()
+                failure = LoadFailure(version, f"{type(err).__name__}: {err}"[:2000], now, now + self._retry_seconds)
+                log.error("model v%s does not load: %s", version, failure.reason)
+                first = failed is None or failed.reason != failure.reason
+                self.failures[version] = failure
+                if first and self.on_load_failure:
+                    self.on_load_failure(failure)
+                return None
+            self.failures.pop(version, None)
         self._cache.move_to_end(version)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return self._cache[version]
 
-    def sync(self) -> bool:
-        """Bring ``live`` in line with the registry; returns whether it swapped. Loads happen before the swap."""
+    def sync(self, force: bool = False) -> bool:
+        """Bring ``live`` in line with the registry as far as the versions load; returns whether it swapped.
+
+        Loads happen before the swap. ``force`` retries versions that failed to load.
+        """
         with self._sync_lock:
             wanted = self._source(self.settings)
+            self.wanted = wanted
             current = self.live
-            if (wanted.champion, wanted.challenger) == (current.versions["champion"], current.versions["challenger"]):
-                if (wanted.share, wanted.mode) != (current.share, current.mode):
-                    self.live = replace(current, share=wanted.share, mode=wanted.mode)
+            champion = self._model(wanted.champion, force)
+            if champion is None and wanted.champion is not None:
+                champion = current.champion  # a new champion that does not load: the current one keeps serving
+            challenger = self._model(wanted.challenger, force)
+            if challenger is not None and champion is not None and challenger.version == champion.version:
+                challenger = None
+            share = wanted.share if challenger else 0.0
+            new = Deployment(champion, challenger, share, wanted.mode)
+            if new.versions == current.versions:
+                if (share, wanted.mode) != (current.share, current.mode):
+                    self.live = replace(current, share=share, mode=wanted.mode)
                 return False
-            champion = self._model(wanted.champion)
-            challenger = self._model(wanted.challenger)
-            new = Deployment(champion, challenger, wanted.share if challenger else 0.0, wanted.mode)
             self.live = new  # the swap: one reference assignment
             self.swaps += 1
             if self.on_swap:
@@ -151,15 +211,21 @@ class ModelPool:
             self.live = replace(self.live, share=share, mode=mode or self.live.mode)
             return self.live
 
+    def try_sync(self) -> bool:
+        """``sync``, keeping the current models when the registry cannot be read (``last_error`` says why)."""
+        try:
+            swapped = self.sync()
+        except Exception as err:  # noqa: BLE001 - keep serving the current models
+            self.last_error = str(err) if isinstance(err, ServiceUnavailable) else f"{type(err).__name__}: {err}"
+            log.warning("model watcher: %s", self.last_error)
+            return False
+        self.last_error = None
+        return swapped
+
     def start(self) -> None:
         def watch() -> None:
             while not self._stop.is_set():
-                try:
-                    self.sync()
-                    self.last_error = None
-                except Exception as err:  # noqa: BLE001 - keep serving the current models
-                    self.last_error = f"{type(err).__name__}: {err}"
-                    log.warning("model watcher: %s", self.last_error)
+                self.try_sync()
                 self._stop.wait(self.settings.serve_poll_seconds)
 
         self._thread = threading.Thread(target=watch, name="recloop-model-watcher", daemon=True)

@@ -1,0 +1,197 @@
+"""Serving and gating under bad models and missing parts: a broken challenger never takes the champion
+down, a damaged download is fetched again, health says ready only when a request can be scored, a dead
+MLflow is named within seconds, and a truncated candidate is refused by the gate, tagged failed."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sqlite3
+import uuid
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from mlflow import MlflowClient
+
+from recloop import checkpoint, pipeline, registry
+from recloop.canary import CanaryConfig, controller
+from recloop.canary.controller import LOAD_FAILED_TAG
+from recloop.features.job import FeatureLayout
+from recloop.gate import GateThresholds, run_gate
+from recloop.serve.app import create_app
+from recloop.settings import Settings
+from recloop.train import TrainSummary
+
+TOKEN = "s3cret-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+RANK = {"user_id": 3, "item_ids": [1, 2, 3]}
+
+
+@pytest.fixture(scope="module")
+def home(champion_home: Settings, tmp_path_factory, copy_home) -> Settings:
+    """A copy of the shared champion's installation, with its own Feast registry and online tables."""
+    return copy_home(champion_home, tmp_path_factory.mktemp("serve-faults") / "home", feast=True,
+                     admin_token=TOKEN, serve_poll_seconds=0.2, feedback_flush_seconds=3600)
+
+
+@pytest.fixture
+def fresh(home: Settings):
+    """Champion v1 alone, and an empty model cache, before and after each test."""
+    def reset() -> None:
+        if registry.version_by_alias(home, "challenger"):
+            registry.remove_alias(home, "challenger")
+        shutil.rmtree(checkpoint.cache_dir(home), ignore_errors=True)
+
+    reset()
+    yield home
+    reset()
+
+
+def register_copy_of_champion(home: Settings) -> str:
+    """A new version whose checkpoint is the champion's (same weights): a model that works."""
+    source = checkpoint.resolve(home, "1")
+    target = home.home / "checkpoints" / f"copy-{uuid.uuid4().hex[:8]}" / source.name
+    shutil.copytree(source, target)
+    base = TrainSummary(**checkpoint.read(source)["summary"])
+    base.checkpoint, base.run_id = str(target), f"{base.run_id}-{target.parent.name}"
+    return pipeline.register_training(home, base).version
+
+
+def registry_file(home: Settings, version: str, name: str = "model.safetensors") -> Path:
+    """The version's own file in the registry's artifact store (what every download copies)."""
+    import mlflow
+
+    registry.configure(home)
+    source = MlflowClient().get_model_version(registry.MODEL_NAME, version).source  # models:/m-<id>
+    location = mlflow.get_logged_model(source.removeprefix("models:/")).artifact_location
+    [found] = Path(location.removeprefix("file://")).rglob(name)
+    return found
+
+
+def truncate(path: Path) -> bytes:
+    original = path.read_bytes()
+    path.write_bytes(original[: len(original) // 2])
+    return original
+
+
+def start_canary(home: Settings, version: str) -> None:
+    registry.set_alias(home, "challenger", version, who="test", why="fault test")
+    controller.start(home, CanaryConfig(steps=(0.5, 1.0)))
+
+
+# --- one bad model file ------------------------------------------------------------------------------------
+
+
+def test_a_challenger_damaged_in_the_registry_leaves_the_champion_serving_everyone(fresh: Settings):
+    home = fresh
+    version = register_copy_of_champion(home)
+    start_canary(home, version)
+    stored = registry_file(home, version)
+    original = truncate(stored)
+    try:
+        with TestClient(create_app(home)) as http:
+            health = http.get("/healthz").json()
+            assert health["ready"] is True and health["versions"] == {"champion": "1", "challenger": None}
+            assert "damaged" in health["load_failures"][version]
+            answers = [http.post("/rank", json={**RANK, "user_id": user}) for user in range(40)]
+            assert {a.status_code for a in answers} == {200}  # half of them were routed to the challenger
+            assert {a.json()["model_version"] for a in answers} == {"1"}
+
+            # The serving process marked it; the canary controller rolls it back.
+            assert "model.safetensors" in registry.version_info(home, version).tags[LOAD_FAILED_TAG]
+            status = controller.status(home)
+            assert status.decision.action == "rollback" and "does not load in serving" in status.decision.reasons[0]
+
+            # The registry's copy is repaired: a reload fetches it again and the challenger serves.
+            stored.write_bytes(original)
+            reloaded = http.post("/admin/reload", headers=AUTH)
+            assert reloaded.status_code == 200, reloaded.text
+            assert reloaded.json()["versions"] == {"champion": "1", "challenger": version}
+    finally:
+        stored.write_bytes(original)
+
+
+def test_a_damaged_cached_copy_is_fetched_again(fresh: Settings):
+    home = fresh
+    version = register_copy_of_champion(home)
+    cached = checkpoint.resolve(home, version) / "model.safetensors"
+    truncate(cached)  # the bytes on this machine, not the registry's
+    start_canary(home, version)
+    with TestClient(create_app(home)) as http:
+        health = http.get("/healthz").json()
+        assert health["versions"] == {"champion": "1", "challenger": version} and health["ready"], health
+    assert checkpoint.verify(cached.parent, checkpoint._read_manifest(cached.parent.parent.parent)) is None
+
+
+def test_checksums_catch_what_sizes_do_not(fresh: Settings, tmp_path: Path):
+    step = checkpoint.resolve(fresh, "1")
+    copy = tmp_path / step.name
+    shutil.copytree(step, copy)
+    recorded = checkpoint.manifest(copy)
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # same size, one bit pattern changed
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    assert "SHA-256" in checkpoint.verify(copy, recorded)
+    truncate(copy / "dense_optimizer.safetensors")
+    assert "header says" in checkpoint.verify(copy, None)  # a version without a manifest: its own header
+
+
+# --- readiness --------------------------------------------------------------------------------------------
+
+
+def test_health_is_not_ready_without_feature_state(fresh: Settings, tmp_path: Path, copy_home):
+    home = copy_home(fresh, tmp_path / "home", feast=True)
+    shutil.rmtree(FeatureLayout.for_settings(home).state)
+    with TestClient(create_app(home)) as http:
+        health = http.get("/healthz")
+        assert health.status_code == 503 and "no feature state" in health.json()["reasons"][0]
+        answer = http.post("/rank", json=RANK)
+        assert answer.status_code == 503 and "feature state" in answer.json()["detail"]
+
+
+def test_health_is_not_ready_when_the_online_store_is_gone(fresh: Settings, tmp_path: Path, copy_home):
+    home = copy_home(fresh, tmp_path / "home", feast=True)
+    with TestClient(create_app(home)) as http:
+        assert http.get("/healthz").json()["ready"] is True
+        with sqlite3.connect(home.home / "feast" / "online.db") as db:  # what a stray apply used to do
+            for (table,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
+                db.execute(f'DROP TABLE "{table}"')
+        checkpoint_free = http.get("/healthz")
+        while checkpoint_free.json()["ready"]:  # the probe's result is kept for a second
+            checkpoint_free = http.get("/healthz")
+        assert checkpoint_free.status_code == 503 and "features cannot be built" in checkpoint_free.json()["reasons"][0]
+        assert http.post("/rank", json=RANK).status_code == 503
+
+
+@pytest.mark.timeout(120)
+def test_serving_starts_with_a_dead_mlflow_and_says_so(fresh: Settings, tmp_path: Path, copy_home):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    home = copy_home(fresh, tmp_path / "home", feast=True, mlflow_tracking_uri=dead, admin_token=TOKEN)
+    with TestClient(create_app(home)) as http:
+        health = http.get("/healthz")
+        assert health.status_code == 503
+        assert f"MLflow at {dead} is unreachable" in health.json()["reasons"][0]
+        assert http.post("/rank", json=RANK).status_code == 503
+        assert http.post("/admin/reload", headers=AUTH).status_code == 503
+
+
+# --- the gate -----------------------------------------------------------------------------------------------
+
+
+def test_the_gate_refuses_a_truncated_candidate_and_tags_it_failed(fresh: Settings):
+    home = fresh
+    version = register_copy_of_champion(home)
+    stored = registry_file(home, version)
+    original = truncate(stored)
+    try:
+        outcome = run_gate(home, version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False)
+    finally:
+        stored.write_bytes(original)
+    assert not outcome.passed and outcome.alias is None
+    assert "cannot be loaded" in outcome.reasons[0] and "model.safetensors" in outcome.reasons[0]
+    tags = registry.version_info(home, version).tags
+    assert tags["gate"] == "failed" and "model.safetensors" in tags["gate.reasons"]
+    assert registry.version_by_alias(home, "champion") == "1"
