@@ -117,3 +117,18 @@ def test_feasts_redis_connection_string_carries_the_timeouts():
 
     text = redis_connection_string("redis://:pw@10.0.0.5:6380/2", QUICK)
     assert text == "10.0.0.5:6380,db=2,password=pw,socket_connect_timeout=0.5,socket_timeout=1.0"
+
+
+@pytest.mark.timeout(30)
+def test_feasts_services_are_checked_before_feast_is_used(tmp_path):
+    from recloop.features import store
+
+    redis_down = Settings(home=tmp_path, feast_online_store="redis", redis_url=f"redis://127.0.0.1:{dead_port()}/0",
+                          service_retries=1, connect_timeout_seconds=0.5)
+    with pytest.raises(ServiceUnavailable, match="Redis at redis://127.0.0.1"):
+        store.require_services(redis_down)
+    registry_down = Settings(home=tmp_path, feast_registry=f"postgresql://postgres@127.0.0.1:{dead_port()}/feast",
+                             service_retries=1, connect_timeout_seconds=0.5)
+    with pytest.raises(ServiceUnavailable, match="the Feast registry database at postgresql://"):
+        store.require_services(registry_down)
+    store.require_services(Settings(home=tmp_path))  # SQLite online store, file registry: nothing to reach

@@ -97,10 +97,22 @@ def _environment(settings: Settings) -> None:
     os.environ["RECLOOP_FEAST_REDIS"] = redis_connection_string(settings.redis_url, endpoints.limits_for(settings))
 
 
+def require_services(settings: Settings) -> None:
+    """The services this home's Feast configuration reaches (a SQL registry, a Redis online store)
+    answer, or ``endpoints.ServiceUnavailable`` within seconds naming the one that does not."""
+    limits = endpoints.limits_for(settings)
+    if _registry_file(settings) is None:
+        endpoints.probe("the Feast registry database", settings.feast_registry, limits)
+    if settings.feast_online_store == "redis":
+        endpoints.require_redis(settings.redis_url, limits)
+
+
 def feature_store(settings: Settings):
     from feast import FeatureStore
 
     _environment(settings)
+    if _registry_file(settings) is None:
+        endpoints.probe("the Feast registry database", settings.feast_registry, endpoints.limits_for(settings))
     return FeatureStore(config=repo_config(settings), repo_path=str(_repo_path(settings)))
 
 
@@ -124,6 +136,7 @@ def apply_repo(settings: Settings, force: bool = False) -> bool:
     fingerprint = _fingerprint(settings)
     if not force and marker.exists() and marker.read_text() == fingerprint:
         return False
+    require_services(settings)
     _environment(settings)
     forget_other_homes_tables(settings)
     repo = _repo_path(settings)
@@ -190,6 +203,7 @@ def materialize(settings: Settings, end: datetime, ttl: timedelta) -> list[str]:
     Each view continues from where its last materialization ended; the first one starts at
     ``end - ttl`` (older rows are expired by the views' TTL anyway). Returns the views loaded.
     """
+    require_services(settings)
     store = feature_store(settings)
     loaded = []
     for projection in store.get_feature_service(FEATURE_SERVICE).feature_view_projections:
