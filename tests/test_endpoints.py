@@ -132,3 +132,11 @@ def test_feasts_services_are_checked_before_feast_is_used(tmp_path):
     with pytest.raises(ServiceUnavailable, match="the Feast registry database at postgresql://"):
         store.require_services(registry_down)
     store.require_services(Settings(home=tmp_path))  # SQLite online store, file registry: nothing to reach
+
+
+@pytest.mark.timeout(30)
+def test_an_mlflow_that_accepts_but_never_answers_is_unreachable(silent_server, client_environment):
+    settings = Settings(mlflow_tracking_uri=f"http://127.0.0.1:{silent_server}", connect_timeout_seconds=0.5,
+                        service_retries=1)
+    with pytest.raises(ServiceUnavailable, match="no answer"):
+        endpoints.require_mlflow(settings)

@@ -7,8 +7,8 @@ blocked at start-up. Everything that reaches another process goes through here:
 ============  ==================================================================  =======================
 service       timeouts                                                            when unreachable
 ============  ==================================================================  =======================
-MLflow        ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``_MAX_RETRIES`` / ``_BACKOFF_*``   ``require_mlflow``: a
-              (set unless the environment already does), a TCP probe first        TCP probe, retried
+MLflow        ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``_MAX_RETRIES`` / ``_BACKOFF_*``   ``require_mlflow``:
+              (set unless the environment already does)                           ``GET /health``, retried
 Redis         ``socket_connect_timeout``, ``socket_timeout`` and redis-py's own     ``redis_client`` +
               bounded ``Retry`` (our clients and Feast's connection string)        ``require_redis``
 PostgreSQL    libpq's ``connect_timeout`` in the URL (``with_connect_timeout``)     ``require_postgres``
@@ -142,12 +142,34 @@ def mlflow_environment(limits: Limits) -> None:
 
 
 def require_mlflow(settings: Settings) -> str:
-    """The tracking URI, once MLflow's limits are set and a network tracking server answers a connection."""
+    """The tracking URI, once MLflow's limits are set and a tracking server answers (a database URI:
+    accepts a connection)."""
     limits = limits_for(settings)
     mlflow_environment(limits)
     uri = settings.resolved_mlflow_tracking_uri()
-    probe("MLflow", uri, limits)
+    if urlparse(uri).scheme in ("http", "https"):
+        require_http("MLflow", uri, "/health", limits)
+    else:
+        probe("MLflow", uri, limits)
     return uri
+
+
+def require_http(service: str, base_url: str, path: str, limits: Limits = Limits()) -> None:
+    """An HTTP service answers ``GET base_url + path`` within the connect timeout, whatever the status: a
+    server that accepts connections and never answers is as unreachable as one that refuses them."""
+    import httpx
+
+    probe(service, base_url, limits)
+    started, attempts = time.monotonic(), 0
+    url = base_url.rstrip("/") + path
+    try:
+        for attempt in retrying(limits, (httpx.TimeoutException, httpx.NetworkError)):
+            with attempt:
+                attempts += 1
+                httpx.get(url, timeout=limits.connect_seconds)
+    except (httpx.TimeoutException, httpx.NetworkError) as err:
+        reason = "no answer (timed out)" if isinstance(err, httpx.TimeoutException) else str(err)
+        raise ServiceUnavailable(service, base_url, reason, attempts, time.monotonic() - started) from err
 
 
 # --- Redis ------------------------------------------------------------------------------------------------
@@ -212,16 +234,4 @@ def prefect_environment(limits: Limits) -> None:
 
 def require_prefect(api_url: str, limits: Limits = Limits()) -> None:
     """A Prefect server answers its health check (``<api_url>/health``)."""
-    import httpx
-
-    probe("Prefect", api_url, limits)
-    started = time.monotonic()
-    try:
-        response = httpx.get(api_url.rstrip("/") + "/health",
-                             timeout=httpx.Timeout(limits.request_seconds, connect=limits.connect_seconds))
-    except httpx.HTTPError as err:
-        raise ServiceUnavailable("Prefect", api_url, str(err) or type(err).__name__, 1,
-                                 time.monotonic() - started) from err
-    if response.status_code != 200:
-        raise ServiceUnavailable("Prefect", api_url, f"health check answered {response.status_code}", 1,
-                                 time.monotonic() - started)
+    require_http("Prefect", api_url, "/health", limits)
