@@ -45,7 +45,6 @@ CREATE TABLE IF NOT EXISTS files (
 CREATE TABLE IF NOT EXISTS event_ids (id TEXT PRIMARY KEY) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-_QUERY_CHUNK = 20_000  # ids per query: below SQLite's limit on bound parameters
 
 
 @dataclass(frozen=True)
@@ -131,14 +130,15 @@ class Ledger:
         """Open the transaction that ``begin_commit`` closes: ids added meanwhile land with the file."""
         self._db.execute("BEGIN IMMEDIATE")
 
-    def landed(self, ids: list[str]) -> np.ndarray:
-        """(len(ids),) bool: which ids are in the lake, or were added earlier in this file's transaction."""
-        found: set[str] = set()
-        for start in range(0, len(ids), _QUERY_CHUNK):
-            chunk = ids[start:start + _QUERY_CHUNK]
-            marks = ",".join("?" * len(chunk))
-            found.update(r[0] for r in self._db.execute(f"SELECT id FROM event_ids WHERE id IN ({marks})", chunk))
-        return np.fromiter((i in found for i in ids), dtype=bool, count=len(ids)) if found else np.zeros(len(ids), bool)
+    def claim_ids(self, ids: list[str]) -> np.ndarray:
+        """Add ``ids`` to the id set (inside the file's transaction); returns (len(ids),) bool: which were
+        there already, in the lake or earlier in this file. One statement per call: SQLite inserts what
+        is new and returns it (``INSERT OR IGNORE … RETURNING``, SQLite ≥ 3.35)."""
+        inserted = {row[0] for row in self._db.execute(
+            "INSERT OR IGNORE INTO event_ids SELECT value FROM json_each(?) RETURNING id", (json.dumps(ids),))}
+        if len(inserted) == len(ids):
+            return np.zeros(len(ids), dtype=bool)
+        return np.fromiter((i not in inserted for i in ids), dtype=bool, count=len(ids))
 
     def add_ids(self, ids: Iterable[str]) -> None:
         self._db.executemany("INSERT OR IGNORE INTO event_ids VALUES (?)", ((i,) for i in ids))

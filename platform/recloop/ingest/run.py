@@ -292,7 +292,6 @@ def _land(handle: BinaryIO, path: Path, digest: str, size: int, spec: DatasetSpe
             dates = _utc_dates(landed[spec.timestamp])
             for date in sorted(pc.unique(dates).to_pylist()):
                 staging.land(date.isoformat(), landed.filter(pc.equal(dates, pa.scalar(date, pa.date32()))))
-            ledger.add_ids(landed[spec.event_id].to_pylist())
             result.rows_landed += landed.num_rows
         quarantined = _quarantine_table(batch, np.flatnonzero(bad), problems.reasons(), path, now)
         if quarantined.num_rows:
@@ -322,13 +321,14 @@ def _checked(batch: SourceBatch, spec: DatasetSpec, now: datetime) -> tuple[pa.T
 
 
 def _flag_duplicates(typed: pa.Table, spec: DatasetSpec, problems: RowProblems, ledger: Ledger) -> None:
-    """Among rows still good: a repeated id within the file (first one wins), or an id anywhere in the lake."""
+    """Among rows still good (the last check: these rows land unless flagged here): a repeated id within
+    the file (first one wins), or an id anywhere in the lake. Their ids join the ledger's id set."""
     good = np.flatnonzero(~problems.bad_mask())
     if len(good) == 0:
         return
     ids = typed[spec.event_id].take(pa.array(good)).to_pylist()
     within = pd.Series(ids, dtype=object).duplicated(keep="first").to_numpy()
-    already = ledger.landed(ids)
+    already = ledger.claim_ids(ids)
     problems.add(good[within | already], "duplicate_event_id")
 
 
