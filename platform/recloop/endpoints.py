@@ -195,11 +195,13 @@ def feast_redis_options(limits: Limits) -> str:
 
 
 def require_redis(url: str, limits: Limits = Limits()) -> None:
+    """Redis answers ``PING`` (a health check waits the connect timeout for its answer, not a request's)."""
     import redis
 
     started = time.monotonic()
+    quick = Limits(limits.connect_seconds, limits.connect_seconds, limits.attempts, limits.backoff_seconds)
     try:
-        redis_client(url, limits).ping()
+        redis_client(url, quick).ping()
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
         cause = err.__cause__ or err.__context__
         reason = _reason(cause) if isinstance(cause, OSError) else str(err).split(".")[0]

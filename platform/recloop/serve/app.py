@@ -19,13 +19,14 @@ Example::
 import gc
 import json
 import logging
+import math
 import secrets
 import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from recloop import canary
 from recloop.endpoints import ServiceUnavailable
@@ -52,13 +53,40 @@ log = logging.getLogger("recloop.serve")
 MAX_CANDIDATES = 1000
 INT64_MAX = 2**63 - 1
 EXACT_INT = 2**53  # integers beyond this lose precision as float64, which is what the model computes in
+MAX_TEXT = 1024
 Id = Annotated[int, Field(ge=0, le=INT64_MAX)]
-# Context values: numbers finite and exact as float64 (the spec's own bounds are checked per column when
-# the features are built), text of a sane length; a list gives one value per candidate, or is a
-# multi-hot value.
-Number = Annotated[int, Field(strict=True, ge=-EXACT_INT, le=EXACT_INT)] | Annotated[float, Field(allow_inf_nan=False)]
-Scalar = StrictBool | Number | Annotated[str, Field(max_length=1024)] | None
-ContextValue = Scalar | Annotated[list[Scalar | list[Number | None]], Field(max_length=MAX_CANDIDATES)]
+
+
+def _context_value(value: Any, depth: int = 0) -> Any:
+    """A context value as the model can take it, or a ValueError saying what is wrong with it.
+
+    Numbers must be finite (Python's JSON parser reads ``Infinity``, ``NaN`` and ``1e999``) and integers
+    exact as float64, which is what the model computes in; text is at most ``MAX_TEXT`` characters; a
+    list gives one value per candidate, or is a multi-hot value (a list of lists per candidate). The
+    spec's own bounds are checked per column when the features are built.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if abs(value) > EXACT_INT:
+            raise ValueError(f"integer {value} is beyond ±2^53: not exact as a model input")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number, not {value}")
+        return value
+    if isinstance(value, str):
+        if len(value) > MAX_TEXT:
+            raise ValueError(f"text of {len(value)} characters: at most {MAX_TEXT}")
+        return value
+    if isinstance(value, list) and depth < 2:
+        if len(value) > MAX_CANDIDATES:
+            raise ValueError(f"a list of {len(value)} values: at most {MAX_CANDIDATES}")
+        return [_context_value(v, depth + 1) for v in value]
+    raise ValueError(f"a context value is a number, text, true/false, null or a list of them, not {type(value).__name__}")
+
+
+ContextValue = Annotated[Any, AfterValidator(_context_value)]
 
 
 class RankRequest(BaseModel):
