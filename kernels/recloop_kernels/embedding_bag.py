@@ -89,8 +89,16 @@ def forward_tiles(block_d: int, average_pooling: float) -> tuple[int, int]:
 
 
 def backward_tiles(block_d: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of the segment pass: occurrences gathered per step, warps per program."""
-    return max(1, min(32, 2048 // block_d)), 2
+    """(BLOCK_N, num_warps) of the segment pass: occurrences gathered per step, warps per program.
+
+    A warp per row up to D=128 (as FBGEMM's short-run kernel), so that a row is 16 bytes a thread.
+    """
+    return max(1, min(32, 2048 // block_d)), max(1, block_d // 128)
+
+
+def column_alignment(layout: Layout) -> int:
+    """The largest power of two (≤ 16) dividing every table's first output column and the output width."""
+    return min(16, math.gcd(*layout.col_offsets) & -math.gcd(*layout.col_offsets)) if layout.total_dim else 1
 
 
 if triton is not None:
@@ -99,7 +107,7 @@ if triton is not None:
     def _forward_kernel(weight_ptr, values_ptr, offsets_ptr, psw_ptr, out_ptr, errors_ptr, group_tables_ptr,
                         rows_ptr, elem_offsets_ptr, col_offsets_ptr, poolings_ptr, batch_size, blocks_per_table,
                         num_tables, out_stride, DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr,
-                        BAGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PSW: tl.constexpr):
+                        COL_ALIGN: tl.constexpr, BAGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PSW: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.load(group_tables_ptr + pid // blocks_per_table)
         b = (pid % blocks_per_table) * BAGS + tl.arange(0, BAGS)  # (BAGS,) rows of the batch
@@ -134,7 +142,8 @@ if triton is not None:
             bad_low = tl.minimum(bad_low, tl.min(tl.where(bad, ids, 2147483647), axis=1))
         if tl.load(poolings_ptr + t) == 1:  # mean
             acc = acc / tl.maximum(length, 1).to(tl.float32)[:, None]
-        col = tl.load(col_offsets_ptr + t)
+        col = tl.multiple_of(tl.load(col_offsets_ptr + t), COL_ALIGN)
+        out_stride = tl.multiple_of(out_stride, COL_ALIGN)
         tl.store(out_ptr + b[:, None] * out_stride + col + d[None, :], acc,
                  mask=b_mask[:, None] & (d < DIM)[None, :])
         count = tl.sum(bad_count, axis=0)
@@ -261,8 +270,8 @@ if triton is not None:
         scan_ptr, partials_ptr, offsets_ptr, psw_ptr, dims_ptr, strides_ptr, elem_offsets_ptr, row_offsets_ptr,
         col_offsets_ptr, poolings_ptr, nnz, batch_size, grad_stride, sentinel, lr, eps, weight_decay, beta1, beta2,
         log_beta1, log_beta2, OPT: tl.constexpr, HAS_PSW: tl.constexpr, ROUNDING_BITS: tl.constexpr,
-        DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         i = tl.program_id(0)
         num_items = tl.load(scan_ptr + nnz - 1) & 0xFFFFFFFF
@@ -274,7 +283,7 @@ if triton is not None:
                 row, t, elem, d_mask, inv_dim = _row_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr,
                                                         elem_offsets_ptr, row_offsets_ptr, j0, batch_size, d, DIM,
                                                         STRIDE, ALIGN)
-                col = tl.load(col_offsets_ptr + t)
+                col = tl.multiple_of(tl.load(col_offsets_ptr + t), COL_ALIGN)
                 mean = tl.load(poolings_ptr + t) == 1
                 n = tl.arange(0, BLOCK_N)
                 g = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -291,7 +300,7 @@ if triton is not None:
                             tl.load(offsets_ptr + bag, mask=k_mask, other=0)
                         scale = scale / tl.maximum(length, 1).to(tl.float32)
                     b = (bag - t * batch_size).to(tl.int64)
-                    rows = tl.load(grad_ptr + b[:, None] * grad_stride + col + d[None, :],
+                    rows = tl.load(grad_ptr + b[:, None] * tl.multiple_of(grad_stride, COL_ALIGN) + col + d[None, :],
                                    mask=k_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
                     g += tl.sum(rows * scale[:, None], axis=0)
                 run_first = (j0 == 0) | (tl.load(sorted_ptr + tl.maximum(j0 - 1, 0)) != row)
@@ -379,7 +388,8 @@ def embedding_bags(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Te
         _forward_kernel[(tables.numel() * blocks,)](
             weight.contiguous(), values, offsets, per_sample_weights if per_sample_weights is not None else values,
             out, errors, tables, meta["rows"], meta["elem_offsets"], meta["col_offsets"], meta["poolings"],
-            batch_size, blocks, layout.num_tables, out.stride(0), DIM=dim, STRIDE=stride, ALIGN=align, BAGS=bags,
+            batch_size, blocks, layout.num_tables, out.stride(0), DIM=dim, STRIDE=stride, ALIGN=align,
+            COL_ALIGN=column_alignment(layout), BAGS=bags,
             BLOCK_N=block_n, BLOCK_D=block_d, HAS_PSW=per_sample_weights is not None,
         )
     return out
@@ -439,7 +449,7 @@ def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, 
         per_sample_weights if per_sample_weights is not None else grad_output, meta["dims"], meta["strides"],
         meta["elem_offsets"], meta["row_offsets"], meta["col_offsets"], meta["poolings"], nnz, batch_size,
         grad_output.stride(0), sentinel, *hyper, OPT=opt_code, HAS_PSW=per_sample_weights is not None,
-        ROUNDING_BITS=rounding, BLOCK_N=segment_n, num_warps=warps, **shape)
+        ROUNDING_BITS=rounding, COL_ALIGN=column_alignment(layout), BLOCK_N=segment_n, num_warps=warps, **shape)
     _split_kernel[(max(1, min(chunks, total_rows + 1)),)](
         weight, state1, state2, step, sorted_keys, perm, info, split_start, scan, partials, meta["dims"],
         meta["strides"], meta["elem_offsets"], meta["row_offsets"], nnz, batch_size, sentinel, *hyper,
