@@ -23,9 +23,12 @@ from recloop.data.loader import FeatureSchema
 
 def write_training_rows(folder: Path, rows: int, files: int, categorical: dict[str, int],
                         multi_hot: dict[str, int] | None = None, dense: int = 13, hotness: int = 5,
-                        zipf: float = 1.05, seed: int = 0, row_group_size: int = 1 << 17
+                        zipf: float = 1.05, seed: int = 0, part: str = "part", row_group_size: int = 1 << 17
                         ) -> tuple[list[Path], FeatureSchema]:
     """Write ``rows`` rows over ``files`` parquet files; returns the files and their ``FeatureSchema``.
+
+    The click model is a function of ``seed`` alone; the rows also of ``part`` (the files' name prefix),
+    so that training and validation rows can be drawn separately from the same model.
 
     Ids follow a Zipf law (exponent ``zipf``) over each table's rows (shuffled, so the hot rows are not
     the first ones); multi-hot lists have 0..2·hotness ids. Columns: ``d_*`` dense, categorical and
@@ -34,11 +37,12 @@ def write_training_rows(folder: Path, rows: int, files: int, categorical: dict[s
     multi_hot = multi_hot or {}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
+    model = np.random.default_rng(seed)
     tables = {**categorical, **multi_hot}
-    effects = {name: rng.normal(0.0, 0.6, size) for name, size in tables.items()}
-    ranks = {name: rng.permutation(size) for name, size in tables.items()}
-    dense_weights = rng.normal(0.0, 0.3, dense)
+    effects = {name: model.normal(0.0, 0.6, size) for name, size in tables.items()}
+    ranks = {name: model.permutation(size) for name, size in tables.items()}
+    dense_weights = model.normal(0.0, 0.3, dense)
+    rng = np.random.default_rng([seed, *part.encode()])
     paths = []
     for f, count in enumerate(np.diff(np.linspace(0, rows, files + 1).astype(np.int64))):
         columns: dict[str, pa.Array | np.ndarray] = {}
@@ -61,7 +65,7 @@ def write_training_rows(folder: Path, rows: int, files: int, categorical: dict[s
         probability = 1 / (1 + np.exp(-logit))
         columns["p_click"] = probability
         columns["label"] = (rng.random(count) < probability).astype(np.float32)
-        path = folder / f"part-{f:04d}.parquet"
+        path = folder / f"{part}-{f:04d}.parquet"
         pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
         paths.append(path)
     schema = FeatureSchema(dense=tuple(f"d_{i}" for i in range(dense)), categorical=dict(categorical),
