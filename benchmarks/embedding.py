@@ -57,6 +57,13 @@ class Shape:
     hotness: int
     batch: int
 
+    @property
+    def key(self) -> str:
+        """A short name: tables × dim, hotness, batch (``criteo`` for the Criteo-like shape)."""
+        batch = f"{self.batch // 1024}K" if self.batch >= 1024 else str(self.batch)
+        prefix = "criteo " if self.name.startswith("Criteo") else ""
+        return f"{prefix}{len(self.rows)}x{max(self.rows):,}r d{self.dim} {self.hotness}-hot b{batch}"
+
 
 def gpu_shapes(quick: bool = False) -> list[Shape]:
     shapes = [Shape("Criteo-like: 26 tables (capped at 5M rows), dim 128, one-hot, batch 64K",
@@ -283,7 +290,7 @@ def measure(shape: Shape, dtype: torch.dtype, ids: str, bandwidth: float | None,
         nnz * shape.dim * elem + upstream.numel() * 4
     backward_bytes = upstream.numel() * 4 + nnz * values.element_size() + unique * (2 * shape.dim * elem + 2 * 4)
     return {
-        "shape": shape.name, "dtype": str(dtype).replace("torch.", ""), "ids": ids, "nnz": nnz, "unique_rows": unique,
+        "shape": shape.name, "key": shape.key, "dtype": str(dtype).replace("torch.", ""), "ids": ids, "nnz": nnz, "unique_rows": unique,
         "longest_run": longest, "forward_s": forward_s, "backward_s": backward_s, "forward_bytes": forward_bytes,
         "backward_bytes": backward_bytes, "forward_launches": forward_launches.count,
         "backward_launches": backward_launches.count, "bandwidth": bandwidth, "baselines": baselines,

@@ -108,12 +108,14 @@ def access_widths(ptx: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def check(configurations=None) -> list[dict]:
+CONFIGURATIONS = [(torch.float32, 128, 1, "rowwise_adagrad"), (torch.bfloat16, 128, 1, "rowwise_adagrad"),
+                  (torch.float32, 32, 64, "adam"), (torch.float32, 20, 4, "sgd")]
+
+
+def check(configurations=CONFIGURATIONS) -> list[dict]:
+    """Per configuration (dtype, dim, hotness, optimizer) and kernel: the access widths of its PTX."""
     rows = []
-    for dtype, dim, hotness, optimizer in configurations or [
-        (torch.float32, 128, 1, "rowwise_adagrad"), (torch.bfloat16, 128, 1, "rowwise_adagrad"),
-        (torch.float32, 32, 64, "adam"), (torch.float32, 20, 4, "sgd"),
-    ]:
+    for dtype, dim, hotness, optimizer in configurations:
         seen = set()
         for kernel, _grid, args, kwargs in record_launches(dtype, dim, hotness, optimizer):
             if kernel.__name__ in seen:
@@ -128,10 +130,11 @@ def check(configurations=None) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--first", action="store_true", help="the first configuration only (fp32, dim 128)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run without TRITON_INTERPRET=1: the kernels must be compiled, not interpreted")
-    rows = check()
+    rows = check(CONFIGURATIONS[:1] if args.first else CONFIGURATIONS)
     for row in rows:
         print(f"{row['kernel']:<18} {row['dtype']:<9} dim {row['dim']:<4} {row['hotness']:>2}-hot {row['optimizer']:<16}"
               f" loads {row['loads']}  stores {row['stores']}")

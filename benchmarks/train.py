@@ -118,8 +118,8 @@ def train_stock(model: nn.Module, batches, dense_lr: float) -> tuple[int, float]
 def synthetic_rows(work: Path, rows: int, validation_rows: int, smoke: bool = False):
     """Training and validation files of synthetic Criteo-like rows (train and validation from one law)."""
     if smoke:
-        categorical = {f"c_{i}": size for i, size in enumerate((3, 40, 200, 1000))}
-        multi_hot = {"m_0": 300}
+        categorical = {f"c_{i}": size for i, size in enumerate((3, 20, 50, 100))}
+        multi_hot = {"m_0": 60}
     else:
         categorical = {f"c_{i}": min(size, 1_000_000) for i, size in enumerate(
             [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306,
