@@ -44,13 +44,14 @@ class IndexConfig:
     """How the item index is built and searched.
 
     Args:
-        kind: ``hnsw``, ``ivf`` or ``flat`` (see the module docstring). The default, IVF with 48 lists
-            probed, found ≥ 0.95 of the exact top 500 at a sixth of the exact search's time on 100k
-            items (``benchmarks/retrieval.py``); HNSW needed as long as the exact search for that recall.
+        kind: ``hnsw``, ``ivf`` or ``flat`` (see the module docstring). The default, IVF with sqrt(N) lists
+            and 64 probed, is chosen by ``benchmarks/retrieval.py`` (recall of the exact top 500 and time
+            on 100k items, next to HNSW and the exact search; figures in ``benchmarks/RESULTS.md``).
         hnsw_neighbors: M, graph neighbours per node.
         ef_construction, ef_search: HNSW candidate list sizes when building and searching (searching
             uses at least the requested k).
-        ivf_lists: IVF lists (default about 4·sqrt(N)); ``ivf_probe``: lists searched per query.
+        ivf_lists: IVF lists (default sqrt(N): for k in the hundreds, few long lists beat many short
+            ones); ``ivf_probe``: lists searched per query.
         exact_on_gpu: search exactly with torch on a GPU when CUDA is present.
         threads: FAISS threads per search (0: FAISS's default).
     """
@@ -60,7 +61,7 @@ class IndexConfig:
     ef_construction: int = 80
     ef_search: int = 800
     ivf_lists: int | None = None
-    ivf_probe: int = 48
+    ivf_probe: int = 64
     exact_on_gpu: bool = True
     threads: int = 0
 
@@ -206,7 +207,7 @@ def _new_faiss_index(vectors: np.ndarray, config: IndexConfig):
         index.hnsw.efConstruction = config.ef_construction
         index.hnsw.efSearch = config.ef_search
     elif config.kind == "ivf":
-        lists = config.ivf_lists or max(1, min(n // 39, int(4 * np.sqrt(n))))  # FAISS wants ≥ 39 points a list
+        lists = config.ivf_lists or max(1, min(n // 39, int(np.sqrt(n))))  # FAISS wants ≥ 39 points a list
         quantizer = faiss.IndexFlatIP(dim)
         index = faiss.IndexIVFFlat(quantizer, dim, lists, faiss.METRIC_INNER_PRODUCT)
         index.train(vectors)
