@@ -7,7 +7,7 @@ candidate must pass, at the gate's K:
 - floors: recall@K at least ``min_recall``, and at least ``min_lift_over_popularity`` times the
   popularity baseline's recall on the same clicks (a retriever that cannot beat "the most clicked
   items" is not worth its index); in a simulated world, oracle recall@K at least ``min_oracle_recall``;
-- against the champion: recall@K and NDCG@K may drop by at most the mode's allowance, and a drop
+- against the champion: recall@K (by the mode's allowance) and NDCG@K may drop by at most a tolerance; a drop
   beyond it fails only when it is also larger than ``z`` paired standard errors (both models answer
   the same clicks, so the test is on the per-click differences, which are far less noisy than either
   model's recall alone);
@@ -59,11 +59,19 @@ class RetrievalThresholds:
     min_slice_clicks: int = 200
 
 
-def paired_drop(champion_ranks: np.ndarray, candidate_ranks: np.ndarray, k: int) -> tuple[float, float]:
-    """Champion's minus candidate's recall@k on the same clicks, and its paired standard error."""
-    champion_hit = ((champion_ranks >= 0) & (champion_ranks < k)).astype(np.float64)
-    candidate_hit = ((candidate_ranks >= 0) & (candidate_ranks < k)).astype(np.float64)
-    difference = champion_hit - candidate_hit
+def per_click(ranks: np.ndarray, k: int, metric: Literal["recall", "ndcg"]) -> np.ndarray:
+    """Each click's contribution to recall@k (hit: 1) or NDCG@k (1 / log2(rank + 2))."""
+    ranks = np.asarray(ranks)
+    hit = (ranks >= 0) & (ranks < k)
+    if metric == "recall":
+        return hit.astype(np.float64)
+    return np.where(hit, 1.0 / np.log2(np.where(hit, ranks, 0) + 2.0), 0.0)
+
+
+def paired_drop(champion_ranks: np.ndarray, candidate_ranks: np.ndarray, k: int,
+                metric: Literal["recall", "ndcg"] = "recall") -> tuple[float, float]:
+    """Champion's minus candidate's metric@k on the same clicks, and its paired standard error."""
+    difference = per_click(champion_ranks, k, metric) - per_click(candidate_ranks, k, metric)
     n = len(difference)
     if n < 2:
         return float(difference.mean()) if n else math.nan, math.inf
@@ -100,15 +108,13 @@ def decide(candidate: RetrievalScores, champion: RetrievalScores | None, thresho
     if champion is not None:
         allowed = thresholds.max_recall_drop_incremental if mode == "incremental" else thresholds.max_recall_drop_full
         same_clicks = len(candidate.ranks) == len(champion.ranks)
-        drop, error = (paired_drop(champion.ranks, candidate.ranks, k) if same_clicks else
-                       (champion.overall.get(recall, math.nan) - value, 0.0))
-        figures[recall].update(allowed_drop=allowed, drop=drop, paired_se=error)
-        if math.isfinite(drop) and drop > allowed and drop - allowed > thresholds.z * error:
-            reasons.append(f"{recall} dropped {drop:.4f} below the champion's (a {mode} candidate may drop at most "
-                           f"{allowed}; paired standard error {error:.4f})")
-        ndcg_drop = champion.overall.get(ndcg, math.nan) - ours.get(ndcg, math.nan)
-        if math.isfinite(ndcg_drop) and ndcg_drop > thresholds.max_ndcg_drop:
-            reasons.append(f"{ndcg} dropped {ndcg_drop:.4f} (at most {thresholds.max_ndcg_drop})")
+        for name, metric, tolerance in ((recall, "recall", allowed), (ndcg, "ndcg", thresholds.max_ndcg_drop)):
+            drop, error = (paired_drop(champion.ranks, candidate.ranks, k, metric) if same_clicks else
+                           (champion.overall.get(name, math.nan) - ours.get(name, math.nan), 0.0))
+            figures[name].update(allowed_drop=tolerance, drop=drop, paired_se=error)
+            if math.isfinite(drop) and drop > tolerance and drop - tolerance > thresholds.z * error:
+                reasons.append(f"{name} dropped {drop:.4f} below the champion's (a {mode} candidate may drop at "
+                               f"most {tolerance}; paired standard error {error:.4f})")
         for name, scores in sorted(candidate.slices.items()):
             theirs = champion.slices.get(name)
             if theirs is None or min(scores.get("clicks", 0), theirs.get("clicks", 0)) < thresholds.min_slice_clicks:
