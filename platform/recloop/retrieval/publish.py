@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from recloop import registry
@@ -66,9 +67,11 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
         features = state["features"]
         example = pd.DataFrame({features["user_id"]: [2], **{c: [2] for c in features["context"]},
                                 **{c: [[2, 3]] for c in features["history"]}})
-        info = mlflow.pyfunc.log_model(name="retriever", python_model=retriever_pyfunc.__file__,
-                                       artifacts={"retriever": summary.checkpoint}, input_example=example,
-                                       pip_requirements=PIP_REQUIREMENTS)
+        with warnings.catch_warnings():  # its hint about integer columns: ours are indices, never missing
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
+            info = mlflow.pyfunc.log_model(name="retriever", python_model=retriever_pyfunc.__file__,
+                                           artifacts={"retriever": summary.checkpoint},
+                                           input_example=(example, {"k": 500}), pip_requirements=PIP_REQUIREMENTS)
     version = registry.register(settings, info.model_uri, run.info.run_id, model_name=RETRIEVER_NAME)
     return LoggedModel(run.info.run_id, info.model_uri, version)
 
@@ -106,12 +109,12 @@ def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalTh
     report = report_markdown(decision, candidate, champion, version, champion_version, mode)
     MlflowClient().log_text(info["run_id"], report, f"gate_report_v{version}.md")
     registry.describe(settings, version, report, RETRIEVER_NAME)
-    recall = f"recall@{thresholds.k}"
+    recall = f"recall_at_{thresholds.k}"  # MLflow tag keys cannot hold "@"
     registry.tag(settings, version, {
         "gate": "passed" if decision.passed else "failed", "gate.reasons": json.dumps(list(decision.reasons)),
         "gate.champion": champion_version or "", "gate.window": f"{window[0]}..{window[1]}",
-        f"gate.{recall}": candidate.overall.get(recall),
-        f"gate.champion_{recall}": champion.overall.get(recall) if champion else "",
+        f"gate.{recall}": candidate.overall.get(f"recall@{thresholds.k}"),
+        f"gate.champion_{recall}": champion.overall.get(f"recall@{thresholds.k}") if champion else "",
     }, RETRIEVER_NAME)
     alias = None
     if decision.passed and champion_version is None:
