@@ -47,10 +47,10 @@ def main() -> None:
         decision = run_monitor(settings, spec, reference=reference, current=current)
         monitored = time.perf_counter() - began
 
-        from recloop.features.job import _to_us, read_lake_window
+        from recloop.ingest.lake import read_window, to_us
 
         columns = [c.name for c in spec.columns if c.role in ("categorical", "numeric")]
-        frames = [read_lake_window(settings, spec, _to_us(a), _to_us(b), columns=columns).slice(0, args.baseline_rows)
+        frames = [read_window(settings, spec, to_us(a), to_us(b), columns=columns).slice(0, args.baseline_rows)
                   .to_pandas() for a, b in (reference, current)]
         began = time.perf_counter()
         evidently_drift(frames[0], frames[1], columns, MonitorConfig())

@@ -1,27 +1,22 @@
-"""The canary controller's check (every 10 minutes): hold, step the share, promote or roll back."""
+"""The canary controller's check (every 10 minutes): start, hold, step the share, promote or roll back."""
 
 from prefect import flow, task
 
-from recloop.flow_support import markdown_table, publish, tag_run
-from recloop.serve import controller
-from recloop.settings import Settings
+from recloop.canary import controller
+from recloop.flow_support import markdown_table, publish, settings_from, tag_run
 
 
 @task(retries=2, retry_delay_seconds=10)
-def canary_task(config_path: str | None, start: bool) -> dict:
-    settings = Settings()
-    config = controller.load_config(config_path)
-    if start:
-        return controller.start(settings, config) | {"action": "start"}
-    return controller.step(settings, config)
+def canary_task(config_path: str | None, start: bool, settings: dict | None) -> dict:
+    resolved, config = settings_from(settings), controller.load_config(config_path)
+    return (controller.start(resolved, config) if start else controller.step(resolved, config)).to_dict()
 
 
 @flow(name="canary", log_prints=True)
-def canary_flow(config_path: str | None = None, start: bool = False) -> dict:
-    result = canary_task(config_path, start)
-    version = result.get("challenger") or result.get("version")
-    if version:
-        tag_run(f"model-version:{version}", f"canary:{result['action']}")
+def canary_flow(config_path: str | None = None, start: bool = False, settings: dict | None = None) -> dict:
+    result = canary_task(config_path, start, settings)
+    if result.get("challenger"):
+        tag_run(f"model-version:{result['challenger']}", f"canary:{result['action']}")
     decision = result.get("decision") or {}
     publish("canary-decision", f"**{result['action']}** — " + "; ".join(decision.get("reasons", [])) + "\n\n"
             + markdown_table([{"variant": k, **v} for k, v in result.get("stats", {}).items()]), "canary decision")

@@ -2,13 +2,13 @@
 
 from typing import Literal
 
-from canary_flow import canary_flow
-from features_flow import features_flow
-from gate_flow import gate_flow
-from ingest_flow import ingest_flow
 from prefect import flow
-from train_flow import train_flow
 
+from flows.canary_flow import canary_flow
+from flows.features_flow import features_flow
+from flows.gate_flow import gate_flow
+from flows.ingest_flow import ingest_flow
+from flows.train_flow import train_flow
 from recloop.flow_support import tag_run
 
 
@@ -16,15 +16,15 @@ from recloop.flow_support import tag_run
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
                  spec: str = "synthetic", days: int = 7, epochs: int = 1, batch_size: int = 4096,
                  validation_hours: int = 6, canary_config: str | None = None,
-                 gate_thresholds: str | None = None) -> dict:
+                 gate_thresholds: str | None = None, settings: dict | None = None) -> dict:
     result: dict = {"mode": mode, "reason": reason}
-    result["ingest"] = ingest_flow(spec)
-    result["features"] = features_flow(spec)
+    result["ingest"] = ingest_flow(spec, settings=settings)
+    result["features"] = features_flow(spec, settings=settings)
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs if mode == "full" else 1,
-                                 batch_size=batch_size, validation_hours=validation_hours)
+                                 batch_size=batch_size, validation_hours=validation_hours, settings=settings)
     version = result["train"]["mlflow"]["version"]
-    result["gate"] = gate_flow(version, gate_thresholds)
+    result["gate"] = gate_flow(version, gate_thresholds, settings=settings)
     if result["gate"]["alias"] == "challenger":
-        result["canary"] = canary_flow(config_path=canary_config, start=True)
+        result["canary"] = canary_flow(config_path=canary_config, start=True, settings=settings)
     tag_run(f"model-version:{version}", f"mode:{mode}")
     return result

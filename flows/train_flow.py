@@ -5,21 +5,21 @@ from typing import Literal
 from prefect import flow, task
 
 from recloop import pipeline
-from recloop.flow_support import markdown_table, publish, tag_run
-from recloop.settings import Settings
+from recloop.flow_support import markdown_table, publish, settings_from, tag_run
 from recloop.train import TrainConfig
 
 
-@task(retries=1, retry_delay_seconds=30, persist_result=True)
-def train_task(config: dict) -> dict:
-    return pipeline.train_and_register(Settings(), TrainConfig(**config))
+@task(retries=1, retry_delay_seconds=30, persist_result=True, result_serializer="json")
+def train_task(config: dict, settings: dict | None) -> dict:
+    return pipeline.train_and_register(settings_from(settings), TrainConfig(**config)).to_dict()
 
 
 @flow(name="train", log_prints=True)
 def train_flow(mode: Literal["incremental", "full"] = "incremental", days: int = 7, epochs: int = 1,
-               batch_size: int = 4096, validation_hours: int = 6, replay_fraction: float = 0.0) -> dict:
+               batch_size: int = 4096, validation_hours: int = 6, replay_fraction: float = 0.0,
+               settings: dict | None = None) -> dict:
     result = train_task({"mode": mode, "days": days, "epochs": epochs, "batch_size": batch_size,
-                         "validation_hours": validation_hours, "replay_fraction": replay_fraction})
+                         "validation_hours": validation_hours, "replay_fraction": replay_fraction}, settings)
     version = result["mlflow"]["version"]
     tag_run(f"model-version:{version}", f"mode:{mode}")
     publish("training", markdown_table([{"version": version, "mode": mode, "samples": result["samples"],

@@ -114,3 +114,65 @@ def lake_factory():
         return settings
 
     return make
+
+
+# --- one trained champion for every test that needs a registry ---------------------------------------------------
+
+CHAMPION_WORLD = WorldConfig(seed=4, days=4, events_per_day=6000)
+CHAMPION_FEATURES_END = datetime(2026, 1, 4, tzinfo=UTC)  # days 1-3 featurized; day 4 is ingested, not built
+
+
+@pytest.fixture(scope="session")
+def champion_home(tmp_path_factory, lake_factory) -> Settings:
+    """Four days of a world ingested, features for the first three (published to Feast's online store),
+    and version 1 trained on them, registered and gated champion (after loading in a fresh process).
+
+    Shared by every test that needs a champion: copy it with ``copy_home`` before changing anything.
+    """
+    from datetime import timedelta
+
+    from recloop import pipeline, registry
+    from recloop.features import store
+    from recloop.gate import GateThresholds, run_gate
+    from recloop.model import ModelConfig
+    from recloop.train import TrainConfig, train
+
+    settings = lake_factory(tmp_path_factory.mktemp("champion"), CHAMPION_WORLD, features_end=CHAMPION_FEATURES_END)
+    store.apply_repo(settings)
+    store.materialize(settings, CHAMPION_FEATURES_END, timedelta(days=7))
+    summary = train(settings, TrainConfig(days=3, epochs=2, batch_size=512, validation_hours=12, device="cpu",
+                                          checkpoint_every=1000, model=_small_model()))
+    logged = pipeline.register_training(settings, summary)
+    outcome = run_gate(settings, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=True)
+    assert outcome.passed and outcome.alias == "champion" and outcome.first_model, outcome.reasons
+    assert registry.aliases(settings)["champion"] == "1"
+    return settings
+
+
+SMALL_MODEL_DIMS = {"embedding_dim": 8, "bottom_mlp": (16,), "top_mlp": (32,)}
+
+
+def _small_model():
+    from recloop.model import ModelConfig
+
+    return ModelConfig(**SMALL_MODEL_DIMS)
+
+
+def _copy_home(source: Settings, target: Path, feast: bool = False, **overrides) -> Settings:
+    import shutil
+
+    shutil.copytree(source.home, target, ignore=shutil.ignore_patterns("serving", "registry.db"))
+    settings = Settings(**{"home": target, "frame_backend": "pandas", **overrides})
+    if feast:
+        from recloop.features import store
+
+        store.apply_repo(settings)
+    return settings
+
+
+@pytest.fixture(scope="session")
+def copy_home():
+    """``copy_home(source, target, feast=False, **settings) -> Settings``: a copy of an installation to change
+    freely. Feast's registry stays behind (the copied one names the original's online tables as its
+    infrastructure: applying it would drop them); ``feast=True`` applies a fresh one for the copy."""
+    return _copy_home

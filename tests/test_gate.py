@@ -66,7 +66,10 @@ def test_thresholds_load_from_a_file(tmp_path):
     loaded = load_thresholds(path)
     assert loaded.min_auc == 0.6 and loaded.calibration_range == (0.8, 1.2) and loaded.max_logloss == T.max_logloss
     path.write_text("min_acu: 0.6\n")
-    with pytest.raises(ValueError, match="unknown gate thresholds \\['min_acu'\\]"):
+    with pytest.raises(ValueError, match="unknown GateThresholds settings \\['min_acu'\\]"):
+        load_thresholds(path)
+    path.write_text("min_auc: high\n")
+    with pytest.raises(ValueError, match="min_auc: Input should be a valid number"):
         load_thresholds(path)
 
 
@@ -80,3 +83,17 @@ def test_slice_metrics_name_and_measure_each_slice():
     assert set(out) == {"device=mobile", "device=desktop"}
     assert out["device=mobile"]["auc"] > 0.95 and abs(out["device=desktop"]["auc"] - 0.5) < 0.1
     assert out["device=mobile"]["rows"] + out["device=desktop"]["rows"] == 1000
+
+
+def test_the_decision_is_pure_python_without_mlflow():
+    """The decision compares numbers: it must import and decide with MLflow unavailable."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['mlflow'] = None\n"
+            "from recloop.gate.decision import GateThresholds, ModelScores, decide\n"
+            "d = decide(ModelScores({'auc': 0.5, 'logloss': 0.3, 'calibration': 1.0}), None, GateThresholds(), 'full')\n"
+            "print(d.passed, d.reasons)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("False ('auc 0.5000 below the floor 0.55',)"), done.stdout

@@ -19,7 +19,8 @@ from recloop.model import ModelConfig
 from recloop.schema import load_spec
 from recloop.settings import Settings
 from recloop.simulate import WorldConfig
-from recloop.train import TrainConfig, TrainError, read_checkpoint, train
+from recloop.checkpoint import read as read_checkpoint
+from recloop.train import TrainConfig, TrainError, train
 
 SPEC = load_spec("synthetic")
 SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(32,))
@@ -61,7 +62,7 @@ def test_a_small_full_run_learns(home: Settings):
 def test_incremental_warm_start_grows_tables_and_keeps_untouched_rows(home: Settings):
     base = train(home, config())
     build_features(home, SPEC, FeatureConfig.for_spec(SPEC))  # day four: new users and a new catalog wave
-    incremental = train(home, config(mode="incremental"))
+    incremental = train(home, config(mode="incremental"), warm_start=Path(base.checkpoint))
     assert incremental.warm_start == base.checkpoint
     assert incremental.grown_tables["c_item_id"][1] > incremental.grown_tables["c_item_id"][0]
     assert incremental.train_hours[0] >= base.trained_until
@@ -130,8 +131,10 @@ def test_training_compiles_around_the_embedding_kernels(home: Settings):
 def test_bad_input_is_a_clear_error(home: Settings, tmp_path: Path):
     with pytest.raises(TrainError, match="recloop features"):
         train(Settings(home=tmp_path / "empty"), config())
-    with pytest.raises(TrainError, match="train --mode full first"):
+    with pytest.raises(TrainError, match="needs a checkpoint to start from"):
         train(home, config(mode="incremental"))
+    with pytest.raises(TrainError, match="is not a checkpoint"):
+        train(home, config(mode="incremental"), warm_start=home.home)
     with pytest.raises(TrainError, match="held out"):
         train(home, config(validation_hours=10_000))
     base = train(home, config(epochs=1))

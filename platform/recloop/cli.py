@@ -158,7 +158,7 @@ def _run_features(settings: Settings, dataset, window: dict, quiet: bool, materi
     from recloop import pipeline
 
     with console.status("building features and updating Feast", spinner="dots") if not quiet else _quiet():
-        return pipeline.build_features(settings, dataset.name, window, materialize)
+        return pipeline.build_features(settings, dataset.name, window, materialize).to_dict()
 
 
 def _print_features(summary: dict) -> None:
@@ -204,8 +204,8 @@ def train_command(
     batch_size: Annotated[int, typer.Option(min=1, help="Rows per step.")] = 4096,
     validation_hours: Annotated[int, typer.Option(min=1, help="Newest hours held out for validation.")] = 6,
     replay: Annotated[float, typer.Option(min=0.0, help="Incremental: older hours replayed, per new hour.")] = 0.0,
-    warm_start: Annotated[Path | None, typer.Option("--from", help="Incremental: checkpoint to start from "
-                                                    "(default: the newest completed run).")] = None,
+    warm_start: Annotated[str | None, typer.Option("--from", help="Incremental: a registered version or a "
+                                                   "checkpoint folder to start from (default: the champion).")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     deterministic: Annotated[bool, typer.Option(help="Results independent of thread scheduling.")] = False,
     track: Annotated[bool, typer.Option(help="Log the run to MLflow and register the model.")] = True,
@@ -214,6 +214,7 @@ def train_command(
     """Train the ranking model on the features' training rows; resumes an interrupted run."""
     from rich.progress import TaskProgressColumn
 
+    from recloop import checkpoint, pipeline
     from recloop.train import TrainConfig, TrainError, train
 
     if mode not in ("full", "incremental"):
@@ -230,8 +231,9 @@ def train_command(
             progress.update(task, completed=samples, total=total, rate=f"{rate:,.0f} samples/s")
 
         try:
-            summary = train(Settings(), config, warm_start=warm_start, on_progress=on_progress)
-        except TrainError as err:
+            base = pipeline.warm_start_checkpoint(Settings(), warm_start) if mode == "incremental" else None
+            summary = train(Settings(), config, warm_start=base, on_progress=on_progress)
+        except (TrainError, checkpoint.CheckpointError) as err:
             raise _fail(str(err)) from err
     result = summary.to_dict()
     if track:
@@ -254,7 +256,8 @@ def _track(summary) -> dict:
     """Log a training run to MLflow and register its model (once per run: a rerun finds it)."""
     from recloop import pipeline
 
-    return pipeline.register_training(Settings(), summary)
+    logged = pipeline.register_training(Settings(), summary)
+    return {"run_id": logged.run_id, "version": logged.version, "model_uri": logged.model_uri}
 
 
 @app.command("gate")
@@ -264,20 +267,20 @@ def gate_command(
     json_out: JsonOption = False,
 ) -> None:
     """Judge a candidate against the champion on the same held-out hours; pass → challenger."""
-    from recloop.gate import load_thresholds, run_gate
+    from recloop.gate import GateError, load_thresholds, run_gate
 
     try:
         limits = load_thresholds(thresholds) if thresholds else None
         with console.status("gating", spinner="dots") if not json_out else _quiet():
             outcome = run_gate(Settings(), candidate, limits)
-    except (RuntimeError, ValueError, OSError) as err:
+    except (GateError, ValueError, OSError) as err:
         raise _fail(str(err)) from err
     if json_out:
-        _emit({k: v for k, v in outcome.items() if k != "report"})
+        _emit(outcome.to_dict())
         return
-    console.print(outcome["report"])
-    console.print(f"version {outcome['version']}: {'passed' if outcome['passed'] else 'refused'}"
-                  + (f", alias {outcome['alias']}" if outcome["alias"] else ""))
+    console.print(outcome.report)
+    console.print(f"version {outcome.version}: {'passed' if outcome.passed else 'refused'}"
+                  + (f", alias {outcome.alias}" if outcome.alias else ""))
 
 
 @app.command("promote")
@@ -312,7 +315,7 @@ def rollback_command(
 def serve_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
-    dataset: Annotated[str, typer.Option(help="Dataset spec of the requests' context and of the feedback.")]
+    spec: Annotated[str, typer.Option(help="Dataset spec of the requests' context and of the feedback.")]
     = "synthetic",
 ) -> None:
     """Run the serving API (/rank, /feedback, /healthz, /metrics, /admin/*) on the registry's models."""
@@ -320,9 +323,9 @@ def serve_command(
 
     from recloop.serve.app import create_app
 
-    spec = _load_spec(dataset)
+    dataset = _load_spec(spec)
     console.print(f"serving on http://{host}:{port} (models from {Settings().resolved_mlflow_tracking_uri()})")
-    uvicorn.run(create_app(Settings(), spec), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(Settings(), dataset), host=host, port=port, log_level="warning")
 
 
 CANARY_ACTIONS = ("status", "step", "promote", "rollback", "start")
@@ -338,7 +341,7 @@ def canary_command(
     json_out: JsonOption = False,
 ) -> None:
     """The canary controller: show the state, judge and act (step), or promote / roll back by hand."""
-    from recloop.serve import controller
+    from recloop.canary import controller
 
     if action not in CANARY_ACTIONS:
         raise _fail(f"unknown action {action!r}: one of {', '.join(CANARY_ACTIONS)}")
@@ -346,13 +349,13 @@ def canary_command(
     try:
         canary_config = controller.load_config(config)
         if action == "status":
-            result = controller.status(settings, canary_config)
+            result = controller.status(settings, canary_config).to_dict()
         elif action == "step":
-            result = controller.step(settings, canary_config)
+            result = controller.step(settings, canary_config).to_dict()
         elif action == "start":
-            result = controller.start(settings, canary_config, mode="shadow" if shadow else "canary")
+            result = controller.start(settings, canary_config, mode="shadow" if shadow else "canary").to_dict()
         else:
-            result = controller.manual(settings, action, reason)
+            result = controller.manual(settings, action, reason).to_dict()  # type: ignore[arg-type]
     except (controller.NoCanary, ValueError, FileNotFoundError) as err:
         raise _fail(str(err)) from err
     if json_out:
@@ -381,14 +384,13 @@ def drift_command(
 ) -> None:
     """Check the newest events for drift and broken columns against the champion's training window."""
     from recloop import pipeline
-    from recloop.monitor import load_config
+    from recloop.monitor.runner import MonitorError, load_config
 
     _load_spec(spec)
     try:
-        monitor_config = load_config(config) if config else None
         result = pipeline.check_drift(Settings(), spec, hours=hours, reference_days=reference_days,
-                                      config=monitor_config)
-    except (ValueError, OSError) as err:
+                                      config=load_config(config)).to_dict()
+    except (MonitorError, ValueError, OSError) as err:
         raise _fail(str(err)) from err
     if json_out:
         _emit(result)
@@ -423,10 +425,11 @@ def retrain_command(
             raise _fail(f"could not start deployment {name!r} ({err}); run `prefect deploy --all` first") from err
         result = {"deployment": name, "flow_run_id": str(run.id), "state": run.state.name if run.state else None}
     else:
-        from recloop.demo import load_flows
+        from flows.retrain_flow import retrain_flow
+        from recloop.flow_support import settings_parameter
 
         with _quiet_logs():
-            outcome = load_flows()["retrain_flow"](mode=mode, reason=reason)
+            outcome = retrain_flow(mode=mode, reason=reason, settings=settings_parameter(settings))
         result = {"mode": mode, "version": outcome["train"]["mlflow"]["version"], "gate": {
             k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary")}
     if json_out:

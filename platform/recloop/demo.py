@@ -23,9 +23,7 @@ ranks by the true click probability (``vs_oracle``).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -39,9 +37,6 @@ from recloop.canary import CanaryConfig
 from recloop.gate import GateThresholds
 from recloop.settings import Settings
 from recloop.simulate import World, WorldConfig
-
-FLOW_MODULES = ("ingest_flow", "features_flow", "train_flow", "gate_flow", "canary_flow", "drift_flow",
-                "retrain_flow")
 
 
 @dataclass(frozen=True)
@@ -100,25 +95,11 @@ class DayRecord:
     seconds: float = 0.0
 
 
-def load_flows() -> dict[str, Callable]:
-    """The Prefect flows of the checkout's ``flows/`` folder (they import each other by module name)."""
-    folder = Path(__file__).resolve().parents[2] / "flows"
-    if not (folder / "retrain_flow.py").exists():
-        raise FileNotFoundError(f"no flows/ folder at {folder}: run the demo from a checkout of recloop")
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    return {name: getattr(importlib.import_module(name), name) for name in FLOW_MODULES}
-
-
 def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord], None] | None = None) -> dict:
-    import os
+    from recloop.flow_support import configure_prefect, settings_parameter
 
-    from recloop.flow_support import configure_prefect
-
-    # The flows read their settings from the environment, as they do on a worker.
-    os.environ["RECLOOP_HOME"] = str(settings.home.resolve())
     configure_prefect(settings)
-    flows = load_flows()
+    flows = _flows(settings_parameter(settings))
     started = time.perf_counter()
     canary_path = _write_canary_config(settings, config.canary)
     world_config = WorldConfig(seed=config.seed, days=config.days, events_per_day=config.events_per_day,
@@ -130,7 +111,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
 
     bootstrap = DayRecord(day=0)
     bootstrap.events = _land_day(world, 0, settings)
-    first = flows["retrain_flow"](mode="full", reason="bootstrap", days=1, epochs=config.full_epochs, **train_args)
+    first = flows["retrain"](mode="full", reason="bootstrap", days=1, epochs=config.full_epochs, **train_args)
     _record_training(bootstrap, first, "full (bootstrap)")
     if first["gate"]["alias"] != "champion":
         raise RuntimeError("the first model did not pass the gate's floors, so nothing can be served: "
@@ -158,10 +139,10 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
             record.events = _land_day(world, day, settings)
             landed_at = time.perf_counter()
             # By the time the monitor looks, the hourly runs have landed the day and built its features.
-            flows["ingest_flow"]()
-            flows["features_flow"]()
+            flows["ingest"]()
+            flows["features"]()
             now = (world_config.start + timedelta(days=day + 1)).timestamp()
-            drift = flows["drift_flow"](hours=24, now=now, cooldown_seconds=config.cooldown_days * 86400,
+            drift = flows["drift"](hours=24, now=now, cooldown_seconds=config.cooldown_days * 86400,
                                         retrain_inline=True, retrain_parameters={
                                             **train_args, "days": day + 1, "epochs": config.full_epochs})
             record.drift, record.drift_reasons = drift["decision"], list(drift["reasons"])
@@ -169,7 +150,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                 outcome, kind = drift["retrain"], f"full ({drift['decision']})"
                 last_full_day = day
             else:
-                outcome = flows["retrain_flow"](mode="incremental", reason="scheduled", days=day + 1, **train_args)
+                outcome = flows["retrain"](mode="incremental", reason="scheduled", days=day + 1, **train_args)
                 kind = "incremental"
             _record_training(record, outcome, kind)
             if outcome["gate"]["alias"] == "challenger":
@@ -184,6 +165,20 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     summary["seconds"] = round(time.perf_counter() - started, 1)
     summary["report"] = str(write_report(settings, records, summary, config))
     return summary
+
+
+def _flows(settings: dict) -> dict[str, Callable]:
+    """The Prefect flows, each called with this demo's settings."""
+    from functools import partial
+
+    from flows.canary_flow import canary_flow
+    from flows.drift_flow import drift_flow
+    from flows.features_flow import features_flow
+    from flows.ingest_flow import ingest_flow
+    from flows.retrain_flow import retrain_flow
+
+    return {flow.name: partial(flow, settings=settings)
+            for flow in (ingest_flow, features_flow, retrain_flow, canary_flow, drift_flow)}
 
 
 def _write_canary_config(settings: Settings, canary: CanaryConfig) -> Path:
@@ -269,7 +264,7 @@ def _serve_day(url: str, app, world: World, day: int, config: DemoConfig, flows:
         total.failed += summary.failed
         for counter in ("errors", "versions", "impressions", "clicks", "expected_clicks", "oracle_clicks"):
             getattr(total, counter).update(getattr(summary, counter))
-        step = flows["canary_flow"](config_path=str(canary_path))
+        step = flows["canary"](config_path=str(canary_path))
         if step["action"] not in ("none", "hold"):
             record.canary.append(f"{step['action']} v{step['challenger']}" + (
                 f" → {step['share']:.0%}" if step["action"] == "step" else ""))

@@ -22,6 +22,21 @@ def configure_prefect(settings: Settings) -> None:
         os.environ.setdefault("PREFECT_API_URL", settings.prefect_api_url)
 
 
+SECRET_FIELDS = ("admin_token", "object_store_secret_key")
+
+
+def settings_from(overrides: dict | None) -> Settings:
+    """The settings a flow runs with: ``RECLOOP_*`` from the environment, overridden by the flow's
+    ``settings`` parameter (a JSON object of ``Settings`` fields, secrets excluded)."""
+    return Settings(**(overrides or {}))
+
+
+def settings_parameter(settings: Settings) -> dict:
+    """``settings`` as a flow parameter: its non-secret fields as JSON (visible in the Prefect UI, so secrets
+    stay in the worker's environment)."""
+    return {**settings.model_dump(mode="json", exclude=set(SECRET_FIELDS)), "home": str(settings.home.resolve())}
+
+
 def markdown_table(rows: list[dict]) -> str:
     if not rows:
         return "_nothing_\n"

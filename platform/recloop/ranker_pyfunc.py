@@ -24,11 +24,11 @@ def frame_to_batch(frame: pd.DataFrame, dense: list[str], tables: list[str]) -> 
 
 class RecloopRanker(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
-        from recloop.train import load_model
+        from recloop import checkpoint
 
-        self.model, state = load_model(context.artifacts["checkpoint"], device="cpu")
-        self.dense = list(state["dense"])
-        self.tables = [name for name, _ in state["tables"]]
+        self.model, state = checkpoint.load_model(context.artifacts["checkpoint"], device="cpu")
+        inputs = checkpoint.trained_inputs(state)
+        self.dense, self.tables = list(inputs.dense), list(inputs.table_names)
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> np.ndarray:
         batch = frame_to_batch(model_input, self.dense, self.tables)

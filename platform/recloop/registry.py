@@ -1,7 +1,8 @@
 """MLflow IO: training runs, the logged model, registered versions and the aliases that carry state.
 
-Every function takes ``model_name``: the ranker (``recloop-ranker``, the default) and the retriever
-(``recloop-retriever``) are separate registered models, each with its own versions and aliases.
+Every alias and version function takes ``model_name``: the ranker (``recloop-ranker``, the default) and
+the retriever (``recloop-retriever``) are separate registered models, each with its own versions and
+aliases.
 
 Aliases: ``champion`` (serving), ``challenger`` (passed the gate, in canary), ``previous`` (the last
 champion, for rollback). A version that fails the gate keeps its number, tagged ``gate=failed`` with
@@ -24,7 +25,6 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 
@@ -45,7 +45,7 @@ class LoggedModel:
 
 
 def configure(settings: Settings) -> str:
-    """Point MLflow at this installation; returns the experiment id."""
+    """Point MLflow at this installation; returns the id of the training experiment."""
     import mlflow
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -53,14 +53,24 @@ def configure(settings: Settings) -> str:
     settings.home.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    experiment = mlflow.get_experiment_by_name(EXPERIMENT)
-    if experiment is not None:
-        return experiment.experiment_id
-    location = settings.mlflow_artifact_uri or (settings.home.resolve() / "mlartifacts").as_uri()
+    return experiment(settings, EXPERIMENT)
+
+
+def experiment(settings: Settings, name: str) -> str:
+    """The id of experiment ``name``, created with its artifacts under ``RECLOOP_HOME/mlartifacts`` (or the
+    configured object store). Every experiment is made here: one created without a location would write
+    to ``./mlruns`` of whatever directory the process runs in."""
+    import mlflow
+
+    found = mlflow.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    base = settings.mlflow_artifact_uri or (settings.home.resolve() / "mlartifacts").as_uri()
+    location = base if name == EXPERIMENT else f"{base.rstrip('/')}/{name}"
     try:
-        return mlflow.create_experiment(EXPERIMENT, artifact_location=location)
+        return mlflow.create_experiment(name, artifact_location=location)
     except Exception:  # noqa: BLE001 - created meanwhile by another process
-        return mlflow.get_experiment_by_name(EXPERIMENT).experiment_id
+        return mlflow.get_experiment_by_name(name).experiment_id
 
 
 def _client(settings: Settings):
@@ -90,10 +100,9 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
     import mlflow
     from mlflow import MlflowClient
 
-    from recloop import ranker_pyfunc
-    from recloop.train import read_checkpoint
+    from recloop import checkpoint, ranker_pyfunc
 
-    state = read_checkpoint(Path(summary.checkpoint))
+    state = checkpoint.read(summary.checkpoint)
     experiment = configure(settings)
     client = MlflowClient()
     for earlier in client.search_runs([experiment], f"tags.`recloop.run_id` = '{summary.run_id}'"):
@@ -122,7 +131,7 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             "recloop.train_window": f"{summary.train_hours[0]}..{summary.train_hours[-1]}",
             "recloop.validation_window": f"{summary.validation_hours[0]}..{summary.validation_hours[-1]}",
             "recloop.state_version": str(summary.state_version),
-            "recloop.warm_start": summary.warm_start or "", "recloop.checkpoint": summary.checkpoint,
+            "recloop.warm_start": summary.warm_start or "",
         })
         mlflow.log_dict(_flatten("", {"slices": summary.slices}, {}), "validation_slices.json")
         inputs = example[[c for c in example.columns if c.startswith(("d_", "c_", "m_"))]]
@@ -198,14 +207,36 @@ def describe(settings: Settings, version: str, description: str, model_name: str
     _client(settings).update_model_version(model_name, version, description=description)
 
 
-def version_info(settings: Settings, version: str, model_name: str = MODEL_NAME) -> dict:
-    """Tags, run id, checkpoint and aliases of a version."""
+@dataclass(frozen=True)
+class VersionInfo:
+    """A registered version as the loop reads it: its tags and aliases, and its training run's lineage.
+
+    ``train_window`` and ``validation_window`` are the first and last training-file hours
+    (``YYYY-MM-DDTHH``) of the run. The checkpoint itself is found by ``checkpoint.resolve``.
+    """
+
+    version: str
+    run_id: str | None
+    tags: dict[str, str]
+    aliases: tuple[str, ...]
+    mode: str | None
+    source: str
+    train_window: tuple[str, str] | None
+    validation_window: tuple[str, str] | None
+
+
+def version_info(settings: Settings, version: str, model_name: str = MODEL_NAME) -> VersionInfo:
     client = _client(settings)
     found = client.get_model_version(model_name, version)
-    run = client.get_run(found.run_id) if found.run_id else None
-    return {"version": str(found.version), "run_id": found.run_id, "tags": dict(found.tags),
-            "aliases": list(found.aliases), "checkpoint": run.data.tags.get("recloop.checkpoint") if run else None,
-            "mode": run.data.tags.get("recloop.mode") if run else None, "source": found.source}
+    run_tags = client.get_run(found.run_id).data.tags if found.run_id else {}
+
+    def window(name: str) -> tuple[str, str] | None:
+        value = run_tags.get(name)
+        return tuple(value.split("..", 1)) if value else None  # type: ignore[return-value]
+
+    return VersionInfo(str(found.version), found.run_id, dict(found.tags), tuple(found.aliases),
+                       run_tags.get("recloop.mode"), found.source, window("recloop.train_window"),
+                       window("recloop.validation_window"))
 
 
 def promote(settings: Settings, version: str, *, who: str | None = None, why: str = "",

@@ -42,7 +42,7 @@ def _command(service: Service, settings: Settings, host: str) -> list[str]:
         return [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", settings.resolved_mlflow_tracking_uri(),
                 "--host", host, "--port", str(service.port)]
     if service.name == "evidently":
-        from recloop.dashboards import workspace_path
+        from recloop.monitor.dashboards import workspace_path
 
         return [str(bin_dir / "evidently"), "ui", "--workspace", str(workspace_path(settings)), "--host", host,
                 "--port", str(service.port)]

@@ -10,11 +10,10 @@ Windows come from the hourly training files of ``recloop features``:
 
 A run's folder is named by a hash of what it trains (mode, window, base checkpoint, configuration), so
 rerunning the same command after a crash finds it and resumes from its last checkpoint; in
-deterministic mode the resumed run ends with the same weights as an uninterrupted one. Checkpoints are
-safetensors (tensors) plus JSON (configuration, vocabulary version, counters), never pickle::
+deterministic mode the resumed run ends with the same weights as an uninterrupted one. Checkpoints
+(safetensors + JSON, never pickle) are written and read by ``recloop.checkpoint``::
 
     $RECLOOP_HOME/checkpoints/<run id>/step-000400/{model.safetensors, dense_optimizer.safetensors, state.json}
-    $RECLOOP_HOME/checkpoints/<run id>/latest.json   → the newest complete step folder (atomic rename)
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,8 +31,9 @@ from typing import Literal
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from recloop import checkpoint
 from recloop.data import ChunkLoader, FeatureSchema, training_files
 from recloop.evaluate import metrics, predict, slice_metrics
 from recloop.features.job import FeatureLayout
@@ -137,27 +136,31 @@ def checkpoints_dir(settings: Settings) -> Path:
     return settings.home.resolve() / "checkpoints"
 
 
-def latest_checkpoint(settings: Settings) -> Path | None:
-    """The newest completed run's final checkpoint (until the MLflow registry names a champion)."""
-    completed = []
-    for pointer in checkpoints_dir(settings).glob("*/latest.json"):
-        info = json.loads(pointer.read_text())
-        if info.get("completed"):
-            completed.append((info["finished_at"], pointer.parent / info["step_dir"]))
-    return max(completed)[1] if completed else None
+@dataclass(frozen=True)
+class Windows:
+    """What a run trains on and is judged on: hourly training files, and the held-out validation hours."""
+
+    train: list[Path]
+    validation: list[Path]
+    epochs: int
 
 
-def read_checkpoint(path: Path) -> dict:
-    """A checkpoint's JSON state (``path``: a step folder, or a run folder meaning its latest step)."""
-    path = Path(path)
-    if (path / "latest.json").exists():
-        path = path / json.loads((path / "latest.json").read_text())["step_dir"]
-    try:
-        state = json.loads((path / "state.json").read_text())
-    except FileNotFoundError as err:
-        raise TrainError(f"{path} is not a checkpoint (no state.json)") from err
-    state["path"] = str(path)
-    return state
+def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) -> Windows:
+    """The newest ``validation_hours`` files are held out; a full run trains on the ``days`` before them,
+    an incremental one on the hours its base has not seen (plus a replay sample of older ones)."""
+    if len(files) <= config.validation_hours:
+        raise TrainError(f"only {len(files)} hours of training rows; {config.validation_hours} are held out "
+                         "for validation, so nothing is left to train on")
+    validation, trainable = files[-config.validation_hours:], files[:-config.validation_hours]
+    if base is None:
+        return Windows(trainable[-config.days * 24:], validation, config.epochs)
+    new = [f for f in trainable if f.stem >= base["trained_until"]]
+    if not new:
+        raise TrainError(f"nothing new to train on: the checkpoint has seen every hour up to {base['trained_until']}")
+    older = [f for f in trainable if f.stem < base["trained_until"]]
+    replay_count = min(len(older), math.ceil(len(new) * config.replay_fraction))
+    replay = sorted(np.random.default_rng(config.seed).choice(len(older), replay_count, replace=False).tolist())
+    return Windows([older[i] for i in replay] + new, validation, 1)
 
 
 def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = None,
@@ -165,46 +168,36 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
           on_step: Callable[[int], None] | None = None) -> TrainSummary:
     """Train (or resume) a run; returns its summary. Raises ``TrainError`` on bad input.
 
-    ``on_progress(samples, total_samples, samples_per_s)`` is called every few steps; ``on_step(step)``
-    after each step (tests use it to simulate a crash).
+    Args:
+        warm_start: incremental only, and required there: the checkpoint to start from (the loop passes
+            the champion's, resolved through the registry: ``pipeline.warm_start_checkpoint``).
+        on_progress: ``(samples, total_samples, samples_per_s)``, every few steps.
+        on_step: ``(step)`` after each step (tests use it to simulate a crash).
     """
     layout = FeatureLayout.for_settings(settings)
     files = training_files(layout.training)
     if not files:
         raise TrainError(f"no training rows under {layout.training}: run `recloop features` first")
-    if len(files) <= config.validation_hours:
-        raise TrainError(f"only {len(files)} hours of training rows; {config.validation_hours} are held out "
-                         "for validation, so nothing is left to train on")
     present = set(pq.read_schema(files[0]).names)
-    extra = tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS) if c in present)
-    schema = FeatureSchema.load(layout.schema, extra=extra)
-    validation, trainable = files[-config.validation_hours:], files[:-config.validation_hours]
-
+    schema = FeatureSchema.load(layout.schema, extra=tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS)
+                                                           if c in present))
     base = None
     if config.mode == "incremental":
-        base_path = warm_start or latest_checkpoint(settings)
-        if base_path is None:
-            raise TrainError("incremental training needs a checkpoint to start from: train --mode full first")
-        base = read_checkpoint(base_path)
-        new = [f for f in trainable if f.stem >= base["trained_until"]]
-        if not new:
-            raise TrainError(f"nothing new to train on: the checkpoint has seen every hour up to "
-                             f"{base['trained_until']}")
-        older = [f for f in trainable if f.stem < base["trained_until"]]
-        replay_count = min(len(older), math.ceil(len(new) * config.replay_fraction))
-        replay = sorted(np.random.default_rng(config.seed).choice(len(older), replay_count, replace=False).tolist())
-        train_files = [older[i] for i in replay] + new
-        epochs = 1
-    else:
-        train_files = trainable[-config.days * 24:]
-        epochs = config.epochs
+        if warm_start is None:
+            raise TrainError("incremental training needs a checkpoint to start from (the champion's, or --from)")
+        try:
+            base = checkpoint.read(warm_start)
+        except checkpoint.CheckpointError as err:
+            raise TrainError(str(err)) from err
+    windows = choose_windows(files, config, base)
 
-    identity = {"mode": config.mode, "files": [f.stem for f in train_files], "base": base["path"] if base else None,
+    identity = {"mode": config.mode, "files": [f.stem for f in windows.train], "base": base["path"] if base else None,
                 "config": config.to_dict(), "state_version": schema.state_version}
     run_id = f"{config.mode}-{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]}"
     run_dir = checkpoints_dir(settings) / run_id
-    if (run_dir / "latest.json").exists() and json.loads((run_dir / "latest.json").read_text()).get("completed"):
-        return TrainSummary(**read_checkpoint(run_dir)["summary"])
+    done = checkpoint.completed_run(run_dir)
+    if done is not None:
+        return TrainSummary(**done["summary"])
 
     if config.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -212,20 +205,56 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
     device = _device(config.device)
     model, optimizer, grown, resumed = _build(config, schema, device, run_dir, base)
     position = dict(resumed) if resumed else {"step": 0, "epoch": 0, "batch": 0, "samples": 0}
-    loader = ChunkLoader(train_files, schema, config.batch_size, device=device, seed=config.seed)
-    total = loader.num_rows * epochs
+
+    def save(completed: bool, summary: TrainSummary | None = None) -> Path:
+        info = {"model": model.config.to_dict(), "train": config.to_dict(),
+                "tables": [[n, r] for n, r in zip(model.table_names, model.embeddings.layout.rows, strict=True)],
+                "dense": list(schema.dense), "state_version": schema.state_version, "position": dict(position),
+                "trained_until": checkpoint.hour_after(windows.train[-1].stem),
+                "summary": asdict(summary) if summary else None}
+        return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed)
+
+    started = time.perf_counter()
+    loss_curve = _fit(model, optimizer, windows, schema, config, device, position, warm=base is not None,
+                      save=save, on_progress=on_progress, on_step=on_step)
+    seconds = time.perf_counter() - started
+    samples_this_run = position["samples"] - (resumed["samples"] if resumed else 0)
+
+    figures, slices = _validate(model, windows.validation, schema, layout, config, device)
+    summary = TrainSummary(
+        mode=config.mode, run_id=run_id, checkpoint="", samples=position["samples"], steps=position["step"],
+        samples_per_s=round(samples_this_run / seconds, 1) if seconds > 0 else 0.0, seconds=round(seconds, 3),
+        auc=figures["auc"], logloss=figures["logloss"], calibration=figures["calibration"],
+        oracle_auc=figures.get("oracle_auc"), validation_rows=figures["rows"], slices=slices,
+        train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
+        trained_until=checkpoint.hour_after(windows.train[-1].stem), state_version=schema.state_version,
+        warm_start=base["path"] if base else None, grown_tables=grown,
+        resumed_from_step=resumed["step"] if resumed else 0, loss_curve=loss_curve,
+    )
+    summary.checkpoint = str(run_dir / f"{checkpoint.STEP_PREFIX}{position['step']:07d}")
+    save(completed=True, summary=summary)
+    return summary
+
+
+def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows, schema: FeatureSchema,
+         config: TrainConfig, device: torch.device, position: dict, warm: bool, save: Callable[[bool], Path],
+         on_progress: Callable[[int, int, float], None] | None,
+         on_step: Callable[[int], None] | None) -> list[list[float]]:
+    """The training loop from ``position`` (updated in place) to the last epoch; returns the loss curve
+    (``[step, loss]`` every 10 steps). Checkpoints every ``checkpoint_every`` steps through ``save``."""
+    loader = ChunkLoader(windows.train, schema, config.batch_size, device=device, seed=config.seed)
+    total = loader.num_rows * windows.epochs
     loss_fn = torch.nn.BCEWithLogitsLoss()
     scale = math.sqrt(config.batch_size / config.reference_batch)
-    started = time.perf_counter()
-    samples_this_run = 0
+    started, first_samples = time.perf_counter(), position["samples"]
     loss_curve: list[list[float]] = []
     model.train()
     step_model = _compiled(model, config.compile, device)
-    for epoch in range(position["epoch"], epochs):
+    for epoch in range(position["epoch"], windows.epochs):
         skip = position["batch"] if epoch == position["epoch"] else 0
         for batch_index, batch in enumerate(loader.epoch(epoch, skip_batches=skip), start=skip):
             for group in optimizer.param_groups:  # a warm-started model is already past its warm-up
-                warmup = 1.0 if base else min(1.0, (position["step"] + 1) / max(config.warmup_steps, 1))
+                warmup = 1.0 if warm else min(1.0, (position["step"] + 1) / max(config.warmup_steps, 1))
                 group["lr"] = config.lr * scale * warmup
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 logits = step_model(batch.dense, batch.values, batch.offsets)
@@ -235,38 +264,29 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
             optimizer.step()
             position.update(step=position["step"] + 1, epoch=epoch, batch=batch_index + 1,
                             samples=position["samples"] + batch.size)
-            samples_this_run += batch.size
             if position["step"] % config.checkpoint_every == 0:
-                _save(run_dir, model, optimizer, config, schema, position, train_files, completed=False)
+                save(False)
             if position["step"] % 10 == 0:
                 loss_curve.append([position["step"], float(loss.detach())])
-            if on_progress and position["step"] % 10 == 0:
-                on_progress(position["samples"], total, samples_this_run / (time.perf_counter() - started))
+                if on_progress:
+                    rate = (position["samples"] - first_samples) / (time.perf_counter() - started)
+                    on_progress(position["samples"], total, rate)
             if on_step:
                 on_step(position["step"])
         position.update(epoch=epoch + 1, batch=0)
-    seconds = time.perf_counter() - started
-
-    valid_loader = ChunkLoader(validation, schema, max(config.batch_size, 8192), device=device, shuffle=False)
-    labels, scores, extras = predict(model, valid_loader.epoch(0))
-    scores_metrics = metrics(labels, scores, extras.get("p_click"))
-    slices = slice_metrics(labels, scores, _slice_values(extras, layout))
-    summary = TrainSummary(
-        mode=config.mode, run_id=run_id, checkpoint="", samples=position["samples"], steps=position["step"],
-        samples_per_s=round(samples_this_run / seconds, 1) if seconds > 0 else 0.0, seconds=round(seconds, 3),
-        auc=scores_metrics["auc"], logloss=scores_metrics["logloss"], calibration=scores_metrics["calibration"],
-        oracle_auc=scores_metrics.get("oracle_auc"), validation_rows=scores_metrics["rows"], slices=slices,
-        train_hours=[f.stem for f in train_files], validation_hours=[f.stem for f in validation],
-        trained_until=_after(train_files[-1].stem), state_version=schema.state_version,
-        warm_start=base["path"] if base else None, grown_tables=grown,
-        resumed_from_step=resumed["step"] if resumed else 0, loss_curve=loss_curve,
-    )
-    summary.checkpoint = str(run_dir / f"step-{position['step']:07d}")
-    _save(run_dir, model, optimizer, config, schema, position, train_files, completed=True, summary=summary)
-    return summary
+    return loss_curve
 
 
-def _slice_values(extras: dict[str, np.ndarray], layout: FeatureLayout) -> dict[str, np.ndarray]:
+def _validate(model: RankingModel, files: list[Path], schema: FeatureSchema, layout: FeatureLayout,
+              config: TrainConfig, device: torch.device) -> tuple[dict, dict[str, dict[str, float]]]:
+    """Metrics on the held-out hours, overall and per slice."""
+    loader = ChunkLoader(files, schema, max(config.batch_size, 8192), device=device, shuffle=False)
+    labels, scores, extras = predict(model, loader.epoch(0))
+    return (metrics(labels, scores, extras.get("p_click")),
+            slice_metrics(labels, scores, slice_values(extras, layout)))
+
+
+def slice_values(extras: dict[str, np.ndarray], layout: FeatureLayout) -> dict[str, np.ndarray]:
     """Readable slice labels per validation row: user new/returning, device and category by name."""
     from recloop.features.state import StateStore
 
@@ -286,28 +306,10 @@ def _slice_values(extras: dict[str, np.ndarray], layout: FeatureLayout) -> dict[
     return out
 
 
-def load_model(checkpoint: Path, device: str | torch.device = "cpu") -> tuple[RankingModel, dict]:
-    """A trained model from a checkpoint folder (safetensors + JSON, no pickle), and its JSON state."""
-    state = read_checkpoint(Path(checkpoint))
-    model = RankingModel(ModelConfig.from_dict(state["model"]), len(state["dense"]),
-                         [tuple(t) for t in state["tables"]], device=device)
-    model.load_state_dict(load_file(Path(state["path"]) / "model.safetensors", device=str(torch.device(device))))
-    model.eval()
-    model.map_unknown_ids = True  # scored or served on newer data than it was trained on
-    return model, state
-
-
 def _compiled(model: RankingModel, backend: str, device: torch.device) -> torch.nn.Module:
     if backend == "off" or (backend == "auto" and device.type != "cuda"):
         return model
     return torch.compile(model, backend="inductor" if backend == "auto" else backend)
-
-
-def _after(hour_stem: str) -> str:
-    """The hour after ``YYYY-MM-DDTHH`` (the first hour a checkpoint has not seen)."""
-    from datetime import datetime, timedelta
-
-    return (datetime.strptime(hour_stem, "%Y-%m-%dT%H") + timedelta(hours=1)).strftime("%Y-%m-%dT%H")
 
 
 def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run_dir: Path, base: dict | None):
@@ -316,7 +318,7 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
     tables = schema.tables
     source, resumed = None, None
     if (run_dir / "latest.json").exists():
-        source = read_checkpoint(run_dir)
+        source = checkpoint.read(run_dir)
         resumed = source["position"]
     elif base is not None:
         source = base
@@ -346,63 +348,7 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
                 model.embeddings.state1.mul_(config.warm_state_decay)
     optimizer = torch.optim.Adam(model.dense_parameters(), lr=config.lr)
     if source is not None:
-        _load_optimizer(optimizer, Path(source["path"]), device)
+        checkpoint.load_optimizer(optimizer, source["path"], device)
     return model, optimizer, grown, resumed
 
 
-def _save(run_dir: Path, model: RankingModel, optimizer: torch.optim.Optimizer, config: TrainConfig,
-          schema: FeatureSchema, position: dict, train_files: list[Path], completed: bool,
-          summary: TrainSummary | None = None) -> Path:
-    """Write a checkpoint into its own step folder, then point ``latest.json`` at it (atomic)."""
-    step_dir = run_dir / f"step-{position['step']:07d}"
-    staging = run_dir / f".{step_dir.name}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, staging / "model.safetensors")
-    tensors, meta = _optimizer_tensors(optimizer)
-    save_file(tensors, staging / "dense_optimizer.safetensors")
-    info = {
-        "model": model.config.to_dict(), "train": config.to_dict(), "tables": [[n, r] for n, r in zip(
-            model.table_names, model.embeddings.layout.rows, strict=True)], "dense": list(schema.dense),
-        "state_version": schema.state_version, "position": dict(position), "optimizer": meta,
-        "trained_until": _after(train_files[-1].stem), "completed": completed,
-        "summary": asdict(summary) if summary else None,
-    }
-    (staging / "state.json").write_text(json.dumps(info, indent=2) + "\n")
-    shutil.rmtree(step_dir, ignore_errors=True)
-    os.replace(staging, step_dir)
-    pointer = {"step_dir": step_dir.name, "completed": completed, "finished_at": time.time()}
-    (run_dir / "latest.json.tmp").write_text(json.dumps(pointer) + "\n")
-    os.replace(run_dir / "latest.json.tmp", run_dir / "latest.json")
-    for old in sorted(run_dir.glob("step-*"))[:-2]:  # keep the last two
-        shutil.rmtree(old, ignore_errors=True)
-    return step_dir
-
-
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    state = optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for index, values in state["state"].items():
-        for key, value in values.items():
-            if torch.is_tensor(value):
-                tensors[f"{index}.{key}"] = value.detach().contiguous()
-            else:
-                scalars[f"{index}.{key}"] = value
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
-
-
-def _load_optimizer(optimizer: torch.optim.Optimizer, folder: Path, device: torch.device) -> None:
-    meta = json.loads((folder / "state.json").read_text())["optimizer"]
-    tensors = load_file(folder / "dense_optimizer.safetensors", device=str(device))
-    state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
-    for key, value in meta["scalars"].items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
-    for group in state.values():  # Adam keeps its step on the CPU unless capturable
-        if "step" in group and torch.is_tensor(group["step"]):
-            group["step"] = group["step"].cpu()
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

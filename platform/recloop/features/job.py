@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from recloop.features import ops
@@ -37,7 +36,6 @@ from recloop.features.config import FeatureConfig
 from recloop.features.state import FeatureState, StateStore
 from recloop.features.vocab import Vocabulary
 from recloop.ingest import lake
-from recloop.ingest.ledger import Ledger
 from recloop.schema import DatasetSpec
 from recloop.settings import Settings
 
@@ -85,6 +83,8 @@ class FeatureRunSummary:
     vocabulary_sizes: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     message: str = ""
+    feast_applied: bool = False  # set by the pipeline when it publishes the window through Feast
+    materialized: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,39 +94,9 @@ def _iso(t_us: int) -> str:
     return datetime.fromtimestamp(t_us / US, tz=UTC).isoformat()
 
 
-def _to_us(value: datetime) -> int:
-    value = value if value.tzinfo else value.replace(tzinfo=UTC)
-    return int(round(value.timestamp() * US))
-
-
 def _hour_files(folder: Path, start_us: int, end_us: int) -> list[tuple[int, Path]]:
     return [(h, folder / f"{datetime.fromtimestamp(h / US, tz=UTC):%Y-%m-%dT%H}.parquet")
             for h in range(start_us, end_us, HOUR_US)]
-
-
-def read_lake_window(settings: Settings, spec: DatasetSpec, start_us: int | None, end_us: int | None,
-                     columns: list[str] | None = None) -> pa.Table:
-    """Committed lake events with ``start <= ts < end`` (either bound may be None)."""
-    if not settings.ledger_path.exists():
-        return pa.table({})
-    with Ledger.open(settings.ledger_path) as ledger:
-        ts = ds.field(spec.timestamp)
-        condition = None
-        if start_us is not None:
-            condition = ts >= pa.scalar(start_us, pa.timestamp("us", tz="UTC"))
-        if end_us is not None:
-            upper = ts < pa.scalar(end_us, pa.timestamp("us", tz="UTC"))
-            condition = upper if condition is None else condition & upper
-        return lake.read_events(ledger, settings.home, settings.lake_events_dir, columns=columns, filter=condition)
-
-
-def lake_time_bounds(settings: Settings, spec: DatasetSpec) -> tuple[int, int] | None:
-    """First and last event time in the committed lake (UTC microseconds), or None if it is empty."""
-    table = read_lake_window(settings, spec, None, None, columns=[spec.timestamp])
-    if table.num_rows == 0:
-        return None
-    stamps = table[spec.timestamp].cast(pa.int64())
-    return pc.min(stamps).as_py(), pc.max(stamps).as_py()
 
 
 def build_features(
@@ -143,12 +113,12 @@ def build_features(
     store = StateStore(layout.state)
     latest = store.latest()
 
-    bounds = lake_time_bounds(settings, spec)
+    bounds = lake.time_bounds(settings, spec)
     if bounds is None:
         return FeatureRunSummary("", "", backend.name, message="the lake has no events yet: run `recloop ingest`")
     lake_first, lake_last = bounds
-    start_us = _to_us(start) if start else (latest.as_of_us if latest else lake_first)
-    end_us = _to_us(end) if end else lake_last + 1
+    start_us = lake.to_us(start) if start else (latest.as_of_us if latest else lake_first)
+    end_us = lake.to_us(end) if end else lake_last + 1
     start_us -= start_us % HOUR_US
     end_us += (-end_us) % HOUR_US
     summary = FeatureRunSummary(_iso(start_us), _iso(end_us), backend.name)
@@ -158,7 +128,7 @@ def build_features(
 
     base = store.at_or_before(start_us)
     since_us = base.as_of_us if base else None
-    events = read_lake_window(settings, spec, since_us - DAY_US if since_us else None, end_us)
+    events = lake.read_window(settings, spec, since_us - DAY_US if since_us else None, end_us)
     events = events.append_column("_ts_us", events[spec.timestamp].cast(pa.int64()))
     in_window = pc.greater_equal(events["_ts_us"], start_us)
     window = events.filter(in_window)

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -35,7 +37,12 @@ import pyarrow.parquet as pq
 
 from recloop.ingest.ledger import Ledger
 
+if TYPE_CHECKING:
+    from recloop.schema import DatasetSpec
+    from recloop.settings import Settings
+
 TEMP_SUFFIX = ".tmp"
+US = 1_000_000
 
 
 def partition_dir(events_dir: Path, date: str) -> Path:
@@ -199,6 +206,40 @@ def read_events(ledger: Ledger, home: Path, events_dir: Path, columns: list[str]
     dataset = ds.dataset(files, format="parquet", partitioning=ds.partitioning(flavor="hive"),
                          partition_base_dir=str(events_dir))
     return dataset.to_table(columns=columns, filter=filter)
+
+
+def to_us(value: datetime) -> int:
+    """A datetime (naive means UTC) as UTC microseconds, the lake's time unit."""
+    value = value if value.tzinfo else value.replace(tzinfo=UTC)
+    return int(round(value.timestamp() * US))
+
+
+def read_window(settings: Settings, spec: DatasetSpec, start_us: int | None, end_us: int | None,
+                columns: list[str] | None = None) -> pa.Table:
+    """Committed lake events with ``start <= timestamp < end`` (either bound may be None): the one way
+    every stage reads the lake."""
+    if not settings.ledger_path.exists():
+        return pa.table({})
+    with Ledger.open(settings.ledger_path) as ledger:
+        ts = ds.field(spec.timestamp)
+        condition = None
+        if start_us is not None:
+            condition = ts >= pa.scalar(start_us, pa.timestamp("us", tz="UTC"))
+        if end_us is not None:
+            upper = ts < pa.scalar(end_us, pa.timestamp("us", tz="UTC"))
+            condition = upper if condition is None else condition & upper
+        return read_events(ledger, settings.home, settings.lake_events_dir, columns=columns, filter=condition)
+
+
+def time_bounds(settings: Settings, spec: DatasetSpec) -> tuple[int, int] | None:
+    """First and last event time in the committed lake (UTC microseconds), or None if it is empty."""
+    import pyarrow.compute as pc
+
+    table = read_window(settings, spec, None, None, columns=[spec.timestamp])
+    if table.num_rows == 0:
+        return None
+    stamps = table[spec.timestamp].cast(pa.int64())
+    return pc.min(stamps).as_py(), pc.max(stamps).as_py()
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -76,6 +76,25 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
     return LoggedModel(run.info.run_id, info.model_uri, version)
 
 
+def retriever_folder(settings: Settings, version: str) -> Path:
+    """A registered retriever's folder: its training run's folder when it is still there, else the
+    version's artifact downloaded into the serving cache (a replica needs no shared filesystem)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    info = registry.version_info(settings, version, RETRIEVER_NAME)
+    local = MlflowClient().get_run(info.run_id).data.tags.get("recloop.checkpoint") if info.run_id else None
+    if local and (Path(local) / "state.json").exists():
+        return Path(local)
+    target = settings.serving_dir.resolve() / "retrievers" / f"v{version}"
+    if not any(target.rglob("state.json")):
+        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{RETRIEVER_NAME}/{version}", dst_path=str(target))
+    found = sorted(p.parent for p in target.rglob("state.json"))
+    if not found:
+        raise FileNotFoundError(f"retriever version {version} has no state.json in its artifacts")
+    return found[-1]
+
+
 def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalThresholds | None = None,
                        oracle: WorldOracle | None = None) -> dict:
     """Score candidate and champion on the candidate's held-out hours, decide, tag, and set the alias.
@@ -91,23 +110,24 @@ def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalTh
     champion_version = registry.version_by_alias(settings, "champion", RETRIEVER_NAME)
     if champion_version == version:
         raise RuntimeError(f"retriever version {version} is already the champion")
-    from mlflow import MlflowClient
-
-    window = MlflowClient().get_run(info["run_id"]).data.tags["recloop.validation_window"].split("..")
+    if info.validation_window is None:
+        raise RuntimeError(f"retriever version {version} has no held-out window in its run's tags")
+    window = info.validation_window
     training = FeatureLayout.for_settings(settings).training
     files = sorted(p for p in training.glob("*.parquet") if window[0] <= p.stem <= window[1])
     if not files:
         raise RuntimeError(f"the held-out hours {window} are no longer in {training}")
     ks = tuple(sorted({100, thresholds.k}))
-    candidate = score_window(Retriever.load(Path(info["checkpoint"])), files, ks, oracle)
+    candidate = score_window(Retriever.load(retriever_folder(settings, version)), files, ks, oracle)
     champion = None
     if champion_version is not None:
-        checkpoint = registry.version_info(settings, champion_version, RETRIEVER_NAME)["checkpoint"]
-        champion = score_window(Retriever.load(Path(checkpoint)), files, ks, oracle)
-    mode = info["mode"] or "full"
+        champion = score_window(Retriever.load(retriever_folder(settings, champion_version)), files, ks, oracle)
+    mode = info.mode or "full"
     decision = decide(candidate, champion, thresholds, mode)
     report = report_markdown(decision, candidate, champion, version, champion_version, mode)
-    MlflowClient().log_text(info["run_id"], report, f"gate_report_v{version}.md")
+    from mlflow import MlflowClient
+
+    MlflowClient().log_text(info.run_id, report, f"gate_report_v{version}.md")
     registry.describe(settings, version, report, RETRIEVER_NAME)
     recall = f"recall_at_{thresholds.k}"  # MLflow tag keys cannot hold "@"
     registry.tag(settings, version, {

@@ -304,7 +304,7 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synt
 
     @app.post("/admin/canary", dependencies=[Depends(admin)])
     def set_canary(body: CanaryRequest, svc: Annotated[Service, Depends(service)]) -> dict:
-        from recloop.serve import controller
+        from recloop.canary import controller
 
         try:
             state = controller.set_share(settings, body.share, body.mode, who="admin-api")
@@ -314,15 +314,15 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synt
         svc.metrics.deployment(live.versions, live.share, live.mode == "shadow")
         return state
 
-    def manual(action: str, reason: str, svc: Service) -> dict:
-        from recloop.serve import controller
+    def manual(action: Literal["promote", "rollback"], reason: str, svc: Service) -> dict:
+        from recloop.canary import controller
 
         try:
             result = controller.manual(settings, action, reason, who="admin-api")
         except controller.NoCanary as err:
             raise HTTPException(409, str(err)) from err
         svc.pool.sync()
-        return result
+        return result.to_dict()
 
     @app.post("/admin/promote", dependencies=[Depends(admin)])
     def promote(body: ReasonRequest, svc: Annotated[Service, Depends(service)]) -> dict:

@@ -23,13 +23,13 @@ import sqlite3
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from recloop.canary.decision import VariantStats
 from recloop.evaluate import auc
 from recloop.ingest.validate import ARROW_TYPES
 from recloop.schema import DatasetSpec
@@ -38,6 +38,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT PRIMARY KEY, at REAL NOT NULL, ts_us INTEGER NOT NULL, user_id INTEGER NOT NULL,
     variant TEXT NOT NULL, served_version TEXT NOT NULL, latency_ms REAL NOT NULL, payload TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS requests_by_time ON requests (at);
+CREATE INDEX IF NOT EXISTS requests_by_event_time ON requests (ts_us);
 CREATE TABLE IF NOT EXISTS evaluations (
     request_id TEXT NOT NULL, version TEXT NOT NULL, role TEXT NOT NULL, status TEXT NOT NULL,
     latency_ms REAL NOT NULL, at REAL NOT NULL);
@@ -56,19 +58,6 @@ class FeedbackError(ValueError):
 
 class UnknownRequest(FeedbackError):
     pass
-
-
-@dataclass(frozen=True)
-class VersionTraffic:
-    """What one model version did since a point in time (input of ``canary.decide``)."""
-
-    requests: int
-    errors: int
-    nan_responses: int
-    p99_ms: float
-    impressions: int
-    clicks: int
-    online_auc: float | None
 
 
 class Journal:
@@ -206,43 +195,47 @@ class Journal:
                 arrays[column.name] = pa.array(values, ARROW_TYPES[column.dtype])
         return pa.table(arrays)
 
-    # --- what the canary controller reads ----------------------------------------------------------------
+    # --- what the canary controller and the monitor read ------------------------------------------------
 
-    def traffic(self, version: str, since: float) -> VersionTraffic:
-        """Requests, errors, NaNs, p99 latency, feedback and online AUC of ``version`` since ``since``."""
+    def stats(self, version: str, since: float | None = None, event_window: tuple[int, int] | None = None
+              ) -> VariantStats:
+        """What ``version`` did: requests, errors, NaNs and p99 of its evaluations; impressions and clicks of
+        the requests it served; its online AUC over every impression it scored (shadow included).
+
+        Args:
+            since: only what was served at or after this wall-clock time (the canary's steps).
+            event_window: only requests whose event time is in ``[start_us, end_us)`` (the monitor's
+                windows, which are in event time).
+        """
         self.flush()
+        where, params = ["1 = 1"], []
+        if since is not None:
+            where.append("r.at >= ?")
+            params.append(since)
+        if event_window is not None:
+            where.append("r.ts_us >= ? AND r.ts_us < ?")
+            params += list(event_window)
+        condition = " AND ".join(where)
         with self._lock:
             evaluations = self._db.execute(
-                "SELECT status, latency_ms FROM evaluations WHERE version = ? AND at >= ?", (version, since)).fetchall()
+                f"SELECT e.status, e.latency_ms FROM evaluations e JOIN requests r USING (request_id) "
+                f"WHERE e.version = ? AND {condition}", (version, *params)).fetchall()
             feedback = self._db.execute(
-                "SELECT label, served_version, scores FROM feedback WHERE at >= ?", (since,)).fetchall()
+                f"SELECT f.label, f.served_version, f.scores FROM feedback f JOIN requests r USING (request_id) "
+                f"WHERE {condition}", params).fetchall()
         latencies = np.array([ms for _, ms in evaluations], dtype=np.float64)
-        served = [(label, v) for label, v, _ in feedback if v == version]
+        served = [label for label, served_by, _ in feedback if served_by == version]
         labels, scores = [], []
         for label, _, raw in feedback:
             score = json.loads(raw).get(version)
             if score is not None:
                 labels.append(label)
                 scores.append(score)
-        online_auc = auc(np.array(labels), np.array(scores)) if len(labels) >= 2 else float("nan")
-        return VersionTraffic(
+        online_auc = auc(np.array(labels), np.array(scores, dtype=np.float64)) if len(labels) >= 2 else float("nan")
+        return VariantStats(
             requests=len(evaluations), errors=sum(s == "error" for s, _ in evaluations),
             nan_responses=sum(s == "nan" for s, _ in evaluations),
             p99_ms=float(np.percentile(latencies, 99)) if len(latencies) else 0.0,
-            impressions=len(served), clicks=sum(label for label, _ in served),
-            online_auc=None if online_auc != online_auc else online_auc,
+            impressions=len(served), clicks=int(sum(served)),
+            online_auc=None if online_auc != online_auc else float(online_auc),
         )
-
-    def window_kpis(self, version: str, start_us: int, end_us: int) -> dict[str, float | None]:
-        """Online CTR and AUC of ``version``'s served requests with event time in [start, end)."""
-        self.flush()
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT f.label, f.scores FROM feedback f JOIN requests r USING (request_id) "
-                "WHERE f.served_version = ? AND r.ts_us >= ? AND r.ts_us < ?", (version, start_us, end_us)).fetchall()
-        labels = np.array([label for label, _ in rows])
-        scores = np.array([json.loads(raw).get(version, np.nan) for _, raw in rows], dtype=np.float64)
-        online_auc = auc(labels, scores) if len(rows) >= 2 and np.isfinite(scores).all() else float("nan")
-        return {"impressions": float(len(rows)), "clicks": float(labels.sum()) if len(rows) else 0.0,
-                "ctr": float(labels.mean()) if len(rows) else None,
-                "auc": None if online_auc != online_auc else online_auc}

@@ -6,20 +6,18 @@ it started with. The watcher thread polls MLflow (aliases, and the canary tags o
 downloads and loads any new version *before* it swaps, then replaces ``live`` in one assignment:
 requests never wait on a load, and a version that fails to load is logged and not swapped in.
 
-Versions are fetched from the MLflow registry (the checkpoint is a logged artifact: safetensors +
-JSON), so a serving replica needs no shared filesystem with the trainer.
+Versions are fetched from the MLflow registry (``checkpoint.resolve``: the checkpoint is a logged
+artifact, safetensors + JSON), so a serving replica needs no shared filesystem with the trainer.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Literal
 
 import pyarrow as pa
@@ -32,7 +30,6 @@ from recloop.settings import Settings
 log = logging.getLogger("recloop.serve")
 
 CanaryMode = Literal["canary", "shadow"]
-SHARE_TAG, MODE_TAG, STARTED_TAG = "canary.share", "canary.mode", "canary.step_started_at"
 
 
 @dataclass(frozen=True)
@@ -79,6 +76,7 @@ def registry_wanted(settings: Settings) -> Wanted:
     from mlflow import MlflowClient
 
     from recloop import registry
+    from recloop.canary.controller import MODE_TAG, SHARE_TAG
 
     registry.configure(settings)
     client = MlflowClient()
@@ -92,39 +90,13 @@ def registry_wanted(settings: Settings) -> Wanted:
     return Wanted(champion, challenger, share, mode)
 
 
-def fetch_checkpoint(settings: Settings, version: str) -> Path:
-    """The version's checkpoint folder, downloaded once into the serving cache."""
-    import os
-
-    import mlflow
-
-    from recloop import registry
-
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    target = settings.serving_dir.resolve() / "models" / f"v{version}"
-    done = target / ".complete"
-    if not done.exists():
-        registry.configure(settings)
-        staging = target.with_name(f".v{version}.{threading.get_ident()}")
-        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{registry.MODEL_NAME}/{version}",
-                                            dst_path=str(staging))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            staging.rename(target)
-        except OSError:  # another loader finished first: keep theirs
-            shutil.rmtree(staging, ignore_errors=True)
-        done.touch()
-    found = [p.parent for p in target.rglob("state.json")]
-    if not found:
-        raise FileNotFoundError(f"model version {version} has no checkpoint (state.json) in its artifacts")
-    return sorted(found)[-1]
-
-
 def load_version(settings: Settings, version: str) -> LoadedModel:
-    from recloop.train import load_model
+    """A registered version, downloaded once (``checkpoint.resolve``) and loaded on the CPU."""
+    from recloop import checkpoint
 
-    model, state = load_model(fetch_checkpoint(settings, version), device="cpu")
-    return LoadedModel(version, model, tuple(state["dense"]), tuple(name for name, _ in state["tables"]))
+    model, state = checkpoint.load_model(checkpoint.resolve(settings, version), device="cpu")
+    inputs = checkpoint.trained_inputs(state)
+    return LoadedModel(version, model, inputs.dense, inputs.table_names)
 
 
 class ModelPool:

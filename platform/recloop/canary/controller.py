@@ -1,0 +1,258 @@
+"""The canary controller (IO): judges the challenger on served traffic and moves the aliases.
+
+State lives on the challenger's model version in MLflow (tags ``canary.share``, ``canary.mode``,
+``canary.step_started_at``), so the serving API (which polls them) and this controller (run by
+``recloop canary step``, a flow, or the admin API) agree without talking to each other. Traffic comes
+from the serving journal. Every decision is logged to an MLflow run of the canary in the
+``recloop-canary`` experiment (one run per challenger: share, guardrail figures per step, each decision
+as JSON) and as version tags. The decision itself is ``canary.decision.decide``.
+
+Example::
+
+    status(settings)                           # what the controller sees and would decide now
+    step(settings, CanaryConfig(bake_seconds=0, min_requests=100, min_feedback=50))
+    manual(settings, "rollback", "bad reviews")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from recloop import registry
+from recloop.canary.decision import CanaryConfig, CanaryDecision, CanaryState, VariantStats, decide
+from recloop.canary.decision import start as first_step
+from recloop.serve.journal import Journal
+from recloop.settings import Settings
+
+EXPERIMENT = "recloop-canary"
+SHARE_TAG, MODE_TAG, STARTED_TAG = "canary.share", "canary.mode", "canary.step_started_at"
+RUN_TAG = "canary.run_id"
+CANARY_STARTED_TAG = "canary.started_at"
+Mode = Literal["canary", "shadow"]
+
+
+class NoCanary(RuntimeError):
+    """There is no challenger to act on."""
+
+
+def load_config(path: str | Path | None) -> CanaryConfig:
+    """A CanaryConfig from YAML/JSON (keys as the dataclass fields); defaults for what the file leaves out."""
+    from recloop.config_files import load_dataclass
+
+    return CanaryConfig() if path is None else load_dataclass(path, CanaryConfig)
+
+
+@dataclass(frozen=True)
+class CanaryStatus:
+    """What the controller sees: the versions, the challenger's share and mode, each variant's traffic
+    since the step began, and the decision it would make now (``None`` when no canary is in progress)."""
+
+    active: bool
+    aliases: dict[str, str | None]
+    message: str = ""
+    challenger: str | None = None
+    champion: str | None = None
+    share: float = 0.0
+    mode: Mode = "canary"
+    step_started_at: float | None = None
+    started: bool = False
+    stats: dict[str, VariantStats] = field(default_factory=dict)
+    decision: CanaryDecision | None = None
+
+    def to_dict(self) -> dict:
+        return {"active": self.active, "aliases": self.aliases, "message": self.message,
+                "challenger": self.challenger, "champion": self.champion, "share": self.share, "mode": self.mode,
+                "step_started_at": self.step_started_at, "started": self.started,
+                "stats": {name: stats.to_dict() for name, stats in self.stats.items()},
+                "decision": _json_ready(self.decision.to_dict()) if self.decision else None}
+
+
+@dataclass(frozen=True)
+class CanaryStep:
+    """What one controller step did: the status it judged and the decision it acted on (``None``: there
+    was no canary to act on)."""
+
+    status: CanaryStatus
+    decision: CanaryDecision | None
+
+    @property
+    def action(self) -> str:
+        return self.decision.action if self.decision else "none"
+
+    def to_dict(self) -> dict:
+        share = self.decision.share if self.decision else self.status.share
+        return {**self.status.to_dict(), "action": self.action, "share": share,
+                "decision": _json_ready(self.decision.to_dict()) if self.decision else None}
+
+
+def _json_ready(value):
+    """NaN (a CTR with no impressions) as null: the output is JSON, not Python's repr of it."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(v) for v in value]
+    return value
+
+
+def _challenger(settings: Settings) -> tuple[str, str, dict]:
+    challenger = registry.version_by_alias(settings, "challenger")
+    champion = registry.version_by_alias(settings, "champion")
+    if challenger is None or champion is None:
+        raise NoCanary("no canary in progress: there is no 'challenger' (or no 'champion') alias")
+    return challenger, champion, registry.version_info(settings, challenger).tags
+
+
+def start(settings: Settings, config: CanaryConfig, *, mode: Mode = "canary", now: float | None = None
+          ) -> CanaryStep:
+    """Put the challenger at the first step (the retrain flow does it after a passed gate)."""
+    challenger, champion, _ = _challenger(settings)
+    now = time.time() if now is None else now
+    decision = first_step(config, mode)
+    registry.tag(settings, challenger, {SHARE_TAG: decision.share, MODE_TAG: mode, STARTED_TAG: now,
+                                        CANARY_STARTED_TAG: now})
+    started = CanaryStatus(True, registry.aliases(settings), "", challenger, champion, decision.share, mode, now, True)
+    return CanaryStep(started, decision)
+
+
+def set_share(settings: Settings, share: float, mode: Mode | None = None, who: str = "operator") -> dict:
+    challenger, _, tags = _challenger(settings)
+    mode = mode or ("shadow" if tags.get(MODE_TAG) == "shadow" else "canary")
+    registry.tag(settings, challenger, {SHARE_TAG: share, MODE_TAG: mode, STARTED_TAG: time.time(),
+                                        "canary.share_set_by": who})
+    return {"version": challenger, "share": share, "mode": mode}
+
+
+def status(settings: Settings, config: CanaryConfig | None = None, now: float | None = None) -> CanaryStatus:
+    """Versions, share, traffic per variant and the decision the controller would make now (nothing moves)."""
+    config = config or CanaryConfig()
+    now = time.time() if now is None else now
+    aliases = registry.aliases(settings)
+    try:
+        challenger, champion, tags = _challenger(settings)
+    except NoCanary as err:
+        return CanaryStatus(active=False, aliases=aliases, message=str(err))
+    started = float(tags.get(STARTED_TAG, now))
+    state = CanaryState(float(tags.get(SHARE_TAG, config.steps[0])), started)
+    mode: Mode = "shadow" if tags.get(MODE_TAG) == "shadow" else "canary"
+    journal = Journal(settings.serving_dir / "journal.db")
+    try:
+        stats = {"champion": journal.stats(champion, since=started),
+                 "challenger": journal.stats(challenger, since=started)}
+        if stats["champion"].requests < config.min_requests:
+            # At 100 % the champion serves nobody: compare with what it did since the canary began.
+            stats["champion"] = journal.stats(champion, since=float(tags.get(CANARY_STARTED_TAG, started)))
+    finally:
+        journal.close()
+    if mode == "shadow":  # the challenger answered nobody: judge its CTR by the champion's
+        stats["challenger"] = _shadowed(stats["challenger"], stats["champion"])
+    return CanaryStatus(True, aliases, "", challenger, champion, state.share, mode, started, STARTED_TAG in tags,
+                        stats, decide(stats["champion"], stats["challenger"], state, config, now))
+
+
+def _shadowed(challenger: VariantStats, champion: VariantStats) -> VariantStats:
+    """In shadow mode only errors, NaNs, latency and online AUC (on the champion's feedback) say anything."""
+    return VariantStats(requests=challenger.requests, errors=challenger.errors,
+                        nan_responses=challenger.nan_responses, p99_ms=challenger.p99_ms,
+                        impressions=champion.impressions, clicks=champion.clicks, online_auc=challenger.online_auc)
+
+
+def step(settings: Settings, config: CanaryConfig | None = None, now: float | None = None) -> CanaryStep:
+    """Judge the challenger and act: start, hold, step the share up, promote, or roll back. Logged to MLflow."""
+    config = config or CanaryConfig()
+    now = time.time() if now is None else now
+    current = status(settings, config, now)
+    if not current.active:
+        return CanaryStep(current, None)
+    if not current.started:
+        return start(settings, config, mode=current.mode, now=now)
+    assert current.decision is not None
+    _apply(settings, current.challenger, current.decision, who="canary-controller", now=now)
+    _log(settings, current, current.decision)
+    return CanaryStep(current, current.decision)
+
+
+@dataclass(frozen=True)
+class ManualResult:
+    """An operator's action: on the challenger, or (no challenger, rollback) on the champion."""
+
+    action: Literal["promote", "rollback"]
+    target: Literal["challenger", "champion"]
+    version: str | None
+    aliases: dict[str, str | None]
+
+    def to_dict(self) -> dict:
+        return {"action": self.action, "target": self.target, "version": self.version, "aliases": self.aliases}
+
+
+def manual(settings: Settings, action: Literal["promote", "rollback"], reason: str, who: str = "operator"
+           ) -> ManualResult:
+    """An operator's promote or roll back of the challenger (or, with no challenger, of the champion)."""
+    challenger = registry.version_by_alias(settings, "challenger")
+    if challenger is None:
+        if action == "rollback" and registry.version_by_alias(settings, "previous"):
+            champion = registry.version_by_alias(settings, "champion")
+            return ManualResult("rollback", "champion", champion, registry.rollback(settings, who=who, why=reason))
+        raise NoCanary(f"nothing to {action}: no challenger" + (" and no previous champion" if action == "rollback"
+                                                               else ""))
+    current = status(settings)
+    figures = current.decision.figures if current.decision else {}
+    decision = CanaryDecision(action, 1.0 if action == "promote" else 0.0, (f"manual {action} by {who}: {reason}",),
+                              figures)
+    _apply(settings, challenger, decision, who=who, now=time.time())
+    _log(settings, current, decision)
+    return ManualResult(action, "challenger", challenger, registry.aliases(settings))
+
+
+def _apply(settings: Settings, challenger: str, decision: CanaryDecision, who: str, now: float) -> None:
+    reasons = json.dumps(list(decision.reasons))
+    if decision.action == "step":
+        registry.tag(settings, challenger, {SHARE_TAG: decision.share, STARTED_TAG: now})
+    elif decision.action == "promote":
+        # The KPIs it earned in the canary are its baseline: the drift monitor judges decay against them.
+        baseline = {f"kpi.baseline_{k}": decision.figures.get(f"challenger_{k}") for k in ("ctr", "auc", "impressions")}
+        registry.tag(settings, challenger, {"canary.outcome": "promoted", "canary.reasons": reasons,
+                                            **{k: v for k, v in baseline.items() if v is not None and v == v}})
+        registry.promote(settings, challenger, who=who, why="; ".join(decision.reasons))
+    elif decision.action == "rollback":
+        registry.tag(settings, challenger, {"canary.outcome": "rolled_back", "canary.reasons": reasons,
+                                            SHARE_TAG: 0.0})
+        registry.remove_alias(settings, "challenger")
+
+
+def _log(settings: Settings, current: CanaryStatus, decision: CanaryDecision) -> None:
+    """Append the decision to the challenger's canary run in MLflow (created on the first decision)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    registry.configure(settings)
+    experiment = registry.experiment(settings, EXPERIMENT)
+    client = MlflowClient()
+    version = current.challenger
+    assert version is not None
+    run_id = registry.version_info(settings, version).tags.get(RUN_TAG)
+    if run_id is None:
+        run = client.create_run(experiment, run_name=f"canary-v{version}", tags={
+            "recloop.kind": "canary", "recloop.version": version, "recloop.champion": current.champion or ""})
+        run_id = run.info.run_id
+        registry.tag(settings, version, {RUN_TAG: run_id})
+    index = len(client.get_metric_history(run_id, "share"))
+    metrics = {"share": decision.share, "action_code": {"hold": 0, "step": 1, "promote": 2, "rollback": -1}.get(
+        decision.action, 0)}
+    metrics.update({("judged_share" if k == "share" else k): float(v) for k, v in decision.figures.items()
+                    if isinstance(v, int | float) and v == v})  # "share" stays the share after the decision
+    with mlflow.start_run(run_id=run_id):
+        mlflow.log_metrics(metrics, step=index)
+        mlflow.log_dict({"decision": _json_ready(decision.to_dict()), "stats": current.to_dict()["stats"],
+                         "at": time.time()}, f"canary/decision-{index:03d}.json")
+        mlflow.set_tags({"canary.last_action": decision.action, "canary.last_reasons": "; ".join(decision.reasons)})
+    registry.tag(settings, version, {"canary.last_action": decision.action,
+                                     "canary.last_reasons": "; ".join(decision.reasons)[:4000]})
+    if decision.action in ("promote", "rollback"):
+        client.set_terminated(run_id, "FINISHED")

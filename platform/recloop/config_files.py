@@ -1,0 +1,43 @@
+"""Configuration files: YAML or JSON of a frozen dataclass's fields, type-checked, unknown keys refused.
+
+The gate's thresholds, the canary's guardrails and the monitor's settings are all read this way, so a
+typo in a key or a value of the wrong type is one clear error naming the file, not a silent default.
+
+Example::
+
+    thresholds = load_dataclass("gate.yaml", GateThresholds)   # {min_auc: 0.6} → GateThresholds(min_auc=0.6, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be read as the configuration it is meant to be."""
+
+
+def load_dataclass(path: str | Path, cls: type[T]) -> T:
+    """The dataclass ``cls`` from a YAML/JSON mapping of its fields; fields left out keep their defaults."""
+    import yaml
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of {cls.__name__} fields, got {type(raw).__name__}")
+    known = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown {cls.__name__} settings {unknown}; known: {sorted(known)}")
+    try:
+        return TypeAdapter(cls).validate_python(raw)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise ConfigError(f"{path}: {problems}") from err

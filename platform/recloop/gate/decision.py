@@ -1,0 +1,135 @@
+"""The gate's pure decision: may a candidate model replace the champion?
+
+Candidate and champion are scored on the same held-out window (newest data, never trained on). The
+candidate must pass, overall:
+
+- absolute floors: AUC at least ``min_auc`` and log loss at most ``max_logloss``, calibration (mean
+  prediction / mean label) within ``calibration_range``, and no NaN or infinite prediction;
+- change against the champion: AUC may drop at most ``max_auc_drop_incremental`` for an incremental
+  candidate; a full retrain may not be worse (``max_auc_drop_full``);
+
+and per slice (new vs returning users, top item categories, device), each slice with at least
+``min_slice_rows`` rows: AUC may drop at most ``max_slice_auc_drop`` against the champion's AUC on the
+same slice. The first model ever (no champion) only has to pass the floors.
+
+Example::
+
+    decision = decide(candidate, champion, GateThresholds(), mode="incremental")
+    decision.passed, decision.reasons
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Mode = Literal["full", "incremental"]
+
+
+@dataclass(frozen=True)
+class GateThresholds:
+    min_auc: float = 0.55
+    max_logloss: float = 0.6
+    calibration_range: tuple[float, float] = (0.9, 1.1)
+    max_auc_drop_incremental: float = 0.002
+    max_auc_drop_full: float = 0.0
+    max_slice_auc_drop: float = 0.01
+    min_slice_rows: int = 200
+
+
+@dataclass(frozen=True)
+class ModelScores:
+    """A model's metrics on the held-out window: overall (``auc``, ``logloss``, ``calibration``,
+    ``nan_predictions``, ``rows``) and per slice (``{"device=mobile": {"auc": ..., "rows": ...}}``)."""
+
+    overall: dict[str, float]
+    slices: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    passed: bool
+    reasons: tuple[str, ...]
+    figures: dict[str, dict[str, float | None]]
+    first_model: bool
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["reasons"] = list(self.reasons)
+        return out
+
+
+def floor_failures(scores: ModelScores, thresholds: GateThresholds) -> list[str]:
+    """The absolute floors a model misses (AUC, log loss, calibration, finite predictions)."""
+    overall = scores.overall
+    failures = []
+    nan_count = int(overall.get("nan_predictions", 0))
+    if nan_count:
+        failures.append(f"{nan_count} NaN or infinite predictions")
+    auc, logloss = overall.get("auc", math.nan), overall.get("logloss", math.nan)
+    for name, value in (("auc", auc), ("logloss", logloss)):
+        if not math.isfinite(value):
+            failures.append(f"{name} is {value}")
+    if math.isfinite(auc) and auc < thresholds.min_auc:
+        failures.append(f"auc {auc:.4f} below the floor {thresholds.min_auc}")
+    if math.isfinite(logloss) and logloss > thresholds.max_logloss:
+        failures.append(f"logloss {logloss:.4f} above the ceiling {thresholds.max_logloss}")
+    low, high = thresholds.calibration_range
+    calibration = overall.get("calibration", math.nan)
+    if math.isfinite(calibration) and not low <= calibration <= high:
+        failures.append(f"calibration {calibration:.3f} outside [{low}, {high}]")
+    return failures
+
+
+def decide(candidate: ModelScores, champion: ModelScores | None, thresholds: GateThresholds,
+           mode: Mode) -> GateDecision:
+    """Pass or fail, with every reason and the figures compared (see the module docstring)."""
+    reasons = floor_failures(candidate, thresholds)
+    overall = candidate.overall
+    figures: dict[str, dict[str, float | None]] = {
+        name: {"candidate": overall.get(name), "champion": champion.overall.get(name) if champion else None}
+        for name in ("auc", "logloss", "calibration", "rows")
+    }
+    if champion is not None:
+        allowed = thresholds.max_auc_drop_incremental if mode == "incremental" else thresholds.max_auc_drop_full
+        drop = champion.overall.get("auc", math.nan) - overall.get("auc", math.nan)
+        figures["auc"]["allowed_drop"] = allowed
+        if math.isfinite(drop) and drop > allowed:
+            reasons.append(f"auc dropped {drop:.4f} below the champion's {champion.overall['auc']:.4f} "
+                           f"(a {mode} candidate may drop at most {allowed})")
+        for name, scores in sorted(candidate.slices.items()):
+            theirs = champion.slices.get(name)
+            if theirs is None or min(scores.get("rows", 0), theirs.get("rows", 0)) < thresholds.min_slice_rows:
+                continue
+            slice_drop = theirs.get("auc", math.nan) - scores.get("auc", math.nan)
+            figures[f"slice {name}"] = {"candidate": scores.get("auc"), "champion": theirs.get("auc"),
+                                        "rows": scores.get("rows")}
+            if math.isfinite(slice_drop) and slice_drop > thresholds.max_slice_auc_drop:
+                reasons.append(f"slice {name}: auc dropped {slice_drop:.4f} (at most "
+                               f"{thresholds.max_slice_auc_drop} allowed per slice)")
+    return GateDecision(passed=not reasons, reasons=tuple(reasons), figures=figures, first_model=champion is None)
+
+
+def report_markdown(decision: GateDecision, candidate: ModelScores, champion: ModelScores | None,
+                    version: str, champion_version: str | None, mode: str) -> str:
+    """The review table: candidate vs champion per metric and slice, the decision, the reasons."""
+    verdict = "PASSED" if decision.passed else "FAILED"
+    lines = [f"# Gate: version {version} ({mode}) vs champion {champion_version or '(none: first model)'}",
+             "", f"**{verdict}**", ""]
+    lines += [f"- {reason}" for reason in decision.reasons] or ["- every check passed"]
+    lines += ["", "| metric | candidate | champion |", "| --- | --- | --- |"]
+    for name in ("auc", "logloss", "calibration", "rows"):
+        theirs = champion.overall.get(name) if champion else None
+        lines.append(f"| {name} | {_fmt(candidate.overall.get(name))} | {_fmt(theirs)} |")
+    lines += ["", "| slice | rows | candidate AUC | champion AUC |", "| --- | --- | --- | --- |"]
+    for name, scores in sorted(candidate.slices.items()):
+        theirs = champion.slices.get(name, {}).get("auc") if champion else None
+        lines.append(f"| {name} | {int(scores.get('rows', 0))} | {_fmt(scores.get('auc'))} | {_fmt(theirs)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)

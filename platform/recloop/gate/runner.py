@@ -1,0 +1,164 @@
+"""Running the gate: score a registered version and the champion on the candidate's held-out hours, check
+that it loads and scores in a fresh process, decide (``gate.decision``), and record the verdict in MLflow.
+
+Both models come from the registry (``checkpoint.resolve``) and are scored on this installation's
+feature rows, so the gate never reads a path on the trainer's disk.
+
+Example::
+
+    outcome = run_gate(settings, "7")
+    outcome.passed, outcome.alias, outcome.reasons
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from recloop.gate.decision import GateDecision, GateThresholds, ModelScores, decide, report_markdown
+from recloop.settings import Settings
+
+
+class GateError(RuntimeError):
+    """The gate cannot judge: no versions, the candidate is the champion, its held-out hours are gone."""
+
+
+@dataclass(frozen=True)
+class GateOutcome:
+    """What the gate decided about one version, and what it moved."""
+
+    version: str
+    passed: bool
+    reasons: tuple[str, ...]
+    alias: str | None
+    champion: str | None
+    mode: str
+    first_model: bool
+    candidate: ModelScores
+    champion_scores: ModelScores | None
+    figures: dict[str, dict[str, float | None]]
+    report: str
+
+    def to_dict(self) -> dict:
+        """JSON-ready (CLI, flow results): overall figures of both models; the report left out."""
+        out = asdict(self)
+        out["reasons"] = list(self.reasons)
+        out["candidate"] = dict(self.candidate.overall)
+        out["champion_scores"] = dict(self.champion_scores.overall) if self.champion_scores else None
+        del out["report"]
+        return out
+
+
+def score_version(settings: Settings, version: str, files: list[Path], schema) -> ModelScores:
+    """A registered version's metrics on the given held-out files, overall and per slice."""
+    from recloop import checkpoint
+    from recloop.data import ChunkLoader
+    from recloop.evaluate import metrics, predict, slice_metrics
+    from recloop.features.job import FeatureLayout
+    from recloop.train import slice_values
+
+    model, _ = checkpoint.load_model(checkpoint.resolve(settings, version))
+    loader = ChunkLoader(files, schema, 16384, shuffle=False)
+    labels, scores, extras = predict(model, loader.epoch(0))
+    return ModelScores(metrics(labels, scores, extras.get("p_click")),
+                       slice_metrics(labels, scores, slice_values(extras, FeatureLayout.for_settings(settings))))
+
+
+def serving_smoke_check(settings: Settings, version: str, example_file: str, budget_ms: float = 500.0) -> str | None:
+    """Load the registered version in a fresh process and score a sample; a reason string if it fails."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, time, mlflow, pyarrow.parquet as pq\n"
+        "from recloop import registry\nfrom recloop.settings import Settings\n"
+        "registry.configure(Settings(home=sys.argv[1]))\n"
+        "model = mlflow.pyfunc.load_model(f'models:/{registry.MODEL_NAME}/' + sys.argv[2])\n"
+        "rows = pq.read_table(sys.argv[3]).slice(0, 256).to_pandas()\n"
+        "model.predict(rows)\nstarted = time.perf_counter(); out = model.predict(rows)\n"
+        "print(json.dumps({'ms': (time.perf_counter() - started) * 1000, 'finite': bool((out == out).all())}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(settings.home.resolve()), version, example_file],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        return f"serving check: the model does not load in a fresh process: {done.stderr.strip()[-300:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not result["finite"]:
+        return "serving check: the loaded model scores NaN"
+    if result["ms"] > budget_ms:
+        return f"serving check: scoring 256 rows took {result['ms']:.0f} ms (budget {budget_ms:.0f} ms)"
+    return None
+
+
+def held_out_files(settings: Settings, info) -> list[Path]:
+    """The candidate's validation hours among this installation's training files."""
+    from recloop.features.job import FeatureLayout
+
+    if info.validation_window is None:
+        raise GateError(f"version {info.version} has no validation window recorded on its training run")
+    first, last = info.validation_window
+    training = FeatureLayout.for_settings(settings).training
+    files = sorted(p for p in training.glob("*.parquet") if first <= p.stem <= last)
+    if not files:
+        raise GateError(f"the held-out hours {first}..{last} of version {info.version} are no longer in {training}")
+    return files
+
+
+def run_gate(settings: Settings, candidate_version: str | None = None, thresholds: GateThresholds | None = None,
+             smoke_check: bool = True) -> GateOutcome:
+    """Judge a registered version (default: the newest) against the champion and move the aliases:
+    pass → ``challenger`` (the first model ever → ``champion``); fail → tagged with the reasons."""
+    import pyarrow.parquet as pq
+    from mlflow import MlflowClient
+
+    from recloop import registry
+    from recloop.data import FeatureSchema
+    from recloop.features.job import FeatureLayout
+    from recloop.train import ORACLE_COLUMNS, SLICE_COLUMNS
+
+    thresholds = thresholds or GateThresholds()
+    registry.configure(settings)
+    client = MlflowClient()
+    versions = client.search_model_versions(f"name='{registry.MODEL_NAME}'")
+    if not versions:
+        raise GateError("no registered model versions: train a model first (recloop train)")
+    if candidate_version is None:
+        candidate_version = str(max(int(v.version) for v in versions))
+    info = registry.version_info(settings, candidate_version)
+    champion_version = registry.version_by_alias(settings, "champion")
+    if champion_version == candidate_version:
+        raise GateError(f"version {candidate_version} is already the champion")
+    files = held_out_files(settings, info)
+    present = set(pq.read_schema(files[0]).names)
+    schema = FeatureSchema.load(FeatureLayout.for_settings(settings).schema,
+                                extra=tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS) if c in present))
+    candidate = score_version(settings, candidate_version, files, schema)
+    champion = score_version(settings, champion_version, files, schema) if champion_version else None
+    mode = info.mode or "full"
+    decision = decide(candidate, champion, thresholds, mode)  # type: ignore[arg-type]
+    reasons = list(decision.reasons)
+    if smoke_check:
+        problem = serving_smoke_check(settings, candidate_version, str(files[0]))
+        if problem:
+            reasons.append(problem)
+    passed = not reasons
+    decision = GateDecision(passed, tuple(reasons), decision.figures, decision.first_model)
+    report = report_markdown(decision, candidate, champion, candidate_version, champion_version, mode)
+    client.log_text(info.run_id, report, f"gate_report_v{candidate_version}.md")
+    registry.describe(settings, candidate_version, report)
+    registry.tag(settings, candidate_version, {
+        "gate": "passed" if passed else "failed", "gate.reasons": json.dumps(reasons),
+        "gate.champion": champion_version or "", "gate.window": "..".join(info.validation_window or ()),
+        "gate.auc": candidate.overall.get("auc"),
+        "gate.champion_auc": champion.overall.get("auc") if champion else "",
+    })
+    alias = None
+    if passed and champion_version is None:
+        registry.promote(settings, candidate_version, who="gate", why="first model: passed the absolute floors")
+        alias = "champion"
+    elif passed:
+        registry.set_alias(settings, "challenger", candidate_version, who="gate", why="passed the gate")
+        alias = "challenger"
+    return GateOutcome(candidate_version, passed, tuple(reasons), alias, champion_version, mode,
+                       decision.first_model, candidate, champion, decision.figures, report)

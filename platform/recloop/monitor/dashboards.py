@@ -1,0 +1,79 @@
+"""The monitoring history as an Evidently workspace under ``$RECLOOP_HOME/evidently`` (``evidently ui``).
+
+One project, ``recloop``, with panels for the drift share over time, each monitored column's drift
+score, and the online KPIs of the serving model; every monitoring run adds a snapshot (the drift report,
+plus the KPIs of the served feedback in the same window). ``recloop up`` starts ``evidently ui`` on it.
+
+Example::
+
+    record_run(settings, drift_snapshot, kpis={"ctr": 0.12, "auc": 0.66}, version="7", when=datetime(...))
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import pandas as pd
+
+from recloop.settings import Settings
+
+PROJECT = "recloop"
+
+
+def workspace_path(settings: Settings) -> Path:
+    path = settings.home.resolve() / "evidently"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def project(settings: Settings, columns: tuple[str, ...] = ()):
+    """The workspace and its ``recloop`` project, created with its panels the first time (a per-column drift
+    bar for each of ``columns``: the dataset spec's monitored columns)."""
+    from evidently.sdk.models import PanelMetric
+    from evidently.sdk.panels import bar_plot_panel, line_plot_panel
+    from evidently.ui.workspace import Workspace
+
+    workspace = Workspace(str(workspace_path(settings)))
+    found = [p for p in workspace.list_projects() if p.name == PROJECT]
+    if found:
+        return workspace, found[0]
+    created = workspace.create_project(PROJECT, description="recloop's drift monitor: one snapshot per check")
+    created.dashboard.add_panel(line_plot_panel(
+        "Drift share over time", [PanelMetric(legend="share of drifted columns", metric="DriftedColumnsCount",
+                                              metric_labels={"value_type": "share"})],
+        description="Evidently DataDriftPreset: recent events vs the champion's training window"), tab="Drift")
+    created.dashboard.add_panel(bar_plot_panel(
+        "Per-column drift score", [PanelMetric(legend=column, metric="ValueDrift", metric_labels={"column": column})
+                                   for column in columns],
+        description="drift test statistic per column (higher = more different)"), tab="Drift")
+    created.dashboard.add_panel(line_plot_panel(
+        "Online CTR of the serving model", [PanelMetric(legend="online CTR", metric="MeanValue",
+                                                        metric_labels={"column": "clicked"})],
+        description="clicks / impressions from /feedback in the monitored window; the version is the run's tag"),
+        tab="KPIs")
+    created.dashboard.add_panel(line_plot_panel(
+        "Online AUC of the serving model", [PanelMetric(legend="online AUC", metric="MeanValue",
+                                                        metric_labels={"column": "online_auc"})],
+        description="ranking quality on served impressions"), tab="KPIs")
+    return workspace, created
+
+
+def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: str | None, when: datetime,
+               decision: str, columns: tuple[str, ...] = ()) -> str:
+    """Add one monitoring run: the drift report's snapshot, and (when there was feedback) a KPI snapshot."""
+    from evidently import DataDefinition, Dataset, Report
+    from evidently.metrics import MeanValue
+
+    workspace, found = project(settings, columns)
+    tags = [f"decision:{decision}"] + ([f"model-version:{version}"] if version else [])
+    drift_snapshot._tags = [*(drift_snapshot._tags or []), *tags]
+    reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M}")
+    if kpis and kpis.get("ctr") is not None:
+        frame = pd.DataFrame({"clicked": [float(kpis["ctr"])],
+                              "online_auc": [float(kpis["auc"]) if kpis.get("auc") is not None else float("nan")]})
+        data = Dataset.from_pandas(frame, data_definition=DataDefinition(numerical_columns=["clicked", "online_auc"]))
+        snapshot = Report([MeanValue(column="clicked"), MeanValue(column="online_auc")]).run(
+            current_data=data, tags=tags, timestamp=when.replace(tzinfo=None))
+        workspace.add_run(found.id, snapshot, name=f"KPIs {when:%Y-%m-%d %H:%M}")
+    return str(reference.id)

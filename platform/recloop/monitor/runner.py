@@ -1,0 +1,313 @@
+"""Running the monitor (IO): read the lake's windows and the serving journal, decide, record, trigger.
+
+One check resolves the champion once (its version, training window, KPI baseline and checkpoint all come
+from that one lookup, so an alias moving mid-check cannot mix two champions), picks the windows
+(``decision.choose_windows``), compares the lake's events (``drift.evidently_drift``, unseen ids, broken
+columns), the champion's scores on both windows (prediction drift) and its online KPIs from the serving
+journal against the baseline recorded at its promotion, and decides (``decision.decide``). With ``log``
+the result is an MLflow run in the ``recloop-monitor`` experiment, a snapshot in the Evidently workspace
+and the loop's state under ``$RECLOOP_HOME/loop``. ``request_retrain`` applies the trigger's rule
+against the recorded history of requests, under a lock.
+
+Example::
+
+    report = check(settings, load_spec("synthetic"), hours=24, log=True)
+    verdict = request_retrain(settings, report.decision, now=time.time())
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from recloop.ingest import lake
+from recloop.ingest.ledger import exclusive_lock
+from recloop.monitor.decision import (
+    MonitorConfig,
+    MonitorDecision,
+    TriggerConfig,
+    TriggerVerdict,
+    Window,
+    choose_windows,
+    decide,
+    kpi_findings,
+    new_id_findings,
+    quality_findings,
+    should_retrain,
+)
+from recloop.monitor.drift import evidently_drift, prediction_findings, sample
+from recloop.schema import DatasetSpec
+from recloop.settings import Settings
+
+EXPERIMENT = "recloop-monitor"
+
+
+class MonitorError(RuntimeError):
+    """The monitor cannot check: the lake or one of the windows is empty."""
+
+
+def load_config(path: str | Path | None) -> MonitorConfig:
+    """A MonitorConfig from YAML/JSON (keys as the dataclass fields); defaults for what the file leaves out."""
+    from recloop.config_files import load_dataclass
+
+    return MonitorConfig() if path is None else load_dataclass(path, MonitorConfig)
+
+
+@dataclass(frozen=True)
+class Champion:
+    """The champion as one check sees it (looked up once)."""
+
+    version: str
+    trained: Window | None
+    baseline: dict[str, float]
+
+
+@dataclass(frozen=True)
+class MonitorReport:
+    """One check: the decision and what it was made on."""
+
+    decision: MonitorDecision
+    champion: str | None
+    reference: Window
+    current: Window
+    baseline: dict[str, float]
+    served_features: dict | None = None
+    mlflow_run_id: str | None = None
+    evidently_snapshot: str | None = None
+
+    def to_dict(self) -> dict:
+        return {**self.decision.to_dict(), "champion": self.champion,
+                "reference": [t.isoformat() for t in self.reference], "current": [t.isoformat() for t in self.current],
+                "baseline": self.baseline, "served_features": self.served_features,
+                "mlflow_run_id": self.mlflow_run_id, "evidently_snapshot": self.evidently_snapshot}
+
+
+def champion(settings: Settings) -> Champion | None:
+    """The champion's version, training window and promotion baseline; None when there is no champion."""
+    from recloop import registry
+
+    version = registry.version_by_alias(settings, "champion")
+    if version is None:
+        return None
+    info = registry.version_info(settings, version)
+    trained = None
+    if info.train_window is not None:
+        first, last = (datetime.strptime(hour, "%Y-%m-%dT%H").replace(tzinfo=UTC) for hour in info.train_window)
+        trained = (first, last + timedelta(hours=1))
+    baseline = {k: float(info.tags[f"kpi.baseline_{k}"]) for k in ("ctr", "auc", "impressions")
+                if f"kpi.baseline_{k}" in info.tags}
+    return Champion(version, trained, baseline)
+
+
+def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days: int = 7,
+          config: MonitorConfig | None = None, kpis: dict | None = None, baseline: dict | None = None,
+          log: bool = False) -> MonitorReport:
+    """The monitor over the newest ``hours`` of the lake against the champion's training window.
+
+    KPIs default to the champion's online CTR and AUC over the same hours (from the serving journal),
+    against the baseline recorded when it was promoted.
+    """
+    config = config or MonitorConfig()
+    bounds = lake.time_bounds(settings, spec)
+    if bounds is None:
+        raise MonitorError("the lake has no events yet: run `recloop ingest`")
+    current_champion = champion(settings)
+    reference, current = choose_windows(datetime.fromtimestamp(bounds[1] / 1_000_000, tz=UTC), hours,
+                                        current_champion.trained if current_champion else None, reference_days)
+    if kpis is None:
+        kpis = champion_kpis(settings, current_champion, current, config.min_impressions)
+    if baseline is None:
+        baseline = current_champion.baseline if current_champion else {}
+    inputs = served_inputs(settings, current_champion.version, reference, current, config.sample_rows) \
+        if current_champion else None
+    snapshots: list = []
+    decision = _decide(settings, spec, reference, current, config, kpis, baseline, snapshots.append,
+                       None if inputs is None else tuple(frame["prediction"].to_numpy() for frame in inputs))
+    served = None
+    if inputs is not None:
+        # The model's inputs as served (entity state, recency, counts shift by nature as time passes):
+        # reported per column for review, not decided on; the scores they produce are (prediction drift).
+        columns = [c for c in inputs[0].columns if c != "prediction"]
+        share, drifted, _, _ = evidently_drift(inputs[0], inputs[1], columns, config)
+        served = {"drift_share": share, "drifted_columns": drifted}
+    report = MonitorReport(decision, current_champion.version if current_champion else None, reference, current,
+                           baseline or {}, served)
+    if not log:
+        return report
+    run_id = log_to_mlflow(settings, report)
+    _remember(settings, report)
+    snapshot_id = None
+    if snapshots:
+        from recloop.monitor import dashboards
+
+        monitored = tuple(c.name for c in spec.columns if c.role in ("categorical", "numeric"))
+        snapshot_id = dashboards.record_run(settings, snapshots[0], kpis=decision.kpi or None,
+                                            version=report.champion, when=current[1], decision=decision.decision,
+                                            columns=monitored)
+    return replace(report, mlflow_run_id=run_id, evidently_snapshot=snapshot_id)
+
+
+def _decide(settings: Settings, spec: DatasetSpec, reference: Window, current: Window, config: MonitorConfig,
+            kpis: dict, baseline: dict, on_snapshot, predictions: tuple[np.ndarray, np.ndarray] | None
+            ) -> MonitorDecision:
+    """Compare the lake's events in ``current`` with those in ``reference`` (both ``[start, end)``)."""
+    keys = [k for k in (spec.user_key, spec.item_key) if k]
+    monitored = [c.name for c in spec.columns if c.role in ("categorical", "numeric")]
+    columns = [*monitored, *keys]
+
+    def window(bounds: Window) -> pd.DataFrame:
+        table = lake.read_window(settings, spec, lake.to_us(bounds[0]), lake.to_us(bounds[1]), columns=columns)
+        return sample(table.to_pandas(), config.sample_rows, config.seed) if table.num_rows else pd.DataFrame()
+
+    ref, cur = window(reference), window(current)
+    if ref.empty or cur.empty:
+        raise MonitorError(f"no events in the {'reference' if ref.empty else 'current'} window "
+                           f"{(reference if ref.empty else current)[0]:%Y-%m-%dT%H}..")
+    quality = quality_findings(ref, cur, monitored, config)
+    healthy = [c for c in monitored if not any(f.startswith(f"{c}:") for f in quality)]
+    share, drifted, scores, snapshot = evidently_drift(ref, cur, healthy, config, timestamp=current[1]) \
+        if healthy else (0.0, [], {}, None)
+    if snapshot is not None:
+        on_snapshot(snapshot)
+    new_ids, figures = new_id_findings(ref, cur, keys, config)
+    figures.update({f"drift_score.{k}": v for k, v in scores.items() if not math.isnan(v)})
+    figures.update(reference_rows=float(len(ref)), current_rows=float(len(cur)))
+    prediction: list[str] = []
+    if predictions is not None and all(len(p) >= 2 for p in predictions):
+        prediction, prediction_figures = prediction_findings(*predictions, config)
+        figures.update(prediction_figures)
+    decisive = prediction if config.prediction_drift_decides else []
+    decision = decide(quality, kpi_findings(kpis, baseline, config), share, drifted, new_ids, config, kpis, figures,
+                      decisive)
+    return replace(decision, notes=tuple(prediction)) if prediction and not decisive else decision
+
+
+def champion_kpis(settings: Settings, current_champion: Champion | None, window: Window, min_impressions: int
+                  ) -> dict:
+    """The champion's online CTR and AUC over requests with event time in the window (serving journal);
+    only the counts when there were fewer than ``min_impressions`` impressions."""
+    from recloop.serve.journal import Journal
+
+    journal_path = settings.serving_dir / "journal.db"
+    if current_champion is None or not journal_path.exists():
+        return {}
+    journal = Journal(journal_path)
+    try:
+        stats = journal.stats(current_champion.version, event_window=(lake.to_us(window[0]), lake.to_us(window[1])))
+    finally:
+        journal.close()
+    counts = {"impressions": float(stats.impressions), "clicks": float(stats.clicks)}
+    if stats.impressions < min_impressions:
+        return counts
+    return {**counts, "ctr": stats.ctr, "auc": stats.online_auc, "version": current_champion.version}
+
+
+def served_inputs(settings: Settings, version: str, reference: Window, current: Window, rows: int = 50_000
+                  ) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """About ``rows`` shuffled feature rows of each window as the champion sees them (its dense inputs,
+    ``d_*``) with its score (``prediction``); None without feature rows for a window."""
+    import itertools
+
+    import torch
+
+    from recloop import checkpoint
+    from recloop.data import ChunkLoader, FeatureSchema
+    from recloop.data.loader import training_files
+    from recloop.features.job import FeatureLayout
+
+    layout = FeatureLayout.for_settings(settings)
+    if not layout.schema.exists():
+        return None
+    windows = [training_files(layout.training, f"{a:%Y-%m-%dT%H}", f"{b:%Y-%m-%dT%H}") for a, b in (reference, current)]
+    if not all(windows):
+        return None
+    model, _ = checkpoint.load_model(checkpoint.resolve(settings, version))
+    schema = FeatureSchema.load(layout.schema)
+    frames = []
+    for files in windows:
+        parts = []
+        with torch.no_grad():
+            for batch in itertools.islice(ChunkLoader(files, schema, 4096).epoch(0), math.ceil(rows / 4096)):
+                part = pd.DataFrame(batch.dense.numpy(), columns=list(schema.dense))
+                part["prediction"] = torch.sigmoid(model(batch.dense, batch.values, batch.offsets)).numpy()
+                parts.append(part)
+        frames.append(pd.concat(parts, ignore_index=True))
+    return frames[0], frames[1]
+
+
+def log_to_mlflow(settings: Settings, report: MonitorReport) -> str:
+    """One MLflow run per check: decision and reasons as tags, figures as metrics, the whole report as JSON."""
+    import mlflow
+
+    from recloop import registry
+
+    registry.configure(settings)
+    result = report.to_dict()
+    with mlflow.start_run(experiment_id=registry.experiment(settings, EXPERIMENT),
+                          run_name=f"monitor {result['current'][0]}") as run:
+        mlflow.set_tags({"recloop.kind": "monitor", "decision": result["decision"],
+                         "reasons": "; ".join(result["reasons"])[:4000], "window": "..".join(result["current"]),
+                         "drifted_columns": ", ".join(result["drifted_columns"]),
+                         "champion": report.champion or ""})
+        served = report.served_features or {}
+        figures = {"drift_share": result["drift_share"], **result["figures"],
+                   **({"served_features_drift_share": served["drift_share"]} if served else {}),
+                   **{f"kpi.{k}": v for k, v in result["kpi"].items() if isinstance(v, int | float)}}
+        mlflow.log_metrics({k.replace(":", "."): float(v) for k, v in figures.items()
+                            if isinstance(v, int | float) and v == v})
+        mlflow.log_dict(result, "monitor.json")
+    return run.info.run_id
+
+
+def _remember(settings: Settings, report: MonitorReport) -> None:
+    """Keep the latest check and a count per decision (the loop's Prometheus metrics read them)."""
+    folder = settings.home.resolve() / "loop"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "monitor.json"
+    state = json.loads(path.read_text()) if path.exists() else {"decisions": {}}
+    outcome = report.decision.decision
+    state["decisions"][outcome] = state["decisions"].get(outcome, 0) + 1
+    state["last"] = {"decision": outcome, "drift_share": report.decision.drift_share,
+                     "drifted_columns": list(report.decision.drifted_columns),
+                     "current": [t.isoformat() for t in report.current]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+# --- the trigger's memory -------------------------------------------------------------------------------------
+
+
+def _requests_path(settings: Settings) -> Path:
+    return settings.home.resolve() / "loop" / "triggers.json"
+
+
+def retrain_requests(settings: Settings) -> list[dict]:
+    """Every retrain the monitor requested: ``{"at", "decision", "reasons"}``."""
+    path = _requests_path(settings)
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def request_retrain(settings: Settings, decision: MonitorDecision, now: float,
+                    config: TriggerConfig | None = None) -> TriggerVerdict:
+    """Apply the trigger's rule against the recorded requests and record a new one, atomically across
+    processes (the cool-down's memory outlives flow runs)."""
+    config = config or TriggerConfig()
+    path = _requests_path(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(path.with_suffix(".lock")):
+        past = retrain_requests(settings)
+        verdict = should_retrain(decision, max((t["at"] for t in past), default=None), now, config)
+        if verdict.retrain:
+            past.append({"at": now, "decision": decision.decision, "reasons": list(decision.reasons)})
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(past, indent=2) + "\n")
+            os.replace(tmp, path)
+    return verdict
