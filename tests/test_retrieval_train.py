@@ -99,7 +99,7 @@ def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
     challenger = log_retriever(home, second)
     outcome = run_retrieval_gate(home, challenger.version)
     name = registry.RETRIEVER_NAME
-    tags = registry.version_info(home, challenger.version, name)["tags"]
+    tags = registry.version_info(home, challenger.version, name).tags
     assert tags["gate"] == ("passed" if outcome["passed"] else "failed")
     assert outcome["alias"] == ("challenger" if outcome["passed"] else None)
     assert registry.aliases(home, name)["champion"] == logged.version
