@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from recloop.monitor import MonitorConfig, decide, kpi_findings, run_monitor
+from recloop.monitor import MonitorConfig, choose_windows, decide, kpi_findings
+from recloop.monitor.runner import MonitorError, compare_windows, request_retrain
 from recloop.schema import load_spec
 from recloop.simulate import WorldConfig
 
@@ -38,8 +39,8 @@ def test_decision_order_is_quality_then_kpi_then_drift():
 def test_each_scenario_is_found_the_day_it_starts(scenario, decision, columns, tmp_path, lake_factory):
     world = WorldConfig(seed=3, days=4, events_per_day=8000, drift=scenario, drift_day=3)
     settings = lake_factory(tmp_path, world, features=False)
-    before = run_monitor(settings, SPEC, reference=(day(1), day(3)), current=(day(3), day(4)))
-    after = run_monitor(settings, SPEC, reference=(day(1), day(3)), current=(day(4), day(5)))
+    before = compare_windows(settings, SPEC, reference=(day(1), day(3)), current=(day(3), day(4)))
+    after = compare_windows(settings, SPEC, reference=(day(1), day(3)), current=(day(4), day(5)))
     assert before.decision == "ok", before.reasons
     assert after.decision == decision, after.reasons
     assert columns <= set(after.drifted_columns)
@@ -49,15 +50,15 @@ def test_each_scenario_is_found_the_day_it_starts(scenario, decision, columns, t
 
 def test_no_drift_means_no_false_alarm(tmp_path, lake_factory):
     settings = lake_factory(tmp_path, WorldConfig(seed=5, days=7, events_per_day=8000), features=False)
-    decisions = [run_monitor(settings, SPEC, reference=(day(d - 2), day(d)), current=(day(d), day(d + 1))).decision
+    decisions = [compare_windows(settings, SPEC, reference=(day(d - 2), day(d)), current=(day(d), day(d + 1))).decision
                  for d in range(3, 8)]
     assert decisions.count("ok") == len(decisions), decisions  # 0 false positives in 5 runs
 
 
 def test_an_empty_window_is_a_clear_error(tmp_path, lake_factory):
     settings = lake_factory(tmp_path, WorldConfig(seed=5, days=1, events_per_day=500), features=False)
-    with pytest.raises(ValueError, match="no events in the current window"):
-        run_monitor(settings, SPEC, reference=(day(1), day(2)), current=(day(9), day(10)))
+    with pytest.raises(MonitorError, match="no events in the current window"):
+        compare_windows(settings, SPEC, reference=(day(1), day(2)), current=(day(9), day(10)))
 
 
 @pytest.mark.parametrize(("scenario", "first", "retrains"), [
@@ -68,20 +69,19 @@ def test_an_empty_window_is_a_clear_error(tmp_path, lake_factory):
 def test_monitoring_every_six_hours_requests_at_most_one_retrain(scenario, first, retrains, tmp_path, lake_factory):
     from datetime import timedelta
 
-    from recloop import trigger
+    from recloop.monitor import TriggerConfig
     from recloop.settings import Settings
 
     world = WorldConfig(seed=6, days=5, events_per_day=8000, drift=scenario, drift_day=3)
     settings = lake_factory(tmp_path, world, features=False)
     home = Settings(home=settings.home)
-    config = trigger.TriggerConfig(cooldown_seconds=3 * 86400)
+    config = TriggerConfig(cooldown_seconds=3 * 86400)
     checks = [day(4) + timedelta(hours=6 * k) for k in range(1, 7)]  # from 6 h after the drift, for 1.5 days
     decisions, requested = [], []
     for t in checks:
-        found = run_monitor(settings, SPEC, reference=(day(2), day(4)), current=(t - timedelta(hours=6), t))
+        found = compare_windows(settings, SPEC, reference=(day(2), day(4)), current=(t - timedelta(hours=6), t))
         decisions.append(found.decision)
-        requested.append(trigger.decide_and_record(home, found.decision, list(found.reasons), now=t.timestamp(),
-                                                   config=config).retrain)
+        requested.append(request_retrain(home, found, now=t.timestamp(), config=config).retrain)
     assert decisions[0] == first, decisions
     assert sum(requested) == retrains and requested[0] is (retrains == 1), (decisions, requested)
     if scenario == "none":
@@ -91,7 +91,7 @@ def test_monitoring_every_six_hours_requests_at_most_one_retrain(scenario, first
 def test_prediction_drift_is_its_own_finding():
     import numpy as np
 
-    from recloop.monitor import prediction_findings
+    from recloop.monitor.drift import prediction_findings
 
     rng = np.random.default_rng(0)
     same, figures = prediction_findings(rng.beta(2, 8, 5000), rng.beta(2, 8, 5000), CONFIG)
@@ -106,7 +106,8 @@ def test_per_column_drift_methods_and_thresholds_come_from_config(tmp_path):
     import numpy as np
     import pandas as pd
 
-    from recloop.monitor import evidently_drift, load_config
+    from recloop.monitor.drift import evidently_drift
+    from recloop.monitor.runner import load_config
 
     rng = np.random.default_rng(1)
     reference = pd.DataFrame({"device": rng.choice(["a", "b", "c"], 5000, p=[0.6, 0.3, 0.1]),
@@ -122,7 +123,7 @@ def test_per_column_drift_methods_and_thresholds_come_from_config(tmp_path):
     _, drifted, _, _ = evidently_drift(reference, current, ["device", "price"], lenient)
     assert drifted == []  # a PSI of 10 is what this config calls drift
     path.write_text("drift_shares: 0.5\n")
-    with pytest.raises(ValueError, match="unknown monitor settings \\['drift_shares'\\]"):
+    with pytest.raises(ValueError, match="unknown MonitorConfig settings \\['drift_shares'\\]"):
         load_config(path)
 
 
@@ -133,12 +134,12 @@ def test_prediction_drift_is_a_note_unless_configured_to_decide(tmp_path, lake_f
     rng = np.random.default_rng(0)
     moved = (rng.beta(2, 8, 3000), rng.beta(4, 6, 3000))
     windows = {"reference": (day(1), day(3)), "current": (day(3), day(4))}
-    noted = run_monitor(settings, SPEC, **windows, predictions=moved)
+    noted = compare_windows(settings, SPEC, **windows, predictions=moved)
     assert noted.decision == "ok" and noted.notes and noted.notes[0].startswith("prediction:")
     assert noted.figures["prediction_drift_score"] >= CONFIG.prediction_drift
     from dataclasses import replace
 
-    decided = run_monitor(settings, SPEC, **windows, predictions=moved,
+    decided = compare_windows(settings, SPEC, **windows, predictions=moved,
                           config=replace(CONFIG, prediction_drift_decides=True))
     assert decided.decision == "drift" and "prediction" in decided.drifted_columns and decided.notes == ()
 
@@ -158,3 +159,22 @@ def test_an_auc_drop_counts_only_when_the_impressions_make_it_significant():
     large = kpi_findings({"ctr": 0.2, "auc": 0.67, "impressions": 100_000}, {"ctr": 0.2, "auc": 0.71,
                                                                              "impressions": 100_000}, CONFIG)
     assert large == ["online AUC 0.6700 is 0.0400 below the baseline 0.7100"]
+
+
+H = timedelta(hours=1)
+
+
+@pytest.mark.parametrize(("newest", "trained", "reference", "current"), [
+    # no champion: the reference_days before the checked hours
+    (datetime(2026, 1, 5, 13, 20, tzinfo=UTC), None, (day(2) + 14 * H, day(4) + 14 * H), (day(4) + 14 * H, day(5) + 14 * H)),
+    # the champion's newest training hours, as long as the checked window
+    (datetime(2026, 1, 5, 23, 59, tzinfo=UTC), (day(1), day(4) + 12 * H), (day(3) + 12 * H, day(4) + 12 * H),
+     (day(5), day(6))),
+    # trained into the checked window: the reference stops where the checked hours begin
+    (datetime(2026, 1, 5, 23, 0, tzinfo=UTC), (day(1), day(5) + 18 * H), (day(4), day(5)), (day(5), day(6))),
+    # trained only inside the checked window: the hours before it instead
+    (datetime(2026, 1, 5, 23, 0, tzinfo=UTC), (day(5) + 2 * H, day(5) + 18 * H), (day(4), day(5)), (day(5), day(6))),
+])
+def test_choose_windows(newest, trained, reference, current):
+    got_reference, got_current = choose_windows(newest, hours=24, trained=trained, reference_days=2)
+    assert (got_reference, got_current) == (reference, current)

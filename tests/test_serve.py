@@ -20,28 +20,25 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file, save_file
 
-from recloop import registry
-from recloop.canary import CanaryConfig
+from recloop import checkpoint, pipeline, registry
+from recloop.canary import CanaryConfig, controller
 from recloop.features import store
 from recloop.features.config import FeatureConfig
 from recloop.features.job import FeatureLayout, build_features
-from recloop.gate import GateThresholds, run_gate
 from recloop.ingest import ingest
 from recloop.ingest.lake import read_events
 from recloop.ingest.ledger import Ledger
-from recloop.model import ModelConfig
 from recloop.schema import load_spec
-from recloop.serve import controller
 from recloop.serve.app import ServerThread, create_app
 from recloop.serve.features import FeastOnline, RequestFeatures
 from recloop.serve.traffic import SimulatedUsers, drive
 from recloop.settings import Settings
 from recloop.simulate import World, WorldConfig
-from recloop.train import TrainConfig, TrainSummary, latest_checkpoint, read_checkpoint, train
+from recloop.train import TrainSummary
 
 SPEC = load_spec("synthetic")
-WORLD = WorldConfig(seed=3, days=3, events_per_day=5000)
-DAY3 = datetime(2026, 1, 4, tzinfo=UTC)
+WORLD = WorldConfig(seed=4, days=4, events_per_day=6000)  # the shared champion's world (conftest.py)
+DAY3 = datetime(2026, 1, 4, tzinfo=UTC)  # the end of its featurized days (the online store's state)
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # Small traffic per step: judged on wide guardrails, except the one each bad challenger breaks.
@@ -52,32 +49,18 @@ CANARY = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=60, min_fee
 def replayed_world() -> World:
     """The world in the state it had after the simulated days (click histories included)."""
     world = World(WORLD)
-    for day in range(WORLD.days):
+    for day in range(3):
         for hour in range(24):
             world.hour_events(day, hour)
     return world
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory, lake_factory) -> Settings:
-    """Three simulated days, features in Feast's online store, version 1 trained and gated as champion."""
-    root = tmp_path_factory.mktemp("serve")
-    built = lake_factory(root, WORLD)
-    settings = Settings(home=built.home, frame_backend="pandas", admin_token=TOKEN, serve_poll_seconds=0.1,
-                        feedback_flush_seconds=3600)
-    store.apply_repo(settings)
-    store.materialize(settings, DAY3, timedelta(days=7))
-    summary = train(settings, TrainConfig(days=3, epochs=2, batch_size=512, validation_hours=12, device="cpu",
-                                          model=ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(32,))))
-    logged = registry.log_training(settings, summary, _example(settings))
-    gated = run_gate(settings, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False)
-    assert gated["alias"] == "champion"
-    return settings
-
-
-def _example(settings: Settings):
-    files = sorted(FeatureLayout.for_settings(settings).training.glob("*.parquet"))
-    return pq.read_table(files[-1]).slice(0, 5).to_pandas()
+def home(champion_home: Settings, tmp_path_factory, copy_home) -> Settings:
+    """The shared champion's installation (three featurized days in Feast's online store, version 1
+    champion), copied for this module's server."""
+    return copy_home(champion_home, tmp_path_factory.mktemp("serve") / "home", feast=True, admin_token=TOKEN,
+                     serve_poll_seconds=0.1, feedback_flush_seconds=3600)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +94,7 @@ def wait_for(http: httpx.Client, condition, timeout: float = 20.0) -> dict:
 
 def variant(home: Settings, change, top_mlp: tuple[int, ...] | None = None) -> str:
     """Register a copy of the champion's checkpoint with its weights changed; returns the new version."""
-    source = latest_checkpoint(home)
+    source = checkpoint.resolve(home, "1")
     target = home.home / "checkpoints" / f"variant-{uuid.uuid4().hex[:8]}" / source.name
     shutil.copytree(source, target)
     weights = load_file(target / "model.safetensors")
@@ -121,9 +104,9 @@ def variant(home: Settings, change, top_mlp: tuple[int, ...] | None = None) -> s
         state = json.loads((target / "state.json").read_text())
         state["model"]["top_mlp"] = list(top_mlp)
         (target / "state.json").write_text(json.dumps(state))
-    base = TrainSummary(**read_checkpoint(source)["summary"])
+    base = TrainSummary(**checkpoint.read(source)["summary"])
     base.checkpoint, base.run_id = str(target), f"{base.run_id}-{target.parent.name}"
-    return registry.log_training(home, base, _example(home)).version
+    return pipeline.register_training(home, base).version
 
 
 def unchanged(weights) -> None:
@@ -166,12 +149,12 @@ def run_canary(home: Settings, http: httpx.Client, server, version: str, users: 
     controller.start(home, CANARY)
     decisions, rounds = [], []
     for _ in range(len(CANARY.steps) + 1):
-        share = float(registry.version_info(home, version)["tags"]["canary.share"])
+        share = float(registry.version_info(home, version).tags["canary.share"])
         wait_for(http, lambda h, share=share: h["versions"]["challenger"] == version and h["share"] == share)
         # Two users at a time: the latency guardrail compares the models' own scoring times, which
         # many requests at once on a 2-core machine would blur into CPU contention.
         rounds.append(asyncio.run(drive(server.url, users, requests, concurrency=2)))
-        decisions.append(controller.step(home, CANARY))
+        decisions.append(controller.step(home, CANARY).to_dict())
         if decisions[-1]["action"] in ("promote", "rollback"):
             break
     return decisions, rounds
@@ -247,13 +230,9 @@ def test_health_and_metrics(client: httpx.Client):
 # --- consistency with training --------------------------------------------------------------------------------
 
 
-def test_served_rows_equal_the_training_rows_of_the_same_events(home: Settings, tmp_path: Path):
+def test_served_rows_equal_the_training_rows_of_the_same_events(home: Settings, tmp_path: Path, copy_home):
     """Serve the next hour's events before they exist, then build their training rows: the same inputs."""
-    settings = Settings(home=tmp_path / "home", frame_backend="pandas")
-    shutil.copytree(home.home, settings.home, ignore=shutil.ignore_patterns("serving", "registry.db"))
-    # A fresh Feast registry: the copied one records the original's SQLite tables as its infrastructure,
-    # and applying the copy would drop them there.
-    store.apply_repo(settings)
+    settings = copy_home(home, tmp_path / "home", feast=True)
     world = replayed_world()
     hour = world.hour_events(3, 0).to_pandas()
     first = hour[~hour["user_id"].duplicated() & ~hour["item_id"].duplicated()].head(40)
@@ -321,29 +300,35 @@ def test_no_request_fails_while_aliases_move_under_load(client: httpx.Client, ho
     twin = variant(home, unchanged)
     live = {"1", twin}
     stop = threading.Event()
-    moves = []
+    deployed: list[str] = []
 
     def flip() -> None:
-        versions = ["1", twin]
-        while not stop.is_set():
-            target = versions[len(moves) % 2]
-            registry.set_alias(home, "champion", target, who="test", why="flip under load")
-            moves.append(target)
-            time.sleep(0.3)
+        """Move the champion alias, wait until the server serves the move, move it back: a swap per move,
+        however fast or slow the machine is."""
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            while not stop.is_set():
+                target = twin if len(deployed) % 2 == 0 else "1"
+                registry.set_alias(home, "champion", target, who="test", why="flip under load")
+                wait_for(http, lambda h, target=target: h["versions"]["champion"] == target or stop.is_set(), 60)
+                deployed.append(target)
 
     swaps_before = client.get("/healthz").json()["swaps"]
     flipper = threading.Thread(target=flip)
     flipper.start()
+    users = SimulatedUsers(replayed_world(), day=3.2, seed=7)
+    rounds = []
     try:
-        users = SimulatedUsers(replayed_world(), day=3.2, seed=7)
-        summary = asyncio.run(drive(server.url, users, 400, concurrency=200, feedback=False))
+        while len(deployed) < 4 and len(rounds) < 30:  # load until the server swapped four times under it
+            rounds.append(asyncio.run(drive(server.url, users, 100, concurrency=100, feedback=False)))
     finally:
         stop.set()
         flipper.join()
-    assert summary.failed == 0, summary.errors
-    assert summary.requests == 400
-    assert set(summary.versions) <= live and len(summary.versions) == 2, summary.versions
-    assert client.get("/healthz").json()["swaps"] - swaps_before >= 2 and len(moves) >= 3
+    assert len(deployed) >= 4, f"only {len(deployed)} swaps during {len(rounds)} rounds of load"
+    assert sum(r.failed for r in rounds) == 0, [r.errors for r in rounds]
+    assert sum(r.requests for r in rounds) == 100 * len(rounds)
+    served = {version for r in rounds for version in r.versions}
+    assert served == live, served  # every answer came from a live version, and both served
+    assert client.get("/healthz").json()["swaps"] - swaps_before >= 4
 
 
 # --- the canary controller on simulated traffic ----------------------------------------------------------------
@@ -361,7 +346,7 @@ def test_a_good_challenger_is_stepped_up_and_promoted(client: httpx.Client, home
     assert set(rounds[1].versions) == {version}  # 100 %
     assert registry.aliases(home) == {"champion": version, "challenger": None, "previous": "1"}
     wait_for(client, lambda h: h["versions"] == {"champion": version, "challenger": None})
-    tags = registry.version_info(home, version)["tags"]
+    tags = registry.version_info(home, version).tags
     assert tags["canary.outcome"] == "promoted"
     run = MlflowClient().get_run(tags[controller.RUN_TAG])
     assert run.data.tags["recloop.kind"] == "canary" and run.info.status == "FINISHED"
@@ -390,7 +375,7 @@ def test_a_bad_challenger_is_rolled_back(client: httpx.Client, home: Settings, s
         assert rounds[0].ctr(version) < rounds[0].ctr("1")
     aliases = registry.aliases(home)
     assert aliases["challenger"] is None and aliases["champion"] == "1"
-    tags = registry.version_info(home, version)["tags"]
+    tags = registry.version_info(home, version).tags
     assert tags["canary.outcome"] == "rolled_back" and reason in tags["canary.reasons"]
     wait_for(client, lambda h: h["versions"]["challenger"] is None)
 
@@ -404,8 +389,8 @@ def test_shadow_mode_serves_the_champion_and_scores_both(client: httpx.Client, h
     summary = asyncio.run(drive(server.url, users, 80, concurrency=4))
     assert set(summary.versions) == {"1"}
     seen = controller.status(home, CANARY)
-    assert seen["stats"]["challenger"]["requests"] >= 80  # it scored every request in the shadow
-    assert seen["stats"]["challenger"]["online_auc"] is not None
+    assert seen.stats["challenger"].requests >= 80  # it scored every request in the shadow
+    assert seen.stats["challenger"].online_auc is not None
 
 
 def test_canary_command(home: Settings, client: httpx.Client):
@@ -425,7 +410,7 @@ def test_canary_command(home: Settings, client: httpx.Client):
     out = runner.invoke(app, ["canary", "rollback", "--reason", "review found a bug", "--json"], env=env)
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["aliases"]["challenger"] is None
-    assert "review found a bug" in registry.version_info(home, version)["tags"]["canary.reasons"]
+    assert "review found a bug" in registry.version_info(home, version).tags["canary.reasons"]
 
 
 def test_arrow_batches_score_as_the_logged_pyfunc_does(home: Settings):
@@ -471,9 +456,9 @@ def test_admin_canary_share_and_rollback(client: httpx.Client, home: Settings):
     registry.set_alias(home, "challenger", version, who="test", why="admin endpoints")
     moved = client.post("/admin/canary", json={"share": 0.5, "mode": "shadow"}, headers=AUTH)
     assert moved.status_code == 200 and moved.json() == {"version": version, "share": 0.5, "mode": "shadow"}
-    assert registry.version_info(home, version)["tags"]["canary.share"] == "0.5"
+    assert registry.version_info(home, version).tags["canary.share"] == "0.5"
     wait_for(client, lambda h: h["versions"]["challenger"] == version and h["mode"] == "shadow")
     undone = client.post("/admin/rollback", json={"reason": "admin says no"}, headers=AUTH)
     assert undone.status_code == 200 and undone.json()["aliases"]["challenger"] is None
-    assert "admin says no" in registry.version_info(home, version)["tags"]["canary.reasons"]
+    assert "admin says no" in registry.version_info(home, version).tags["canary.reasons"]
     assert client.get("/healthz").json()["versions"]["challenger"] is None  # swapped before answering

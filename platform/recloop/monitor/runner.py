@@ -128,8 +128,8 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
     inputs = served_inputs(settings, current_champion.version, reference, current, config.sample_rows) \
         if current_champion else None
     snapshots: list = []
-    decision = _decide(settings, spec, reference, current, config, kpis, baseline, snapshots.append,
-                       None if inputs is None else tuple(frame["prediction"].to_numpy() for frame in inputs))
+    decision = compare_windows(settings, spec, reference, current, config, kpis, baseline, snapshots.append,
+                               None if inputs is None else tuple(frame["prediction"].to_numpy() for frame in inputs))
     served = None
     if inputs is not None:
         # The model's inputs as served (entity state, recency, counts shift by nature as time passes):
@@ -154,10 +154,17 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
     return replace(report, mlflow_run_id=run_id, evidently_snapshot=snapshot_id)
 
 
-def _decide(settings: Settings, spec: DatasetSpec, reference: Window, current: Window, config: MonitorConfig,
-            kpis: dict, baseline: dict, on_snapshot, predictions: tuple[np.ndarray, np.ndarray] | None
-            ) -> MonitorDecision:
-    """Compare the lake's events in ``current`` with those in ``reference`` (both ``[start, end)``)."""
+def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, current: Window,
+                    config: MonitorConfig | None = None, kpis: dict | None = None, baseline: dict | None = None,
+                    on_snapshot=None, predictions: tuple[np.ndarray, np.ndarray] | None = None) -> MonitorDecision:
+    """Compare the lake's events in ``current`` with those in ``reference`` (both ``[start, end)``).
+
+    Args:
+        kpis, baseline: online KPIs of the window and the champion's baseline (KPI decay).
+        on_snapshot: receives Evidently's snapshot of the drift report (the workspace's history).
+        predictions: the champion's scores on the reference and current windows (prediction drift).
+    """
+    config, kpis, baseline = config or MonitorConfig(), kpis or {}, baseline or {}
     keys = [k for k in (spec.user_key, spec.item_key) if k]
     monitored = [c.name for c in spec.columns if c.role in ("categorical", "numeric")]
     columns = [*monitored, *keys]
@@ -174,7 +181,7 @@ def _decide(settings: Settings, spec: DatasetSpec, reference: Window, current: W
     healthy = [c for c in monitored if not any(f.startswith(f"{c}:") for f in quality)]
     share, drifted, scores, snapshot = evidently_drift(ref, cur, healthy, config, timestamp=current[1]) \
         if healthy else (0.0, [], {}, None)
-    if snapshot is not None:
+    if snapshot is not None and on_snapshot is not None:
         on_snapshot(snapshot)
     new_ids, figures = new_id_findings(ref, cur, keys, config)
     figures.update({f"drift_score.{k}": v for k, v in scores.items() if not math.isnan(v)})
