@@ -103,14 +103,15 @@ class TrainStep:
         optimizer: the dense optimizer (``dense_optimizer``).
         config: how the step runs.
         device: where model and batches live.
+        first_step: steps already taken (a resumed run): the loss curve counts from there.
     """
 
     def __init__(self, model: RankingModel, optimizer: torch.optim.Optimizer, config: StepConfig,
-                 device: torch.device | str):
+                 device: torch.device | str, first_step: int = 0):
         self.model, self.optimizer, self.config = model, optimizer, config
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.steps = 0
+        self.steps = first_step
         self.loss_curve: list[list[float]] = []
         self._losses, self._id_errors = _DeferredReads(), _DeferredReads()
         self._dynamic_values = bool(model.config.multi_hot_columns)
