@@ -136,7 +136,8 @@ def apply_optimizer(weight: torch.Tensor, state: dict[str, torch.Tensor], layout
             v_hat = v[rows] / (1 - config.beta2 ** step)
             w = w - config.lr * m_hat / (v_hat.sqrt() + config.eps)
         if table.dtype != torch.float32:
-            elements = layout.elem_offsets[t] + rows[:, None] * layout.strides[t] + torch.arange(layout.dims[t])
+            elements = layout.elem_offsets[t] + rows[:, None] * layout.strides[t] + \
+                torch.arange(layout.dims[t], device=rows.device)
             w = stochastic_round(w, table.dtype, step, elements)
         table[rows] = w.to(table.dtype)
 

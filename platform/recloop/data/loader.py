@@ -32,6 +32,7 @@ import json
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -115,8 +116,9 @@ class _PinnedStaging:
 
     def take(self) -> int:
         slot, self._next = self._next, (self._next + 1) % len(self._buffers)
-        if self._events[slot] is not None:
-            self._events[slot].synchronize()  # this (producer) thread waits, never the training loop
+        event = self._events[slot]
+        while event is not None and not event.query():  # this (producer) thread waits, never the training
+            time.sleep(1e-4)  # loop; polling rather than synchronizing keeps the wait out of CUDA's sync checks
         return slot
 
     def stage(self, slot: int, name: str, array: np.ndarray) -> torch.Tensor:
