@@ -61,7 +61,6 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
             "recloop.train_window": f"{summary.train_hours[0]}..{summary.train_hours[-1]}",
             "recloop.validation_window": f"{summary.validation_hours[0]}..{summary.validation_hours[-1]}",
             "recloop.state_version": str(summary.state_version), "recloop.warm_start": summary.warm_start or "",
-            "recloop.checkpoint": summary.checkpoint,
         })
         mlflow.log_dict(summary.scores, "validation_scores.json")
         features = state["features"]
@@ -77,22 +76,11 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
 
 
 def retriever_folder(settings: Settings, version: str) -> Path:
-    """A registered retriever's folder: its training run's folder when it is still there, else the
-    version's artifact downloaded into the serving cache (a replica needs no shared filesystem)."""
-    import mlflow
-    from mlflow import MlflowClient
+    """A registered retriever's folder, downloaded from the registry once (``checkpoint.resolve``): a
+    replica or the gate needs no shared filesystem with the trainer."""
+    from recloop import checkpoint
 
-    info = registry.version_info(settings, version, RETRIEVER_NAME)
-    local = MlflowClient().get_run(info.run_id).data.tags.get("recloop.checkpoint") if info.run_id else None
-    if local and (Path(local) / "state.json").exists():
-        return Path(local)
-    target = settings.serving_dir.resolve() / "retrievers" / f"v{version}"
-    if not any(target.rglob("state.json")):
-        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{RETRIEVER_NAME}/{version}", dst_path=str(target))
-    found = sorted(p.parent for p in target.rglob("state.json"))
-    if not found:
-        raise FileNotFoundError(f"retriever version {version} has no state.json in its artifacts")
-    return found[-1]
+    return checkpoint.resolve(settings, version, RETRIEVER_NAME)
 
 
 def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalThresholds | None = None,
