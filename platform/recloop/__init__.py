@@ -1,8 +1,7 @@
 """recloop: continuous retraining for GPU deep-learning recommenders.
 
-The package is organized one concept per module (see ARCHITECTURE.md): ``settings`` (where things
-live), ``schema`` (dataset specs), ``simulate`` (the synthetic world), ``ingest`` (landing files into
-the lake), and ``cli`` (the ``recloop`` command).
+One concept per module; the map of modules and of the data flowing between them is ARCHITECTURE.md at
+the top of the checkout.
 """
 
 __version__ = "0.1.0"

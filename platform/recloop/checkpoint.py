@@ -285,7 +285,6 @@ def _download(settings: Settings, name: str, version: str, target: Path) -> Path
     from recloop import registry
 
     registry.configure(settings)
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     recorded = MlflowClient().get_model_version(name, version).tags.get(MANIFEST_TAG)
     expected = json.loads(recorded) if recorded else None
     staging = target.with_name(f".v{version}.{os.getpid()}.{threading.get_ident()}")

@@ -1,5 +1,9 @@
 """MLflow IO: training runs, the logged model, registered versions and the aliases that carry state.
 
+Every alias and version function takes ``model_name``: the ranker (``recloop-ranker``, the default) and
+the retriever (``recloop-retriever``) are separate registered models, each with its own versions and
+aliases.
+
 Aliases: ``champion`` (serving), ``challenger`` (passed the gate, in canary), ``previous`` (the last
 champion, for rollback). A version that fails the gate keeps its number, tagged ``gate=failed`` with
 the reasons. Tracking runs on SQLite under ``RECLOOP_HOME`` unless ``RECLOOP_MLFLOW_TRACKING_URI`` names
@@ -30,6 +34,7 @@ from recloop.settings import Settings
 
 EXPERIMENT = "recloop"
 MODEL_NAME = "recloop-ranker"
+RETRIEVER_NAME = "recloop-retriever"  # its versions: recloop.retrieval.publish; same aliases, its own
 ALIASES = ("champion", "challenger", "previous")
 
 
@@ -49,6 +54,8 @@ def configure(settings: Settings) -> str:
     import mlflow
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # Logging a model copies its artifacts with a tqdm bar on stderr: noise in every command's output.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = endpoints.with_connect_timeout(endpoints.require_mlflow(settings), endpoints.limits_for(settings))
     settings.home.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
@@ -148,7 +155,7 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
 
 
 def register(settings: Settings, model_uri: str, run_id: str | None = None, attempts: int = 8,
-             tags: dict[str, str] | None = None) -> str:
+             model_name: str = MODEL_NAME, tags: dict[str, str] | None = None) -> str:
     """A new version of the registered model (with ``tags`` from its creation); safe when several runs
     register at once.
 
@@ -162,11 +169,11 @@ def register(settings: Settings, model_uri: str, run_id: str | None = None, atte
         for attempt in range(attempts):
             try:
                 try:
-                    client.create_registered_model(MODEL_NAME)
+                    client.create_registered_model(model_name)
                 except MlflowException as err:
                     if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
                         raise
-                version = client.create_model_version(MODEL_NAME, model_uri, run_id=run_id, tags=tags)
+                version = client.create_model_version(model_name, model_uri, run_id=run_id, tags=tags)
                 return str(version.version)
             except MlflowException:
                 if attempt == attempts - 1:
@@ -175,38 +182,39 @@ def register(settings: Settings, model_uri: str, run_id: str | None = None, atte
     raise RuntimeError("unreachable")
 
 
-def version_by_alias(settings: Settings, alias: str) -> str | None:
+def version_by_alias(settings: Settings, alias: str, model_name: str = MODEL_NAME) -> str | None:
     from mlflow.exceptions import MlflowException
 
     try:
-        return str(_client(settings).get_model_version_by_alias(MODEL_NAME, alias).version)
+        return str(_client(settings).get_model_version_by_alias(model_name, alias).version)
     except MlflowException:
         return None
 
 
-def aliases(settings: Settings) -> dict[str, str | None]:
-    return {alias: version_by_alias(settings, alias) for alias in ALIASES}
+def aliases(settings: Settings, model_name: str = MODEL_NAME) -> dict[str, str | None]:
+    return {alias: version_by_alias(settings, alias, model_name) for alias in ALIASES}
 
 
-def set_alias(settings: Settings, alias: str, version: str, *, who: str | None = None, why: str = "") -> None:
+def set_alias(settings: Settings, alias: str, version: str, *, who: str | None = None, why: str = "",
+              model_name: str = MODEL_NAME) -> None:
     client = _client(settings)
-    client.set_registered_model_alias(MODEL_NAME, alias, version)
+    client.set_registered_model_alias(model_name, alias, version)
     tag(settings, version, {f"alias.{alias}.by": who or getpass.getuser(), f"alias.{alias}.why": why,
-                            f"alias.{alias}.at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                            f"alias.{alias}.at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, model_name)
 
 
-def remove_alias(settings: Settings, alias: str) -> None:
-    _client(settings).delete_registered_model_alias(MODEL_NAME, alias)
+def remove_alias(settings: Settings, alias: str, model_name: str = MODEL_NAME) -> None:
+    _client(settings).delete_registered_model_alias(model_name, alias)
 
 
-def tag(settings: Settings, version: str, tags: dict[str, str]) -> None:
+def tag(settings: Settings, version: str, tags: dict[str, str], model_name: str = MODEL_NAME) -> None:
     client = _client(settings)
     for key, value in tags.items():
-        client.set_model_version_tag(MODEL_NAME, version, key, str(value))
+        client.set_model_version_tag(model_name, version, key, str(value))
 
 
-def describe(settings: Settings, version: str, description: str) -> None:
-    _client(settings).update_model_version(MODEL_NAME, version, description=description)
+def describe(settings: Settings, version: str, description: str, model_name: str = MODEL_NAME) -> None:
+    _client(settings).update_model_version(model_name, version, description=description)
 
 
 @dataclass(frozen=True)
@@ -227,9 +235,9 @@ class VersionInfo:
     validation_window: tuple[str, str] | None
 
 
-def version_info(settings: Settings, version: str) -> VersionInfo:
+def version_info(settings: Settings, version: str, model_name: str = MODEL_NAME) -> VersionInfo:
     client = _client(settings)
-    found = client.get_model_version(MODEL_NAME, version)
+    found = client.get_model_version(model_name, version)
     run_tags = client.get_run(found.run_id).data.tags if found.run_id else {}
 
     def window(name: str) -> tuple[str, str] | None:
@@ -241,25 +249,27 @@ def version_info(settings: Settings, version: str) -> VersionInfo:
                        window("recloop.validation_window"))
 
 
-def promote(settings: Settings, version: str, *, who: str | None = None, why: str = "") -> dict[str, str | None]:
+def promote(settings: Settings, version: str, *, who: str | None = None, why: str = "",
+            model_name: str = MODEL_NAME) -> dict[str, str | None]:
     """``champion`` := version, ``previous`` := the old champion, ``challenger`` removed if it was this."""
-    old = version_by_alias(settings, "champion")
+    old = version_by_alias(settings, "champion", model_name)
     if old is not None and old != version:
-        set_alias(settings, "previous", old, who=who, why=f"replaced by v{version}")
-    set_alias(settings, "champion", version, who=who, why=why)
-    if version_by_alias(settings, "challenger") == version:
-        remove_alias(settings, "challenger")
-    return aliases(settings)
+        set_alias(settings, "previous", old, who=who, why=f"replaced by v{version}", model_name=model_name)
+    set_alias(settings, "champion", version, who=who, why=why, model_name=model_name)
+    if version_by_alias(settings, "challenger", model_name) == version:
+        remove_alias(settings, "challenger", model_name)
+    return aliases(settings, model_name)
 
 
-def rollback(settings: Settings, *, who: str | None = None, why: str = "") -> dict[str, str | None]:
+def rollback(settings: Settings, *, who: str | None = None, why: str = "",
+             model_name: str = MODEL_NAME) -> dict[str, str | None]:
     """``champion`` := ``previous`` (the demoted version is tagged with who and why)."""
-    previous = version_by_alias(settings, "previous")
+    previous = version_by_alias(settings, "previous", model_name)
     if previous is None:
         raise RuntimeError("nothing to roll back to: no version has the 'previous' alias")
-    current = version_by_alias(settings, "champion")
+    current = version_by_alias(settings, "champion", model_name)
     if current is not None:
-        tag(settings, current, {"rolled_back.by": who or getpass.getuser(), "rolled_back.why": why})
-    set_alias(settings, "champion", previous, who=who, why=f"rollback: {why}")
-    remove_alias(settings, "previous")
-    return aliases(settings)
+        tag(settings, current, {"rolled_back.by": who or getpass.getuser(), "rolled_back.why": why}, model_name)
+    set_alias(settings, "champion", previous, who=who, why=f"rollback: {why}", model_name=model_name)
+    remove_alias(settings, "previous", model_name)
+    return aliases(settings, model_name)

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -41,6 +41,7 @@ from recloop import canary
 from recloop.endpoints import ServiceUnavailable
 from recloop.features.config import FeatureConfig
 from recloop.schema import DatasetSpec, load_spec
+from recloop.serve.body_limit import BodyLimit
 from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
 from recloop.serve.health import Readiness
 from recloop.serve.journal import FeedbackError, Journal, UnknownRequest
@@ -130,55 +131,6 @@ class CanaryRequest(BaseModel):
 class ReasonRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: str = Field(default="by an operator", max_length=500)
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` answers 413 before the app sees it.
-
-    A declared ``Content-Length`` over the limit is refused without reading; otherwise the body is
-    read up to the limit (chunked bodies included) and handed on. Without it, a 50 MB ``/rank`` body
-    was parsed, scored and stored verbatim in the journal.
-    """
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._refuse(send)
-            return
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.max_bytes:
-                await self._refuse(send)
-                return
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send) -> None:
-        detail = json.dumps({"detail": f"request body over the limit of {self.max_bytes} bytes"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(detail)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": detail})
 
 
 class Service:
@@ -317,11 +269,135 @@ class Service:
         return values, status
 
 
+# --- routes: every handler reads the process's Service from the app's state -----------------------------------
+
+public = APIRouter()
+admin = APIRouter(prefix="/admin")
+bearer = HTTPBearer(auto_error=False)
+
+
+def current_service(request: Request) -> Service:
+    return request.app.state.service
+
+
+ServiceDep = Annotated[Service, Depends(current_service)]
+
+
+def require_admin(svc: ServiceDep,
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+    token = svc.settings.admin_token.get_secret_value()
+    if not token:
+        raise HTTPException(403, "admin endpoints are disabled: set RECLOOP_ADMIN_TOKEN")
+    if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), token.encode()):
+        raise HTTPException(401, "a valid admin bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+
+
+@public.post("/rank", response_model=RankResponse)
+def rank(body: RankRequest, svc: ServiceDep) -> RankResponse:
+    try:
+        return svc.rank(body)
+    except HTTPException as err:
+        if err.status_code < 500:
+            svc.metrics.invalid.labels("/rank", str(err.status_code)).inc()
+        raise
+
+
+@public.post("/feedback")
+def feedback(body: FeedbackRequest, svc: ServiceDep) -> dict:
+    try:
+        result = svc.journal.add_feedback(body.request_id, body.impressions, body.clicks)
+    except UnknownRequest as err:
+        svc.metrics.invalid.labels("/feedback", "404").inc()
+        raise HTTPException(404, str(err)) from err
+    except FeedbackError as err:
+        svc.metrics.invalid.labels("/feedback", "422").inc()
+        raise HTTPException(422, str(err)) from err
+    if result["accepted"]:
+        svc.metrics.feedback(result["served_version"], result["accepted"], result["clicks"])
+    svc.metrics.duplicates.inc(result["duplicates"])
+    return result
+
+
+@public.get("/healthz")
+def healthz(svc: ServiceDep) -> JSONResponse:
+    live, verdict = svc.pool.live, svc.readiness.check()
+    body = {"ready": verdict.ready, "reasons": list(verdict.reasons), "versions": live.versions,
+            "share": live.share, "mode": live.mode, "feature_state": svc.features.state_version,
+            "swaps": svc.pool.swaps, "watcher_error": svc.pool.last_error,
+            "load_failures": {v: f.reason for v, f in svc.pool.failures.items()}}
+    return JSONResponse(body, status_code=200 if verdict.ready else 503)
+
+
+@public.get("/metrics")
+def metrics(svc: ServiceDep) -> Response:
+    return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@admin.post("/reload", dependencies=[Depends(require_admin)])
+def reload(svc: ServiceDep) -> dict:
+    try:
+        swapped = svc.pool.sync(force=True)  # versions that failed to load are tried (and fetched) again
+    except ServiceUnavailable as err:
+        raise HTTPException(503, str(err)) from err
+    svc.features.refresh()
+    return {"swapped": swapped, "versions": svc.pool.live.versions, "share": svc.pool.live.share,
+            "feature_state": svc.features.state_version,
+            "load_failures": {v: f.reason for v, f in svc.pool.failures.items()}}
+
+
+@admin.post("/canary", dependencies=[Depends(require_admin)])
+def set_canary(body: CanaryRequest, svc: ServiceDep) -> dict:
+    from recloop.canary import controller
+
+    try:
+        state = controller.set_share(svc.settings, body.share, body.mode, who="admin-api")
+    except controller.NoCanary as err:
+        raise HTTPException(409, str(err)) from err
+    live = svc.pool.set_share(state["share"], state["mode"])
+    svc.metrics.deployment(live.versions, live.share, live.mode == "shadow")
+    return state
+
+
+def _manual(action: Literal["promote", "rollback"], reason: str, svc: Service) -> dict:
+    from recloop.canary import controller
+
+    try:
+        result = controller.manual(svc.settings, action, reason, who="admin-api")
+    except controller.NoCanary as err:
+        raise HTTPException(409, str(err)) from err
+    svc.pool.try_sync()  # the aliases moved; a version that does not load is reported by /healthz
+    return result.to_dict()
+
+
+@admin.post("/promote", dependencies=[Depends(require_admin)])
+def promote(body: ReasonRequest, svc: ServiceDep) -> dict:
+    return _manual("promote", body.reason, svc)
+
+
+@admin.post("/rollback", dependencies=[Depends(require_admin)])
+def rollback(body: ReasonRequest, svc: ServiceDep) -> dict:
+    return _manual("rollback", body.reason, svc)
+
+
+@admin.post("/flush", dependencies=[Depends(require_admin)])
+def flush(svc: ServiceDep) -> dict:
+    return {"landed": svc.land_feedback()}
+
+
+async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
+    service = getattr(request.app.state, "service", None)
+    if service is not None:
+        service.metrics.invalid.labels(request.url.path, "422").inc()
+    errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in err.errors()]
+    return JSONResponse({"detail": errors}, status_code=422)
+
+
 def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synthetic", *,
                online: OnlineReader | None = None, pool: ModelPool | None = None) -> FastAPI:
+    """The serving app: the service starts with the app (models loaded, watcher and feedback threads) and
+    stops with it."""
     settings = settings or Settings()
     spec = load_spec(spec) if isinstance(spec, str) else spec
-    holder: dict[str, Service] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -332,114 +408,15 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synt
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.serve_threads
         service = Service(settings, spec, online, pool)
         service.start()
-        holder["service"] = service
         app.state.service = service
         yield
         service.stop()
 
     app = FastAPI(title="recloop serving", version="1", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.serve_max_body_bytes)
-    bearer = HTTPBearer(auto_error=False)
-
-    def service() -> Service:
-        return holder["service"]
-
-    def admin(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
-        token = settings.admin_token.get_secret_value()
-        if not token:
-            raise HTTPException(403, "admin endpoints are disabled: set RECLOOP_ADMIN_TOKEN")
-        if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), token.encode()):
-            raise HTTPException(401, "a valid admin bearer token is required", headers={"WWW-Authenticate": "Bearer"})
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, err: RequestValidationError):
-        if "service" in holder:
-            holder["service"].metrics.invalid.labels(request.url.path, "422").inc()
-        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in err.errors()]
-        return JSONResponse({"detail": errors}, status_code=422)
-
-    @app.post("/rank", response_model=RankResponse)
-    def rank(body: RankRequest, svc: Annotated[Service, Depends(service)]) -> RankResponse:
-        try:
-            return svc.rank(body)
-        except HTTPException as err:
-            if err.status_code < 500:
-                svc.metrics.invalid.labels("/rank", str(err.status_code)).inc()
-            raise
-
-    @app.post("/feedback")
-    def feedback(body: FeedbackRequest, svc: Annotated[Service, Depends(service)]) -> dict:
-        try:
-            result = svc.journal.add_feedback(body.request_id, body.impressions, body.clicks)
-        except UnknownRequest as err:
-            svc.metrics.invalid.labels("/feedback", "404").inc()
-            raise HTTPException(404, str(err)) from err
-        except FeedbackError as err:
-            svc.metrics.invalid.labels("/feedback", "422").inc()
-            raise HTTPException(422, str(err)) from err
-        if result["accepted"]:
-            svc.metrics.feedback(result["served_version"], result["accepted"], result["clicks"])
-        svc.metrics.duplicates.inc(result["duplicates"])
-        return result
-
-    @app.get("/healthz")
-    def healthz(svc: Annotated[Service, Depends(service)]) -> JSONResponse:
-        live, verdict = svc.pool.live, svc.readiness.check()
-        body = {"ready": verdict.ready, "reasons": list(verdict.reasons), "versions": live.versions,
-                "share": live.share, "mode": live.mode, "feature_state": svc.features.state_version,
-                "swaps": svc.pool.swaps, "watcher_error": svc.pool.last_error,
-                "load_failures": {v: f.reason for v, f in svc.pool.failures.items()}}
-        return JSONResponse(body, status_code=200 if verdict.ready else 503)
-
-    @app.get("/metrics")
-    def metrics(svc: Annotated[Service, Depends(service)]) -> Response:
-        return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/admin/reload", dependencies=[Depends(admin)])
-    def reload(svc: Annotated[Service, Depends(service)]) -> dict:
-        try:
-            swapped = svc.pool.sync(force=True)  # versions that failed to load are tried (and fetched) again
-        except ServiceUnavailable as err:
-            raise HTTPException(503, str(err)) from err
-        svc.features.refresh()
-        return {"swapped": swapped, "versions": svc.pool.live.versions, "share": svc.pool.live.share,
-                "feature_state": svc.features.state_version,
-                "load_failures": {v: f.reason for v, f in svc.pool.failures.items()}}
-
-    @app.post("/admin/canary", dependencies=[Depends(admin)])
-    def set_canary(body: CanaryRequest, svc: Annotated[Service, Depends(service)]) -> dict:
-        from recloop.canary import controller
-
-        try:
-            state = controller.set_share(settings, body.share, body.mode, who="admin-api")
-        except controller.NoCanary as err:
-            raise HTTPException(409, str(err)) from err
-        live = svc.pool.set_share(state["share"], state["mode"])
-        svc.metrics.deployment(live.versions, live.share, live.mode == "shadow")
-        return state
-
-    def manual(action: Literal["promote", "rollback"], reason: str, svc: Service) -> dict:
-        from recloop.canary import controller
-
-        try:
-            result = controller.manual(settings, action, reason, who="admin-api")
-        except controller.NoCanary as err:
-            raise HTTPException(409, str(err)) from err
-        svc.pool.sync()
-        return result.to_dict()
-
-    @app.post("/admin/promote", dependencies=[Depends(admin)])
-    def promote(body: ReasonRequest, svc: Annotated[Service, Depends(service)]) -> dict:
-        return manual("promote", body.reason, svc)
-
-    @app.post("/admin/rollback", dependencies=[Depends(admin)])
-    def rollback(body: ReasonRequest, svc: Annotated[Service, Depends(service)]) -> dict:
-        return manual("rollback", body.reason, svc)
-
-    @app.post("/admin/flush", dependencies=[Depends(admin)])
-    def flush(svc: Annotated[Service, Depends(service)]) -> dict:
-        return {"landed": svc.land_feedback()}
-
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.include_router(public)
+    app.include_router(admin)
     return app
 
 

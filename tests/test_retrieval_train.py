@@ -1,0 +1,118 @@
+"""Retriever training on a simulated lake: it beats popularity on the oracle, warm-starts and grows, and
+is registered, gated and aliased as ``recloop-retriever`` beside the ranker."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from recloop import registry
+from recloop.features.config import FeatureConfig
+from recloop.features.job import build_features
+from recloop.retrieval.data import read_rows
+from recloop.retrieval.evaluate import WorldOracle
+from recloop.retrieval.retriever import Retriever, score_window
+from recloop.retrieval.train import RetrievalTrainConfig, train_retriever
+from recloop.schema import load_spec
+from recloop.settings import Settings
+from recloop.simulate import World, WorldConfig
+
+SPEC = load_spec("synthetic")
+WORLD = WorldConfig(seed=5, days=4, events_per_day=12_000, num_items=1500, drift="sudden", drift_day=3)
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory, lake_factory) -> Path:
+    """Four simulated days (a new catalog wave on the fourth), ingested; features for the first three."""
+    return lake_factory(tmp_path_factory.mktemp("retrieval"), WORLD, features_end=datetime(2026, 1, 4, tzinfo=UTC)).home
+
+
+@pytest.fixture
+def home(lake: Path, tmp_path: Path) -> Settings:
+    shutil.copytree(lake, tmp_path / "home")
+    return Settings(home=tmp_path / "home", frame_backend="pandas")
+
+
+def config(**changes) -> RetrievalTrainConfig:
+    return RetrievalTrainConfig(**{**dict(mode="full", days=3, validation_hours=12, eval_ks=(100, 500), batch_size=256,
+                                          device="cpu"), **changes})
+
+
+def test_a_full_run_beats_popularity_on_the_oracle_and_round_trips(home: Settings):
+    oracle = WorldOracle(World(WORLD))
+    summary = train_retriever(home, config(), oracle=oracle)
+    overall, popular = summary.scores["overall"], summary.scores["popularity"]
+    assert summary.clicks > 2000 and summary.steps > 10 and 1000 < summary.catalog_items <= 1500
+    # What retrieval should return, it returns more of than "the most clicked items" does.
+    assert overall["oracle_recall@100"] > popular["oracle_recall@100"], summary.scores
+    assert 0 < overall["recall@500"] <= 1 and overall["clicks"] > 300
+    assert len(summary.loss_curve) >= 3 and summary.loss_curve[-1][1] < summary.loss_curve[0][1]
+    folder = Path(summary.checkpoint)
+    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "items.safetensors", "index.faiss",
+                                                 "index.safetensors", "index.json", "state.json"}
+    loaded = Retriever.load(folder)  # safetensors + JSON + the index file: same answers as when trained
+    validation = sorted((home.home / "features" / "training").glob("*.parquet"))[-12:]
+    again = score_window(loaded, validation, (100, 500), oracle)
+    assert again.overall == pytest.approx(overall)
+    assert train_retriever(home, config(), oracle=oracle).run_id == summary.run_id  # done: not retrained
+
+
+def test_incremental_warm_start_grows_tables_and_keeps_untouched_rows(home: Settings):
+    base = train_retriever(home, config())
+    build_features(home, SPEC, FeatureConfig.for_spec(SPEC))  # day four: new users and a catalog wave
+    incremental = train_retriever(home, config(mode="incremental"))
+    assert incremental.warm_start == base.checkpoint and incremental.train_hours[0] >= base.trained_until
+    old_rows, new_rows = incremental.grown_tables["c_item_id"]
+    assert new_rows > old_rows and incremental.catalog_items > base.catalog_items
+    before = load_file(Path(base.checkpoint) / "model.safetensors")
+    after = load_file(Path(incremental.checkpoint) / "model.safetensors")
+    old = Retriever.load(Path(base.checkpoint)).model.item_tower.embeddings.weight("c_item_id")
+    new = Retriever.load(Path(incremental.checkpoint)).model.item_tower.embeddings.weight("c_item_id")
+    training = home.home / "features" / "training"
+    clicked = set(read_rows([p for p in sorted(training.glob("*.parquet")) if p.stem >= base.trained_until][:-12],
+                            config().features).columns["c_item_id"].tolist())
+    untouched = [r for r in range(2, old_rows) if r not in clicked]
+    touched = sorted(clicked & set(range(2, old_rows)))
+    assert untouched and touched
+    assert torch.equal(old[untouched], new[untouched])  # indices never move; unclicked rows keep their values
+    assert not torch.equal(old[touched], new[touched])
+    assert before.keys() == after.keys()
+
+
+def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
+    import mlflow
+
+    from recloop.retrieval.publish import log_retriever, run_retrieval_gate
+
+    first = train_retriever(home, config(epochs=2))
+    logged = log_retriever(home, first)
+    assert log_retriever(home, first).version == logged.version  # a rerun finds it
+    outcome = run_retrieval_gate(home, logged.version)
+    assert outcome["passed"] and outcome["alias"] == "champion", outcome["reasons"]
+    second = train_retriever(home, config(epochs=3))
+    challenger = log_retriever(home, second)
+    outcome = run_retrieval_gate(home, challenger.version)
+    name = registry.RETRIEVER_NAME
+    tags = registry.version_info(home, challenger.version, name).tags
+    assert tags["gate"] == ("passed" if outcome["passed"] else "failed")
+    assert outcome["alias"] == ("challenger" if outcome["passed"] else None)
+    assert registry.aliases(home, name)["champion"] == logged.version
+    assert registry.aliases(home) == {"champion": None, "challenger": None, "previous": None}  # the ranker's
+    registry.promote(home, challenger.version, who="test", model_name=name)
+    assert registry.aliases(home, name) == {"champion": challenger.version, "challenger": None,
+                                            "previous": logged.version}
+    model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    rows = read_rows(sorted((home.home / "features" / "training").glob("*.parquet"))[-1:], config().features)
+    frame = __import__("pandas").DataFrame({"c_user_id": rows.columns["c_user_id"][:3],
+                                            "c_device": rows.columns["c_device"][:3],
+                                            "c_country": rows.columns["c_country"][:3],
+                                            "m_history": [rows.take(np.array([i])).lists["m_history"][1]
+                                                          for i in range(3)]})
+    answer = model.predict(frame, params={"k": 20})
+    assert len(answer) == 3 and all(len(ids) == 20 and (np.asarray(ids) >= 0).all() for ids in answer["item_ids"])
