@@ -42,15 +42,18 @@ def ingest_new(settings: Settings, spec: str = "synthetic", source: Path | None 
 def build_features(settings: Settings, spec: str = "synthetic", window: dict | None = None,
                    materialize: bool = True) -> FeatureRunSummary:
     """The feature job, then (if the dataset has users and items) Feast apply + incremental materialize."""
+    from recloop.features import store
     from recloop.features.config import FeatureConfig
     from recloop.features.job import build_features as run_job
 
     dataset = load_spec(spec)
     config = FeatureConfig.for_spec(dataset)
+    publish = materialize and dataset.user_key and dataset.item_key
+    if publish:
+        store.require_services(settings)  # a dead Redis or registry database: named before the job's work
     summary = run_job(settings, dataset, config, **(window or {}))
-    if not (materialize and summary.rows and dataset.user_key and dataset.item_key):
+    if not (publish and summary.rows):
         return summary
-    from recloop.features import store
 
     applied = store.apply_repo(settings)
     materialized = store.materialize(settings, datetime.fromisoformat(summary.end), timedelta(seconds=config.ttl_seconds))
