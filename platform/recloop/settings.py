@@ -45,6 +45,13 @@ class Settings(BaseSettings):
         serve_torch_threads: intra-op threads per scoring call (requests already run in parallel).
         serve_threads: requests scored at once per serving process (the rest wait their turn).
         feedback_flush_seconds: how often served feedback is written to the landing zone as a file.
+        features_engine: ``local`` (the feature job in this process) or ``dask`` (partitions by hash of entity
+            key on a Dask cluster: ``dask_scheduler``, or a local cluster of ``dask_workers`` processes).
+        dask_scheduler: a Dask scheduler address (``tcp://scheduler:8786``); empty starts a local cluster.
+        dask_workers: worker processes of that local cluster.
+        dask_partitions: hash partitions of the entity keys (0: two per worker).
+        journal: where serving replicas keep their journal: ``sqlite`` (a file under ``home``, one host) or
+            ``postgres`` (at ``postgres_dsn``, shared by every replica).
     """
 
     model_config = SettingsConfigDict(env_prefix="RECLOOP_", env_file=".env", extra="ignore", frozen=True)
@@ -67,6 +74,11 @@ class Settings(BaseSettings):
     serve_torch_threads: int = 1
     serve_threads: int = 4
     feedback_flush_seconds: float = 5.0
+    features_engine: Literal["local", "dask"] = "local"
+    dask_scheduler: str = ""
+    dask_workers: int = 2
+    dask_partitions: int = 0
+    journal: Literal["sqlite", "postgres"] = "sqlite"
 
     @property
     def landing_dir(self) -> Path:
