@@ -40,7 +40,7 @@ from recloop import canary
 from recloop.features.config import FeatureConfig
 from recloop.schema import DatasetSpec, load_spec
 from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
-from recloop.serve.journal import FeedbackError, Journal, UnknownRequest
+from recloop.serve.journal import FeedbackError, UnknownRequest, open_journal
 from recloop.serve.metrics import ServingMetrics
 from recloop.serve.models import Deployment, ModelPool, score
 from recloop.settings import Settings
@@ -107,7 +107,7 @@ class Service:
                                         online or online_reader(settings))
         self.pool = pool or ModelPool(settings)
         self.pool.on_swap = lambda old, new: self._deployed(new)
-        self.journal = Journal(settings.serving_dir / "journal.db", spec)
+        self.journal = open_journal(settings, spec)  # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
 
