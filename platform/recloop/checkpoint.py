@@ -186,7 +186,6 @@ def resolve(settings: Settings, version: str, model_name: str | None = None) -> 
     done = target / ".complete"
     if not done.exists():
         registry.configure(settings)
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         staging = target.with_name(f".v{version}.{os.getpid()}.{threading.get_ident()}")
         shutil.rmtree(staging, ignore_errors=True)
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(staging))

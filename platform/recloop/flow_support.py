@@ -6,6 +6,7 @@ Kept out of ``flows/`` so the flow files stay thin wiring; imported only by them
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from recloop.settings import Settings
 
@@ -15,6 +16,7 @@ def configure_prefect(settings: Settings) -> None:
     shows the demo's runs), a patient ephemeral server, no analytics; ``RECLOOP_PREFECT_API_URL`` points
     at a real server instead."""
     os.environ.setdefault("PREFECT_HOME", str(settings.home.resolve() / "prefect"))
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect warns when it cannot
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")

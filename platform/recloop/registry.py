@@ -49,6 +49,8 @@ def configure(settings: Settings) -> str:
     import mlflow
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # Logging a model copies its artifacts with a tqdm bar on stderr: noise in every command's output.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = settings.resolved_mlflow_tracking_uri()
     settings.home.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
