@@ -5,7 +5,10 @@
     python benchmarks/scaleout.py serve [--rates 50,75,100]          # 1 vs 2 replicas on a PostgreSQL journal
 
 Correct first: the Dask job's training rows must equal the local job's, and the 2-rank model must equal
-the 1-process model on the same data shards (weights within 1e-4) before any time is reported.
+the 1-process model on the same data shards before any time is reported: within three times the drift
+that a 1e-6 relative change of the learning rate causes in the 1-process run (measured in the same run:
+fp32 sums in another order are that kind of change, and row-wise Adagrad's first steps amplify them), and
+AUC within 1e-3.
 Communication share (train): wall time inside the blocking collectives of the sharded step (the
 embedding all-to-alls and the per-step all-reduce of batch sizes), measured by wrapping
 ``torch.distributed``'s functions in the rank processes, over the training seconds; DDP's dense-gradient
@@ -150,20 +153,33 @@ def training(args, work: Path) -> list[dict]:
     base = lake(work / "lake", WorldConfig(seed=2, days=3, events_per_day=args.events_per_day), features=True)
     config = TrainConfig(days=3, epochs=1, batch_size=args.batch_size, validation_hours=6, device="cpu",
                          deterministic=True, checkpoint_every=10**9, model=ModelConfig())
-    runs = [("1 process, 1 thread", 1, 1, 1), ("1 process, 2 threads", 1, 2, 1),
-            ("1 process, 2 data shards (reference)", 1, 1, 2), ("2 processes (gloo), 1 thread each", 2, 1, 2)]
-    rows, results = [], {}
-    for name, processes, threads, shards in runs:
-        from dataclasses import replace
+    from dataclasses import replace
 
-        home = copy(base, work / name.replace(" ", "_").replace(",", "")).home
-        results[name] = _train_run(home, replace(config, data_shards=shards), processes, threads, work)
-    one = load_file(Path(results[runs[2][0]][0]["summary"]["checkpoint"]) / "model.safetensors")
-    two = load_file(Path(results[runs[3][0]][0]["summary"]["checkpoint"]) / "model.safetensors")
-    worst = max(float((one[k].double() - two[k].double()).abs().max()) for k in one if one[k].numel())
-    assert worst < 1e-4, f"2 ranks drifted from 1 process by {worst}"  # correct first
+    runs = [("1 process, 1 thread", 1, 1, 1, 1.0), ("1 process, 2 threads", 1, 2, 1, 1.0),
+            ("1 process, 2 data shards (reference)", 1, 1, 2, 1.0), ("2 processes (gloo), 1 thread each", 2, 1, 2, 1.0),
+            ("1 process, 2 data shards, lr x (1 + 1e-6) (noise yardstick)", 1, 1, 2, 1 + 1e-6)]
+    rows, results = [], {}
+    for name, processes, threads, shards, lr_factor in runs:
+        home = copy(base, work / f"run-{len(results)}").home
+        results[name] = _train_run(home, replace(config, data_shards=shards, lr=config.lr * lr_factor), processes,
+                                   threads, work)
+
+    def weights(run: int) -> dict:
+        return load_file(Path(results[runs[run][0]][0]["summary"]["checkpoint"]) / "model.safetensors")
+
+    def drift(a: dict, b: dict, dense: bool) -> float:
+        keys = [k for k in a if a[k].is_floating_point() and a[k].numel() and k.startswith("sparse_arch") != dense]
+        return float(sum((a[k] - b[k]).double().norm() ** 2 for k in keys) ** 0.5
+                     / sum(a[k].double().norm() ** 2 for k in keys) ** 0.5)
+
+    reference, two, noise = weights(2), weights(3), weights(4)
+    ranks_drift = {part: drift(reference, two, part == "dense") for part in ("dense", "tables")}
+    noise_drift = {part: drift(reference, noise, part == "dense") for part in ("dense", "tables")}
+    auc_gap = abs(results[runs[3][0]][0]["summary"]["auc"] - results[runs[2][0]][0]["summary"]["auc"])
+    assert all(ranks_drift[p] <= 3 * noise_drift[p] + 1e-6 for p in ranks_drift) and auc_gap < 1e-3, \
+        (ranks_drift, noise_drift, auc_gap)  # correct first
     first = results[runs[0][0]][0]["summary"]["samples_per_s"]
-    for name, *_ in runs:
+    for name, *_ in runs[:4]:
         ranks = results[name]
         summary = ranks[0]["summary"]
         collective = max(r["collectives"]["seconds"] for r in ranks)
@@ -173,8 +189,11 @@ def training(args, work: Path) -> list[dict]:
                      "vs_1x1": f"{summary['samples_per_s'] / first:.2f}x", "auc": f"{summary['auc']:.4f}",
                      "communication": f"{collective / summary['seconds']:.0%} (+{dense / summary['seconds']:.0%} dense)"
                      if len(ranks) > 1 else "-"})
-    rows.append({"run": f"check: max |w(2 ranks) - w(1 process, 2 shards)| = {worst:.1e}", "samples": "", "steps": "",
-                 "seconds": "", "samples_per_s": "", "vs_1x1": "", "auc": "", "communication": ""})
+    rows.append({"run": "check: relative drift from the reference, 2 ranks | lr x (1 + 1e-6)",
+                 "samples": "", "steps": "", "seconds": "",
+                 "samples_per_s": f"dense {ranks_drift['dense']:.1e} | {noise_drift['dense']:.1e}",
+                 "vs_1x1": f"tables {ranks_drift['tables']:.1e} | {noise_drift['tables']:.1e}",
+                 "auc": f"gap {auc_gap:.1e}", "communication": ""})
     return rows
 
 
@@ -185,13 +204,13 @@ def serving(args, work: Path) -> list[dict]:
     import uuid
 
     import psycopg2
-    from serve import REDIS_URL, TOKEN, offer, setup
+    from serve import REDIS_URL, TOKEN, offer
 
     from recloop.serve.traffic import SimulatedUsers
     from recloop.simulate import World
 
     world_config = WorldConfig(seed=21, days=4, events_per_day=args.events_per_day)
-    settings, _ = setup(work, world_config)
+    settings = _serving_setup(work, world_config, REDIS_URL)
     world = World(world_config)
     for day in range(world_config.days):
         for hour in range(24):
@@ -232,6 +251,32 @@ def serving(args, work: Path) -> list[dict]:
         admin.cursor().execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         admin.close()
     return rows
+
+
+def _serving_setup(root: Path, world: WorldConfig, redis_url: str) -> Settings:
+    """Lake, features in Redis (its database flushed first), a trained champion v1."""
+    from datetime import timedelta
+
+    import redis
+
+    from recloop import pipeline
+    from recloop.features import store
+    from recloop.gate import GateThresholds, run_gate
+    from recloop.train import TrainConfig, train
+
+    redis.Redis.from_url(redis_url).flushdb()
+    settings = Settings(home=root / "home", frame_backend="pandas", feast_online_store="redis", redis_url=redis_url)
+    simulate(world, root / "landing")
+    ingest(root / "landing", SPEC, settings, now=datetime(2026, 6, 1, tzinfo=UTC))
+    build_features(settings, SPEC, FeatureConfig.for_spec(SPEC))
+    store.apply_repo(settings)
+    store.materialize(settings, world.start + timedelta(days=world.days), timedelta(days=7))
+    summary = train(settings, TrainConfig(days=world.days, epochs=1, batch_size=2048, validation_hours=12,
+                                          device="cpu"))
+    logged = pipeline.register_training(settings, summary)
+    outcome = run_gate(settings, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False)
+    assert outcome.passed, outcome.reasons
+    return settings
 
 
 async def _offer_all(offer, urls: list[str], bodies: list[dict], rate: float, seconds: float) -> list[dict]:
