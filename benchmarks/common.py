@@ -5,16 +5,27 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def use_source_tree() -> None:
+    """Import ``recloop`` and ``recloop_kernels`` from this checkout (a GPU machine may have no install)."""
+    for folder in (ROOT / "platform", ROOT / "kernels"):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+
 
 def machine() -> dict[str, str]:
-    """CPU model and cores, GPU if any, library versions and the commit: what a figure is measured on."""
-    import platform as std_platform  # the standard library module (this folder has no platform package)
+    """CPU model and cores, GPU and driver if any, library versions and the commit: what a figure is measured on.
 
-    import pyarrow
+    Needs nothing beyond the standard library; torch, triton and pyarrow are described when importable.
+    """
+    import platform as std_platform  # the standard library module (this folder has no platform package)
 
     cpu = "unknown"
     try:
@@ -24,21 +35,30 @@ def machine() -> dict[str, str]:
                 break
     except OSError:
         pass
-    info = {
-        "cpu": cpu,
-        "cores": str(os.cpu_count()),
-        "python": std_platform.python_version(),
-        "pyarrow": pyarrow.__version__,
-        "commit": _commit(),
-    }
+    info = {"cpu": cpu, "cores": str(os.cpu_count()), "python": std_platform.python_version(), "commit": _commit()}
+    for package in ("torch", "triton", "pyarrow"):
+        try:
+            info[package] = __import__(package).__version__
+        except ImportError:
+            info[package] = "not installed"
     try:
         import torch
 
-        info["torch"] = torch.__version__
         info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     except ImportError:
         info["gpu"] = "none (torch not installed)"
+    info["driver"] = _driver()
     return info
+
+
+def _driver() -> str:
+    """The NVIDIA driver version (nvidia-smi), or "none"."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        return out.splitlines()[0] if out else "none"
+    except (OSError, subprocess.SubprocessError):
+        return "none"
 
 
 def _commit() -> str:

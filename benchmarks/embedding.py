@@ -1,39 +1,52 @@
 """Fused embedding bags: forward, and backward + fused row-wise Adagrad, against the physical limit.
 
-    python benchmarks/embedding.py [--quick] [--json out.json]
+    python benchmarks/embedding.py [--quick] [--smoke] [--json out.json]
 
-Per shape, side by side in one run on the same inputs (ids uniform and power-law):
+Per shape (BENCHMARKS.md: one 10M-row table at dims 32/64/128, 64-hot; 100 features × 10-hot over 8192
+rows; Criteo-like 26 tables at dim 128, one-hot, batch 64K), weight dtype (fp32, bf16) and id law
+(uniform, Zipf α = 1.05), side by side in one run on the same inputs:
 
-- recloop ``EmbeddingBagCollection`` (Triton on a GPU; the PyTorch reference on a CPU), optimizer
-  ``rowwise_adagrad`` fused into the backward;
-- baseline: one ``nn.EmbeddingBag`` per table + ``torch.optim.Adagrad``, with dense gradients and with
-  sparse gradients.
+- recloop ``EmbeddingBagCollection`` (Triton on a GPU), ``rowwise_adagrad`` fused into the backward;
+- baseline: one ``nn.EmbeddingBag`` per table + ``torch.optim.Adagrad``, dense gradients, then sparse
+  gradients. Table bounds are host integers (no host synchronization in the baselines either).
 
-On a GPU each figure is also reported as achieved GB/s (the fewest bytes the pass must move) next to the
-device-to-device copy bandwidth measured in the same run. Targets (recloop_kernels issue, one H100):
-forward >= 75 % and backward + fused row-wise Adagrad >= 50 % of copy bandwidth; on the Criteo-like
-shape >= 20x the dense baseline and >= 5x the sparse one. Without a GPU the script runs small shapes on
-the CPU, reports ratios only, and says that no GPU was present.
+Timing: CUDA events around the pass alone (the forward feeding a backward runs untimed), median of
+``--repeats``; the backward is ``torch.autograd.backward(out, grad)`` (+ ``optimizer.step()`` for the
+baselines). Models are freed between measurements; row counts are capped at 5M per table so that recloop
+and a dense baseline (weight, gradient, Adagrad state) fit in 80 GB together. Achieved GB/s count the
+fewest bytes a pass must move (RESULTS.md: byte accounting), next to the device-to-device copy bandwidth
+measured in the same run. Also reported: the longest run (occurrences of the most used row of a
+table: the work one backward program would serialize without the split) and the kernel launches of
+each pass (the profiler's count on a GPU; Triton launches in the interpreter).
+
+Targets (one H100): forward >= 75 % and backward + fused row-wise Adagrad >= 50 % of copy bandwidth;
+on the Criteo-like shape >= 20x the dense baseline and >= 5x the sparse one. ``--smoke``: tiny shapes
+on the CPU through Triton's interpreter (correctness and plumbing only; no figure is a speed).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
-from common import machine, report
+from common import machine, report, use_source_tree
 from torch import nn
 
-from recloop_kernels import EmbeddingBagCollection, TableConfig
+use_source_tree()
+from recloop_kernels import EmbeddingBagCollection, TableConfig, embedding_bag  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-# Criteo Kaggle cardinalities (the 26 categorical features), capped for the dense baseline's memory.
+ROW_CAP = 5_000_000  # rows per table: recloop + a dense baseline (weight, grad, state) fit in 80 GB
+# Criteo Kaggle cardinalities (the 26 categorical features).
 CRITEO_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
                5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+TARGETS = {"forward": 0.75, "backward": 0.50}
 
 
 @dataclass(frozen=True)
@@ -44,173 +57,294 @@ class Shape:
     hotness: int
     batch: int
 
+    @property
+    def key(self) -> str:
+        """A short name: tables × dim, hotness, batch (``criteo`` for the Criteo-like shape)."""
+        batch = f"{self.batch // 1024}K" if self.batch >= 1024 else str(self.batch)
+        prefix = "criteo " if self.name.startswith("Criteo") else ""
+        return f"{prefix}{len(self.rows)}x{max(self.rows):,}r d{self.dim} {self.hotness}-hot b{batch}"
 
-def gpu_shapes(quick: bool) -> list[Shape]:
-    shapes = [Shape(f"1 table 10M rows, dim {d}, 64-hot, batch 8K", (10_000_000,), d, 64, 8192) for d in (32, 64, 128)]
+
+def gpu_shapes(quick: bool = False) -> list[Shape]:
+    shapes = [Shape("Criteo-like: 26 tables (capped at 5M rows), dim 128, one-hot, batch 64K",
+                    tuple(min(r, ROW_CAP) for r in CRITEO_ROWS), 128, 1, 65536)]
+    shapes += [Shape(f"1 table 10M rows, dim {d}, 64-hot, batch 8K", (10_000_000,), d, 64, 8192) for d in (128, 64, 32)]
     shapes.append(Shape("100 features x 10-hot, vocab 8192, dim 64, batch 8K", (8192,) * 100, 64, 10, 8192))
-    shapes.append(Shape("Criteo-like: 26 tables, dim 128, one-hot, batch 64K", tuple(CRITEO_ROWS), 128, 1, 65536))
-    return shapes[-2:] if quick else shapes
+    return [shapes[0], shapes[-1]] if quick else shapes
 
 
-def cpu_shapes() -> list[Shape]:
-    return [Shape("CPU: 1 table 200k rows, dim 64, 16-hot, batch 1K", (200_000,), 64, 16, 1024),
-            Shape("CPU: 26 tables up to 200k rows, dim 32, one-hot, batch 4K",
-                  tuple(min(r, 200_000) for r in CRITEO_ROWS), 32, 1, 4096)]
+def smoke_shapes() -> list[Shape]:
+    return [Shape("smoke: 5 tables (one of 3 rows), dim 16, one-hot, batch 32", (3, 20, 50, 7, 30), 16, 1, 32),
+            Shape("smoke: 1 table 100 rows, dim 8, 6-hot, batch 16", (100,), 8, 6, 16)]
 
 
-def make_ids(shape: Shape, power_law: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+def make_ids(shape: Shape, ids: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed-hotness bags, table-major; ``uniform`` or ``zipf`` (P(rank k) ∝ k^-1.05, ranks shuffled)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     per_table = shape.batch * shape.hotness
-    ids = []
+    parts = []
     for rows in shape.rows:
-        u = torch.rand(per_table, generator=g)
-        ids.append(((u ** 8 if power_law else u) * rows).long().clamp(max=rows - 1))
-    values = torch.cat(ids).to(DEVICE)
-    offsets = (torch.arange(len(shape.rows) * shape.batch + 1) * shape.hotness).to(DEVICE)
+        if ids == "zipf":
+            cdf = torch.cumsum(torch.arange(1, rows + 1, device=DEVICE, dtype=torch.float64) ** -1.05, 0)
+            ranks = torch.searchsorted(cdf, torch.rand(per_table, generator=g, device=DEVICE, dtype=torch.float64)
+                                       * cdf[-1]).clamp(max=rows - 1)
+            parts.append(torch.randperm(rows, generator=g, device=DEVICE)[ranks])
+        else:
+            parts.append(torch.randint(0, rows, (per_table,), generator=g, device=DEVICE))
+    values = torch.cat(parts)
+    offsets = torch.arange(len(shape.rows) * shape.batch + 1, device=DEVICE) * shape.hotness
     return values, offsets
 
 
-def timeit(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` (CUDA events on a GPU), after warm-up."""
-    for _ in range(3):
-        fn()
+def run_statistics(shape: Shape, values: torch.Tensor) -> tuple[int, int]:
+    """(unique rows touched, longest run: occurrences of the most used row of any table)."""
+    per_table = shape.batch * shape.hotness
+    unique, longest = 0, 0
+    for t in range(len(shape.rows)):
+        _, counts = torch.unique(values[t * per_table:(t + 1) * per_table], return_counts=True)
+        unique += counts.numel()
+        longest = max(longest, int(counts.max()))
+    return unique, longest
+
+
+def timed(run, setup=None, repeats: int = 10) -> float:
+    """Median seconds of ``run`` (CUDA events around it alone on a GPU); ``setup`` before each, untimed."""
+    for _ in range(2 if CUDA else 1):
+        state = setup() if setup else None
+        run(state)
     times = []
     for _ in range(repeats):
+        state = setup() if setup else None
         if CUDA:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            run(state)
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 1000)
         else:
             begin = time.perf_counter()
-            fn()
+            run(state)
             times.append(time.perf_counter() - begin)
     return statistics.median(times)
 
 
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth (bytes/s): read + write of a 1 GiB buffer."""
-    src = torch.empty(1 << 28, dtype=torch.float32, device=DEVICE)
-    dst = torch.empty_like(src)
-    seconds = timeit(lambda: dst.copy_(src), 20)
-    return 2 * src.numel() * 4 / seconds
+    buffers = [torch.empty(1 << 28, dtype=torch.float32, device=DEVICE) for _ in range(2)]
+    seconds = timed(lambda _: buffers[1].copy_(buffers[0]), repeats=20)
+    buffers.clear()
+    free()
+    return 2 * (1 << 28) * 4 / seconds
 
 
 class Baseline(nn.Module):
-    """One nn.EmbeddingBag per table, as a model built on stock PyTorch would have it."""
+    """One nn.EmbeddingBag per table, as a model built on stock PyTorch would have it; bounds on the host."""
 
-    def __init__(self, ebc: EmbeddingBagCollection, sparse: bool):
+    def __init__(self, ebc: EmbeddingBagCollection, shape: Shape, sparse: bool):
         super().__init__()
         self.bags = nn.ModuleList()
         for table in ebc.tables:
-            bag = nn.EmbeddingBag(table.num_embeddings, table.dim, mode="sum", sparse=sparse, device=DEVICE)
-            bag.weight.data.copy_(ebc.weight(table.name).float())
+            bag = nn.EmbeddingBag(table.num_embeddings, table.dim, mode="sum", sparse=sparse, device=DEVICE,
+                                  dtype=ebc.weights.dtype)
+            with torch.no_grad():
+                bag.weight.copy_(ebc.weight(table.name))
             self.bags.append(bag)
+        self.per_table = shape.batch * shape.hotness
+        self.bag_offsets = torch.arange(shape.batch, device=DEVICE) * shape.hotness
 
-    def forward(self, values, offsets, batch):
-        outs = []
-        for t, bag in enumerate(self.bags):
-            bounds = offsets[t * batch:(t + 1) * batch + 1]
-            start = bounds[0]
-            outs.append(bag(values[start:bounds[-1]], bounds[:-1] - start))
-        return torch.cat(outs, dim=1)
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        return torch.cat([bag(values[t * self.per_table:(t + 1) * self.per_table], self.bag_offsets).float()
+                          for t, bag in enumerate(self.bags)], dim=1)
 
 
-def measure(shape: Shape, power_law: bool, bandwidth: float | None, repeats: int) -> list[dict]:
-    tables = [TableConfig(f"t{i}", rows, shape.dim) for i, rows in enumerate(shape.rows)]
-    ebc = EmbeddingBagCollection(tables, optimizer="rowwise_adagrad", lr=0.01, device=DEVICE, check_ids=False)
-    values, offsets = make_ids(shape, power_law, seed=1)
-    upstream = torch.randn(shape.batch, len(tables) * shape.dim, device=DEVICE)
+class LaunchCounter:
+    """Kernel launches of a pass: CUDA kernels in the profiler on a GPU; Triton launches in the interpreter."""
 
-    # Correct first: the forward against nn.EmbeddingBag, and one fused step against the reference.
-    dense = Baseline(ebc, sparse=False)
-    expected = dense(values, offsets, shape.batch)
-    out = ebc(values, offsets)
-    error = ((out - expected).norm() / expected.norm()).item()
-    if not error < 1e-5 or torch.isnan(out).any():
-        raise SystemExit(f"{shape.name}: forward relative error {error:.2e}; refusing to report a time")
+    NAMES = ("_forward_kernel", "_linearize_kernel", "_mark_kernel", "_scatter_kernel", "_segment_kernel",
+             "_split_kernel")
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        if CUDA:
+            torch.cuda.synchronize()
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.profiler.__enter__()
+        else:
+            self.saved = {name: getattr(embedding_bag, name) for name in self.NAMES}
+            for name, kernel in self.saved.items():
+                setattr(embedding_bag, name, _Counting(kernel, self))
+        return self
+
+    def __exit__(self, *exc):
+        if CUDA:
+            torch.cuda.synchronize()
+            self.profiler.__exit__(*exc)
+            self.count = sum(1 for e in self.profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        else:
+            for name, kernel in self.saved.items():
+                setattr(embedding_bag, name, kernel)
+
+
+class _Counting:
+    def __init__(self, kernel, counter: LaunchCounter):
+        self.kernel, self.counter = kernel, counter
+
+    def __getitem__(self, grid):
+        self.counter.count += 1
+        return self.kernel[grid]
+
+
+def free() -> None:
+    gc.collect()
     if CUDA:
-        small = [TableConfig(f"t{i}", min(r, 50_000), shape.dim) for i, r in enumerate(shape.rows[:4])]
-        check = [EmbeddingBagCollection(small, optimizer="rowwise_adagrad", lr=0.01, device=DEVICE, backend=b, seed=1)
-                 for b in ("reference", "triton")]
-        v, o = make_ids(Shape("check", tuple(t.num_embeddings for t in small), shape.dim, shape.hotness, 512),
-                        power_law, seed=2)
-        for m in check:
-            (m(v, o) * 0.1).sum().backward()
-        w_error = ((check[0].weights - check[1].weights).norm() / check[0].weights.norm()).item()
-        if not w_error < 1e-5:
-            raise SystemExit(f"{shape.name}: fused update relative error {w_error:.2e}; refusing to report a time")
+        torch.cuda.empty_cache()
 
-    def recloop_forward():
+
+def measure(shape: Shape, dtype: torch.dtype, ids: str, bandwidth: float | None, repeats: int,
+            backend: str = "auto") -> dict:
+    """One shape × dtype × id law: times, bytes, launches, baselines; raises if recloop is not correct."""
+    tables = [TableConfig(f"t{i}", rows, shape.dim) for i, rows in enumerate(shape.rows)]
+    values, offsets = make_ids(shape, ids, seed=1)
+    upstream = torch.randn(shape.batch, len(tables) * shape.dim, device=DEVICE)
+    unique, longest = run_statistics(shape, values)
+    ebc = EmbeddingBagCollection(tables, optimizer="rowwise_adagrad", lr=0.01, device=DEVICE, dtype=dtype,
+                                 check_ids="off", backend=backend)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 rows: 8 mantissa bits
+
+    # Correct first: the forward against nn.EmbeddingBag on the same weights, one fused step against the
+    # reference on a small copy of the tables.
+    dense = Baseline(ebc, shape, sparse=False)
+    with torch.no_grad():
+        expected, out = dense(values), ebc(values, offsets)
+    error = ((out - expected).norm() / expected.norm()).item()
+    if not error < tolerance or torch.isnan(out).any():
+        raise RuntimeError(f"{shape.name}: forward relative error {error:.2e}; refusing to report a time")
+    del dense, expected, out
+    free()
+    small = [TableConfig(f"t{i}", min(r, 50_000), shape.dim) for i, r in enumerate(shape.rows[:4])]
+    check = [EmbeddingBagCollection(small, optimizer="rowwise_adagrad", lr=0.01, device=DEVICE, dtype=dtype,
+                                    backend=b, seed=1) for b in ("reference", backend)]
+    check_batch = min(256, shape.batch)
+    v, o = make_ids(Shape("check", tuple(t.num_embeddings for t in small), shape.dim, shape.hotness, check_batch),
+                    ids, 2)
+    check_upstream = torch.randn(check_batch, len(small) * shape.dim, device=DEVICE)
+    for m in check:
+        torch.autograd.backward(m(v, o), check_upstream)
+    w_error = ((check[0].weights.float() - check[1].weights.float()).norm() / check[0].weights.float().norm()).item()
+    if not w_error < tolerance:
+        raise RuntimeError(f"{shape.name}: fused update relative error {w_error:.2e}; refusing to report a time")
+    del check
+    free()
+
+    def forward(_):
         with torch.no_grad():
             ebc(values, offsets)
 
-    def recloop_step():
-        (ebc(values, offsets) * upstream).sum().backward()
+    def backward(out):
+        torch.autograd.backward(out, upstream)
 
-    forward_s = timeit(recloop_forward, repeats)
-    backward_s = max(timeit(recloop_step, repeats) - forward_s, 1e-9)
-
-    nnz, elem = values.numel(), 4
-    unique_rows = sum(int(torch.unique(values[offsets[t * shape.batch]:offsets[(t + 1) * shape.batch]]).numel())
-                      for t in range(len(tables)))
-    forward_bytes = nnz * 8 + offsets.numel() * 8 + nnz * shape.dim * elem + upstream.numel() * 4
-    backward_bytes = upstream.numel() * 4 + nnz * 8 + unique_rows * (2 * shape.dim * elem + 2 * 4)
+    forward_s = timed(forward, repeats=repeats)
+    backward_s = timed(backward, setup=lambda: ebc(values, offsets), repeats=repeats)
+    with LaunchCounter() as forward_launches:
+        forward(None)
+    out = ebc(values, offsets)
+    with LaunchCounter() as backward_launches:
+        backward(out)
+    ebc = out = None  # freed before the baselines take their memory
+    free()
 
     baselines = {}
     for sparse in (False, True):
-        model = Baseline(ebc, sparse=sparse)
-        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01)
+        name = "sparse" if sparse else "dense"
+        try:
+            model = baseline_for(tables, shape, dtype, sparse)
+            optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01)
 
-        def step(model=model, optimizer=optimizer):
-            optimizer.zero_grad(set_to_none=True)
-            (model(values, offsets, shape.batch) * upstream).sum().backward()
-            optimizer.step()
+            def base_forward(_, model=model):
+                with torch.no_grad():
+                    model(values)
 
-        def forward_only(model=model):
-            with torch.no_grad():
-                model(values, offsets, shape.batch)
+            def base_setup(model=model, optimizer=optimizer):
+                optimizer.zero_grad(set_to_none=True)
+                return model(values)
 
-        base_forward = timeit(forward_only, repeats)
-        baselines[sparse] = (base_forward, max(timeit(step, max(3, repeats // 4)) - base_forward, 1e-9))
+            def base_backward(out, optimizer=optimizer):
+                torch.autograd.backward(out, upstream)
+                optimizer.step()
 
-    ids = "power-law" if power_law else "uniform"
+            baselines[name] = (timed(base_forward, repeats=repeats),
+                               timed(base_backward, setup=base_setup, repeats=max(3, repeats // 2)))
+        except (RuntimeError, NotImplementedError) as err:  # e.g. a sparse bf16 kernel missing: say so
+            baselines[name] = (float("nan"), float("nan"))
+            baselines[f"{name}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        finally:
+            model = optimizer = None
+            free()
 
-    def row(what: str, seconds: float, moved: int, base: tuple[float, float], which: int) -> dict:
+    elem = torch.empty(0, dtype=dtype).element_size()
+    nnz = values.numel()
+    forward_bytes = nnz * values.element_size() + offsets.numel() * offsets.element_size() + \
+        nnz * shape.dim * elem + upstream.numel() * 4
+    backward_bytes = upstream.numel() * 4 + nnz * values.element_size() + unique * (2 * shape.dim * elem + 2 * 4)
+    return {
+        "shape": shape.name, "key": shape.key, "dtype": str(dtype).replace("torch.", ""), "ids": ids, "nnz": nnz, "unique_rows": unique,
+        "longest_run": longest, "forward_s": forward_s, "backward_s": backward_s, "forward_bytes": forward_bytes,
+        "backward_bytes": backward_bytes, "forward_launches": forward_launches.count,
+        "backward_launches": backward_launches.count, "bandwidth": bandwidth, "baselines": baselines,
+        "criteo": shape.name.startswith("Criteo"),
+    }
+
+
+def baseline_for(tables, shape: Shape, dtype: torch.dtype, sparse: bool) -> Baseline:
+    """The baseline over the same initial weights as recloop's (same seed), built without keeping recloop's."""
+    ebc = EmbeddingBagCollection(tables, device=DEVICE, dtype=dtype, check_ids="off")
+    model = Baseline(ebc, shape, sparse)
+    del ebc
+    return model
+
+
+def rows_of(result: dict) -> list[dict]:
+    """The two table rows (forward, backward) of one measurement."""
+    out = []
+    for index, (what, key) in enumerate((("forward", "forward"), ("backward + rowwise adagrad", "backward"))):
+        seconds, moved = result[f"{key}_s"], result[f"{key}_bytes"]
         achieved = moved / seconds
-        return {
-            "shape": shape.name, "ids": ids, "pass": what, "ms": f"{seconds * 1e3:.3f}",
-            "GB/s": f"{achieved / 1e9:.0f}" if CUDA else "-",
-            "of copy BW": f"{achieved / bandwidth:.0%}" if bandwidth else "-",
-            "vs dense": f"{baselines[False][which] / seconds:.1f}x",
-            "vs sparse": f"{baselines[True][which] / seconds:.1f}x",
-        }
-
-    return [row("forward", forward_s, forward_bytes, baselines[False], 0),
-            row("backward + rowwise adagrad", backward_s, backward_bytes, baselines[False], 1)]
+        dense, sparse = result["baselines"]["dense"][index], result["baselines"]["sparse"][index]
+        out.append({
+            "shape": result["shape"], "dtype": result["dtype"], "ids": result["ids"], "pass": what,
+            "ms": f"{seconds * 1e3:.3f}", "GB/s": f"{achieved / 1e9:.0f}" if CUDA else "-",
+            "of copy BW": f"{achieved / result['bandwidth']:.0%}" if result["bandwidth"] else "-",
+            "vs dense": f"{dense / seconds:.1f}x", "vs sparse": f"{sparse / seconds:.1f}x",
+            "launches": result[f"{key}_launches"], "longest run": result["longest_run"],
+        })
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--repeats", type=int, default=20 if CUDA else 5)
+    parser.add_argument("--quick", action="store_true", help="two shapes")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes through Triton's interpreter (CPU)")
+    parser.add_argument("--repeats", type=int, default=10 if CUDA else 3)
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
+    if args.smoke and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--smoke on a CPU needs TRITON_INTERPRET=1 (set before the kernels are imported)")
     info = machine()
-    bandwidth = None
-    if CUDA:
-        bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth() if CUDA else None
+    if bandwidth:
         info["copy_bandwidth_GB/s"] = f"{bandwidth / 1e9:.0f}"
-        info["triton"] = __import__("triton").__version__
     else:
-        info["note"] = ("no GPU present: recloop runs its PyTorch reference on the CPU; no bandwidth figures, "
-                        "and the targets apply to a GPU only")
+        info["note"] = "no GPU present: no bandwidth figures; the targets apply to a GPU only"
+    shapes = smoke_shapes() if args.smoke else gpu_shapes(args.quick)
+    backend = "triton" if args.smoke else "auto"
     rows = []
-    for shape in gpu_shapes(args.quick) if CUDA else cpu_shapes():
-        for power_law in (False, True):
-            rows.extend(measure(shape, power_law, bandwidth, args.repeats))
+    for shape in shapes:
+        for dtype in (torch.float32, torch.bfloat16) if CUDA else (torch.float32,):
+            for ids in ("uniform", "zipf"):
+                rows.extend(rows_of(measure(shape, dtype, ids, bandwidth, args.repeats, backend)))
     report("embedding bags: recloop vs nn.EmbeddingBag + torch.optim.Adagrad", rows, info, args.json_path)
 
 

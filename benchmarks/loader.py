@@ -1,6 +1,6 @@
 """recloop's chunked loader vs a row-by-row torch DataLoader over the same Criteo-shaped parquet files.
 
-    python benchmarks/loader.py [--rows N] [--batch-size B] [--json out.json]
+    python benchmarks/loader.py [--rows N] [--batch-size B] [--workers W] [--json out.json]
 
 Criteo-shaped rows: 13 dense floats, 26 categorical ids (power-law), a label. Both loaders deliver
 batches in device memory in the embedding kernels' layout (dense, label, values, offsets); the
@@ -22,9 +22,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from common import machine, report
+from common import machine, report, use_source_tree
 
-from recloop.data import ChunkLoader, FeatureSchema
+use_source_tree()
+from recloop.data import ChunkLoader, FeatureSchema  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -35,7 +36,7 @@ SCHEMA = FeatureSchema(dense=tuple(f"d_{i}" for i in range(13)), categorical={f"
 def write_files(folder: Path, rows: int, files: int) -> list[Path]:
     rng = np.random.default_rng(0)
     paths = []
-    per_file = rows // files
+    per_file = max(1, rows // files)
     for f in range(files):
         columns = {"label": (rng.random(per_file) < 0.25).astype(np.float32)}
         for i in range(13):
@@ -87,8 +88,8 @@ def run(batches, check: bool = False) -> tuple[int, float, np.ndarray]:
     return rows, time.perf_counter() - started, sums
 
 
-def recloop_batches(files: list[Path], batch_size: int):
-    for batch in ChunkLoader(files, SCHEMA, batch_size, device=DEVICE, seed=0).epoch(0):
+def recloop_batches(files: list[Path], batch_size: int, workers: int | None = None):
+    for batch in ChunkLoader(files, SCHEMA, batch_size, device=DEVICE, seed=0, workers=workers).epoch(0):
         yield batch.dense, batch.label, batch.values, batch.offsets
 
 
@@ -105,39 +106,51 @@ def host_to_device_bandwidth() -> float:
     return 10 * host.numel() / (time.perf_counter() - started)
 
 
+BYTES_PER_ROW = (13 + 1) * 4 + 26 * 8
+
+
+def measure(rows: int, baseline_rows: int, batch_size: int, workers: int | None = None) -> dict:
+    """recloop's loader over ``rows`` rows vs the row-by-row DataLoader over ``baseline_rows`` of them."""
+    work = Path(tempfile.mkdtemp(prefix="recloop-bench-loader-"))
+    try:
+        files = write_files(work, rows, max(1, rows // 500_000))
+        subset = files[: max(1, len(files) * baseline_rows // rows)]
+        # Correct first: over the same files both loaders deliver the same rows.
+        base_rows, _, base_sums = run(baseline_batches(subset, batch_size), check=True)
+        small_rows, _, small_sums = run(recloop_batches(subset, batch_size, workers), check=True)
+        base_rows, base_s, _ = run(baseline_batches(subset, batch_size))  # timed without the checks
+        if base_rows != small_rows or not np.allclose(base_sums, small_sums, rtol=1e-6):
+            raise RuntimeError(f"loaders disagree: {base_rows} vs {small_rows} rows, sums {base_sums} vs {small_sums}")
+        run(recloop_batches(subset, batch_size, workers))  # warm-up (CUDA context, page cache)
+        ours_rows, seconds, _ = run(recloop_batches(files, batch_size, workers))
+        bandwidth = host_to_device_bandwidth() if CUDA else None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"rows": ours_rows, "seconds": seconds, "samples_per_s": ours_rows / seconds, "baseline_rows": base_rows,
+            "baseline_seconds": base_s, "baseline_samples_per_s": base_rows / base_s, "batch_size": batch_size,
+            "host_to_device": bandwidth, "bytes_per_row": BYTES_PER_ROW}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=20_000_000 if CUDA else 2_000_000)
     parser.add_argument("--baseline-rows", type=int, default=400_000, help="the row-by-row loader is slow")
     parser.add_argument("--batch-size", type=int, default=65536 if CUDA else 16384)
+    parser.add_argument("--workers", type=int, default=None, help="decoding threads (default: the loader's)")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="recloop-bench-loader-"))
     info = machine()
-    try:
-        files = write_files(work, args.rows, max(1, args.rows // 500_000))
-        subset = files[: max(1, len(files) * args.baseline_rows // args.rows)]
-        # Correct first: over the same files both loaders deliver the same rows.
-        base_rows, _, base_sums = run(baseline_batches(subset, args.batch_size), check=True)
-        small_rows, _, small_sums = run(recloop_batches(subset, args.batch_size), check=True)
-        base_rows, base_s, _ = run(baseline_batches(subset, args.batch_size))  # timed without the checks
-        if base_rows != small_rows or not np.allclose(base_sums, small_sums, rtol=1e-6):
-            raise SystemExit(f"loaders disagree: {base_rows} vs {small_rows} rows, sums {base_sums} vs {small_sums}")
-        run(recloop_batches(subset, args.batch_size))  # warm-up (CUDA context, page cache)
-        rows, seconds, _ = run(recloop_batches(files, args.batch_size))
-        if CUDA:
-            info["host_to_device_GB/s"] = f"{host_to_device_bandwidth() / 1e9:.1f}"
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    ours, theirs = rows / seconds, base_rows / base_s
-    bytes_per_row = (13 + 1) * 4 + 26 * 8
+    result = measure(args.rows, args.baseline_rows, args.batch_size, args.workers)
+    if result["host_to_device"]:
+        info["host_to_device_GB/s"] = f"{result['host_to_device'] / 1e9:.1f}"
+    ours, theirs = result["samples_per_s"], result["baseline_samples_per_s"]
     report_rows = [
-        {"loader": "recloop ChunkLoader", "rows": rows, "seconds": f"{seconds:.2f}", "samples_per_s": f"{ours:,.0f}",
-         "GB/s": f"{ours * bytes_per_row / 1e9:.2f}", "vs row-by-row": f"{ours / theirs:.1f}x",
-         "target": ">= 20M/s and >= 30x on one H100"},
-        {"loader": "row-by-row torch DataLoader", "rows": base_rows, "seconds": f"{base_s:.2f}",
-         "samples_per_s": f"{theirs:,.0f}", "GB/s": f"{theirs * bytes_per_row / 1e9:.3f}", "vs row-by-row": "1.0x",
-         "target": "-"},
+        {"loader": "recloop ChunkLoader", "rows": result["rows"], "seconds": f"{result['seconds']:.2f}",
+         "samples_per_s": f"{ours:,.0f}", "GB/s": f"{ours * BYTES_PER_ROW / 1e9:.2f}",
+         "vs row-by-row": f"{ours / theirs:.1f}x", "target": ">= 20M/s and >= 30x on one H100"},
+        {"loader": "row-by-row torch DataLoader", "rows": result["baseline_rows"],
+         "seconds": f"{result['baseline_seconds']:.2f}", "samples_per_s": f"{theirs:,.0f}",
+         "GB/s": f"{theirs * BYTES_PER_ROW / 1e9:.3f}", "vs row-by-row": "1.0x", "target": "-"},
     ]
     report(f"loader: Criteo-shaped rows into {DEVICE.type} memory, batch {args.batch_size}", report_rows, info,
            args.json_path)

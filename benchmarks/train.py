@@ -1,13 +1,20 @@
-"""End-to-end training: recloop (chunked loader + fused kernels) vs the same model on stock PyTorch.
+"""End-to-end training: recloop (chunked loader + fused kernels + compiled step) vs the same model on stock PyTorch.
 
-    python benchmarks/train.py [--events N] [--json out.json]
+    python benchmarks/train.py [--rows N | --events N --world] [--batch-size B] [--json out.json]
 
-Both train the same DLRM (same MLPs, same tables, same initial dense weights) on the same training rows
-of the synthetic world for one epoch with the same optimizers — Adam for the MLPs and element-wise
-Adagrad for the embeddings: recloop's fused in the backward, the baseline's ``torch.optim.Adagrad`` on
-sparse gradients of one ``nn.EmbeddingBag`` per table, fed by a row-by-row ``DataLoader``. Reported:
-samples/s, the ratio, and the validation AUC of each at equal samples seen.
-Targets (training issue, one H100): >= 8x the baseline and >= 6M samples/s, AUC within 0.001.
+Both train the same DLRM (same MLPs, same tables, same initial weights) on the same training rows for
+one epoch with the same optimizers — Adam for the MLPs and element-wise Adagrad for the embeddings:
+recloop's ``TrainStep`` (forward + loss compiled as one graph on a GPU, fused Adam, the embeddings'
+optimizer fused in the backward, no host synchronization per step) fed by ``ChunkLoader``; the
+baseline's ``torch.optim.Adagrad`` on sparse gradients of one ``nn.EmbeddingBag`` per table, fed by a
+row-by-row ``DataLoader``. Reported: samples/s, the ratio, and the validation AUC of each at equal
+samples seen.
+
+Rows: by default synthetic rows with a planted click model (``recloop.data.synthetic``: 13 dense
+columns, 26 Zipf-distributed categorical columns, 2 multi-hot lists), which need nothing but torch and
+pyarrow; ``--world`` builds them from the simulated world through ingestion and the feature job instead
+(needs recloop's services installed). Targets (one H100): >= 8x the baseline and >= 6M samples/s, AUC
+within 0.001.
 """
 
 from __future__ import annotations
@@ -16,25 +23,20 @@ import argparse
 import shutil
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from common import machine, report
+from common import machine, report, use_source_tree
 from torch import nn
 
-from recloop.data import ChunkLoader, FeatureSchema, training_files
-from recloop.evaluate import metrics, predict
-from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
-from recloop.ingest import ingest
-from recloop.model import ModelConfig, RankingModel
-from recloop.schema import load_spec
-from recloop.settings import Settings
-from recloop.simulate import WorldConfig, simulate
+use_source_tree()
+from recloop.data import ChunkLoader, FeatureSchema  # noqa: E402
+from recloop.data.synthetic import write_training_rows  # noqa: E402
+from recloop.evaluate import metrics, predict  # noqa: E402
+from recloop.model import ModelConfig, RankingModel, StepConfig, TrainStep, dense_optimizer, fit  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -89,7 +91,11 @@ def collate(rows):
     return dense, label, torch.cat(parts), torch.cat([torch.zeros(1, dtype=torch.int64), all_lengths.cumsum(0)])
 
 
-def train_one_epoch(model: nn.Module, batches, sparse_optimizer, dense_optimizer) -> tuple[int, float]:
+def train_stock(model: nn.Module, batches, dense_lr: float) -> tuple[int, float]:
+    """The baseline's epoch: plain eager PyTorch, as a stock training script has it."""
+    dense_optimizer_ = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("sparse")],
+                                        lr=dense_lr)
+    sparse_optimizer = torch.optim.Adagrad(model.sparse_arch.parameters(), lr=EMBEDDING_LR, eps=1e-8)
     loss_fn = nn.BCEWithLogitsLoss()
     started, samples = time.perf_counter(), 0
     for dense, label, values, offsets in batches:
@@ -98,74 +104,117 @@ def train_one_epoch(model: nn.Module, batches, sparse_optimizer, dense_optimizer
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=CUDA):
             logits = model(dense, values, offsets)
         loss = loss_fn(logits.float(), label)
-        dense_optimizer.zero_grad(set_to_none=True)
-        if sparse_optimizer:
-            sparse_optimizer.zero_grad(set_to_none=True)
+        dense_optimizer_.zero_grad(set_to_none=True)
+        sparse_optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        dense_optimizer.step()
-        if sparse_optimizer:
-            sparse_optimizer.step()
+        dense_optimizer_.step()
+        sparse_optimizer.step()
         samples += label.shape[0]
     if CUDA:
         torch.cuda.synchronize()
     return samples, time.perf_counter() - started
 
 
+def synthetic_rows(work: Path, rows: int, validation_rows: int, smoke: bool = False):
+    """Training and validation files of synthetic Criteo-like rows (train and validation from one law)."""
+    if smoke:
+        categorical = {f"c_{i}": size for i, size in enumerate((3, 20, 50, 100))}
+        multi_hot = {"m_0": 60}
+    else:
+        categorical = {f"c_{i}": min(size, 1_000_000) for i, size in enumerate(
+            [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992, 5461306,
+             10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572])}
+        multi_hot = {"m_0": 100_000, "m_1": 20_000}
+    shared = dict(categorical=categorical, multi_hot=multi_hot, hotness=3, row_group_size=1 << 15 if smoke else 1 << 17)
+    train, schema = write_training_rows(work / "rows", rows, files=max(1, rows // 1_000_000), part="train", **shared)
+    valid, _ = write_training_rows(work / "rows", validation_rows, files=1, part="valid", **shared)
+    return train, valid, schema
+
+
+def world_rows(work: Path, events: int):
+    """Training rows of two simulated days through ingestion and the feature job (needs the services)."""
+    from datetime import UTC, datetime
+
+    from recloop.data import training_files
+    from recloop.features.config import FeatureConfig
+    from recloop.features.job import FeatureLayout, build_features
+    from recloop.ingest import ingest
+    from recloop.schema import load_spec
+    from recloop.settings import Settings
+    from recloop.simulate import WorldConfig, simulate
+
+    spec = load_spec("synthetic")
+    simulate(WorldConfig(seed=0, days=2, events_per_day=events), work / "landing")
+    settings = Settings(home=work / "home", frame_backend="pandas")
+    ingest(work / "landing", spec, settings, now=datetime(2026, 6, 1, tzinfo=UTC))
+    build_features(settings, spec, FeatureConfig.for_spec(spec))
+    layout = FeatureLayout.for_settings(settings)
+    files = training_files(layout.training)
+    return files[:-6], files[-6:], FeatureSchema.load(layout.schema)
+
+
+def measure(train_files: list[Path], valid_files: list[Path], schema: FeatureSchema, batch_size: int,
+            embedding_dim: int = 16, backend: str = "auto", step_config: StepConfig | None = None) -> dict:
+    """One epoch of recloop and of the stock baseline on the same rows; samples/s and validation AUC."""
+    config = ModelConfig(embedding_dim=embedding_dim, embedding_optimizer="adagrad", embedding_lr=EMBEDDING_LR,
+                         multi_hot_columns=tuple(schema.multi_hot), embedding_backend=backend)
+    dense_lr = 1e-3 * (batch_size / 1024) ** 0.5
+    step_config = step_config or StepConfig()
+    results = {}
+
+    ours = RankingModel(config, len(schema.dense), schema.tables, device=DEVICE, seed=0)
+    stock = RankingModel(config, len(schema.dense), schema.tables, device=DEVICE, seed=0)
+    stock.sparse_arch = StockSparseArch(schema.tables, config.embedding_dim, set(schema.multi_hot), ours).to(DEVICE)
+    pad = 1 << 14 if CUDA and schema.multi_hot else None  # bucketed ids: few shapes for CUDA graphs
+    loader = ChunkLoader(train_files, schema, batch_size, device=DEVICE, seed=0, pad_values_to=pad)
+    step = TrainStep(ours, dense_optimizer(ours, dense_lr, DEVICE), step_config, DEVICE)
+    summary = fit(step, loader.epoch(0), dense_lr)
+    results["recloop"] = (summary["samples"], summary["seconds"], _auc(ours, valid_files, schema))
+    ours = step = None
+    if CUDA:
+        torch.cuda.empty_cache()
+    stock_batches = torch.utils.data.DataLoader(RowDataset(train_files, schema), batch_size=batch_size, shuffle=True,
+                                                collate_fn=collate, generator=torch.Generator().manual_seed(0))
+    samples, seconds = train_stock(stock, stock_batches, dense_lr)
+    results["stock"] = (samples, seconds, _auc(stock, valid_files, schema))
+    if results["recloop"][0] != samples:
+        raise RuntimeError(f"unequal samples seen: {results['recloop'][0]} vs {samples}")
+    return {"batch_size": batch_size, **{f"{k}_{n}": v for k, (s, t, a) in results.items()
+                                         for n, v in (("samples", s), ("seconds", t), ("auc", a))}}
+
+
+def _auc(model: nn.Module, files: list[Path], schema: FeatureSchema) -> float:
+    labels, scores, _ = predict(model, ChunkLoader(files, schema, 16384, device=DEVICE, shuffle=False).epoch(0))
+    return metrics(labels, scores)["auc"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--events", type=int, default=2_000_000 if CUDA else 300_000, help="events per day, 2 days")
+    parser.add_argument("--rows", type=int, default=4_000_000 if CUDA else 300_000, help="synthetic training rows")
+    parser.add_argument("--world", action="store_true", help="rows from the simulated world (needs the services)")
+    parser.add_argument("--events", type=int, default=2_000_000 if CUDA else 300_000, help="--world: events per day")
     parser.add_argument("--batch-size", type=int, default=16384 if CUDA else 4096)
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
-    spec = load_spec("synthetic")
     work = Path(tempfile.mkdtemp(prefix="recloop-bench-train-"))
     try:
-        simulate(WorldConfig(seed=0, days=2, events_per_day=args.events), work / "landing")
-        settings = Settings(home=work / "home", frame_backend="pandas")
-        ingest(work / "landing", spec, settings, now=datetime(2026, 6, 1, tzinfo=UTC))
-        build_features(settings, spec, FeatureConfig.for_spec(spec))
-        layout = FeatureLayout.for_settings(settings)
-        files = training_files(layout.training)
-        train_files, valid_files = files[:-6], files[-6:]
-        schema = FeatureSchema.load(layout.schema)
-        config = ModelConfig(embedding_optimizer="adagrad", embedding_lr=EMBEDDING_LR,
-                             multi_hot_columns=tuple(schema.multi_hot))
-
-        ours = RankingModel(config, len(schema.dense), schema.tables, device=DEVICE, seed=0)
-        stock = RankingModel(config, len(schema.dense), schema.tables, device=DEVICE, seed=0)
-        stock.sparse_arch = StockSparseArch(schema.tables, config.embedding_dim, set(schema.multi_hot), ours).to(DEVICE)
-        results = {}
-        for name, model, batches in (
-            ("recloop (ChunkLoader + fused kernels)", ours,
-             lambda: ((b.dense, b.label, b.values, b.offsets)
-                      for b in ChunkLoader(train_files, schema, args.batch_size, device=DEVICE, seed=0).epoch(0))),
-            ("stock (nn.EmbeddingBag + row-by-row DataLoader)", stock,
-             lambda: torch.utils.data.DataLoader(RowDataset(train_files, schema), batch_size=args.batch_size,
-                                                 shuffle=True, collate_fn=collate,
-                                                 generator=torch.Generator().manual_seed(0))),
-        ):
-            dense_optimizer = torch.optim.Adam(model.dense_parameters() if model is ours else
-                                               [p for n, p in model.named_parameters() if not n.startswith("sparse")],
-                                               lr=1e-3 * (args.batch_size / 1024) ** 0.5)
-            sparse = None if model is ours else torch.optim.Adagrad(model.sparse_arch.parameters(), lr=EMBEDDING_LR,
-                                                                    eps=1e-8)
-            samples, seconds = train_one_epoch(model, batches(), sparse, dense_optimizer)
-            valid = ChunkLoader(valid_files, schema, 16384, device=DEVICE, shuffle=False)
-            labels, scores, _ = predict(model, valid.epoch(0))
-            results[name] = (samples, seconds, metrics(labels, scores)["auc"])
+        if args.world:
+            train_files, valid_files, schema = world_rows(work, args.events)
+        else:
+            train_files, valid_files, schema = synthetic_rows(work, args.rows, max(args.rows // 10, 50_000))
+        result = measure(train_files, valid_files, schema, args.batch_size)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-    (_, (s0, t0, a0)), (_, (s1, t1, a1)) = results.items()
-    if s0 != s1:
-        raise SystemExit(f"unequal samples seen: {s0} vs {s1}")
     rows = []
-    for name, (samples, seconds, auc) in results.items():
-        rows.append({"trainer": name, "samples": samples, "seconds": f"{seconds:.2f}",
-                     "samples_per_s": f"{samples / seconds:,.0f}", "vs stock": f"{t1 / seconds:.1f}x",
-                     "val_auc": f"{auc:.4f}", "target": ">= 8x, >= 6M/s, AUC within 0.001 (H100)"})
+    for name, label in (("recloop", "recloop (ChunkLoader + fused kernels + TrainStep)"),
+                        ("stock", "stock (nn.EmbeddingBag + row-by-row DataLoader)")):
+        samples, seconds = result[f"{name}_samples"], result[f"{name}_seconds"]
+        rows.append({"trainer": label, "samples": samples, "seconds": f"{seconds:.2f}",
+                     "samples_per_s": f"{samples / seconds:,.0f}",
+                     "vs stock": f"{result['stock_seconds'] / seconds:.1f}x", "val_auc": f"{result[f'{name}_auc']:.4f}",
+                     "target": ">= 8x, >= 6M/s, AUC within 0.001 (H100)"})
     rows.append({"trainer": "difference", "samples": "-", "seconds": "-", "samples_per_s": "-", "vs stock": "-",
-                 "val_auc": f"{a0 - a1:+.4f}", "target": "-"})
+                 "val_auc": f"{result['recloop_auc'] - result['stock_auc']:+.4f}", "target": "-"})
     report(f"training: one epoch of DLRM, batch {args.batch_size}, on {DEVICE.type}", rows, machine(), args.json_path)
 
 

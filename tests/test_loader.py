@@ -1,7 +1,9 @@
-"""The chunked loader: every row once per epoch, valid jagged layout, deterministic order for a seed."""
+"""The chunked loader: every row once per epoch, valid jagged layout, deterministic order for a seed,
+no value read back from a tensor while batches are assembled (no host synchronization on a GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -96,9 +98,66 @@ def test_bad_input(tmp_path: Path, files):
         FeatureSchema.load(tmp_path / "missing.json")
 
 
-@pytest.mark.gpu
-def test_batches_land_on_the_gpu(files):
-    batches = list(ChunkLoader(files, SCHEMA, 128, device="cuda", seed=0).epoch(0))
-    assert all(b.values.is_cuda and b.dense.is_cuda for b in batches)
+@contextlib.contextmanager
+def no_tensor_reads():
+    """Fail on any read of a tensor's value into Python (``int(t)``, ``t.item()``, slicing by a tensor...):
+    on a GPU each is a host synchronization."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor value was read on the host")
+
+    names = ("item", "tolist", "__int__", "__index__", "__bool__", "__float__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, refuse)
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def test_batches_are_assembled_without_reading_tensor_values(files):
+    with no_tensor_reads():
+        batches = list(ChunkLoader(files, SCHEMA, 97, seed=1, shuffle_chunks=3, pad_values_to=64).epoch(0))
     assert sorted(r for b in batches for r in rows_of(b)) == list(range(1000))
-    assert torch.cuda.is_available()
+    reference = list(ChunkLoader(files, SCHEMA, 97, seed=1, shuffle_chunks=3).epoch(0))
+    for padded, plain in zip(batches, reference, strict=True):
+        nnz = int(plain.offsets[-1])
+        assert padded.values.numel() % 64 == 0 and padded.values.numel() - nnz < 64
+        assert torch.equal(padded.offsets, plain.offsets) and torch.equal(padded.values[:nnz], plain.values)
+        assert (padded.values[nnz:] == 0).all()
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_decoding_threads_change_nothing(files, workers):
+    def batches(workers):
+        return [(rows_of(b), b.values.tolist(), b.offsets.tolist())
+                for b in ChunkLoader(files, SCHEMA, 64, seed=5, workers=workers, prefetch=1).epoch(2)]
+
+    assert batches(workers) == batches(2)
+
+
+def test_an_abandoned_epoch_stops_its_threads(files):
+    import threading
+
+    before = {t.name for t in threading.enumerate()}
+    iterator = ChunkLoader(files, SCHEMA, 16, seed=0, shuffle_chunks=1, prefetch=1, workers=2).epoch(0)
+    next(iterator)
+    iterator.close()
+    leftover = [t for t in threading.enumerate() if t.name.startswith("recloop") and t.name not in before]
+    for thread in leftover:
+        thread.join(timeout=5)
+    assert not any(t.is_alive() for t in leftover)
+
+
+@pytest.mark.gpu
+def test_batches_land_on_the_gpu_without_host_synchronization(files):
+    cpu = [(rows_of(b), b.values.tolist()) for b in ChunkLoader(files, SCHEMA, 128, seed=0).epoch(0)]
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        batches = list(ChunkLoader(files, SCHEMA, 128, device="cuda", seed=0, pad_values_to=256).epoch(0))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(b.values.is_cuda and b.dense.is_cuda for b in batches)
+    gpu = [(rows_of(b), b.values[:int(b.offsets[-1])].tolist()) for b in batches]
+    assert gpu == cpu

@@ -1,12 +1,16 @@
 """Configuration of embedding tables and of the fused sparse optimizer, and the flat-buffer layout.
 
-All tables live in one flat 1-D weight buffer. Table t holds ``capacity[t]`` rows of ``dim[t]``
-elements starting at element ``elem_offsets[t]``; its rows have global row ids starting at
-``row_offsets[t]`` (used for per-row optimizer state). Capacity can exceed ``num_embeddings`` so that
-tables grow without reallocating every time::
+All tables live in one flat 1-D weight buffer. Table t holds ``capacity[t]`` rows of ``stride[t]``
+elements starting at element ``elem_offsets[t]``, of which the first ``dim[t]`` are the embedding and
+the rest zero padding: ``stride`` is ``dim`` rounded up to 16 bytes (``align`` elements: 4 in fp32, 8 in
+fp16/bf16), so every row starts on a 16-byte boundary and the kernels load rows as 16-byte vectors. Its
+rows have global row ids starting at ``row_offsets[t]`` (used for per-row optimizer state and as the
+backward's sort keys). Capacity can exceed ``num_embeddings`` so that tables grow without reallocating
+every time::
 
-    flat weight:  | table 0: capacity0 × dim0 | table 1: capacity1 × dim1 | ...
-                  ^ elem_offsets[0]           ^ elem_offsets[1]
+    flat weight:  | table 0: capacity0 × stride0 | table 1: capacity1 × stride1 | ...
+                  ^ elem_offsets[0]              ^ elem_offsets[1]
+    a row:        | dim[t] values | stride[t] - dim[t] zeros |
     output (B, ΣD): columns col_offsets[t] : col_offsets[t] + dim[t] hold table t's pooled bags
 """
 
@@ -89,24 +93,33 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each table lives in the flat buffers (host-side lists; see the module docstring)."""
+    """Where each table lives in the flat buffers (host-side lists; see the module docstring).
+
+    ``align``: elements per 16 bytes of the weight's dtype (1 turns padding off, as in old checkpoints).
+    """
 
     dims: tuple[int, ...]
     capacities: tuple[int, ...]
     rows: tuple[int, ...]
     poolings: tuple[int, ...]
+    align: int = 4
 
     @property
     def num_tables(self) -> int:
         return len(self.dims)
 
     @property
+    def strides(self) -> tuple[int, ...]:
+        """Elements from one row to the next: ``dim`` rounded up to a multiple of ``align``."""
+        return tuple(-(-d // self.align) * self.align for d in self.dims)
+
+    @property
     def elem_offsets(self) -> tuple[int, ...]:
-        return _starts(c * d for c, d in zip(self.capacities, self.dims, strict=True))
+        return _starts(c * s for c, s in zip(self.capacities, self.strides, strict=True))
 
     @property
     def total_elems(self) -> int:
-        return sum(c * d for c, d in zip(self.capacities, self.dims, strict=True))
+        return sum(c * s for c, s in zip(self.capacities, self.strides, strict=True))
 
     @property
     def row_offsets(self) -> tuple[int, ...]:
@@ -124,6 +137,11 @@ class Layout:
     @property
     def total_dim(self) -> int:
         return sum(self.dims)
+
+
+def alignment(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in 16 bytes: the row padding that lets the kernels load 16-byte vectors."""
+    return 16 // torch.empty(0, dtype=dtype).element_size()
 
 
 def _starts(sizes) -> tuple[int, ...]:

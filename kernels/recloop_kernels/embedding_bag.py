@@ -1,21 +1,33 @@
 """Fused multi-table embedding bags: Triton kernels, their torch.library ops, and autograd.
 
-Forward (one launch for all tables): one program per bag (t, b); it loads ``BLOCK_N`` ids at a time,
-gathers their rows as a (BLOCK_N, BLOCK_D) tile, accumulates in fp32 and writes the pooled row once
-into the concatenated (B, ΣD) output.
+Forward (one launch per distinct table dim; one in the usual case where all tables share it): each
+program pools ``BAGS`` consecutive bags of one table. It walks their ids ``BLOCK_N`` at a time, gathering
+a (BAGS, BLOCK_N, D) tile of rows per step (many row loads in flight), accumulates in fp32 and writes the
+pooled rows once into the concatenated (B, ΣD) output. Rows are padded to 16 bytes and the dim is a
+compile-time constant, so every row load is a 16-byte vector. Ids outside a table pool as zeros and are
+recorded in a small error tensor on the device (no host synchronization; the module raises).
 
-Backward with a fused optimizer (no dense gradient, no atomics, deterministic):
+Backward with a fused optimizer, in the structure of FBGEMM's table-batched embedding backward (no dense
+gradient, no atomics on weights, deterministic), with no host synchronization::
 
-1. each occurrence → its global row id (table row offset + id) and its bag;
-2. a stable sort by row id; segment starts where the row changes; each segment's end from a reverse
-   running minimum (all on the device: no host synchronization);
-3. one program per occurrence position; the program at a segment start reduces its segment serially
-   (in sorted order, so the sum is the same on every run), applies the optimizer to that row, and
-   writes the row back (stochastic rounding for fp16/bf16 weights). Other programs exit at once.
+    linearize   each occurrence → key = global row id (int32 when the rows fit; bad ids → a sentinel
+                that sorts last) and info = its bag                                     (1 launch)
+    sort        keys, stably (torch.sort: a radix sort on the GPU)                      (torch)
+    mark        per sorted position: does a work item start here? (a new row, or a CHUNK boundary
+                inside a row's run) does a split run start here? — packed in one int64  (1 launch)
+    scan        inclusive cumsum of those flags: item and split ids, and their counts   (torch)
+    scatter     item starts and split starts into dense lists                           (1 launch)
+    segment     one program per item: gathers up to CHUNK occurrences' gradient rows as
+                (BLOCK_N, D) tiles, scaled once per occurrence (per-sample weight, 1/length for
+                mean pooling); a run that fits in one item is reduced and updated right here, a
+                longer one writes an fp32 partial sum per item                          (1 launch)
+    split       one program per long run: sums its partials in order (deterministic), updates (1 launch)
 
-The ops are registered with ``torch.library`` (with fake implementations) so modules using them work
-under autograd, ``torch.compile`` and ``torch.export``. Each op runs the Triton kernels when the
-tensors are on CUDA (or under ``TRITON_INTERPRET=1`` on CPU) and the reference otherwise.
+Grids are bounded by host-known numbers (occurrences, table rows) and programs past the device-side
+counts exit at once. The ops are registered with ``torch.library`` (with fake implementations) so
+modules using them work under autograd, ``torch.compile`` (one graph) and ``torch.export``. Each op runs
+the Triton kernels when the tensors are on CUDA (or under ``TRITON_INTERPRET=1`` on CPU) and the
+reference otherwise.
 """
 
 from __future__ import annotations
@@ -36,6 +48,9 @@ except ImportError:  # pragma: no cover - triton is optional on CPU machines
     triton = None
 
 OPT_CODES = {"gradient": 0, "sgd": 1, "adagrad": 2, "rowwise_adagrad": 3, "adam": 4}
+CHUNK = 256  # occurrences per backward work item: a row's run longer than this is split across programs
+SCAN_BLOCK = 1024  # sorted positions per program in the mark and scatter passes
+TILE = 4096  # fp32 elements of a forward tile (BAGS × BLOCK_N × BLOCK_D): 32 registers a thread at 4 warps
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -59,204 +74,406 @@ def choose_triton(backend: str, device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def forward_tiles(block_d: int, average_pooling: float) -> tuple[int, int]:
+    """(BAGS, BLOCK_N) of the forward: bags per program and ids per bag per step, from D and the pooling.
+
+    One-hot bags take many bags per program (a row each per step); long bags take more ids per bag.
+    """
+    block_n = min(_next_power_of_2(math.ceil(max(average_pooling, 1.0))), 32)
+    bags = max(1, min(64, TILE // (block_n * block_d)))
+    return bags, block_n
+
+
+def backward_tiles(block_d: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the segment pass: occurrences gathered per step, warps per program.
+
+    A warp per row up to D=128 (as FBGEMM's short-run kernel), so that a row is 16 bytes a thread.
+    """
+    return max(1, min(32, 2048 // block_d)), max(1, block_d // 128)
+
+
+def column_alignment(layout: Layout) -> int:
+    """The largest power of two (≤ 16) dividing every table's first output column and the output width."""
+    return min(16, math.gcd(*layout.col_offsets) & -math.gcd(*layout.col_offsets)) if layout.total_dim else 1
+
+
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(weight_ptr, values_ptr, offsets_ptr, psw_ptr, out_ptr, dims_ptr, elem_offsets_ptr,
-                        col_offsets_ptr, poolings_ptr, batch_size, out_stride,
-                        HAS_PSW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        bag = tl.program_id(0)
-        t = bag // batch_size
-        b = bag % batch_size
-        start = tl.load(offsets_ptr + bag)
-        end = tl.load(offsets_ptr + bag + 1)
-        dim = tl.load(dims_ptr + t)
-        base = tl.load(elem_offsets_ptr + t)
-        col = tl.load(col_offsets_ptr + t)
+    def _forward_kernel(weight_ptr, values_ptr, offsets_ptr, psw_ptr, out_ptr, errors_ptr, group_tables_ptr,
+                        rows_ptr, elem_offsets_ptr, col_offsets_ptr, poolings_ptr, batch_size, blocks_per_table,
+                        num_tables, out_stride, DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr,
+                        COL_ALIGN: tl.constexpr, BAGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PSW: tl.constexpr):
+        pid = tl.program_id(0)
+        t = tl.load(group_tables_ptr + pid // blocks_per_table)
+        b = (pid % blocks_per_table) * BAGS + tl.arange(0, BAGS)  # (BAGS,) rows of the batch
+        b_mask = b < batch_size
+        bag = t * batch_size + b
+        start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
+        length = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64) - start
+        num_rows = tl.load(rows_ptr + t)
+        base = tl.multiple_of(tl.load(elem_offsets_ptr + t), ALIGN)
         d = tl.arange(0, BLOCK_D)
-        d_mask = d < dim
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i in range(start, end, BLOCK_N):
-            n = i + tl.arange(0, BLOCK_N)
-            n_mask = n < end
-            ids = tl.load(values_ptr + n, mask=n_mask, other=0)
-            rows = tl.load(weight_ptr + base + ids[:, None] * dim + d[None, :],
-                           mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        d_load = d < STRIDE  # the padded width: constant over each 16 bytes, so loads stay vectors
+        n = tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
+        bad_count = tl.zeros([BAGS], dtype=tl.int32)
+        bad_high = tl.full([BAGS], -2147483648, tl.int64)
+        bad_low = tl.full([BAGS], 2147483647, tl.int64)
+        for i in range(0, tl.max(length, axis=0), BLOCK_N):
+            k = i + n
+            valid = k[None, :] < length[:, None]  # (BAGS, BLOCK_N)
+            position = start[:, None] + k[None, :]
+            ids = tl.load(values_ptr + position, mask=valid, other=0).to(tl.int64)
+            bad = valid & ((ids < 0) | (ids >= num_rows))
+            ok = valid & (ids >= 0) & (ids < num_rows)
+            rows = tl.load(weight_ptr + base + ids[:, :, None] * STRIDE + d[None, None, :],
+                           mask=ok[:, :, None] & d_load[None, None, :], other=0.0).to(tl.float32)
             if HAS_PSW:
-                scale = tl.load(psw_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-                rows = rows * scale[:, None]
-            acc += tl.sum(rows, axis=0)
-        if tl.load(poolings_ptr + t) == 1:
-            acc = acc / tl.maximum(end - start, 1).to(tl.float32)
-        tl.store(out_ptr + b * out_stride + col + d, acc, mask=d_mask)
+                scale = tl.load(psw_ptr + position, mask=ok, other=0.0).to(tl.float32)
+                rows = rows * scale[:, :, None]
+            acc += tl.sum(rows, axis=1)
+            bad_count += tl.sum(bad.to(tl.int32), axis=1)
+            bad_high = tl.maximum(bad_high, tl.max(tl.where(bad, ids, -2147483648), axis=1))
+            bad_low = tl.minimum(bad_low, tl.min(tl.where(bad, ids, 2147483647), axis=1))
+        if tl.load(poolings_ptr + t) == 1:  # mean
+            acc = acc / tl.maximum(length, 1).to(tl.float32)[:, None]
+        col = tl.multiple_of(tl.load(col_offsets_ptr + t), COL_ALIGN)
+        out_stride = tl.multiple_of(out_stride, COL_ALIGN)
+        tl.store(out_ptr + b[:, None] * out_stride + col + d[None, :], acc,
+                 mask=b_mask[:, None] & (d < DIM)[None, :])
+        count = tl.sum(bad_count, axis=0)
+        if count > 0:  # rare: record the table's bad ids for the module to raise
+            tl.atomic_add(errors_ptr + t, count)
+            tl.atomic_max(errors_ptr + num_tables + t, tl.minimum(tl.max(bad_high, axis=0), 2147483647).to(tl.int32))
+            tl.atomic_min(errors_ptr + 2 * num_tables + t,
+                          tl.maximum(tl.min(bad_low, axis=0), -2147483648).to(tl.int32))
 
     @triton.jit
-    def _segment_update_kernel(
-        weight_ptr, state1_ptr, state2_ptr, grad_out_ptr, sorted_rows_ptr, perm_ptr, bag_ptr, seg_end_ptr,
-        offsets_ptr, psw_ptr, row_table_ptr, dims_ptr, elem_offsets_ptr, row_offsets_ptr, col_offsets_ptr,
-        poolings_ptr, step_ptr, nnz, batch_size, grad_stride, lr, eps, weight_decay, beta1, beta2, log_beta1,
-        log_beta2, OPT: tl.constexpr, HAS_PSW: tl.constexpr, ROUNDING_BITS: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):
-        j = tl.program_id(0)
-        row = tl.load(sorted_rows_ptr + j)
-        previous = tl.load(sorted_rows_ptr + tl.maximum(j - 1, 0))
-        if (j == 0) | (row != previous):  # only segment starts work; the others exit
-            seg_end = tl.load(seg_end_ptr + j)
-            t = tl.load(row_table_ptr + j)
+    def _linearize_kernel(values_ptr, offsets_ptr, keys_ptr, info_ptr, rows_ptr, row_offsets_ptr, batch_size,
+                          num_bags, nnz, sentinel, BAGS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_TAIL: tl.constexpr):
+        pid = tl.program_id(0)
+        if pid < tl.cdiv(num_bags, BAGS):
+            bag = pid * BAGS + tl.arange(0, BAGS)
+            b_mask = bag < num_bags
+            t = bag // batch_size
+            start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
+            length = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64) - start
+            num_rows = tl.load(rows_ptr + t, mask=b_mask, other=0)
+            row_offset = tl.load(row_offsets_ptr + t, mask=b_mask, other=0)
+            bag_tile = tl.broadcast_to(bag[:, None], (BAGS, BLOCK_N)).to(tl.int32)
+            n = tl.arange(0, BLOCK_N)
+            for i in range(0, tl.max(length, axis=0), BLOCK_N):
+                k = i + n
+                valid = k[None, :] < length[:, None]
+                position = start[:, None] + k[None, :]
+                ids = tl.load(values_ptr + position, mask=valid, other=0).to(tl.int64)
+                ok = (ids >= 0) & (ids < num_rows[:, None])
+                key = tl.where(ok, row_offset[:, None] + ids, sentinel)
+                tl.store(keys_ptr + position, key.to(keys_ptr.dtype.element_ty), mask=valid)
+                tl.store(info_ptr + position, bag_tile, mask=valid)
+        else:  # positions past the last bag (values padded to a bucketed length): sort last, update nothing
+            first = tl.load(offsets_ptr + num_bags).to(tl.int64)
+            for p0 in range(first, nnz, BLOCK_TAIL):
+                p = p0 + tl.arange(0, BLOCK_TAIL)
+                tl.store(keys_ptr + p, (tl.zeros([BLOCK_TAIL], tl.int64) + sentinel).to(keys_ptr.dtype.element_ty), mask=p < nnz)
+                tl.store(info_ptr + p, tl.zeros([BLOCK_TAIL], tl.int32), mask=p < nnz)
+
+    @triton.jit
+    def _mark_kernel(sorted_ptr, flags_ptr, nnz, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = j < nnz
+        key = tl.load(sorted_ptr + j, mask=m, other=0)
+        previous = tl.load(sorted_ptr + j - 1, mask=m & (j > 0), other=-1)
+        run_first = m & ((j == 0) | (key != previous))
+        item_first = run_first | (m & (j % CHUNK == 0))
+        boundary = (j // CHUNK + 1) * CHUNK
+        after = tl.load(sorted_ptr + boundary, mask=run_first & (boundary < nnz), other=-1)
+        split_first = run_first & (boundary < nnz) & (after == key)
+        tl.store(flags_ptr + j, item_first.to(tl.int64) + (split_first.to(tl.int64) << 32), mask=m)
+
+    @triton.jit
+    def _scatter_kernel(flags_ptr, scan_ptr, item_start_ptr, split_start_ptr, nnz, BLOCK: tl.constexpr):
+        j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = j < nnz
+        flags = tl.load(flags_ptr + j, mask=m, other=0)
+        scan = tl.load(scan_ptr + j, mask=m, other=0)
+        items = scan & 0xFFFFFFFF
+        tl.store(item_start_ptr + items - 1, j.to(tl.int32), mask=m & ((flags & 0xFFFFFFFF) != 0))
+        tl.store(split_start_ptr + (scan >> 32) - 1, j.to(tl.int32), mask=m & ((flags >> 32) != 0))
+        tl.store(item_start_ptr + items, (tl.zeros([BLOCK], tl.int64) + nnz).to(tl.int32), mask=m & (j == nnz - 1))
+
+    @triton.jit
+    def _row_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr, elem_offsets_ptr, row_offsets_ptr, j0,
+                batch_size, d, DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr):
+        """Global row, table, first element, mask of the dim and 1/dim of the run at sorted position j0."""
+        key = tl.load(sorted_ptr + j0).to(tl.int64)
+        t = tl.load(info_ptr + tl.load(perm_ptr + j0)) // batch_size
+        if DIM > 0:  # one dim for all tables: a compile-time constant
+            stride = STRIDE
+            d_mask = d < DIM
+            inv_dim = 1.0 / DIM
+        else:
+            stride = tl.multiple_of(tl.load(strides_ptr + t), ALIGN)
             dim = tl.load(dims_ptr + t)
-            col = tl.load(col_offsets_ptr + t)
-            pooling = tl.load(poolings_ptr + t)
-            local = row - tl.load(row_offsets_ptr + t)
-            elem = tl.load(elem_offsets_ptr + t) + local * dim
-            d = tl.arange(0, BLOCK_D)
             d_mask = d < dim
-            g = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for k in range(j, seg_end):
-                p = tl.load(perm_ptr + k)
-                bag = tl.load(bag_ptr + p)
-                scale = 1.0
-                if HAS_PSW:
-                    scale = tl.load(psw_ptr + p).to(tl.float32)
-                if pooling == 1:
-                    length = tl.load(offsets_ptr + bag + 1) - tl.load(offsets_ptr + bag)
-                    scale = scale / tl.maximum(length, 1).to(tl.float32)
-                b = bag % batch_size
-                g += scale * tl.load(grad_out_ptr + b * grad_stride + col + d, mask=d_mask, other=0.0).to(tl.float32)
-            if OPT == 0:  # plain gradient into a dense fp32 buffer
-                tl.store(state1_ptr + elem + d, g, mask=d_mask)
-            else:
-                w = tl.load(weight_ptr + elem + d, mask=d_mask, other=0.0).to(tl.float32)
-                g = g + weight_decay * w
-                if OPT == 1:  # sgd
-                    w = w - lr * g
-                elif OPT == 2:  # adagrad
-                    s = tl.load(state1_ptr + elem + d, mask=d_mask, other=0.0) + g * g
-                    tl.store(state1_ptr + elem + d, s, mask=d_mask)
-                    w = w - lr * g / (tl.sqrt(s) + eps)
-                elif OPT == 3:  # rowwise_adagrad
-                    m = tl.load(state1_ptr + row) + tl.sum(tl.where(d_mask, g * g, 0.0), axis=0) / dim.to(tl.float32)
-                    tl.store(state1_ptr + row, m)
-                    w = w - lr * g / (tl.sqrt(m) + eps)
-                else:  # adam, lazy: touched rows only; bias correction by the global step
-                    step = tl.load(step_ptr).to(tl.float64)  # fp64: beta**step loses digits in fp32
-                    bias1 = (1 - tl.exp(step * log_beta1)).to(tl.float32)
-                    bias2 = (1 - tl.exp(step * log_beta2)).to(tl.float32)
-                    m = beta1 * tl.load(state1_ptr + elem + d, mask=d_mask, other=0.0) + (1 - beta1) * g
-                    v = beta2 * tl.load(state2_ptr + elem + d, mask=d_mask, other=0.0) + (1 - beta2) * g * g
-                    tl.store(state1_ptr + elem + d, m, mask=d_mask)
-                    tl.store(state2_ptr + elem + d, v, mask=d_mask)
-                    w = w - lr * (m / bias1) / (tl.sqrt(v / bias2) + eps)
-                if ROUNDING_BITS > 0:
-                    # Stochastic rounding to a half type: add random low bits to the fp32 pattern, then
-                    # truncate them (toward zero in magnitude); the result converts to the half type exactly.
-                    mask = (1 << ROUNDING_BITS) - 1
-                    noise = tl.randint(tl.load(step_ptr), elem + d).to(tl.int32) & mask
-                    bits = w.to(tl.int32, bitcast=True)
-                    w = ((bits + noise) & ~mask).to(tl.float32, bitcast=True)
-                tl.store(weight_ptr + elem + d, w.to(weight_ptr.dtype.element_ty), mask=d_mask)
+            inv_dim = 1.0 / dim.to(tl.float32)
+        elem = tl.multiple_of(tl.load(elem_offsets_ptr + t) + (key - tl.load(row_offsets_ptr + t)) * stride, ALIGN)
+        return key, t, elem, d_mask, inv_dim
+
+    @triton.jit
+    def _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask, inv_dim, lr, eps,
+                      weight_decay, beta1, beta2, log_beta1, log_beta2, OPT: tl.constexpr,
+                      ROUNDING_BITS: tl.constexpr):
+        """Apply the optimizer to one row given its summed gradient ``g`` (fp32) and write it back."""
+        if OPT == 0:  # plain gradient into a dense fp32 buffer
+            tl.store(state1_ptr + elem + d, g, mask=d_mask)
+        else:
+            w = tl.load(weight_ptr + elem + d, mask=d_mask, other=0.0).to(tl.float32)
+            g = g + weight_decay * w
+            if OPT == 1:  # sgd
+                w = w - lr * g
+            elif OPT == 2:  # adagrad
+                s = tl.load(state1_ptr + elem + d, mask=d_mask, other=0.0) + g * g
+                tl.store(state1_ptr + elem + d, s, mask=d_mask)
+                w = w - lr * g / (tl.sqrt(s) + eps)
+            elif OPT == 3:  # rowwise_adagrad
+                m = tl.load(state1_ptr + row) + tl.sum(tl.where(d_mask, g * g, 0.0), axis=0) * inv_dim
+                tl.store(state1_ptr + row, m)
+                w = w - lr * g / (tl.sqrt(m) + eps)
+            else:  # adam, lazy: touched rows only; bias correction by the global step
+                step = tl.load(step_ptr).to(tl.float64)  # fp64: beta**step loses digits in fp32
+                bias1 = (1 - tl.exp(step * log_beta1)).to(tl.float32)
+                bias2 = (1 - tl.exp(step * log_beta2)).to(tl.float32)
+                m = beta1 * tl.load(state1_ptr + elem + d, mask=d_mask, other=0.0) + (1 - beta1) * g
+                v = beta2 * tl.load(state2_ptr + elem + d, mask=d_mask, other=0.0) + (1 - beta2) * g * g
+                tl.store(state1_ptr + elem + d, m, mask=d_mask)
+                tl.store(state2_ptr + elem + d, v, mask=d_mask)
+                w = w - lr * (m / bias1) / (tl.sqrt(v / bias2) + eps)
+            if ROUNDING_BITS > 0:
+                # Stochastic rounding to a half type: add random low bits to the fp32 pattern, then
+                # truncate them; the result converts to the half type exactly (reference.stochastic_round).
+                mask = (1 << ROUNDING_BITS) - 1
+                noise = tl.randint(tl.load(step_ptr), (elem + d).to(tl.uint32)).to(tl.int32) & mask
+                bits = w.to(tl.int32, bitcast=True)
+                w = ((bits + noise) & ~mask).to(tl.float32, bitcast=True)
+            tl.store(weight_ptr + elem + d, w.to(weight_ptr.dtype.element_ty), mask=d_mask)
+
+    @triton.jit
+    def _segment_kernel(
+        weight_ptr, state1_ptr, state2_ptr, step_ptr, grad_ptr, sorted_ptr, perm_ptr, info_ptr, item_start_ptr,
+        scan_ptr, partials_ptr, offsets_ptr, psw_ptr, dims_ptr, strides_ptr, elem_offsets_ptr, row_offsets_ptr,
+        col_offsets_ptr, poolings_ptr, nnz, batch_size, grad_stride, sentinel, lr, eps, weight_decay, beta1, beta2,
+        log_beta1, log_beta2, OPT: tl.constexpr, HAS_PSW: tl.constexpr, ROUNDING_BITS: tl.constexpr,
+        DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        i = tl.program_id(0)
+        num_items = tl.load(scan_ptr + nnz - 1) & 0xFFFFFFFF
+        if i < num_items:
+            j0 = tl.load(item_start_ptr + i)
+            j1 = tl.load(item_start_ptr + i + 1)
+            if tl.load(sorted_ptr + j0) != sentinel:
+                d = tl.arange(0, BLOCK_D)
+                row, t, elem, d_mask, inv_dim = _row_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr,
+                                                        elem_offsets_ptr, row_offsets_ptr, j0, batch_size, d, DIM,
+                                                        STRIDE, ALIGN)
+                col = tl.multiple_of(tl.load(col_offsets_ptr + t), COL_ALIGN)
+                mean = tl.load(poolings_ptr + t) == 1
+                n = tl.arange(0, BLOCK_N)
+                g = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for k0 in range(j0, j1, BLOCK_N):  # at most CHUNK occurrences, BLOCK_N at a time
+                    k = k0 + n
+                    k_mask = k < j1
+                    p = tl.load(perm_ptr + k, mask=k_mask, other=0)
+                    bag = tl.load(info_ptr + p, mask=k_mask, other=0)
+                    scale = tl.where(k_mask, 1.0, 0.0)
+                    if HAS_PSW:
+                        scale = scale * tl.load(psw_ptr + p, mask=k_mask, other=0.0).to(tl.float32)
+                    if mean:
+                        length = tl.load(offsets_ptr + bag + 1, mask=k_mask, other=1) - \
+                            tl.load(offsets_ptr + bag, mask=k_mask, other=0)
+                        scale = scale / tl.maximum(length, 1).to(tl.float32)
+                    b = (bag - t * batch_size).to(tl.int64)
+                    rows = tl.load(grad_ptr + b[:, None] * tl.multiple_of(grad_stride, COL_ALIGN) + col + d[None, :],
+                                   mask=k_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                    g += tl.sum(rows * scale[:, None], axis=0)
+                run_first = (j0 == 0) | (tl.load(sorted_ptr + tl.maximum(j0 - 1, 0)) != row)
+                continues = (j1 < nnz) & (tl.load(sorted_ptr + tl.minimum(j1, nnz - 1)) == row)
+                if run_first & (continues == 0):  # the whole run: update the row now
+                    _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask, inv_dim, lr,
+                                  eps, weight_decay, beta1, beta2, log_beta1, log_beta2, OPT, ROUNDING_BITS)
+                else:  # part of a split run: slot 1 = its first item, slot 0 = an item at a chunk start
+                    slot = tl.where(run_first, 1, 0)
+                    tl.store(partials_ptr + ((j0 // CHUNK) * 2 + slot) * BLOCK_D + d, g)
+
+    @triton.jit
+    def _split_kernel(
+        weight_ptr, state1_ptr, state2_ptr, step_ptr, sorted_ptr, perm_ptr, info_ptr, split_start_ptr, scan_ptr,
+        partials_ptr, dims_ptr, strides_ptr, elem_offsets_ptr, row_offsets_ptr, nnz, batch_size, sentinel, lr, eps,
+        weight_decay, beta1, beta2, log_beta1, log_beta2, OPT: tl.constexpr, ROUNDING_BITS: tl.constexpr,
+        DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        s = tl.program_id(0)
+        num_splits = tl.load(scan_ptr + nnz - 1) >> 32
+        if s < num_splits:
+            j0 = tl.load(split_start_ptr + s)
+            if tl.load(sorted_ptr + j0) != sentinel:
+                d = tl.arange(0, BLOCK_D)
+                row, t, elem, d_mask, inv_dim = _row_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr,
+                                                        elem_offsets_ptr, row_offsets_ptr, j0, batch_size, d, DIM,
+                                                        STRIDE, ALIGN)
+                chunk = j0 // CHUNK
+                g = tl.load(partials_ptr + (chunk * 2 + 1) * BLOCK_D + d)
+                chunk += 1
+                more = (chunk * CHUNK < nnz) & (tl.load(sorted_ptr + tl.minimum(chunk * CHUNK, nnz - 1)) == row)
+                while more:  # the run's later items, in order: the same sum on every run
+                    g += tl.load(partials_ptr + chunk * 2 * BLOCK_D + d)
+                    chunk += 1
+                    more = (chunk * CHUNK < nnz) & (tl.load(sorted_ptr + tl.minimum(chunk * CHUNK, nnz - 1)) == row)
+                _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask, inv_dim, lr,
+                              eps, weight_decay, beta1, beta2, log_beta1, log_beta2, OPT, ROUNDING_BITS)
 
 
 @lru_cache(maxsize=64)
 def _device_layout(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
-    def tensor(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+    def tensor(values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
 
-    return {"dims": tensor(layout.dims), "elem_offsets": tensor(layout.elem_offsets),
-            "row_offsets": tensor(layout.row_offsets), "col_offsets": tensor(layout.col_offsets),
-            "poolings": tensor(layout.poolings)}
-
-
-def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n)) if triton is not None else n
+    groups = {dim: tensor([t for t, d in enumerate(layout.dims) if d == dim], torch.int32)
+              for dim in sorted(set(layout.dims))}
+    return {"dims": tensor(layout.dims), "strides": tensor(layout.strides), "rows": tensor(layout.rows),
+            "elem_offsets": tensor(layout.elem_offsets), "row_offsets": tensor(layout.row_offsets),
+            "col_offsets": tensor(layout.col_offsets), "poolings": tensor(layout.poolings), "groups": groups}
 
 
-def _layout(dims, capacities, rows, poolings) -> Layout:
-    return Layout(tuple(dims), tuple(capacities), tuple(rows), tuple(poolings))
+def _layout(dims, capacities, rows, poolings, align) -> Layout:
+    return Layout(tuple(dims), tuple(capacities), tuple(rows), tuple(poolings), align)
+
+
+def layout_args(layout: Layout) -> tuple[list[int], list[int], list[int], list[int], int]:
+    """The layout as the ops take it (lists of ints: torch.library schemas have no dataclasses)."""
+    return list(layout.dims), list(layout.capacities), list(layout.rows), list(layout.poolings), layout.align
 
 
 # --- ops -------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("recloop::embedding_bags", mutates_args=())
+@torch.library.custom_op("recloop::embedding_bags", mutates_args=("errors",))
 def embedding_bags(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
-                   per_sample_weights: torch.Tensor | None, dims: list[int], capacities: list[int],
-                   rows: list[int], poolings: list[int], batch_size: int, use_triton: bool) -> torch.Tensor:
-    """Pooled embeddings (B, ΣD), fp32. See the module docstring for the layout."""
-    layout = _layout(dims, capacities, rows, poolings)
+                   per_sample_weights: torch.Tensor | None, errors: torch.Tensor, dims: list[int],
+                   capacities: list[int], rows: list[int], poolings: list[int], align: int, batch_size: int,
+                   use_triton: bool) -> torch.Tensor:
+    """Pooled embeddings (B, ΣD), fp32. Ids outside a table pool as zeros and are counted in ``errors``."""
+    layout = _layout(dims, capacities, rows, poolings, align)
+    values, offsets = values.contiguous(), offsets.contiguous()
+    per_sample_weights = per_sample_weights.contiguous() if per_sample_weights is not None else None
     if not use_triton:
-        return reference.forward(weight, values, offsets, per_sample_weights, layout, batch_size)
+        return reference.forward(weight, values, offsets, per_sample_weights, layout, batch_size, errors)
     out = torch.empty(batch_size, layout.total_dim, device=weight.device, dtype=torch.float32)
     if batch_size == 0:
         return out
     meta = _device_layout(layout, weight.device)
-    _forward_kernel[(layout.num_tables * batch_size,)](
-        weight, values, offsets, per_sample_weights if per_sample_weights is not None else values, out,
-        meta["dims"], meta["elem_offsets"], meta["col_offsets"], meta["poolings"], batch_size, out.stride(0),
-        HAS_PSW=per_sample_weights is not None, BLOCK_N=16, BLOCK_D=_block(max(dims)),
-    )
+    average_pooling = values.numel() / (layout.num_tables * batch_size)
+    for dim, tables in meta["groups"].items():
+        stride = -(-dim // align) * align
+        block_d = _next_power_of_2(stride)
+        bags, block_n = forward_tiles(block_d, average_pooling)
+        blocks = triton.cdiv(batch_size, bags)
+        _forward_kernel[(tables.numel() * blocks,)](
+            weight.contiguous(), values, offsets, per_sample_weights if per_sample_weights is not None else values,
+            out, errors, tables, meta["rows"], meta["elem_offsets"], meta["col_offsets"], meta["poolings"],
+            batch_size, blocks, layout.num_tables, out.stride(0), DIM=dim, STRIDE=stride, ALIGN=align,
+            COL_ALIGN=column_alignment(layout), BAGS=bags,
+            BLOCK_N=block_n, BLOCK_D=block_d, HAS_PSW=per_sample_weights is not None,
+        )
     return out
 
 
 @embedding_bags.register_fake
-def _(weight, values, offsets, per_sample_weights, dims, capacities, rows, poolings, batch_size, use_triton):
+def _(weight, values, offsets, per_sample_weights, errors, dims, capacities, rows, poolings, align, batch_size,
+      use_triton):
     return weight.new_empty((batch_size, sum(dims)), dtype=torch.float32)
 
 
-def _segments(values: torch.Tensor, offsets: torch.Tensor, layout: Layout, batch_size: int, device):
-    """Sorted global row ids, the permutation, each occurrence's bag, segment ends and row tables."""
+def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, offsets, per_sample_weights,
+              layout: Layout, batch_size: int, config: tuple) -> None:
+    """The sort-and-reduce backward (module docstring): fused update, or the gradient into ``state1``."""
     nnz = values.numel()
-    meta = _device_layout(layout, device)
-    positions = torch.arange(nnz, device=device)
-    bag = torch.searchsorted(offsets[1:], positions, right=True)  # the bag each occurrence belongs to
-    table = bag // batch_size
-    rows = meta["row_offsets"][table] + values
-    sorted_rows, perm = torch.sort(rows, stable=True)
-    is_start = torch.ones(nnz, dtype=torch.bool, device=device)
-    is_start[1:] = sorted_rows[1:] != sorted_rows[:-1]
-    start_or_end = torch.where(is_start, positions, torch.full_like(positions, nnz))
-    next_start = torch.flip(torch.cummin(torch.flip(start_or_end, [0]), 0).values, [0])  # min over k >= j
-    seg_end = torch.cat([next_start[1:], torch.full((1,), nnz, device=device, dtype=next_start.dtype)])
-    return sorted_rows, perm, bag, seg_end, table[perm], meta
-
-
-def _launch_segments(opt_code: int, weight, state1, state2, grad_output, values, offsets, per_sample_weights,
-                     layout: Layout, batch_size: int, config: tuple, step: torch.Tensor) -> None:
-    nnz = values.numel()
-    if nnz == 0:
+    if nnz == 0 or batch_size == 0:
         return
-    sorted_rows, perm, bag, seg_end, row_table, meta = _segments(values, offsets, layout, batch_size, weight.device)
+    if nnz >= 2**31 - CHUNK:
+        raise ValueError(f"{nnz} ids in one batch: the backward indexes occurrences with int32")
+    device = weight.device
+    meta = _device_layout(layout, device)
+    values, offsets, grad_output = values.contiguous(), offsets.contiguous(), grad_output.contiguous()
+    per_sample_weights = per_sample_weights.contiguous() if per_sample_weights is not None else None
+    total_rows = layout.total_rows
+    sentinel = total_rows  # the key of ids outside their table: sorts after every real row
+    keys = torch.empty(nnz, device=device, dtype=torch.int32 if total_rows < 2**31 - 1 else torch.int64)
+    info = torch.empty(nnz, device=device, dtype=torch.int32)
+    num_bags = layout.num_tables * batch_size
+    bags, block_n = forward_tiles(16, nnz / num_bags)
+    _linearize_kernel[(triton.cdiv(num_bags, bags) + 1,)](
+        values, offsets, keys, info, meta["rows"], meta["row_offsets"], batch_size, num_bags, nnz, sentinel,
+        BAGS=bags, BLOCK_N=block_n, BLOCK_TAIL=1024)
+    sorted_keys, perm = torch.sort(keys, stable=True)
+
+    flags = torch.empty(nnz, device=device, dtype=torch.int64)
+    grid = (triton.cdiv(nnz, SCAN_BLOCK),)
+    _mark_kernel[grid](sorted_keys, flags, nnz, CHUNK=CHUNK, BLOCK=SCAN_BLOCK)
+    scan = torch.cumsum(flags, 0)  # low 32 bits: item ids; high 32 bits: split-run ids
+    chunks = triton.cdiv(nnz, CHUNK)
+    item_start = torch.empty(nnz + 1, device=device, dtype=torch.int32)
+    split_start = torch.empty(chunks, device=device, dtype=torch.int32)
+    _scatter_kernel[grid](flags, scan, item_start, split_start, nnz, BLOCK=SCAN_BLOCK)
+
+    uniform = len(set(layout.dims)) == 1
+    dim = layout.dims[0] if uniform else 0
+    block_d = _next_power_of_2(max(layout.strides))
+    partials = torch.empty(chunks * 2 * block_d, device=device, dtype=torch.float32)
     lr, eps, weight_decay, beta1, beta2 = config
     log_beta1, log_beta2 = math.log(beta1) if beta1 > 0 else -1e30, math.log(beta2) if beta2 > 0 else -1e30
-    rounding = {torch.float16: 13, torch.bfloat16: 16}.get(weight.dtype, 0) if opt_code else 0
-    grad_output = grad_output.contiguous()
-    _segment_update_kernel[(nnz,)](
-        weight, state1, state2, grad_output, sorted_rows, perm, bag, seg_end, offsets,
-        per_sample_weights if per_sample_weights is not None else grad_output, row_table, meta["dims"],
-        meta["elem_offsets"], meta["row_offsets"], meta["col_offsets"], meta["poolings"], step, nnz, batch_size,
-        grad_output.stride(0), lr, eps, weight_decay, beta1, beta2, log_beta1, log_beta2,
-        OPT=opt_code, HAS_PSW=per_sample_weights is not None, ROUNDING_BITS=rounding,
-        BLOCK_D=_block(max(layout.dims)),
-    )
+    rounding = reference.ROUNDING_BITS.get(weight.dtype, 0) if opt_code else 0
+    shape = dict(DIM=dim, STRIDE=layout.strides[0] if uniform else 0, ALIGN=layout.align, CHUNK=CHUNK, BLOCK_D=block_d)
+    hyper = (lr, eps, weight_decay, beta1, beta2, log_beta1, log_beta2)
+    segment_n, warps = backward_tiles(block_d)
+    max_items = min(nnz, total_rows + 1 + chunks)  # runs (≤ distinct keys) plus chunk boundaries
+    _segment_kernel[(max_items,)](
+        weight, state1, state2, step, grad_output, sorted_keys, perm, info, item_start, scan, partials, offsets,
+        per_sample_weights if per_sample_weights is not None else grad_output, meta["dims"], meta["strides"],
+        meta["elem_offsets"], meta["row_offsets"], meta["col_offsets"], meta["poolings"], nnz, batch_size,
+        grad_output.stride(0), sentinel, *hyper, OPT=opt_code, HAS_PSW=per_sample_weights is not None,
+        ROUNDING_BITS=rounding, COL_ALIGN=column_alignment(layout), BLOCK_N=segment_n, num_warps=warps, **shape)
+    _split_kernel[(max(1, min(chunks, total_rows + 1)),)](
+        weight, state1, state2, step, sorted_keys, perm, info, split_start, scan, partials, meta["dims"],
+        meta["strides"], meta["elem_offsets"], meta["row_offsets"], nnz, batch_size, sentinel, *hyper,
+        OPT=opt_code, ROUNDING_BITS=rounding, num_warps=warps, **shape)
 
 
 @torch.library.custom_op("recloop::embedding_bags_weight_grad", mutates_args=())
 def embedding_bags_weight_grad(grad_output: torch.Tensor, weight: torch.Tensor, values: torch.Tensor,
                                offsets: torch.Tensor, per_sample_weights: torch.Tensor | None, dims: list[int],
-                               capacities: list[int], rows: list[int], poolings: list[int],
+                               capacities: list[int], rows: list[int], poolings: list[int], align: int,
                                batch_size: int, use_triton: bool) -> torch.Tensor:
     """The dense gradient of the flat weight (for ``optimizer=None``)."""
-    layout = _layout(dims, capacities, rows, poolings)
+    layout = _layout(dims, capacities, rows, poolings, align)
     if not use_triton:
-        return reference.dense_gradient(grad_output, values, offsets, per_sample_weights, layout, batch_size,
-                                        weight.dtype)
+        return reference.dense_gradient(grad_output, values.contiguous(), offsets.contiguous(),
+                                        per_sample_weights, layout, batch_size, weight.dtype)
     grad = torch.zeros(layout.total_elems, device=weight.device, dtype=torch.float32)
-    _launch_segments(OPT_CODES["gradient"], weight, grad, grad, grad_output, values, offsets, per_sample_weights,
-                     layout, batch_size, (0.0, 0.0, 0.0, 0.5, 0.5), offsets)
+    _backward(OPT_CODES["gradient"], weight, grad, grad, offsets, grad_output, values, offsets, per_sample_weights,
+              layout, batch_size, (0.0, 0.0, 0.0, 0.5, 0.5))
     return grad.to(weight.dtype)
 
 
 @embedding_bags_weight_grad.register_fake
-def _(grad_output, weight, values, offsets, per_sample_weights, dims, capacities, rows, poolings, batch_size,
+def _(grad_output, weight, values, offsets, per_sample_weights, dims, capacities, rows, poolings, align, batch_size,
       use_triton):
     return torch.empty_like(weight)
 
@@ -266,10 +483,9 @@ def _(grad_output, weight, values, offsets, per_sample_weights, dims, capacities
 def embedding_bags_sparse_update(grad_output: torch.Tensor, weight: torch.Tensor, state1: torch.Tensor,
                                  state2: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
                                  per_sample_weights: torch.Tensor | None, dims: list[int], capacities: list[int],
-                                 rows: list[int], poolings: list[int], batch_size: int, use_triton: bool,
-                                 optimizer: str, lr: float,
-                                 eps: float, weight_decay: float, beta1: float, beta2: float,
-                                 step: torch.Tensor) -> None:
+                                 rows: list[int], poolings: list[int], align: int, batch_size: int,
+                                 use_triton: bool, optimizer: str, lr: float, eps: float, weight_decay: float,
+                                 beta1: float, beta2: float, step: torch.Tensor) -> None:
     """Apply the fused sparse optimizer to every row the batch touched, in place.
 
     ``state1``/``state2``: adagrad → (sum, unused); rowwise_adagrad → (per-row sums, unused);
@@ -277,40 +493,42 @@ def embedding_bags_sparse_update(grad_output: torch.Tensor, weight: torch.Tensor
     counts updates: it is incremented first, then used for Adam's bias correction and as the seed of
     stochastic rounding, without a host synchronization.
     """
-    layout = _layout(dims, capacities, rows, poolings)
+    layout = _layout(dims, capacities, rows, poolings, align)
     step.add_(1)
     if not use_triton:
         config = OptimizerConfig(optimizer, lr=lr, eps=eps, weight_decay=weight_decay, beta1=beta1, beta2=beta2)
         state = {"sum": state1, "row_sum": state1, "exp_avg": state1, "exp_avg_sq": state2}
-        gradients = reference.sparse_gradients(grad_output, values, offsets, per_sample_weights, layout, batch_size)
+        gradients = reference.sparse_gradients(grad_output, values.contiguous(), offsets.contiguous(),
+                                               per_sample_weights, layout, batch_size)
         reference.apply_optimizer(weight, state, layout, gradients, config, int(step.item()))
         return
-    _launch_segments(OPT_CODES[optimizer], weight, state1, state2, grad_output, values, offsets, per_sample_weights,
-                     layout, batch_size, (lr, eps, weight_decay, beta1, beta2), step)
+    _backward(OPT_CODES[optimizer], weight, state1, state2, step, grad_output, values, offsets, per_sample_weights,
+              layout, batch_size, (lr, eps, weight_decay, beta1, beta2))
 
 
 @embedding_bags_sparse_update.register_fake
 def _(grad_output, weight, state1, state2, values, offsets, per_sample_weights, dims, capacities, rows, poolings,
-      batch_size, use_triton, optimizer, lr, eps, weight_decay, beta1, beta2, step):
+      align, batch_size, use_triton, optimizer, lr, eps, weight_decay, beta1, beta2, step):
     return None
 
 
 # --- autograd --------------------------------------------------------------------------------------------
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    weight, values, offsets, per_sample_weights, dims, capacities, rows, poolings, batch_size, use_triton = inputs
-    ctx.save_for_backward(weight, values, offsets, per_sample_weights)
-    ctx.layout = (dims, capacities, rows, poolings, batch_size, use_triton)
+class DenseGradientEmbeddingBags(torch.autograd.Function):
+    """``optimizer=None``: the flat weight receives an ordinary dense gradient."""
 
+    @staticmethod
+    def forward(ctx, weight, errors, values, offsets, per_sample_weights, layout_args):
+        ctx.save_for_backward(weight, values, offsets, per_sample_weights)
+        ctx.layout_args = layout_args
+        return embedding_bags(weight, values, offsets, per_sample_weights, errors, *layout_args)
 
-def _backward(ctx, grad_output):
-    weight, values, offsets, per_sample_weights = ctx.saved_tensors
-    grad_weight = embedding_bags_weight_grad(grad_output, weight, values, offsets, per_sample_weights, *ctx.layout)
-    return grad_weight, None, None, None, None, None, None, None, None, None
-
-
-torch.library.register_autograd("recloop::embedding_bags", _backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, grad_output):
+        weight, values, offsets, per_sample_weights = ctx.saved_tensors
+        grad = embedding_bags_weight_grad(grad_output, weight, values, offsets, per_sample_weights, *ctx.layout_args)
+        return grad, None, None, None, None, None
 
 
 class FusedEmbeddingBags(torch.autograd.Function):
@@ -321,12 +539,12 @@ class FusedEmbeddingBags(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, trigger, weight, state1, state2, step, values, offsets, per_sample_weights, layout_args,
+    def forward(ctx, trigger, weight, state1, state2, step, errors, values, offsets, per_sample_weights, layout_args,
                 config):
         ctx.save_for_backward(values, offsets, per_sample_weights)
         ctx.weight, ctx.state1, ctx.state2, ctx.step = weight, state1, state2, step
         ctx.layout_args, ctx.config = layout_args, config
-        return embedding_bags(weight, values, offsets, per_sample_weights, *layout_args)
+        return embedding_bags(weight, values, offsets, per_sample_weights, errors, *layout_args)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -335,4 +553,4 @@ class FusedEmbeddingBags(torch.autograd.Function):
         embedding_bags_sparse_update(grad_output, ctx.weight, ctx.state1, ctx.state2, values, offsets,
                                      per_sample_weights, *ctx.layout_args, config.name, config.lr, config.eps,
                                      config.weight_decay, config.beta1, config.beta2, ctx.step)
-        return (None,) * 10
+        return (None,) * 11

@@ -37,13 +37,21 @@ from recloop import checkpoint, distributed
 from recloop.data import ChunkLoader, FeatureSchema, training_files
 from recloop.evaluate import metrics, predict, slice_metrics
 from recloop.features.job import FeatureLayout
-from recloop.model import ModelConfig, RankingModel
+from recloop.model import (
+    ModelConfig,
+    RankingModel,
+    StepConfig,
+    TrainStep,
+    default_batch_size,
+    dense_optimizer,
+)
 from recloop.settings import Settings
 
 ORACLE_COLUMNS = ("p_click",)
 # Columns of the training rows the validation is sliced by (when present): new vs returning users,
 # device, item category. The gate compares candidate and champion on each slice.
 SLICE_COLUMNS = ("user_is_new", "c_device", "c_category")
+VALUES_BUCKET = 1 << 14  # ids per batch are padded to a multiple of this on a GPU (few shapes: CUDA graphs)
 
 
 class TrainError(RuntimeError):
@@ -58,7 +66,7 @@ class TrainConfig:
         mode: ``full`` or ``incremental``.
         days: window of a full retrain (hours before the held-out ones).
         epochs: passes of a full retrain (an incremental run makes one).
-        batch_size: rows per step.
+        batch_size: rows per step; None: 16K on a GPU, 4K on a CPU (``recloop.model.default_batch_size``).
         lr: dense (MLP) Adam learning rate at ``reference_batch``; scaled by sqrt(batch/reference) and,
             from scratch, warmed up linearly over ``warmup_steps`` so large batches stay stable.
         validation_hours: newest hours held out for validation.
@@ -83,7 +91,7 @@ class TrainConfig:
     mode: Literal["full", "incremental"] = "full"
     days: int = 7
     epochs: int = 1
-    batch_size: int = 4096
+    batch_size: int | None = None
     lr: float = 1e-3
     reference_batch: int = 1024
     warmup_steps: int = 20
@@ -282,10 +290,11 @@ def _fit_sharded(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, win
     per_rank = config.data_shards // ranks.world
     shards = distributed.shard_row_groups(windows.train, config.data_shards)[ranks.rank * per_rank:
                                                                            (ranks.rank + 1) * per_rank]
-    local_batch = max(1, config.batch_size // config.data_shards)
+    batch_size = config.batch_size or default_batch_size(device)
+    local_batch = max(1, batch_size // config.data_shards)
     loaders = [distributed.ShardLoader(pieces, schema, local_batch, seed=config.seed + ranks.rank * per_rank + k,
                                        device=device) for k, pieces in enumerate(shards)]
-    scale = math.sqrt(config.batch_size / config.reference_batch)
+    scale = math.sqrt(batch_size / config.reference_batch)
 
     def lr(step: int) -> float:  # as in _fit: a warm-started model is already past its warm-up
         return config.lr * scale * (1.0 if warm else min(1.0, (step + 1) / max(config.warmup_steps, 1)))
@@ -300,45 +309,43 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
          on_step: Callable[[int], None] | None) -> list[list[float]]:
     """The training loop from ``position`` (updated in place) to the last epoch; returns the loss curve
     (``[step, loss]`` every 10 steps). Checkpoints every ``checkpoint_every`` steps through ``save``."""
-    loader = ChunkLoader(windows.train, schema, config.batch_size, device=device, seed=config.seed)
+    batch_size = config.batch_size or default_batch_size(device)
+    # On a GPU, ids are padded to a few bucketed lengths so the compiled step replays as CUDA graphs.
+    bucket = VALUES_BUCKET if device.type == "cuda" and schema.multi_hot else None
+    loader = ChunkLoader(windows.train, schema, batch_size, device=device, seed=config.seed, pad_values_to=bucket)
     total = loader.num_rows * windows.epochs
-    loss_fn = torch.nn.BCEWithLogitsLoss()
-    scale = math.sqrt(config.batch_size / config.reference_batch)
+    scale = math.sqrt(batch_size / config.reference_batch)
     started, first_samples = time.perf_counter(), position["samples"]
-    loss_curve: list[list[float]] = []
     model.train()
-    step_model = _compiled(model, config.compile, device)
+    # One compiled graph, nothing read back per step: the loss every 10 steps and the id checks are
+    # read at intervals (recloop.model.fit).
+    step = TrainStep(model, optimizer, StepConfig(compile=config.compile), device, first_step=position["step"])
     for epoch in range(position["epoch"], windows.epochs):
         skip = position["batch"] if epoch == position["epoch"] else 0
         for batch_index, batch in enumerate(loader.epoch(epoch, skip_batches=skip), start=skip):
-            for group in optimizer.param_groups:  # a warm-started model is already past its warm-up
-                warmup = 1.0 if warm else min(1.0, (position["step"] + 1) / max(config.warmup_steps, 1))
-                group["lr"] = config.lr * scale * warmup
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits = step_model(batch.dense, batch.values, batch.offsets)
-            loss = loss_fn(logits.float(), batch.label)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # also updates the touched embedding rows (fused sparse optimizer)
-            optimizer.step()
+            # A warm-started model is already past its warm-up.
+            warmup = 1.0 if warm else min(1.0, (position["step"] + 1) / max(config.warmup_steps, 1))
+            step(batch, config.lr * scale * warmup)  # the touched embedding rows update in the backward
             position.update(step=position["step"] + 1, epoch=epoch, batch=batch_index + 1,
                             samples=position["samples"] + batch.size)
             if position["step"] % config.checkpoint_every == 0:
+                step.finish()  # the outstanding id check first: never checkpoint a run that met bad ids
                 save(False)
-            if position["step"] % 10 == 0:
-                loss_curve.append([position["step"], float(loss.detach())])
-                if on_progress:
-                    rate = (position["samples"] - first_samples) / (time.perf_counter() - started)
-                    on_progress(position["samples"], total, rate)
+            if position["step"] % 10 == 0 and on_progress:
+                rate = (position["samples"] - first_samples) / (time.perf_counter() - started)
+                on_progress(position["samples"], total, rate)
             if on_step:
                 on_step(position["step"])
         position.update(epoch=epoch + 1, batch=0)
-    return loss_curve
+    step.finish()
+    return step.loss_curve
 
 
 def _validate(model: RankingModel, files: list[Path], schema: FeatureSchema, layout: FeatureLayout,
               config: TrainConfig, device: torch.device) -> tuple[dict, dict[str, dict[str, float]]]:
     """Metrics on the held-out hours, overall and per slice."""
-    loader = ChunkLoader(files, schema, max(config.batch_size, 8192), device=device, shuffle=False)
+    loader = ChunkLoader(files, schema, max(config.batch_size or default_batch_size(device), 8192), device=device,
+                         shuffle=False)
     labels, scores, extras = predict(model, loader.epoch(0))
     return (metrics(labels, scores, extras.get("p_click")),
             slice_metrics(labels, scores, slice_values(extras, layout)))
@@ -362,12 +369,6 @@ def slice_values(extras: dict[str, np.ndarray], layout: FeatureLayout) -> dict[s
             names = dict(zip(admitted["index"], admitted["value"], strict=True))
         out[column[2:]] = np.array([str(names.get(int(i), f"#{int(i)}")) for i in extras[column]])
     return out
-
-
-def _compiled(model: RankingModel, backend: str, device: torch.device) -> torch.nn.Module:
-    if backend == "off" or (backend == "auto" and device.type != "cuda"):
-        return model
-    return torch.compile(model, backend="inductor" if backend == "auto" else backend)
 
 
 def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run_dir: Path, base: dict | None):
@@ -404,7 +405,7 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
         if resumed is None and config.warm_state_decay != 1.0:
             with torch.no_grad():
                 model.embeddings.state1.mul_(config.warm_state_decay)
-    optimizer = torch.optim.Adam(model.dense_parameters(), lr=config.lr)
+    optimizer = dense_optimizer(model, config.lr, device)  # fused Adam on a GPU
     if source is not None:
         checkpoint.load_optimizer(optimizer, source["path"], device)
     return model, optimizer, grown, resumed

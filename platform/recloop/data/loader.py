@@ -1,21 +1,27 @@
 """The training dataloader: parquet → big chunks on the device → shuffled buffer → contiguous batches.
 
-Rows move in chunks (parquet row groups), never one by one: each chunk is decoded by Arrow, staged in
-pinned host memory and copied to the device asynchronously on a side stream (on a GPU), while a
-background thread prepares the next. ``shuffle_chunks`` chunks are concatenated and permuted on the
-device; batches are then contiguous slices, already in the embedding kernels' layout::
+Rows move in chunks (parquet row groups), never one by one. Several threads decode row groups with
+Arrow (which releases the GIL) a few chunks ahead; one thread stages each decoded chunk in pinned host
+memory (a ring of reused buffers) and copies it to the device asynchronously on a side stream, then
+hands it over with a CUDA event: the consumer's stream waits for the copy, the host never does, and the
+chunk's memory is recorded on the consumer's stream so the allocator cannot reuse it too early.
+``shuffle_chunks`` chunks are concatenated and permuted on the device; batches are then contiguous
+slices, already in the embedding kernels' layout::
 
     Batch.dense   (B, n_dense) float32        Batch.label (B,) float32
     Batch.values  (nnz,) int64                Batch.offsets (T*B + 1,) int64, table-major:
                   [cat_0 of all B rows][cat_1 ...]...[multi-hot_0 lists of all B rows]...
 
 One-hot categorical columns give bags of length 1; multi-hot columns give their lists. Every row comes
-exactly once per epoch; the order is a function of (seed, epoch); the last batch may be partial.
-Works the same on a CPU (no pinned memory, no side stream).
+exactly once per epoch; the order is a function of (seed, epoch); the last batch may be partial. List
+lengths stay on the host as well, so every slice bound is a Python int: assembling a batch never waits
+for the GPU. With ``pad_values_to`` the values are padded (zeros past ``offsets[-1]``, which the kernels
+ignore) to a multiple of it, so that batches repeat a few shapes (CUDA graphs). Works the same on a
+CPU (no pinned memory, no side stream).
 
 Example::
 
-    loader = ChunkLoader(files, schema, batch_size=8192, device="cuda", seed=0)
+    loader = ChunkLoader(files, schema, batch_size=16384, device="cuda", seed=0)
     for batch in loader.epoch(0):
         logits = model(batch.dense, batch.values, batch.offsets)
 """
@@ -23,9 +29,13 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,17 +89,51 @@ class Batch:
 
 @dataclass
 class _Chunk:
-    """Rows on the device, columnar; multi-hot columns as (values, lengths)."""
+    """Rows on the device, columnar; multi-hot columns as (values, lengths) with the lengths on the host too."""
 
     dense: torch.Tensor
     label: torch.Tensor
     categorical: torch.Tensor  # (N, n_cat)
     lists: list[tuple[torch.Tensor, torch.Tensor]]
+    host_lengths: list[np.ndarray]
     extra: dict[str, torch.Tensor]
 
     @property
     def rows(self) -> int:
         return self.label.shape[0]
+
+
+class _PinnedStaging:
+    """A ring of pinned host buffers, reused chunk after chunk (pinning memory is slow; reusing it is free).
+
+    A slot is rewritten only after the copies that read it last time have finished (its event).
+    """
+
+    def __init__(self, slots: int):
+        self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._next = 0
+
+    def take(self) -> int:
+        slot, self._next = self._next, (self._next + 1) % len(self._buffers)
+        event = self._events[slot]
+        while event is not None and not event.query():  # this (producer) thread waits, never the training
+            time.sleep(1e-4)  # loop; polling rather than synchronizing keeps the wait out of CUDA's sync checks
+        return slot
+
+    def stage(self, slot: int, name: str, array: np.ndarray) -> torch.Tensor:
+        """``array`` copied into slot ``slot``'s pinned buffer ``name`` (grown when too small)."""
+        array = np.ascontiguousarray(array)
+        buffer = self._buffers[slot].get(name)
+        if buffer is None or buffer.numel() < array.nbytes:
+            buffer = torch.empty(max(array.nbytes, 1 << 16) * 5 // 4, dtype=torch.uint8).pin_memory()
+            self._buffers[slot][name] = buffer
+        staged = buffer[:array.nbytes].view(torch.from_numpy(array[:0]).dtype).view(array.shape)
+        staged.numpy()[...] = array
+        return staged
+
+    def done(self, slot: int, event: torch.cuda.Event) -> None:
+        self._events[slot] = event
 
 
 class ChunkLoader:
@@ -103,11 +147,14 @@ class ChunkLoader:
         seed: the order of an epoch is a function of (seed, epoch).
         shuffle: permute rows within a buffer of ``shuffle_chunks`` chunks (and the chunk order).
         shuffle_chunks: chunks mixed together before batching.
-        prefetch: chunks read ahead by the background thread.
+        prefetch: chunks moved to the device ahead of the consumer.
+        workers: threads decoding parquet row groups (default: up to 8, one per two cores).
+        pad_values_to: pad each batch's values to a multiple of this (None: no padding).
     """
 
     def __init__(self, files: list[Path], schema: FeatureSchema, batch_size: int, device: str | torch.device = "cpu",
-                 seed: int = 0, shuffle: bool = True, shuffle_chunks: int = 16, prefetch: int = 2):
+                 seed: int = 0, shuffle: bool = True, shuffle_chunks: int = 16, prefetch: int = 2,
+                 workers: int | None = None, pad_values_to: int | None = None):
         if not files:
             raise ValueError("no training files: the window holds no rows")
         if batch_size < 1:
@@ -120,6 +167,8 @@ class ChunkLoader:
         self.shuffle = shuffle
         self.shuffle_chunks = max(1, shuffle_chunks)
         self.prefetch = max(1, prefetch)
+        self.workers = workers if workers is not None else max(1, min(8, (os.cpu_count() or 2) // 2))
+        self.pad_values_to = pad_values_to
         self._pieces = [(f, g) for f in self.files for g in range(pq.ParquetFile(f).num_row_groups)]
         self.num_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
         if self.num_rows == 0:
@@ -128,7 +177,7 @@ class ChunkLoader:
     # --- reading ------------------------------------------------------------------------------------------
 
     def _read(self, piece: tuple[Path, int]) -> dict[str, np.ndarray]:
-        """One row group as host arrays (the only per-chunk work done on the CPU)."""
+        """One row group as host arrays (the only per-chunk work done on the CPU; runs in worker threads)."""
         path, group = piece
         schema = self.schema
         columns = [*schema.dense, schema.label, *schema.categorical, *schema.multi_hot, *schema.extra]
@@ -145,48 +194,65 @@ class ChunkLoader:
             host[f"values:{c}"] = pc.list_flatten(lists).to_numpy().astype(np.int64, copy=False)
             host[f"lengths:{c}"] = pc.list_value_length(lists).fill_null(0).to_numpy().astype(np.int64)
         for c in schema.extra:
-            host[f"extra:{c}"] = table[c].to_numpy(zero_copy_only=False)
+            column = np.asarray(table[c].to_numpy(zero_copy_only=False))
+            host[f"extra:{c}"] = column.astype(np.float64 if column.dtype.kind == "f" else np.int64)
         return host
 
-    def _to_device(self, host: dict[str, np.ndarray], stream) -> _Chunk:
-        cuda = self.device.type == "cuda"
+    def _to_device(self, host: dict[str, np.ndarray], stream, consumer, staging: _PinnedStaging | None):
+        """A decoded chunk on the device, and the event its copies complete at (None on a CPU)."""
+        if staging is None:
+            def move(name: str) -> torch.Tensor:
+                return torch.from_numpy(np.require(host[name], requirements=["C", "W"]))
+            return self._chunk(move, host), None
+        slot = staging.take()
 
-        def move(array: np.ndarray) -> torch.Tensor:
-            tensor = torch.from_numpy(np.require(array, requirements=["C", "W"]))
-            if cuda:
-                tensor = tensor.pin_memory()
-                with torch.cuda.stream(stream):
-                    return tensor.to(self.device, non_blocking=True)
+        def move(name: str) -> torch.Tensor:
+            with torch.cuda.stream(stream):
+                tensor = staging.stage(slot, name, host[name]).to(self.device, non_blocking=True)
+            tensor.record_stream(consumer)  # freed while the consumer may still read it: wait for that
             return tensor
 
-        lists = [(move(host[f"values:{c}"]), move(host[f"lengths:{c}"])) for c in self.schema.multi_hot]
-        extra = {c: move(np.asarray(host[f"extra:{c}"]).astype(np.float64 if host[f"extra:{c}"].dtype.kind == "f"
-                                                               else np.int64)) for c in self.schema.extra}
-        chunk = _Chunk(move(host["dense"]), move(host["label"]), move(host["categorical"]), lists, extra)
-        if cuda:
-            stream.synchronize()
-        return chunk
+        chunk = self._chunk(move, host)
+        event = torch.cuda.Event()
+        event.record(stream)
+        staging.done(slot, event)
+        return chunk, event
+
+    def _chunk(self, move, host: dict[str, np.ndarray]) -> _Chunk:
+        lists = [(move(f"values:{c}"), move(f"lengths:{c}")) for c in self.schema.multi_hot]
+        return _Chunk(move("dense"), move("label"), move("categorical"), lists,
+                      [host[f"lengths:{c}"] for c in self.schema.multi_hot],
+                      {c: move(f"extra:{c}") for c in self.schema.extra})
 
     def _chunks(self, epoch: int) -> Iterator[_Chunk]:
-        """Chunks in epoch order, read and moved by a background thread ``prefetch`` ahead."""
+        """Chunks in epoch order: decoded by ``workers`` threads, moved by one, ``prefetch`` ahead."""
         order = list(range(len(self._pieces)))
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch, 0]).permutation(len(order)).tolist()
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        consumer = torch.cuda.current_stream(self.device) if cuda else None  # the stream batches are used on
+        staging = _PinnedStaging(self.prefetch + 2) if cuda else None
         buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
         def produce() -> None:
             try:
-                for i in order:
-                    if stop.is_set():
-                        return
-                    buffer.put(self._to_device(self._read(self._pieces[i]), stream))
+                with ThreadPoolExecutor(self.workers, thread_name_prefix="recloop-decode") as pool:
+                    pending: deque = deque()
+                    for i in order:
+                        pending.append(pool.submit(self._read, self._pieces[i]))
+                        if len(pending) > self.workers + self.prefetch:
+                            if stop.is_set():
+                                return
+                            buffer.put(self._to_device(pending.popleft().result(), stream, consumer, staging))
+                    while pending and not stop.is_set():
+                        buffer.put(self._to_device(pending.popleft().result(), stream, consumer, staging))
                 buffer.put(None)
             except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
                 buffer.put(err)
 
-        worker = threading.Thread(target=produce, daemon=True)
+        worker = threading.Thread(target=produce, daemon=True, name="recloop-loader")
         worker.start()
         try:
             while True:
@@ -195,7 +261,10 @@ class ChunkLoader:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                chunk, event = item
+                if event is not None:
+                    consumer.wait_event(event)  # the GPU waits for the copies, not the host
+                yield chunk
         finally:
             stop.set()
             while worker.is_alive():  # unblock a producer waiting on a full queue
@@ -212,8 +281,7 @@ class ChunkLoader:
                                                                   .integers(0, 2**62)))
         pending: list[_Chunk] = []
         produced = 0
-        chunks = self._chunks(epoch)
-        for chunk in chunks:
+        for chunk in self._chunks(epoch):
             pending.append(chunk)
             if len(pending) == self.shuffle_chunks:
                 for batch in self._batches(_concat(pending), generator):
@@ -229,20 +297,26 @@ class ChunkLoader:
 
     def _batches(self, chunk: _Chunk, generator: torch.Generator) -> Iterator[Batch]:
         if self.shuffle:
-            chunk = _permute(chunk, torch.randperm(chunk.rows, generator=generator).to(self.device))
-        list_offsets = [torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]) for _, lengths in chunk.lists]
+            chunk = _permute(chunk, torch.randperm(chunk.rows, generator=generator))
+        # Where each row's list starts, on the host: batch slices need no value from the device.
+        host_offsets = [np.concatenate([[0], np.cumsum(lengths)]) for lengths in chunk.host_lengths]
         for start in range(0, chunk.rows, self.batch_size):
             end = min(start + self.batch_size, chunk.rows)
-            yield self._assemble(chunk, start, end, list_offsets)
+            yield self._assemble(chunk, start, end, host_offsets)
 
-    def _assemble(self, chunk: _Chunk, start: int, end: int, list_offsets: list[torch.Tensor]) -> Batch:
+    def _assemble(self, chunk: _Chunk, start: int, end: int, host_offsets: list[np.ndarray]) -> Batch:
         size = end - start
         categorical = chunk.categorical[start:end]
         parts = [categorical.t().reshape(-1)]
         lengths = [torch.ones(categorical.shape[1] * size, dtype=torch.int64, device=self.device)]
-        for (values, list_lengths), offsets in zip(chunk.lists, list_offsets, strict=True):
-            parts.append(values[offsets[start]:offsets[end]])
+        for (values, list_lengths), offsets in zip(chunk.lists, host_offsets, strict=True):
+            parts.append(values[int(offsets[start]):int(offsets[end])])
             lengths.append(list_lengths[start:end])
+        nnz = categorical.shape[1] * size + sum(int(o[end] - o[start]) for o in host_offsets)
+        if self.pad_values_to:
+            padding = -nnz % self.pad_values_to
+            if padding:
+                parts.append(torch.zeros(padding, dtype=torch.int64, device=self.device))
         all_lengths = torch.cat(lengths)
         offsets = torch.cat([all_lengths.new_zeros(1), all_lengths.cumsum(0)])
         return Batch(chunk.dense[start:end], chunk.label[start:end], torch.cat(parts), offsets,
@@ -254,25 +328,31 @@ def _concat(chunks: list[_Chunk]) -> _Chunk:
         return chunks[0]
     lists = [(torch.cat([c.lists[i][0] for c in chunks]), torch.cat([c.lists[i][1] for c in chunks]))
              for i in range(len(chunks[0].lists))]
+    host_lengths = [np.concatenate([c.host_lengths[i] for c in chunks]) for i in range(len(chunks[0].lists))]
     return _Chunk(torch.cat([c.dense for c in chunks]), torch.cat([c.label for c in chunks]),
-                  torch.cat([c.categorical for c in chunks]), lists,
+                  torch.cat([c.categorical for c in chunks]), lists, host_lengths,
                   {k: torch.cat([c.extra[k] for c in chunks]) for k in chunks[0].extra})
 
 
 def _permute(chunk: _Chunk, perm: torch.Tensor) -> _Chunk:
-    """Rows in ``perm`` order; jagged lists gathered without leaving the device."""
-    lists = []
-    for values, lengths in chunk.lists:
-        starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
-        new_lengths = lengths[perm]
-        total = int(new_lengths.sum())
-        new_starts = torch.cat([new_lengths.new_zeros(1), new_lengths.cumsum(0)[:-1]])
-        within = torch.arange(total, device=values.device) - torch.repeat_interleave(new_starts, new_lengths,
-                                                                                      output_size=total)
-        source = torch.repeat_interleave(starts[perm], new_lengths, output_size=total) + within
+    """Rows in ``perm`` order (a CPU permutation); jagged lists gathered on the device, sizes from the host."""
+    device = chunk.label.device
+    on_device = perm.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else perm
+    host_perm = perm.numpy()
+    lists, host_lengths = [], []
+    for (values, lengths), lengths_host in zip(chunk.lists, chunk.host_lengths, strict=True):
+        new_lengths_host = lengths_host[host_perm]
+        total = int(new_lengths_host.sum())
+        starts = lengths.cumsum(0) - lengths
+        new_lengths = lengths[on_device]
+        new_starts = new_lengths.cumsum(0) - new_lengths
+        within = torch.arange(total, device=device) - torch.repeat_interleave(new_starts, new_lengths,
+                                                                              output_size=total)
+        source = torch.repeat_interleave(starts[on_device], new_lengths, output_size=total) + within
         lists.append((values[source], new_lengths))
-    return _Chunk(chunk.dense[perm], chunk.label[perm], chunk.categorical[perm], lists,
-                  {k: v[perm] for k, v in chunk.extra.items()})
+        host_lengths.append(new_lengths_host)
+    return _Chunk(chunk.dense[on_device], chunk.label[on_device], chunk.categorical[on_device], lists, host_lengths,
+                  {k: v[on_device] for k, v in chunk.extra.items()})
 
 
 def training_files(folder: Path, start: str | None = None, end: str | None = None) -> list[Path]:

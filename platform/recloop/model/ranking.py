@@ -39,6 +39,8 @@ class ModelConfig:
         cross_layers: layers of the cross network.
         embedding_optimizer, embedding_lr: the fused sparse optimizer of the tables.
         multi_hot_pooling: pooling of list columns (one-hot columns pool a single id).
+        embedding_backend: ``auto`` (the Triton kernels on a GPU, the PyTorch reference on a CPU),
+            ``triton`` or ``reference`` (see ``EmbeddingBagCollection``).
     """
 
     embedding_dim: int = 16
@@ -50,6 +52,7 @@ class ModelConfig:
     embedding_lr: float = 0.2
     multi_hot_pooling: Literal["sum", "mean"] = "mean"
     multi_hot_columns: tuple[str, ...] = field(default=())
+    embedding_backend: str = "auto"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,7 +96,8 @@ class SparseArch(nn.Module):
                                pooling=config.multi_hot_pooling if name in config.multi_hot_columns else "sum")
                    for name, rows in tables]
         self.embeddings = EmbeddingBagCollection(configs, optimizer=config.embedding_optimizer,
-                                                 lr=config.embedding_lr, device=device, seed=seed)
+                                                 lr=config.embedding_lr, device=device, seed=seed,
+                                                 backend=config.embedding_backend)
         self.num_tables, self.dim = len(configs), config.embedding_dim
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

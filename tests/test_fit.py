@@ -1,0 +1,146 @@
+"""The training step: one compiled graph, nothing read back per step, id errors raised at the interval,
+and the trainer core importable without recloop's service packages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recloop.data import ChunkLoader
+from recloop.data.synthetic import write_training_rows
+from recloop.model import (
+    ModelConfig,
+    RankingModel,
+    StepConfig,
+    TrainStep,
+    default_batch_size,
+    dense_optimizer,
+    fit,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON = pytest.mark.skipif(not (INTERPRETER or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1")
+SERVICES = ("prefect", "mlflow", "feast", "evidently", "pandera", "pydantic", "pydantic_settings", "typer")
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    """600 synthetic rows: two one-hot tables, one multi-hot (lists of 0..4 ids), 3 dense columns."""
+    return write_training_rows(tmp_path_factory.mktemp("rows"), rows=600, files=2, dense=3, hotness=2,
+                               categorical={"c_user": 50, "c_item": 30}, multi_hot={"m_history": 30},
+                               row_group_size=128)
+
+
+def small_model(schema, backend: str = "auto", seed: int = 0) -> RankingModel:
+    config = ModelConfig(embedding_dim=8, bottom_mlp=(8,), top_mlp=(8,), embedding_lr=0.1,
+                         multi_hot_columns=tuple(schema.multi_hot), embedding_backend=backend)
+    return RankingModel(config, len(schema.dense), schema.tables, seed=seed)
+
+
+def batches(rows, batch_size=128, **kwargs):
+    files, schema = rows
+    return list(ChunkLoader(files, schema, batch_size, seed=0, shuffle_chunks=2, **kwargs).epoch(0))
+
+
+def test_the_step_compiles_to_one_graph_and_matches_eager(rows):
+    graphs = []
+
+    def counting(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    data = batches(rows, batch_size=100, pad_values_to=32)  # multi-hot: batches have other numbers of ids
+    assert len({b.values.numel() for b in data}) > 1 and data[-1].size < data[0].size
+    results = []
+    for backend in (counting, "off"):
+        model = small_model(rows[1])
+        step = TrainStep(model, torch.optim.Adam(model.dense_parameters(), lr=0.01), StepConfig(compile=backend),
+                         "cpu")
+        summary = fit(step, data, lr=0.01)
+        results.append((model.state_dict(), summary))
+    (compiled, summary), (eager, _) = results
+    assert len(graphs) == 1  # whole forward + loss, one graph for every full batch (values dynamic)
+    assert summary["steps"] == len(data) and summary["samples"] == 600
+    for key in compiled:
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@TRITON
+def test_a_step_reads_no_value_back_and_matches_the_reference(rows):
+    from test_loader import no_tensor_reads
+
+    data = batches(rows)[:3]
+    models = []
+    for backend in ("triton", "reference"):
+        model = small_model(rows[1], backend=backend, seed=1)
+        # SGD: torch's CPU Adam reads its step counter with .item() (CUDA's fused Adam does not).
+        step = TrainStep(model, torch.optim.SGD(model.dense_parameters(), lr=0.05),
+                         StepConfig(compile="off", loss_every=100, id_check_every=100), "cpu")
+        if backend == "triton":
+            with no_tensor_reads():
+                for batch in data:
+                    step(batch, lr=0.05)
+        else:
+            for batch in data:
+                step(batch, lr=0.05)
+        step.finish()
+        models.append(model.state_dict())
+    for key in models[0]:
+        torch.testing.assert_close(models[0][key], models[1][key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_ids_beyond_a_table_raise_at_the_check_interval(rows):
+    data = batches(rows)
+    model = small_model(rows[1])
+    step = TrainStep(model, dense_optimizer(model, 0.01, "cpu"), StepConfig(compile="off", id_check_every=3), "cpu")
+    bad = data[1]
+    bad.values[0] = 10_000  # the first id of table c_user: beyond its 50 rows
+    step(data[0], lr=0.01)
+    step(bad, lr=0.01)  # recorded on the device; the step goes on
+    with pytest.raises(IndexError, match=r"'c_user' has 50 rows; got ids in \[10000, 10000\]"):
+        step(data[2], lr=0.01)
+
+
+def test_the_loss_is_read_at_its_interval_and_training_learns(rows):
+    data = batches(rows, batch_size=64) * 4
+    model = small_model(rows[1])
+    step = TrainStep(model, dense_optimizer(model, 0.02, "cpu"), StepConfig(loss_every=5), "cpu")
+    summary = fit(step, data, lr=lambda s: 0.02 * min(1.0, s / 10))
+    assert [s for s, _ in summary["loss_curve"]] == list(range(5, summary["steps"] + 1, 5))
+    first, last = summary["loss_curve"][0][1], summary["loss_curve"][-1][1]
+    assert last < first, summary["loss_curve"]
+    assert default_batch_size("cpu") == 4096 and default_batch_size(torch.device("cuda")) == 16384
+
+
+BLOCKER = """
+import importlib.abc, sys
+BLOCKED = set(sys.argv[1].split(","))
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked: not on the GPU machine")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def run_without_services(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run Python ``code`` with recloop's service packages made unimportable (as on the GPU machine)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "platform"), str(ROOT / "kernels")])}
+    return subprocess.run([sys.executable, "-c", BLOCKER + code, ",".join(SERVICES), *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def test_the_trainer_core_imports_without_service_packages():
+    result = run_without_services(
+        "import recloop_kernels, recloop.data, recloop.data.synthetic, recloop.model, recloop.model.fit, "
+        "recloop.evaluate\n"
+        "try:\n    import recloop.settings\nexcept ImportError:\n    print('blocked as expected')\n")
+    assert result.returncode == 0, result.stderr
+    assert "blocked as expected" in result.stdout
