@@ -3,7 +3,7 @@
     python benchmarks/monitor.py [--rows 10000000] [--baseline-rows 1000000] [--json out.json]
 
 Simulates two days of ``--rows`` events each (a sudden drift on the second), ingests them, then times
-``run_monitor`` (read both windows from the lake, sample, Evidently, new-id share, data quality) on the
+``monitor.runner.compare_windows`` (read both windows from the lake, sample, Evidently, new-id share, data quality) on the
 whole days. Baseline in the same run: Evidently's DataDriftPreset on ``--baseline-rows`` unsampled rows
 per window (what the monitor would cost without sampling, on a tenth of the data).
 Target (issue: drift): 10M-row windows within 60 s on this 2-core machine.
@@ -20,7 +20,9 @@ from pathlib import Path
 from common import machine, report
 
 from recloop.ingest import ingest
-from recloop.monitor import MonitorConfig, evidently_drift, run_monitor
+from recloop.monitor import MonitorConfig
+from recloop.monitor.drift import evidently_drift
+from recloop.monitor.runner import compare_windows
 from recloop.schema import load_spec
 from recloop.settings import Settings
 from recloop.simulate import WorldConfig, simulate
@@ -44,7 +46,7 @@ def main() -> None:
         start = world.start
         reference, current = (start, start + timedelta(days=1)), (start + timedelta(days=1), start + timedelta(days=2))
         began = time.perf_counter()
-        decision = run_monitor(settings, spec, reference=reference, current=current)
+        decision = compare_windows(settings, spec, reference=reference, current=current)
         monitored = time.perf_counter() - began
 
         from recloop.ingest.lake import read_window, to_us

@@ -73,9 +73,9 @@ def setup(root: Path, world: WorldConfig) -> tuple[Settings, str]:
                                           device="cpu", model=ModelConfig()))
     example = pq.read_table(sorted(FeatureLayout.for_settings(settings).training.glob("*.parquet"))[-1]).slice(0, 5)
     logged = registry.log_training(settings, summary, example.to_pandas())
-    assert run_gate(settings, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False)["alias"]
+    assert run_gate(settings, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False).alias
     info = registry.version_info(settings, logged.version)
-    twin = registry.register(settings, info["source"], info["run_id"])
+    twin = registry.register(settings, info.source, info.run_id)
     return settings, twin
 
 

@@ -14,7 +14,7 @@ from recloop.flow_support import tag_run
 
 @flow(name="retrain", log_prints=True)
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
-                 spec: str = "synthetic", days: int = 7, epochs: int = 1, batch_size: int = 4096,
+                 spec: str = "synthetic", days: int = 7, epochs: int = 1, batch_size: int | None = None,
                  validation_hours: int = 6, canary_config: str | None = None,
                  gate_thresholds: str | None = None, settings: dict | None = None) -> dict:
     result: dict = {"mode": mode, "reason": reason}

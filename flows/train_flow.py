@@ -16,7 +16,7 @@ def train_task(config: dict, settings: dict | None) -> dict:
 
 @flow(name="train", log_prints=True)
 def train_flow(mode: Literal["incremental", "full"] = "incremental", days: int = 7, epochs: int = 1,
-               batch_size: int = 4096, validation_hours: int = 6, replay_fraction: float = 0.0,
+               batch_size: int | None = None, validation_hours: int = 6, replay_fraction: float = 0.0,
                settings: dict | None = None) -> dict:
     result = train_task({"mode": mode, "days": days, "epochs": epochs, "batch_size": batch_size,
                          "validation_hours": validation_hours, "replay_fraction": replay_fraction}, settings)

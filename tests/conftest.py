@@ -138,7 +138,6 @@ def champion_home(tmp_path_factory, lake_factory) -> Settings:
     from recloop import pipeline, registry
     from recloop.features import store
     from recloop.gate import GateThresholds, run_gate
-    from recloop.model import ModelConfig
     from recloop.train import TrainConfig, train
 
     settings = lake_factory(tmp_path_factory.mktemp("champion"), CHAMPION_WORLD, features_end=CHAMPION_FEATURES_END)

@@ -50,13 +50,25 @@ def test_compose_config_with_docker():
     subprocess.run(["docker", "compose", "-f", str(INFRA / "compose.yaml"), "config", "-q"], check=True)
 
 
+MANIFESTS = ("recloop.yaml", "serving-autoscaling.yaml")
+
+
+def _documents() -> list[dict]:
+    return [d for name in MANIFESTS for d in yaml.safe_load_all((INFRA / "k8s" / name).read_text()) if d]
+
+
+def _one(documents: list[dict], kind: str, name: str) -> dict:
+    return next(d for d in documents if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
 def test_kubernetes_manifests_parse_and_request_a_gpu():
-    documents = [d for d in yaml.safe_load_all((INFRA / "k8s" / "recloop.yaml").read_text()) if d]
+    documents = _documents()
     kinds = {(d["kind"], d["metadata"]["name"]) for d in documents}
     assert {("Deployment", "serving"), ("Deployment", "prefect-worker"), ("Service", "serving"),
-            ("ConfigMap", "recloop-config")} <= kinds
-    serving = next(d for d in documents if d["kind"] == "Deployment" and d["metadata"]["name"] == "serving")
-    assert serving["spec"]["replicas"] > 1
+            ("ConfigMap", "recloop-config"), ("HorizontalPodAutoscaler", "serving"),
+            ("PodDisruptionBudget", "serving")} <= kinds
+    serving = _one(documents, "Deployment", "serving")
+    assert _one(documents, "HorizontalPodAutoscaler", "serving")["spec"]["minReplicas"] > 1
     assert serving["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/healthz"
     template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
     container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
@@ -80,3 +92,63 @@ def test_grafana_dashboard_uses_metrics_the_services_export():
     assert not missing, missing
     provisioning = yaml.safe_load((INFRA / "grafana" / "provisioning" / "dashboards" / "recloop.yaml").read_text())
     assert provisioning["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_kubernetes_manifests_pass_the_schema_validator():
+    """Every object against the Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields
+    fail too), and a broken object fails, so the check is not a no-op."""
+    import kubernetes_validate
+
+    for document in _documents():
+        kubernetes_validate.validate(document, "1.37.0", strict=True)
+    broken = _one(_documents(), "HorizontalPodAutoscaler", "serving")
+    broken["spec"]["minReplicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, "1.37.0", strict=True)
+    misspelt = _one(_documents(), "PodDisruptionBudget", "serving")
+    misspelt["spec"]["maxUnavialable"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(misspelt, "1.37.0", strict=True)
+
+
+def test_serving_autoscaling_fits_the_deployment_and_the_metrics_it_exports():
+    from recloop.serve.metrics import ServingMetrics
+
+    documents = _documents()
+    serving = _one(documents, "Deployment", "serving")
+    autoscaler = _one(documents, "HorizontalPodAutoscaler", "serving")
+    budget = _one(documents, "PodDisruptionBudget", "serving")
+    assert autoscaler["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "serving"}
+    assert "replicas" not in serving["spec"]  # the autoscaler owns the count; a re-apply must not reset it
+    labels = serving["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert budget["spec"]["maxUnavailable"] < autoscaler["spec"]["minReplicas"]
+    metrics = {m["type"]: m for m in autoscaler["spec"]["metrics"]}
+    assert metrics["Resource"]["resource"]["name"] == "cpu"
+    assert serving["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"]  # needed by it
+    rate_metric = metrics["Pods"]["pods"]["metric"]["name"]
+    rules = yaml.safe_load(_one(documents, "ConfigMap", "recloop-prometheus-adapter-rules")["data"]["config.yaml"])
+    rule = next(r for r in rules["rules"] if r["name"]["as"] == rate_metric)
+    series = re.match(r"[a-z_]+", rule["seriesQuery"]).group(0)
+    exported = {f"{family.name}_total" for family in ServingMetrics(Path("/nonexistent")).registry.collect()
+                if family.type == "counter"}
+    assert series in exported  # the adapter reads a counter the serving API really exports
+    config = _one(documents, "ConfigMap", "recloop-config")["data"]
+    secrets = _one(documents, "Secret", "recloop-secrets")["stringData"]
+    assert config["RECLOOP_JOURNAL"] == "postgres" and secrets["RECLOOP_POSTGRES_DSN"].startswith("postgresql://")
+
+
+def test_compose_runs_two_serving_replicas_behind_the_proxy():
+    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
+    services = compose["services"]
+    replicas = sorted(name for name in services if re.fullmatch(r"serving-\d+", name))
+    assert len(replicas) == 2 and all("recloop serve" in services[r]["command"] for r in replicas)
+    proxy = services["serving"]
+    assert proxy["image"].startswith("nginx") and proxy["ports"] == ["8000:8000"]
+    nginx = (INFRA / "nginx.conf").read_text()
+    assert sorted(re.findall(r"server (serving-\d+):8000", nginx)) == replicas
+    assert "http_503" in nginx  # a replica without a champion is skipped
+    prometheus = yaml.safe_load((INFRA / "prometheus.yml").read_text())
+    assert sorted(prometheus["scrape_configs"][0]["static_configs"][0]["targets"]) == [f"{r}:8000" for r in replicas]
+    env = compose["x-recloop-env"]
+    assert env["RECLOOP_JOURNAL"] == "postgres" and env["RECLOOP_POSTGRES_DSN"].startswith("postgresql://")

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from recloop.checkpoint import read as read_checkpoint
 from recloop.features.config import FeatureConfig
 from recloop.features.job import FeatureLayout, build_features
 from recloop.model import ModelConfig
 from recloop.schema import load_spec
 from recloop.settings import Settings
 from recloop.simulate import WorldConfig
-from recloop.checkpoint import read as read_checkpoint
 from recloop.train import TrainConfig, TrainError, train
 
 SPEC = load_spec("synthetic")

@@ -8,6 +8,7 @@ shows the traceback (see ``cli_boundary``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -210,7 +211,7 @@ def train_command(
     mode: Annotated[str, typer.Option(help="full (from scratch) or incremental (warm start).")] = "full",
     days: Annotated[int, typer.Option(min=1, help="Full: days of training rows before the held-out hours.")] = 7,
     epochs: Annotated[int, typer.Option(min=1, help="Full: passes over the window.")] = 1,
-    batch_size: Annotated[int, typer.Option(min=1, help="Rows per step.")] = 4096,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="Rows per step (default: 16384 on a GPU, 4096 on a CPU).")] = None,
     validation_hours: Annotated[int, typer.Option(min=1, help="Newest hours held out for validation.")] = 6,
     replay: Annotated[float, typer.Option(min=0.0, help="Incremental: older hours replayed, per new hour.")] = 0.0,
     warm_start: Annotated[str | None, typer.Option("--from", help="Incremental: a registered version or a "
@@ -218,9 +219,13 @@ def train_command(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     deterministic: Annotated[bool, typer.Option(help="Results independent of thread scheduling.")] = False,
     track: Annotated[bool, typer.Option(help="Log the run to MLflow and register the model.")] = True,
+    nproc: Annotated[int, typer.Option(min=1, help="Processes (one per GPU): runs this command under torchrun, "
+                                       "tables sharded and dense layers under DDP.")] = 1,
     json_out: JsonOption = False,
 ) -> None:
     """Train the ranking model on the features' training rows; resumes an interrupted run."""
+    import os
+
     from rich.progress import TaskProgressColumn
 
     from recloop import checkpoint, pipeline
@@ -228,6 +233,10 @@ def train_command(
 
     if mode not in ("full", "incremental"):
         raise _fail(f"--mode {mode!r} is not one of full, incremental")
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        raise typer.Exit(_under_torchrun(nproc))
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 tracks and reports
+        track, json_out = False, True
     config = TrainConfig(mode=mode, days=days, epochs=epochs, batch_size=batch_size,  # type: ignore[arg-type]
                          validation_hours=validation_hours, replay_fraction=replay, device=device,
                          deterministic=deterministic)
@@ -247,6 +256,8 @@ def train_command(
     result = summary.to_dict()
     if track:
         result["mlflow"] = _track(summary)
+    if os.environ.get("RANK", "0") != "0":
+        return
     if json_out:
         _emit(result)
         return
@@ -259,6 +270,23 @@ def train_command(
     console.print(f"checkpoint: {summary.checkpoint}")
     if track:
         console.print(f"MLflow: run {result['mlflow']['run_id']}, registered as version {result['mlflow']['version']}")
+
+
+def _under_torchrun(nproc: int) -> int:
+    """This ``recloop train`` command again, as ``nproc`` processes under torchrun (one machine); its exit code."""
+    import subprocess
+
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            args.append(arg)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "recloop.cli", *args]
+    return subprocess.run(command, check=False).returncode
 
 
 def _track(summary) -> dict:

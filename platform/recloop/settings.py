@@ -49,6 +49,13 @@ class Settings(BaseSettings):
         connect_timeout_seconds, request_timeout_seconds, service_retries: how long a call to MLflow,
             Redis, PostgreSQL or Prefect waits to connect and for an answer, and how often it is
             retried, before it fails with one line naming the service (see ``recloop.endpoints``).
+        features_engine: ``local`` (the feature job in this process) or ``dask`` (partitions by hash of entity
+            key on a Dask cluster: ``dask_scheduler``, or a local cluster of ``dask_workers`` processes).
+        dask_scheduler: a Dask scheduler address (``tcp://scheduler:8786``); empty starts a local cluster.
+        dask_workers: worker processes of that local cluster.
+        dask_partitions: hash partitions of the entity keys (0: two per worker).
+        journal: where serving replicas keep their journal: ``sqlite`` (a file under ``home``, one host) or
+            ``postgres`` (at ``postgres_dsn``, shared by every replica).
     """
 
     model_config = SettingsConfigDict(env_prefix="RECLOOP_", env_file=".env", extra="ignore", frozen=True)
@@ -75,6 +82,11 @@ class Settings(BaseSettings):
     connect_timeout_seconds: float = 3.0
     request_timeout_seconds: float = 15.0
     service_retries: int = 2
+    features_engine: Literal["local", "dask"] = "local"
+    dask_scheduler: str = ""
+    dask_workers: int = 2
+    dask_partitions: int = 0
+    journal: Literal["sqlite", "postgres"] = "sqlite"
 
     @property
     def landing_dir(self) -> Path:

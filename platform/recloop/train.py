@@ -24,7 +24,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file
 
-from recloop import checkpoint
+from recloop import checkpoint, distributed
 from recloop.data import ChunkLoader, FeatureSchema, training_files
 from recloop.evaluate import metrics, predict, slice_metrics
 from recloop.features.job import FeatureLayout
@@ -81,6 +81,11 @@ class TrainConfig:
             ``auto``: inductor on a GPU, where every batch but an epoch's last has the same shape and launch
             overhead matters; eager on a CPU. The embedding kernels are torch.library ops, so the model
             compiles whole around them.
+        data_shards: the rows are split into this many shards of row groups, each read in its own order; a
+            step takes ``batch_size / data_shards`` rows of each (0: one shard per process, so one alone
+            reads as before). Under torchrun each rank reads its shards only (``recloop.distributed``).
+        row_wise_above: under several processes, tables with more rows are sharded row-wise over the ranks,
+            the others table-wise (0: one rank's share of all rows).
     """
 
     mode: Literal["full", "incremental"] = "full"
@@ -98,6 +103,8 @@ class TrainConfig:
     deterministic: bool = False
     device: str = "auto"
     compile: str = "auto"
+    data_shards: int = 0
+    row_wise_above: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def to_dict(self) -> dict:
@@ -176,12 +183,26 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
           on_step: Callable[[int], None] | None = None) -> TrainSummary:
     """Train (or resume) a run; returns its summary. Raises ``TrainError`` on bad input.
 
+    Under ``torchrun`` every rank calls it: tables sharded, dense layers under DDP, each rank reading its own
+    row groups; rank 0 writes the checkpoints (``recloop.distributed``). Every rank returns the summary.
+
     Args:
         warm_start: incremental only, and required there: the checkpoint to start from (the loop passes
             the champion's, resolved through the registry: ``pipeline.warm_start_checkpoint``).
         on_progress: ``(samples, total_samples, samples_per_s)``, every few steps.
         on_step: ``(step)`` after each step (tests use it to simulate a crash).
     """
+    ranks, joined = distributed.join(config.device)
+    try:
+        return _train(settings, replace(config, data_shards=config.data_shards or ranks.world), ranks,
+                      warm_start, on_progress, on_step)
+    finally:
+        distributed.leave(joined)
+
+
+def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, warm_start: Path | None,
+           on_progress: Callable[[int, int, float], None] | None,
+           on_step: Callable[[int], None] | None) -> TrainSummary:
     layout = FeatureLayout.for_settings(settings)
     files = training_files(layout.training)
     if not files:
@@ -210,11 +231,17 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
     if config.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    device = _device(config.device)
+    device = distributed.device_for(config.device, ranks)
     model, optimizer, grown, resumed = _build(config, schema, device, run_dir, base)
     position = dict(resumed) if resumed else {"step": 0, "epoch": 0, "batch": 0, "samples": 0}
+    sharded = config.data_shards > 1 or ranks.world > 1
+    trained = distributed.wrap(model, ranks, config.row_wise_above or None) if sharded else model
 
-    def save(completed: bool, summary: TrainSummary | None = None) -> Path:
+    def save(completed: bool, summary: TrainSummary | None = None, gathered: bool = False) -> Path:
+        if sharded and not gathered:
+            distributed.gather(trained, model, ranks)  # the tables of every rank, into rank 0's model
+        if not ranks.leader:
+            return run_dir
         info = {"model": model.config.to_dict(), "train": config.to_dict(),
                 "tables": [[n, r] for n, r in zip(model.table_names, model.embeddings.layout.rows, strict=True)],
                 "dense": list(schema.dense), "state_version": schema.state_version, "position": dict(position),
@@ -223,8 +250,15 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
         return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed)
 
     started = time.perf_counter()
-    loss_curve = _fit(model, optimizer, windows, schema, config, device, position, warm=base is not None,
-                      save=save, on_progress=on_progress, on_step=on_step)
+    if sharded:
+        loss_curve = _fit_sharded(trained, optimizer, windows, schema, config, device, position, base is not None,
+                                  save, ranks, on_progress, on_step)
+        distributed.gather(trained, model, ranks)
+        if not ranks.leader:  # rank 0 validates and writes; the others return its summary
+            return TrainSummary(**distributed.share_summary(None, ranks))
+    else:
+        loss_curve = _fit(model, optimizer, windows, schema, config, device, position, warm=base is not None,
+                          save=save, on_progress=on_progress, on_step=on_step)
     seconds = time.perf_counter() - started
     samples_this_run = position["samples"] - (resumed["samples"] if resumed else 0)
 
@@ -240,8 +274,33 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
         resumed_from_step=resumed["step"] if resumed else 0, loss_curve=loss_curve,
     )
     summary.checkpoint = str(run_dir / f"{checkpoint.STEP_PREFIX}{position['step']:07d}")
-    save(completed=True, summary=summary)
+    save(completed=True, summary=summary, gathered=True)
+    if ranks.world > 1:
+        distributed.share_summary(asdict(summary), ranks)
     return summary
+
+
+def _fit_sharded(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, windows: Windows, schema: FeatureSchema,
+                 config: TrainConfig, device: torch.device, position: dict, warm: bool, save: Callable[[bool], Path],
+                 ranks: distributed.Ranks, on_progress: Callable[[int, int, float], None] | None,
+                 on_step: Callable[[int], None] | None) -> list[list[float]]:
+    """``_fit`` over data shards: this rank's shards of the row groups (``recloop.distributed``)."""
+    if config.data_shards % ranks.world:
+        raise TrainError(f"data_shards={config.data_shards} must be a multiple of the {ranks.world} processes")
+    per_rank = config.data_shards // ranks.world
+    shards = distributed.shard_row_groups(windows.train, config.data_shards)[ranks.rank * per_rank:
+                                                                           (ranks.rank + 1) * per_rank]
+    batch_size = config.batch_size or default_batch_size(device)
+    local_batch = max(1, batch_size // config.data_shards)
+    loaders = [distributed.ShardLoader(pieces, schema, local_batch, seed=config.seed + ranks.rank * per_rank + k,
+                                       device=device) for k, pieces in enumerate(shards)]
+    scale = math.sqrt(batch_size / config.reference_batch)
+
+    def lr(step: int) -> float:  # as in _fit: a warm-started model is already past its warm-up
+        return config.lr * scale * (1.0 if warm else min(1.0, (step + 1) / max(config.warmup_steps, 1)))
+
+    return distributed.fit(trained, optimizer, loaders, len(schema.tables), windows.epochs, ranks, lr, position,
+                           save, config.checkpoint_every, on_progress, on_step)
 
 
 def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows, schema: FeatureSchema,

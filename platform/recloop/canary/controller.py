@@ -26,7 +26,7 @@ from typing import Literal
 from recloop import registry
 from recloop.canary.decision import CanaryConfig, CanaryDecision, CanaryState, VariantStats, decide
 from recloop.canary.decision import start as first_step
-from recloop.serve.journal import Journal
+from recloop.serve.journal import open_journal
 from recloop.settings import Settings
 
 EXPERIMENT = "recloop-canary"
@@ -142,7 +142,7 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
     started = float(tags.get(STARTED_TAG, now))
     state = CanaryState(float(tags.get(SHARE_TAG, config.steps[0])), started)
     mode: Mode = "shadow" if tags.get(MODE_TAG) == "shadow" else "canary"
-    journal = Journal(settings.serving_dir / "journal.db")
+    journal = open_journal(settings)  # every replica's traffic when the journal is PostgreSQL
     try:
         stats = {"champion": journal.stats(champion, since=started),
                  "challenger": journal.stats(challenger, since=started)}

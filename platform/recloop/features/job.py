@@ -34,7 +34,7 @@ from recloop.features import ops
 from recloop.features.backend import FrameBackend, get_backend
 from recloop.features.config import FeatureConfig
 from recloop.features.state import FeatureState, StateStore
-from recloop.features.vocab import Vocabulary
+from recloop.features.vocab import Vocabulary, count_values
 from recloop.ingest import lake
 from recloop.schema import DatasetSpec
 from recloop.settings import Settings
@@ -99,12 +99,49 @@ def _hour_files(folder: Path, start_us: int, end_us: int) -> list[tuple[int, Pat
             for h in range(start_us, end_us, HOUR_US)]
 
 
+@dataclass(frozen=True)
+class WindowPlan:
+    """What one run of the job computes, decided before any event is read.
+
+    Args:
+        start_us, end_us: the window (whole hours); training rows and entity rows are written for it.
+        since_us: where the base state's totals end (None: no base, the events hold all history).
+        read_from_us: events are read from here (24 h before ``since_us``, so windowed counts are complete).
+        absorb_from_us: events at or after this update the vocabularies (None: all events read).
+        new_state: whether the run moves time past the latest state (then it updates the vocabularies and
+            saves a new state version).
+        latest, base: the newest state, and the newest at or before the window start.
+    """
+
+    start_us: int
+    end_us: int
+    since_us: int | None
+    read_from_us: int | None
+    absorb_from_us: int | None
+    new_state: bool
+    latest: FeatureState | None
+    base: FeatureState | None
+
+
+@dataclass(frozen=True)
+class WindowFeatures:
+    """What either engine computes for a window: the training rows (lake order), the entity states (sorted
+    by key then time), and the vocabularies and statistics the rows were built with."""
+
+    training: pa.Table
+    states: dict[str, ops.EntityStates]
+    vocabularies: dict[str, Vocabulary]
+    stats: dict
+
+
 def build_features(
     settings: Settings, spec: DatasetSpec, config: FeatureConfig, *, start: datetime | None = None,
     end: datetime | None = None, backend: FrameBackend | None = None,
 ) -> FeatureRunSummary:
     """Build features for ``[start, end)`` (default: from the latest state to the newest event).
 
+    The engine is ``settings.features_engine``: ``local`` (this process) or ``dask`` (partitions by hash of
+    entity key on a Dask cluster, ``recloop.features.dask_engine``); both give the same files.
     Returns a summary; an empty window is not an error (``rows == 0`` and a message).
     """
     began = time.perf_counter()
@@ -121,62 +158,103 @@ def build_features(
     end_us = lake.to_us(end) if end else lake_last + 1
     start_us -= start_us % HOUR_US
     end_us += (-end_us) % HOUR_US
-    summary = FeatureRunSummary(_iso(start_us), _iso(end_us), backend.name)
+    engine = settings.features_engine
+    summary = FeatureRunSummary(_iso(start_us), _iso(end_us), backend.name if engine == "local" else
+                                f"dask/{settings.frame_backend}")
     if start_us >= end_us:
         summary.message = "empty window: nothing to build"
         return summary
 
     base = store.at_or_before(start_us)
     since_us = base.as_of_us if base else None
-    events = lake.read_window(settings, spec, since_us - DAY_US if since_us else None, end_us)
-    events = events.append_column("_ts_us", events[spec.timestamp].cast(pa.int64()))
-    in_window = pc.greater_equal(events["_ts_us"], start_us)
-    window = events.filter(in_window)
-    if window.num_rows == 0:
+    new_state = latest is None or end_us > latest.as_of_us
+    plan = WindowPlan(start_us, end_us, since_us, since_us - DAY_US if since_us else None,
+                      (latest.as_of_us if latest else None) if new_state else None, new_state, latest, base)
+    if engine == "dask":
+        from recloop.features import dask_engine
+
+        computed = dask_engine.compute_window(settings, spec, config, plan)
+    else:
+        computed = compute_window(backend, spec, config, plan, lake.read_window(settings, spec, plan.read_from_us,
+                                                                                 end_us))
+    if computed is None:
         summary.message = f"no events between {summary.start} and {summary.end}"
         return summary
 
-    if latest is None or end_us > latest.as_of_us:
-        absorb_from = latest.as_of_us if latest else None
-        new = events if absorb_from is None else events.filter(pc.greater_equal(events["_ts_us"], absorb_from))
-        vocabularies = _update_vocabularies(config, spec, latest, new)
-        stats = latest.stats if latest else _initial_stats(config, spec, new)
-    else:
-        vocabularies, stats = latest.vocabularies, latest.stats
-
-    frame = backend.from_arrow(events.select([c for c in _state_columns(spec)]))
-    window_frame = backend.from_arrow(window.select([c for c in _state_columns(spec)]))
-    states, befores = {}, {}
-    for role, prefix in ENTITY_PREFIXES.items():
-        key = getattr(spec, role)
-        if key is None:
-            continue
-        base_snapshot = backend.from_arrow(base.snapshots[prefix]) if base and prefix in base.snapshots else None
-        states[prefix] = ops.entity_states(backend, frame, key=key, ts="_ts_us", label=spec.label, prefix=prefix,
-                                           since_us=since_us, base=base_snapshot)
-        befores[prefix] = ops.states_before(backend, states[prefix], window_frame[key], window_frame["_ts_us"],
-                                            base_snapshot, config.ttl_seconds)
-
-    training = training_rows(backend, config, spec, window, vocabularies, stats, befores)
-    summary.rows = training.num_rows
-    written = _write_hours(layout.training, training, "_ts_us", start_us, end_us)
-    for prefix, entity_states in states.items():
+    summary.rows = computed.training.num_rows
+    written = _write_hours(layout.training, computed.training, "_ts_us", start_us, end_us)
+    for prefix, entity_states in computed.states.items():
         table = entity_table(backend, entity_states, getattr(spec, _role(prefix)), start_us, end_us)
         summary.entity_rows[prefix] = table.num_rows
         _write_hours(layout.entity_table(prefix), table, "_ts_us", start_us, end_us)
     summary.hours_written = written
 
-    if latest is None or end_us > latest.as_of_us:
+    if new_state:
         snapshots = {prefix: _snapshot(backend, s, base.snapshots.get(prefix) if base else None)
-                     for prefix, s in states.items()}
-        saved = store.save(FeatureState(end_us, vocabularies, stats, snapshots))
+                     for prefix, s in computed.states.items()}
+        saved = store.save(FeatureState(end_us, computed.vocabularies, computed.stats, snapshots))
     else:
         saved = latest
     summary.state_version = saved.version
-    summary.vocabulary_sizes = {c: v.size for c, v in vocabularies.items()}
-    _write_schema(layout, config, spec, vocabularies, saved.version)
+    summary.vocabulary_sizes = {c: v.size for c, v in computed.vocabularies.items()}
+    _write_schema(layout, config, spec, computed.vocabularies, saved.version)
     summary.seconds = round(time.perf_counter() - began, 3)
     return summary
+
+
+def with_event_time(events: pa.Table, spec: DatasetSpec) -> pa.Table:
+    """``events`` with ``_ts_us``: the event time as int64 microseconds, the job's time column."""
+    return events.append_column("_ts_us", events[spec.timestamp].cast(pa.int64()))
+
+
+def compute_window(backend: FrameBackend, spec: DatasetSpec, config: FeatureConfig, plan: WindowPlan,
+                   events: pa.Table) -> WindowFeatures | None:
+    """The single-process engine: everything from the events read for ``plan`` (None: none in the window)."""
+    if events.num_rows == 0:
+        return None
+    events = with_event_time(events, spec)
+    window = events.filter(pc.greater_equal(events["_ts_us"], plan.start_us))
+    if window.num_rows == 0:
+        return None
+    latest = plan.latest
+    if plan.new_state:
+        new = events if plan.absorb_from_us is None else events.filter(
+            pc.greater_equal(events["_ts_us"], plan.absorb_from_us))
+        vocabularies = update_vocabularies(config, spec, latest, {
+            f.column: count_values(new[f.column]) for f in vocabulary_features(config)})
+        stats = latest.stats if latest else initial_stats(config, spec, new)
+    else:
+        vocabularies, stats = latest.vocabularies, latest.stats
+
+    frame = backend.from_arrow(events.select(_state_columns(spec)))
+    window_frame = backend.from_arrow(window.select(_state_columns(spec)))
+    states, befores = {}, {}
+    for role, prefix in ENTITY_PREFIXES.items():
+        key = getattr(spec, role)
+        if key is None:
+            continue
+        base = plan.base.snapshots[prefix] if plan.base and prefix in plan.base.snapshots else None
+        states[prefix], befores[prefix] = entity_stage(backend, config, spec, prefix, frame, window_frame, base,
+                                                       plan.since_us)
+    training = training_rows(backend, config, spec, window, vocabularies, stats, befores)
+    return WindowFeatures(training, states, vocabularies, stats)
+
+
+def entity_stage(backend: FrameBackend, config: FeatureConfig, spec: DatasetSpec, prefix: str, frame: Any,
+                 window_frame: Any, base: pa.Table | None, since_us: int | None) -> tuple[ops.EntityStates, Any]:
+    """One entity kind's state rows from ``frame`` (every event read, of some or all entities) and, for each
+    row of ``window_frame`` (the window's events of the same entities), the state strictly before it.
+
+    Per entity, nothing depends on other entities: a partition holding all events of some entities
+    computes exactly their part of the single-process result.
+    """
+    key = getattr(spec, _role(prefix))
+    base_snapshot = backend.from_arrow(base) if base is not None else None
+    states = ops.entity_states(backend, frame, key=key, ts="_ts_us", label=spec.label, prefix=prefix,
+                               since_us=since_us, base=base_snapshot)
+    before = ops.states_before(backend, states, window_frame[key], window_frame["_ts_us"], base_snapshot,
+                               config.ttl_seconds)
+    return states, before
 
 
 def _role(prefix: str) -> str:
@@ -187,18 +265,23 @@ def _state_columns(spec: DatasetSpec) -> list[str]:
     return [k for k in (spec.user_key, spec.item_key) if k] + [spec.label, "_ts_us"]
 
 
-def _update_vocabularies(config: FeatureConfig, spec: DatasetSpec, latest: FeatureState | None,
-                         events: pa.Table) -> dict[str, Vocabulary]:
+def vocabulary_features(config: FeatureConfig) -> list:
+    """The categorical features that keep a vocabulary (the others are hashed)."""
+    return [f for f in config.categorical if not f.hash_buckets]
+
+
+def update_vocabularies(config: FeatureConfig, spec: DatasetSpec, latest: FeatureState | None,
+                        counts: dict[str, pa.Table]) -> dict[str, Vocabulary]:
+    """The latest vocabularies with new sightings (``count_values`` per column, possibly merged from
+    partitions) added: append-only, so the same counts give the same indices however they were counted."""
     from recloop.ingest.validate import ARROW_TYPES
 
     vocabularies = {}
-    for feature in config.categorical:
-        if feature.hash_buckets:
-            continue
+    for feature in vocabulary_features(config):
         current = latest.vocabularies.get(feature.column) if latest else None
         if current is None:
             current = Vocabulary.empty(feature.column, feature.min_count, ARROW_TYPES[spec.column(feature.column).dtype])
-        vocabularies[feature.column] = current.update(events[feature.column])
+        vocabularies[feature.column] = current.add_counts(counts[feature.column])
     return vocabularies
 
 
@@ -208,7 +291,7 @@ def _numeric_values(np_module: Any, feature, column: pa.ChunkedArray) -> np.ndar
                                  log1p=feature.log1p)
 
 
-def _initial_stats(config: FeatureConfig, spec: DatasetSpec, events: pa.Table) -> dict:
+def initial_stats(config: FeatureConfig, spec: DatasetSpec, events: pa.Table) -> dict:
     """Statistics stored once, with the first state, so the model's inputs keep one scale afterwards."""
     numeric = {}
     for feature in config.numeric:

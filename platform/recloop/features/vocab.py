@@ -59,10 +59,14 @@ class Vocabulary:
 
     def update(self, values: pa.Array | pa.ChunkedArray) -> Vocabulary:
         """A new vocabulary with these sightings counted and newly frequent ids admitted."""
-        values = pa.chunked_array([values]) if isinstance(values, pa.Array) else values
-        values = values.cast(self.table.schema.field("value").type)
-        seen = pc.value_counts(values.drop_null().combine_chunks() if values.length() else values.combine_chunks())
-        new = pa.table({"value": seen.field("values"), "new": seen.field("counts").cast(pa.int64())})
+        return self.add_counts(count_values(values, self.table.schema.field("value").type))
+
+    def add_counts(self, counts: pa.Table) -> Vocabulary:
+        """A new vocabulary with sightings already counted (``value``, ``count``; ``merge_counts`` of several
+        partitions' ``count_values``) added and newly frequent ids admitted: the same result as ``update``
+        over all those values at once, since admission depends only on the totals."""
+        new = pa.table({"value": counts["value"].cast(self.table.schema.field("value").type),
+                        "new": counts["count"].cast(pa.int64())})
         merged = self.table.join(new, "value", join_type="full outer").to_pandas()
         merged["count"] = merged["count"].fillna(0).astype("int64") + merged["new"].fillna(0).astype("int64")
         merged["index"] = merged["index"].fillna(-1).astype("int64")
@@ -109,3 +113,19 @@ class Vocabulary:
         out[joined["value"].isna().values] = NULL_INDEX
         out.index = series.index
         return out
+
+
+def count_values(values: pa.Array | pa.ChunkedArray, value_type: pa.DataType | None = None) -> pa.Table:
+    """Sightings per non-null id: ``value``, ``count`` (int64), one row per distinct id."""
+    values = pa.chunked_array([values]) if isinstance(values, pa.Array) else values
+    if value_type is not None:
+        values = values.cast(value_type)
+    seen = pc.value_counts(values.drop_null().combine_chunks() if values.length() else values.combine_chunks())
+    return pa.table({"value": seen.field("values"), "count": seen.field("counts").cast(pa.int64())})
+
+
+def merge_counts(parts: list[pa.Table]) -> pa.Table:
+    """Several partitions' ``count_values`` summed per id (for a vocabulary built on many workers)."""
+    table = pa.concat_tables(parts)
+    summed = table.group_by("value").aggregate([("count", "sum")])
+    return pa.table({"value": summed["value"], "count": summed["count_sum"].cast(pa.int64())})

@@ -150,6 +150,17 @@ def to_us(value: datetime) -> int:
     return int(round(value.timestamp() * US))
 
 
+def _time_condition(spec: DatasetSpec, start_us: int | None, end_us: int | None):
+    ts = ds.field(spec.timestamp)
+    condition = None
+    if start_us is not None:
+        condition = ts >= pa.scalar(start_us, pa.timestamp("us", tz="UTC"))
+    if end_us is not None:
+        upper = ts < pa.scalar(end_us, pa.timestamp("us", tz="UTC"))
+        condition = upper if condition is None else condition & upper
+    return condition
+
+
 def read_window(settings: Settings, spec: DatasetSpec, start_us: int | None, end_us: int | None,
                 columns: list[str] | None = None) -> pa.Table:
     """Committed lake events with ``start <= timestamp < end`` (either bound may be None): the one way
@@ -157,14 +168,25 @@ def read_window(settings: Settings, spec: DatasetSpec, start_us: int | None, end
     if not settings.ledger_path.exists():
         return pa.table({})
     with Ledger.open(settings.ledger_path) as ledger:
-        ts = ds.field(spec.timestamp)
-        condition = None
-        if start_us is not None:
-            condition = ts >= pa.scalar(start_us, pa.timestamp("us", tz="UTC"))
-        if end_us is not None:
-            upper = ts < pa.scalar(end_us, pa.timestamp("us", tz="UTC"))
-            condition = upper if condition is None else condition & upper
-        return read_events(ledger, settings.home, settings.lake_events_dir, columns=columns, filter=condition)
+        return read_events(ledger, settings.home, settings.lake_events_dir, columns=columns,
+                           filter=_time_condition(spec, start_us, end_us))
+
+
+def window_files(settings: Settings) -> list[str]:
+    """The committed lake files, in the order ``read_window`` reads them: a distributed reader gives each
+    worker some of them (``read_window_file``), and their rows in this order are ``read_window``'s rows."""
+    if not settings.ledger_path.exists():
+        return []
+    with Ledger.open(settings.ledger_path) as ledger:
+        return committed_event_files(ledger, settings.home, settings.lake_events_dir)
+
+
+def read_window_file(settings: Settings, spec: DatasetSpec, path: str, start_us: int | None, end_us: int | None,
+                     columns: list[str] | None = None) -> pa.Table:
+    """One file of ``window_files`` read as ``read_window`` reads it (same columns, same filter)."""
+    dataset = ds.dataset([path], format="parquet", partitioning=ds.partitioning(flavor="hive"),
+                         partition_base_dir=str(settings.lake_events_dir))
+    return dataset.to_table(columns=columns, filter=_time_condition(spec, start_us, end_us))
 
 
 def time_bounds(settings: Settings, spec: DatasetSpec) -> tuple[int, int] | None:

@@ -200,12 +200,11 @@ def champion_kpis(settings: Settings, current_champion: Champion | None, window:
                   ) -> dict:
     """The champion's online CTR and AUC over requests with event time in the window (serving journal);
     only the counts when there were fewer than ``min_impressions`` impressions."""
-    from recloop.serve.journal import Journal
+    from recloop.serve.journal import open_journal
 
-    journal_path = settings.serving_dir / "journal.db"
-    if current_champion is None or not journal_path.exists():
+    journal = open_journal(settings, create=False) if current_champion is not None else None
+    if journal is None:
         return {}
-    journal = Journal(journal_path)
     try:
         stats = journal.stats(current_champion.version, event_window=(lake.to_us(window[0]), lake.to_us(window[1])))
     finally:

@@ -44,7 +44,7 @@ from recloop.schema import DatasetSpec, load_spec
 from recloop.serve.body_limit import BodyLimit
 from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
 from recloop.serve.health import Readiness
-from recloop.serve.journal import FeedbackError, Journal, UnknownRequest
+from recloop.serve.journal import FeedbackError, UnknownRequest, open_journal
 from recloop.serve.metrics import ServingMetrics
 from recloop.serve.models import Deployment, LoadFailure, ModelPool, score
 from recloop.settings import Settings
@@ -146,7 +146,7 @@ class Service:
         self.pool.on_swap = lambda old, new: self._deployed(new)
         self.pool.on_load_failure = self._load_failed
         self.readiness = Readiness(self.pool, self.features)
-        self.journal = Journal(settings.serving_dir / "journal.db", spec)
+        self.journal = open_journal(settings, spec)  # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
 

@@ -1,4 +1,4 @@
-"""The serving journal: every request, every model evaluation, every feedback event (SQLite, WAL).
+"""The serving journal: every request, every model evaluation, every feedback event.
 
 It is what closes the loop and what the canary controller judges on:
 
@@ -11,8 +11,22 @@ It is what closes the loop and what the canary controller judges on:
   written to the landing zone; events written but not marked (a crash in between) are written again
   and ingestion drops the duplicate ids, so nothing is lost and nothing lands twice.
 
-Request rows are written by a background thread in batches (a request never waits on SQLite); feedback
-is written synchronously, because its answer says what was accepted.
+Request rows are written by a background thread in batches (a request never waits on the database);
+feedback is written synchronously, because its answer says what was accepted.
+
+Two stores behind one interface (``Journal``), chosen by ``RECLOOP_JOURNAL`` (``open_journal``):
+
+- ``SqliteJournal`` (default): a WAL file under ``$RECLOOP_HOME/serving``, for the processes of one host;
+- ``PostgresJournal`` (``recloop.serve.journal_postgres``, at ``RECLOOP_POSTGRES_DSN``): shared by every
+  serving replica, so the canary controller judges the union of their traffic, and feedback for a
+  request is accepted by whichever replica receives it, exactly once (the event id is the primary key).
+
+Example::
+
+    journal = open_journal(settings, spec)          # what the serving API, controller and monitor open
+    journal.record(request_row, evaluation_rows)
+    journal.add_feedback(request_id, impressions=[3, 9], clicks=[9])
+    journal.stats("7", since=canary_started)        # VariantStats over every replica's traffic
 """
 
 from __future__ import annotations
@@ -23,7 +37,10 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +50,9 @@ from recloop.canary.decision import VariantStats
 from recloop.evaluate import auc
 from recloop.ingest.validate import ARROW_TYPES
 from recloop.schema import DatasetSpec
+
+if TYPE_CHECKING:
+    from recloop.settings import Settings
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
@@ -51,7 +71,6 @@ CREATE INDEX IF NOT EXISTS feedback_by_time ON feedback (at);
 CREATE INDEX IF NOT EXISTS feedback_unlanded ON feedback (landed_file) WHERE landed_file IS NULL;
 """
 
-
 class FeedbackError(ValueError):
     """Feedback that does not match its request (unknown request, items that were not candidates)."""
 
@@ -61,19 +80,52 @@ class UnknownRequest(FeedbackError):
 
 
 class Journal:
-    def __init__(self, path: Path, spec: DatasetSpec | None = None):
-        """``spec``: the dataset feedback lands as (only ``land_feedback`` needs it)."""
-        self.path, self.spec = Path(path), spec
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        self._lock = threading.Lock()
+    """The journal's interface and everything that does not depend on the store (see the module docstring).
+
+    A store implements five primitives: ``_write_requests`` (a batch of request and evaluation rows,
+    repeats ignored), ``_request`` (a request's payload and served version), ``_insert_new_feedback``
+    (insert the rows whose event id is new, atomically; return those), ``_unlanded`` (claim events not
+    landed yet and mark them once written), ``_query`` (rows of a read-only SQL query in ``?`` style) and
+    ``_close_store``.
+
+    Args:
+        spec: the dataset feedback lands as (only ``land_feedback`` needs it).
+        request_wait_seconds: how long feedback waits for an unknown request to appear. Another replica
+            writes its requests in batches (every ~50 ms): feedback that reaches this one first waits.
+    """
+
+    def __init__(self, spec: DatasetSpec | None = None, request_wait_seconds: float = 0.0):
+        self.spec = spec
+        self.request_wait_seconds = request_wait_seconds
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="recloop-journal", daemon=True)
+
+    def _start_writer(self) -> None:
         self._writer.start()
+
+    # --- what a store implements --------------------------------------------------------------------------
+
+    def _write_requests(self, requests: list[tuple], evaluations: list[tuple]) -> None:
+        raise NotImplementedError
+
+    def _request(self, request_id: str) -> tuple[str, str] | None:
+        raise NotImplementedError
+
+    def _insert_new_feedback(self, rows: list[tuple]) -> list[tuple]:
+        raise NotImplementedError
+
+    def _unlanded(self, limit: int):
+        """A context manager yielding ``(rows, mark)``: feedback rows joined with their request
+        (``event_id, item_id, label, ts_us, user_id, payload``), and ``mark(file_name)`` to call once they
+        are written. Rows claimed here are not handed to another caller until the block ends."""
+        raise NotImplementedError
+
+    def _query(self, sql: str, params: list) -> list[tuple]:
+        raise NotImplementedError
+
+    def _close_store(self) -> None:
+        raise NotImplementedError
 
     # --- requests -------------------------------------------------------------------------------------
 
@@ -89,13 +141,8 @@ class Journal:
                 batch.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-        if not batch:
-            return
-        with self._lock:
-            self._db.execute("BEGIN")
-            self._db.executemany("INSERT OR IGNORE INTO requests VALUES (?,?,?,?,?,?,?,?)", [r for r, _ in batch])
-            self._db.executemany("INSERT INTO evaluations VALUES (?,?,?,?,?,?)", [e for _, es in batch for e in es])
-            self._db.execute("COMMIT")
+        if batch:
+            self._write_requests([r for r, _ in batch], [e for _, es in batch for e in es])
 
     def _write_loop(self) -> None:
         while not self._stop.wait(0.05):
@@ -103,18 +150,21 @@ class Journal:
 
     def close(self) -> None:
         self._stop.set()
-        self._writer.join(timeout=5)
+        if self._writer.is_alive():
+            self._writer.join(timeout=5)
         self.flush()
-        self._db.close()
+        self._close_store()
 
     # --- feedback -------------------------------------------------------------------------------------
 
     def add_feedback(self, request_id: str, impressions: list[int], clicks: list[int]) -> dict[str, int]:
         """Record one event per impression (label 1 if clicked); returns counts of new and repeated events."""
         self.flush()  # the request may still be queued
-        with self._lock:
-            row = self._db.execute("SELECT payload, served_version FROM requests WHERE request_id = ?",
-                                   (request_id,)).fetchone()
+        row = self._request(request_id)
+        deadline = time.monotonic() + self.request_wait_seconds
+        while row is None and time.monotonic() < deadline:  # served by another replica, not written yet
+            time.sleep(0.02)
+            row = self._request(request_id)
         if row is None:
             raise UnknownRequest(f"unknown request id {request_id!r}")
         payload, served_version = json.loads(row[0]), row[1]
@@ -132,37 +182,23 @@ class Journal:
             scores = {version: values[index] for version, values in payload["scores"].items()}
             rows.append((f"{request_id}-{item}", request_id, item, int(item in clicked), now, served_version,
                          json.dumps(scores), None))
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            ids = [r[0] for r in rows]
-            seen = {r[0] for r in self._db.execute(
-                f"SELECT event_id FROM feedback WHERE event_id IN ({','.join('?' * len(ids))})", ids)}
-            new = [r for r in rows if r[0] not in seen]
-            self._db.executemany("INSERT INTO feedback VALUES (?,?,?,?,?,?,?,?)", new)
-            self._db.execute("COMMIT")
+        new = self._insert_new_feedback(rows)
         return {"accepted": len(new), "duplicates": len(rows) - len(new), "clicks": sum(r[3] for r in new),
                 "served_version": served_version}
 
     def land_feedback(self, landing_dir: Path, limit: int = 200_000) -> tuple[Path | None, int]:
         """Write events not landed yet as one parquet file in the landing zone; returns it and its rows."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT f.event_id, f.item_id, f.label, r.ts_us, r.user_id, r.payload FROM feedback f "
-                "JOIN requests r USING (request_id) WHERE f.landed_file IS NULL LIMIT ?", (limit,)).fetchall()
-        if not rows:
-            return None, 0
-        table = self._events(rows)
-        folder = Path(landing_dir) / "serving"
-        folder.mkdir(parents=True, exist_ok=True)
-        name = f"feedback-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.parquet"
-        tmp = folder / f".{name}.tmp"
-        pq.write_table(table, tmp)
-        tmp.rename(folder / name)  # atomic: the ingester never sees half a file
-        with self._lock:
-            self._db.execute("BEGIN")
-            self._db.executemany("UPDATE feedback SET landed_file = ? WHERE event_id = ?",
-                                 [(name, r[0]) for r in rows])
-            self._db.execute("COMMIT")
+        with self._unlanded(limit) as (rows, mark):
+            if not rows:
+                return None, 0
+            table = self._events(rows)
+            folder = Path(landing_dir) / "serving"
+            folder.mkdir(parents=True, exist_ok=True)
+            name = f"feedback-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.parquet"
+            tmp = folder / f".{name}.tmp"
+            pq.write_table(table, tmp)
+            tmp.rename(folder / name)  # atomic: the ingester never sees half a file
+            mark(name)
         return folder / name, len(rows)
 
     def _events(self, rows: list[tuple]) -> pa.Table:
@@ -200,7 +236,8 @@ class Journal:
     def stats(self, version: str, since: float | None = None, event_window: tuple[int, int] | None = None
               ) -> VariantStats:
         """What ``version`` did: requests, errors, NaNs and p99 of its evaluations; impressions and clicks of
-        the requests it served; its online AUC over every impression it scored (shadow included).
+        the requests it served; its online AUC over every impression it scored (shadow included). Over
+        every process writing to this journal (all replicas, with PostgreSQL).
 
         Args:
             since: only what was served at or after this wall-clock time (the canary's steps).
@@ -216,13 +253,12 @@ class Journal:
             where.append("r.ts_us >= ? AND r.ts_us < ?")
             params += list(event_window)
         condition = " AND ".join(where)
-        with self._lock:
-            evaluations = self._db.execute(
-                f"SELECT e.status, e.latency_ms FROM evaluations e JOIN requests r USING (request_id) "
-                f"WHERE e.version = ? AND {condition}", (version, *params)).fetchall()
-            feedback = self._db.execute(
-                f"SELECT f.label, f.served_version, f.scores FROM feedback f JOIN requests r USING (request_id) "
-                f"WHERE {condition}", params).fetchall()
+        evaluations = self._query(
+            f"SELECT e.status, e.latency_ms FROM evaluations e JOIN requests r USING (request_id) "
+            f"WHERE e.version = ? AND {condition}", [version, *params])
+        feedback = self._query(
+            f"SELECT f.label, f.served_version, f.scores FROM feedback f JOIN requests r USING (request_id) "
+            f"WHERE {condition}", params)
         latencies = np.array([ms for _, ms in evaluations], dtype=np.float64)
         served = [label for label, served_by, _ in feedback if served_by == version]
         labels, scores = [], []
@@ -239,3 +275,85 @@ class Journal:
             impressions=len(served), clicks=int(sum(served)),
             online_auc=None if online_auc != online_auc else float(online_auc),
         )
+
+
+class SqliteJournal(Journal):
+    """The journal in one SQLite file (WAL): the default, for the serving processes of one host."""
+
+    def __init__(self, path: Path, spec: DatasetSpec | None = None, request_wait_seconds: float = 0.0):
+        super().__init__(spec, request_wait_seconds)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+        self._start_writer()
+
+    def _write_requests(self, requests: list[tuple], evaluations: list[tuple]) -> None:
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT OR IGNORE INTO requests VALUES (?,?,?,?,?,?,?,?)", requests)
+            self._db.executemany("INSERT INTO evaluations VALUES (?,?,?,?,?,?)", evaluations)
+            self._db.execute("COMMIT")
+
+    def _request(self, request_id: str) -> tuple[str, str] | None:
+        with self._lock:
+            return self._db.execute("SELECT payload, served_version FROM requests WHERE request_id = ?",
+                                    (request_id,)).fetchone()
+
+    def _insert_new_feedback(self, rows: list[tuple]) -> list[tuple]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            ids = [r[0] for r in rows]
+            seen = {r[0] for r in self._db.execute(
+                f"SELECT event_id FROM feedback WHERE event_id IN ({','.join('?' * len(ids))})", ids)}
+            new = [r for r in rows if r[0] not in seen]
+            self._db.executemany("INSERT INTO feedback VALUES (?,?,?,?,?,?,?,?)", new)
+            self._db.execute("COMMIT")
+        return new
+
+    @contextmanager
+    def _unlanded(self, limit: int) -> Iterator[tuple[list[tuple], object]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT f.event_id, f.item_id, f.label, r.ts_us, r.user_id, r.payload FROM feedback f "
+                "JOIN requests r USING (request_id) WHERE f.landed_file IS NULL LIMIT ?", (limit,)).fetchall()
+
+        def mark(name: str) -> None:
+            with self._lock:
+                self._db.execute("BEGIN")
+                self._db.executemany("UPDATE feedback SET landed_file = ? WHERE event_id = ?",
+                                     [(name, r[0]) for r in rows])
+                self._db.execute("COMMIT")
+
+        yield rows, mark
+
+    def _query(self, sql: str, params: list) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    def _close_store(self) -> None:
+        self._db.close()
+
+
+def journal_path(settings: Settings) -> Path:
+    return settings.serving_dir / "journal.db"
+
+
+def open_journal(settings: Settings, spec: DatasetSpec | None = None, *, create: bool = True) -> Journal | None:
+    """The journal ``settings`` name (``RECLOOP_JOURNAL``): SQLite under ``home``, or PostgreSQL at
+    ``RECLOOP_POSTGRES_DSN``. With ``create=False``, None where a SQLite journal does not exist yet (a
+    reader that must not create one)."""
+    if settings.journal == "postgres":
+        from recloop import endpoints
+        from recloop.serve.journal_postgres import PostgresJournal
+
+        limits = endpoints.limits_for(settings)
+        endpoints.require_postgres(settings.postgres_dsn, limits)  # a dead database: one line, in seconds
+        return PostgresJournal(endpoints.with_connect_timeout(settings.postgres_dsn, limits), spec)
+    path = journal_path(settings)
+    if not create and not path.exists():
+        return None
+    return SqliteJournal(path, spec)

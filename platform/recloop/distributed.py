@@ -1,0 +1,232 @@
+"""Training on several processes: the process group, who reads which rows, and the sharded training loop.
+
+Under ``torchrun`` (``recloop train --nproc N``, or ``torchrun --nproc-per-node N -m recloop.cli train ...``)
+``recloop.train`` finds ``WORLD_SIZE`` and ``RANK`` in its environment and:
+
+- joins the process group (``gloo`` on CPUs, ``nccl`` on GPUs, one GPU per local rank);
+- splits the training rows into ``data_shards`` shards of parquet row groups, balanced by rows (one
+  shard per process by default); each rank reads only its shards' row groups, each shard in its own
+  seeded order. A step's global batch is every shard's next ``batch_size / data_shards`` rows, in shard
+  order, and an epoch ends when the first shard runs out (the rows the others have left, at most about
+  one row group each after balancing, are skipped that epoch);
+- shards the embedding tables (``model.sharded``) and runs the dense layers under
+  DistributedDataParallel; the loss is the mean over the global batch, so a step is the same as one
+  process's step on the concatenated batch;
+- gathers the tables to rank 0 for every checkpoint, which rank 0 writes in the single-process layout.
+
+One process with ``data_shards=2`` reads the same shards and builds the same global batches as two ranks:
+that is the reference the equivalence test compares a 2-rank run with.
+
+Example::
+
+    torchrun --standalone --nproc-per-node 2 -m recloop.cli train --mode full --device cpu --no-track
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+
+from recloop.data import ChunkLoader, FeatureSchema
+from recloop.data.loader import Batch
+
+if TYPE_CHECKING:
+    from recloop.model import RankingModel
+    from recloop.model.sharded import ShardedRankingModel
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place: ``rank`` of ``world`` (``local_rank`` on its machine); world 1 alone."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def join(device: str) -> tuple[Ranks, bool]:
+    """Join the process group ``torchrun`` describes in the environment (no-op outside it).
+
+    Returns the ranks and whether this call started the group (the caller then ends it with ``leave``).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Ranks(), False
+    ranks = Ranks(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    if dist.is_initialized():
+        return ranks, False
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(ranks.local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return ranks, True
+
+
+def leave(started: bool) -> None:
+    if started and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def device_for(name: str, ranks: Ranks) -> torch.device:
+    """``auto``/``cuda`` is this rank's GPU under torchrun; ``cpu`` stays the CPU."""
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", ranks.local_rank) if ranks.world > 1 else torch.device("cuda")
+
+
+# --- who reads which rows -----------------------------------------------------------------------------------
+
+
+def shard_row_groups(files: list[Path], shards: int) -> list[list[tuple[Path, int]]]:
+    """Row groups (file, index) split into ``shards`` sets of near-equal rows: largest first, each to the
+    lightest shard so far (ties to the lowest shard). Deterministic, so every rank computes the same split."""
+    groups = []
+    for f in files:
+        metadata = pq.ParquetFile(f).metadata
+        groups += [((Path(f), g), metadata.row_group(g).num_rows) for g in range(metadata.num_row_groups)]
+    out: list[list[tuple[Path, int]]] = [[] for _ in range(shards)]
+    rows = [0] * shards
+    for position, (piece, count) in sorted(enumerate(groups), key=lambda x: (-x[1][1], x[0])):
+        target = min(range(shards), key=lambda s: (rows[s], s))
+        out[target].append((position, piece))
+        rows[target] += count
+    return [[piece for _, piece in sorted(shard)] for shard in out]
+
+
+class ShardLoader(ChunkLoader):
+    """A ``ChunkLoader`` over some row groups of the files (one data shard)."""
+
+    def __init__(self, pieces: list[tuple[Path, int]], schema: FeatureSchema, batch_size: int, *, seed: int,
+                 device: torch.device):
+        if not pieces:
+            raise ValueError("a data shard without row groups: fewer row groups than data_shards")
+        files = sorted({p for p, _ in pieces})
+        super().__init__(files, schema, batch_size, device=device, seed=seed)
+        self._pieces = list(pieces)
+        self.num_rows = sum(pq.ParquetFile(p).metadata.row_group(g).num_rows for p, g in pieces)
+
+
+def concat_batches(batches: list[Batch], num_tables: int) -> Batch:
+    """Batches of the kernels' table-major jagged layout joined row-wise (rows of the first, then the next)."""
+    if len(batches) == 1:
+        return batches[0]
+    lengths = [(b.offsets[1:] - b.offsets[:-1]).view(num_tables, b.size) for b in batches]
+    starts = [b.offsets[:: b.size].tolist() for b in batches]
+    values = torch.cat([b.values[s[t]:s[t + 1]] for t in range(num_tables) for b, s in zip(batches, starts,
+                                                                                             strict=True)])
+    all_lengths = torch.cat([lengths[k][t] for t in range(num_tables) for k in range(len(batches))])
+    offsets = torch.cat([all_lengths.new_zeros(1), all_lengths.cumsum(0)])
+    extra = {k: torch.cat([b.extra[k] for b in batches]) for k in batches[0].extra}
+    return Batch(torch.cat([b.dense for b in batches]), torch.cat([b.label for b in batches]), values, offsets, extra)
+
+
+# --- the loop ----------------------------------------------------------------------------------------------
+
+
+def wrap(model: RankingModel, ranks: Ranks, row_wise_above: int | None) -> torch.nn.Module:
+    """The model a rank trains: the whole model alone, else sharded tables + DDP over the dense arches."""
+    if ranks.world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    from recloop.model.sharded import ShardedRankingModel, plan_sharding
+
+    sharded = ShardedRankingModel(model, plan_sharding(model.embeddings, ranks.world, row_wise_above), ranks.rank)
+    device_ids = [ranks.local_rank] if model.embeddings.weights.is_cuda else None
+    with warnings.catch_warnings():
+        # The shards are rank-local buffers: they must never be broadcast, not even at construction, which
+        # only broadcast_buffers=False guarantees (its replacement still syncs buffers at init).
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        return DistributedDataParallel(sharded, device_ids=device_ids, broadcast_buffers=False)
+
+
+def gather(trained: torch.nn.Module, model: RankingModel, ranks: Ranks) -> None:
+    """Every rank's tables into ``model`` on rank 0 (collective); the dense arches are shared already."""
+    if ranks.world > 1:
+        sharded: ShardedRankingModel = trained.module
+        sharded.sparse.gather_into(model.embeddings)
+
+
+def fit(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, loaders: list[ShardLoader], num_tables: int,
+        epochs: int, ranks: Ranks, lr: Callable[[int], float], position: dict, save: Callable[[bool], object],
+        checkpoint_every: int, on_progress: Callable[[int, int, float], None] | None = None,
+        on_step: Callable[[int], None] | None = None) -> list[list[float]]:
+    """The training loop over this rank's data shards from ``position`` (updated in place) to the last epoch.
+
+    Args:
+        trained: ``wrap``'s model. loaders: this rank's shards, in shard order.
+        lr: the dense learning rate for a step number (warm-up, batch scaling).
+        save: writes a checkpoint (collective under several ranks: every rank calls it).
+    Returns:
+        The loss curve, ``[step, mean loss of the global batch]`` every 10 steps.
+    """
+    loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
+    device = loaders[0].device
+    total = sum(loader.num_rows for loader in loaders) * epochs * ranks.world
+    started, first_samples = time.perf_counter(), position["samples"]
+    curve: list[list[float]] = []
+    trained.train()
+    for epoch in range(position["epoch"], epochs):
+        skip = position["batch"] if epoch == position["epoch"] else 0
+        streams: list[Iterator[Batch]] = [loader.epoch(epoch, skip_batches=skip) for loader in loaders]
+        batch_index = skip
+        while True:
+            batches = [next(stream, None) for stream in streams]
+            present = all(b is not None for b in batches)
+            figures = torch.tensor([sum(b.size for b in batches if b is not None), int(present)], dtype=torch.float64,
+                                   device=device)
+            if ranks.world > 1:
+                dist.all_reduce(figures)  # rows of the global batch, and how many ranks still have a batch
+            if figures[1].item() < ranks.world:
+                break
+            global_rows = figures[0].item()
+            batch = concat_batches(batches, num_tables)
+            for group in optimizer.param_groups:
+                group["lr"] = lr(position["step"])
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = trained(batch.dense, batch.values, batch.offsets)
+            # The sum over this rank's rows / global rows, times world: DDP's average over ranks then makes
+            # the gradient that of the mean over the global batch (the sparse exchange divides by world).
+            loss = loss_fn(logits.float(), batch.label) * (ranks.world / global_rows)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            batch_index += 1
+            position.update(step=position["step"] + 1, epoch=epoch, batch=batch_index,
+                            samples=position["samples"] + int(global_rows))
+            if position["step"] % checkpoint_every == 0:
+                save(False)
+            if position["step"] % 10 == 0:
+                mean = loss.detach().double() / ranks.world
+                if ranks.world > 1:
+                    dist.all_reduce(mean)
+                curve.append([position["step"], float(mean)])
+                if on_progress and ranks.leader:
+                    on_progress(position["samples"], total, (position["samples"] - first_samples)
+                                / (time.perf_counter() - started))
+            if on_step:
+                on_step(position["step"])
+        for stream in streams:
+            stream.close()  # stops the shards' reader threads
+        position.update(epoch=epoch + 1, batch=0)
+    return curve
+
+
+def share_summary(summary: dict | None, ranks: Ranks) -> dict:
+    """Rank 0's training summary, on every rank (collective)."""
+    box = [summary]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,194 @@
+"""Two ``recloop serve`` processes sharing one journal in a real PostgreSQL: the canary controller judges the
+union of their traffic, and feedback sent to the replica that did not serve the request lands once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pyarrow.dataset as ds
+import pytest
+from safetensors.torch import load_file
+
+from recloop import checkpoint, pipeline, registry
+from recloop.canary import CanaryConfig, controller
+from recloop.serve.journal import SqliteJournal
+from recloop.serve.journal_postgres import PostgresJournal
+from recloop.settings import Settings
+from recloop.simulate import World, WorldConfig
+from recloop.train import TrainSummary
+
+pytestmark = pytest.mark.services
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+TOKEN = "replica-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+CANARY = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=20, min_feedback=100, max_ctr_drop=0.5,
+                      max_p99_ratio=10.0, max_auc_drop=0.5)
+
+
+@pytest.fixture
+def database():
+    """A database of its own, dropped afterwards: its DSN."""
+    import psycopg2
+
+    name = f"recloop_journal_{uuid.uuid4().hex[:12]}"
+    admin = psycopg2.connect(ADMIN_DSN)
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {name}")
+    try:
+        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+    finally:
+        admin.cursor().execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _twin_of_champion(home: Settings) -> str:
+    """The champion's checkpoint registered again as a new version (a challenger that scores the same)."""
+    source = checkpoint.resolve(home, "1")
+    target = home.home / "checkpoints" / f"twin-{uuid.uuid4().hex[:8]}" / source.name
+    shutil.copytree(source, target)
+    assert load_file(target / "model.safetensors")  # a real checkpoint
+    base = TrainSummary(**checkpoint.read(source)["summary"])
+    base.checkpoint, base.run_id = str(target), f"{base.run_id}-{target.parent.name}"
+    return pipeline.register_training(home, base).version
+
+
+@pytest.fixture
+def replicas(champion_home: Settings, copy_home, database: str, tmp_path: Path):
+    """Two serving processes over one installation, journal in PostgreSQL, a challenger at 50 %."""
+    home = copy_home(champion_home, tmp_path / "home", feast=True, journal="postgres", postgres_dsn=database)
+    challenger = _twin_of_champion(home)
+    registry.set_alias(home, "challenger", challenger, who="test", why="two replicas")
+    controller.start(home, CANARY)
+    env = {**os.environ, "RECLOOP_HOME": str(home.home), "RECLOOP_JOURNAL": "postgres",
+           "RECLOOP_POSTGRES_DSN": database, "RECLOOP_FRAME_BACKEND": "pandas", "RECLOOP_ADMIN_TOKEN": TOKEN,
+           "RECLOOP_FEAST_REPO": str(CHECKOUT / "feature_repo"), "RECLOOP_SERVE_POLL_SECONDS": "0.5",
+           "RECLOOP_FEEDBACK_FLUSH_SECONDS": "3600", "MLFLOW_DISABLE_TELEMETRY": "true",
+           "PYTHONPATH": os.pathsep.join([str(CHECKOUT / "platform"), str(CHECKOUT / "kernels"), str(CHECKOUT)])}
+    ports = [_free_port(), _free_port()]
+    logs = [open(tmp_path / f"replica-{i}.log", "w") for i in range(2)]  # noqa: SIM115 - closed below
+    processes = [subprocess.Popen([sys.executable, "-m", "recloop.cli", "serve", "--port", str(port)], env=env,
+                                  cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+                 for port, log in zip(ports, logs, strict=True)]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        deadline = time.time() + 120
+        for url, process in zip(urls, processes, strict=True):
+            while True:
+                assert process.poll() is None, (tmp_path / "replica-0.log").read_text()[-3000:]
+                try:
+                    health = httpx.get(f"{url}/healthz", timeout=2).json()
+                    if health["versions"]["challenger"] == challenger and health["share"] == 0.5:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.time() < deadline, f"replica {url} never became ready"
+                time.sleep(0.2)
+        yield home, urls, challenger
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for log in logs:
+            log.close()
+
+
+def test_replicas_share_one_journal(replicas):
+    from recloop.serve.traffic import SimulatedUsers
+
+    home, urls, challenger = replicas
+    users = SimulatedUsers(World(WorldConfig(seed=4, days=4, events_per_day=6000)), day=3.2, seed=23)
+    clients = [httpx.Client(base_url=url, timeout=30) for url in urls]
+    sent, served, impressions = {}, {"1": 0, challenger: 0}, 0
+    try:
+        for i in range(60):  # round-robin: request i to replica i % 2, its feedback to the other one
+            body, who = users.request()
+            answer = clients[i % 2].post("/rank", json=body).json()
+            served[answer["model_version"]] += 1
+            shown, clicked, _ = users.react(answer, who)
+            feedback = {"request_id": answer["request_id"], "impressions": shown, "clicks": clicked}
+            accepted = clients[(i + 1) % 2].post("/feedback", json=feedback).json()
+            again = clients[i % 2].post("/feedback", json=feedback).json()
+            assert accepted["accepted"] == len(shown) and accepted["served_version"] == answer["model_version"]
+            assert again["accepted"] == 0 and again["duplicates"] == len(shown)  # once, whichever replica
+            sent.update({f"{answer['request_id']}-{item}": int(item in clicked) for item in shown})
+            impressions += len(shown)
+        assert served["1"] and served[challenger]
+
+        # The controller sees both replicas' traffic: every request and every impression, not half.
+        status = controller.status(home, CANARY)
+        stats = status.stats
+        assert stats["champion"].requests + stats["challenger"].requests == 60
+        assert stats["champion"].requests == served["1"] and stats["challenger"].requests == served[challenger]
+        assert stats["champion"].impressions + stats["challenger"].impressions == impressions
+        step = controller.step(home, CANARY)
+        assert step.decision.action == "step" and step.decision.share == 1.0, step.decision.reasons
+
+        landed = [c.post("/admin/flush", headers=AUTH).json()["landed"] for c in clients]
+        assert sum(landed) == len(sent)
+        assert [c.post("/admin/flush", headers=AUTH).json()["landed"] for c in clients] == [0, 0]
+    finally:
+        for client in clients:
+            client.close()
+    events = ds.dataset(home.landing_dir / "serving", format="parquet").to_table().to_pandas()
+    assert len(events) == len(sent) and set(events["event_id"]) == set(sent)
+    assert dict(zip(events["event_id"], events["label"].astype(int), strict=True)) == sent
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_both_stores_answer_the_same(store: str, tmp_path: Path, request):
+    """The same requests and feedback give the same answers, stats and landed events in either store."""
+    from recloop.schema import load_spec
+
+    spec = load_spec("synthetic")
+    if store == "postgres":
+        journal = PostgresJournal(request.getfixturevalue("database"), spec)
+    else:
+        journal = SqliteJournal(tmp_path / "journal.db", spec)
+    try:
+        payload = ('{"item_ids": [5, 6, 7], "context": {"device": "mobile", "country": "US", "category": [1, 2, 3], '
+                   '"price": [1.0, 2.0, 3.0], "history": [4]}, "per_candidate": {"category": true, "price": true}, '
+                   '"scores": {"1": [0.9, 0.1, 0.5], "2": [0.2, 0.8, 0.5]}, "ranked": [5, 7, 6]}')
+        for n, user in enumerate((10, 11)):
+            request_id = f"{n:032x}"
+            journal.record((request_id, 100.0 + n, 1_767_225_600_000_000, user, "champion", "1", 3.0, payload),
+                           [(request_id, "1", "served", "ok", 2.0 + n, 100.0 + n),
+                            (request_id, "2", "shadow", "ok", 4.0, 100.0 + n)])
+        assert journal.add_feedback(f"{0:032x}", [5, 6], [5]) == {"accepted": 2, "duplicates": 0, "clicks": 1,
+                                                                  "served_version": "1"}
+        assert journal.add_feedback(f"{0:032x}", [5, 6, 7], [7])["accepted"] == 1  # 5 and 6 were in already
+        assert journal.add_feedback(f"{1:032x}", [6], [6])["accepted"] == 1
+        with pytest.raises(Exception, match="unknown request"):
+            journal.request_wait_seconds = 0.1
+            journal.add_feedback(f"{9:032x}", [5], [])
+        champion, shadow = journal.stats("1"), journal.stats("2", since=100.5)
+        assert (champion.requests, champion.impressions, champion.clicks) == (2, 4, 3)
+        assert (shadow.requests, shadow.impressions) == (1, 0)
+        assert champion.online_auc is not None and champion.p99_ms == pytest.approx(2.99)
+        path, rows = journal.land_feedback(tmp_path / "landing")
+        assert rows == 4 and journal.land_feedback(tmp_path / "landing") == (None, 0)
+        landed = ds.dataset(path).to_table().to_pandas()
+        assert sorted(landed["event_id"]) == sorted([f"{0:032x}-5", f"{0:032x}-6", f"{0:032x}-7", f"{1:032x}-6"])
+        assert landed.set_index("event_id")["position"].to_dict()[f"{0:032x}-7"] == 2
+    finally:
+        journal.close()

@@ -1,0 +1,133 @@
+"""Training under torchrun: 2 real gloo processes with sharded tables and DDP train the same model as one
+process on the same data shards, and their checkpoint warm-starts a single-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from recloop import checkpoint
+from recloop.data.loader import Batch
+from recloop.distributed import concat_batches, shard_row_groups
+from recloop.model import ModelConfig, RankingModel
+from recloop.model.sharded import plan_sharding
+from recloop.settings import Settings
+from recloop.simulate import WorldConfig
+from recloop.train import TrainConfig, TrainSummary, train
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+ROW_WISE_ABOVE = 200  # the user table (~260 rows) and the crosses go row-wise, the small ones table-wise
+CONFIG = TrainConfig(days=2, epochs=1, batch_size=256, validation_hours=8, device="cpu", deterministic=True,
+                     checkpoint_every=7, data_shards=2, row_wise_above=ROW_WISE_ABOVE,
+                     model=ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(32,)))
+# Two processes sum their gradients in another order than one: fp32 rounding, ~1e-7 after 19 steps here.
+WEIGHT_TOLERANCE = 1e-5
+
+RANK_SCRIPT = """
+import json, os, sys
+from recloop.settings import Settings
+from recloop.train import TrainConfig, train
+from recloop.model import ModelConfig
+raw = json.loads(sys.argv[2])
+config = TrainConfig(**{**raw, "model": ModelConfig.from_dict(raw["model"])})
+summary = train(Settings(home=sys.argv[1], frame_backend="pandas"), config)
+print(json.dumps({"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
+                  "summary": summary.to_dict()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory, lake_factory) -> Settings:
+    return lake_factory(tmp_path_factory.mktemp("dist-lake"), WorldConfig(seed=8, days=2, events_per_day=3000))
+
+
+def _copy(lake: Settings, target: Path) -> Settings:
+    import shutil
+
+    shutil.copytree(lake.home, target)
+    return Settings(home=target, frame_backend="pandas")
+
+
+def _torchrun(home: Path, config: TrainConfig, tmp_path: Path) -> list[dict]:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(CHECKOUT / p) for p in ("platform", "kernels", "")),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), str(home), json.dumps(config.to_dict())], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_two_ranks_train_the_same_model_as_one_process(lake: Settings, tmp_path: Path):
+    single = train(_copy(lake, tmp_path / "one"), CONFIG)
+    ranks = _torchrun(_copy(lake, tmp_path / "two").home, CONFIG, tmp_path)
+    assert sorted((r["rank"], r["world"]) for r in ranks) == [(0, 2), (1, 2)]
+    double = TrainSummary(**{**ranks[0]["summary"], "train_hours": single.train_hours})
+    assert all(r["summary"]["checkpoint"] == ranks[0]["summary"]["checkpoint"] for r in ranks)
+    assert double.steps == single.steps > 10 and double.samples == single.samples
+    assert double.auc == pytest.approx(single.auc, abs=1e-6)
+    assert double.logloss == pytest.approx(single.logloss, abs=1e-6)
+
+    one, two = (load_file(Path(s) / "model.safetensors") for s in (single.checkpoint, double.checkpoint))
+    assert one.keys() == two.keys()  # the single-process layout: serving, gate and warm start cannot tell
+    for name, tensor in one.items():
+        assert two[name].shape == tensor.shape and two[name].dtype == tensor.dtype, name
+        torch.testing.assert_close(two[name], tensor, atol=WEIGHT_TOLERANCE, rtol=0, msg=name)
+    initial = RankingModel(CONFIG.model, len(checkpoint.read(single.checkpoint)["dense"]),
+                           [tuple(t) for t in checkpoint.read(single.checkpoint)["tables"]], seed=CONFIG.seed)
+    moved = (initial.embeddings.weights - two["sparse_arch.embeddings.weights"][:initial.embeddings.weights.numel()])
+    assert moved.abs().max() > 100 * WEIGHT_TOLERANCE  # the tables did train: the agreement is not trivial
+    plan = plan_sharding(checkpoint.load_model(double.checkpoint)[0].embeddings, 2, ROW_WISE_ABOVE)
+    assert {s.row_wise for shards in plan.ranks for s in shards} == {True, False}
+
+    # The 2-rank checkpoint warm-starts one process (six newer hours: the first run held out eight).
+    warm = train(_copy(lake, tmp_path / "warm"),
+                 TrainConfig(mode="incremental", validation_hours=2, batch_size=256, device="cpu", model=CONFIG.model),
+                 warm_start=Path(double.checkpoint))
+    assert warm.warm_start == double.checkpoint and warm.steps > 0 and 0.5 < warm.auc <= 1.0
+
+
+def test_a_plan_covers_every_row_once_and_balances_the_ranks():
+    model = RankingModel(ModelConfig(embedding_dim=4), 3, [("big", 1000), ("a", 30), ("b", 20), ("c", 10)])
+    plan = plan_sharding(model.embeddings, 3, row_wise_above=500)
+    for t, rows in enumerate((1000, 30, 20, 10)):
+        covered = sorted((s.lo, s.hi) for _, s in plan.owners(t))
+        assert covered[0][0] == 0 and covered[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))
+    assert [len(plan.owners(0)), len(plan.owners(1))] == [3, 1]  # row-wise over every rank; whole
+
+
+def test_shards_and_batches_join_in_order(lake: Settings):
+    files = sorted((lake.home / "features" / "training").glob("*.parquet"))
+    shards = shard_row_groups(files, 2)
+    pieces = [p for shard in shards for p in shard]
+    assert len(pieces) == len(set(pieces)) and not set(shards[0]) & set(shards[1])
+    first = Batch(torch.ones(2, 1), torch.zeros(2), torch.tensor([1, 2, 7, 8, 9]), torch.tensor([0, 1, 2, 4, 5]))
+    second = Batch(torch.ones(1, 1), torch.ones(1), torch.tensor([3, 6]), torch.tensor([0, 1, 2]))
+    joined = concat_batches([first, second], num_tables=2)
+    # table 0: rows [1], [2], [3]; table 1: rows [7, 8], [9], [6]
+    assert joined.values.tolist() == [1, 2, 3, 7, 8, 9, 6] and joined.offsets.tolist() == [0, 1, 2, 3, 5, 6, 7]
+
+
+def test_the_cli_launches_torchrun(lake: Settings, tmp_path: Path):
+    """``recloop train --nproc 2``: rank 0 reports one JSON summary; the checkpoint is the usual one."""
+    home = _copy(lake, tmp_path / "cli").home
+    env = {**os.environ, "RECLOOP_HOME": str(home), "RECLOOP_FRAME_BACKEND": "pandas", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(str(CHECKOUT / p) for p in ("platform", "kernels", ""))}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, "-m", "recloop.cli", "train", "--nproc", "2", "--days", "2",
+                           "--batch-size", "512", "--validation-hours", "8", "--device", "cpu", "--no-track",
+                           "--json"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1 and reports[0]["steps"] > 0 and 0.5 < reports[0]["auc"] <= 1.0
+    assert checkpoint.read(reports[0]["checkpoint"])["train"]["data_shards"] == 2
