@@ -9,15 +9,17 @@ from flows.features_flow import features_flow
 from flows.gate_flow import gate_flow
 from flows.ingest_flow import ingest_flow
 from flows.train_flow import train_flow
-from recloop.flow_support import tag_run
+from recloop import datasets
+from recloop.flow_support import settings_from, tag_run
 
 
 @flow(name="retrain", log_prints=True)
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
-                 spec: str = "synthetic", days: int = 7, epochs: int = 1, batch_size: int | None = None,
+                 spec: str | None = None, days: int = 7, epochs: int = 1, batch_size: int | None = None,
                  validation_hours: int = 6, canary_config: str | None = None,
                  gate_thresholds: str | None = None, settings: dict | None = None) -> dict:
-    result: dict = {"mode": mode, "reason": reason}
+    spec = datasets.source(settings_from(settings), spec)  # resolved once, for every stage below
+    result: dict = {"mode": mode, "reason": reason, "spec": spec}
     result["ingest"] = ingest_flow(spec, settings=settings)
     result["features"] = features_flow(spec, settings=settings)
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs if mode == "full" else 1,

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from recloop.cli_boundary import ErrorBoundary, UserError, debug_option, emit_json, fail
 from recloop.ingest import FileResult, IngestSummary, ingest
-from recloop.schema import SpecError, load_spec
+from recloop.schema import SpecError
 from recloop.settings import Settings
 from recloop.simulate import DRIFT_SCENARIOS, SimulationSummary, WorldConfig, simulate
 
@@ -59,10 +59,17 @@ def _progress(description: str, total: int, quiet: bool) -> Iterator[Progress]:
         yield progress
 
 
-def _load_spec(name: str):
-    """The dataset spec, or exit 2 with the spec's own message."""
+SpecOption = Annotated[str | None, typer.Option(
+    "--spec", help="Dataset spec: a shipped name (synthetic, criteo) or a YAML file of any name; default: "
+    "RECLOOP_SPEC, else the spec this home last used, else synthetic.")]
+
+
+def _load_spec(settings: Settings, name: str | None):
+    """The dataset spec, resolved once (``recloop.datasets``), or exit 2 with the spec's own message."""
+    from recloop import datasets
+
     try:
-        return load_spec(name)
+        return datasets.resolve(settings, name)
     except SpecError as err:
         raise _fail(str(err)) from err
 
@@ -80,8 +87,8 @@ def _run_simulation(config: WorldConfig, out: Path, quiet: bool) -> SimulationSu
         return simulate(config, out, on_hour=lambda day, hour: progress.advance(0))
 
 
-def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -> IngestSummary:
-    spec = _load_spec(spec_name)
+def _run_ingest(source: Path, spec_name: str | None, settings: Settings, quiet: bool) -> IngestSummary:
+    spec = _load_spec(settings, spec_name)
     from recloop.ingest.run import discover
 
     try:
@@ -149,9 +156,7 @@ def simulate_command(
 @app.command("ingest")
 def ingest_command(
     source: Annotated[Path | None, typer.Argument(help="File or folder (default: $RECLOOP_HOME/landing).")] = None,
-    spec: Annotated[str, typer.Option(help="Dataset spec: a shipped name (synthetic, criteo) or a YAML path.")] = (
-        "synthetic"
-    ),
+    spec: SpecOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """Validate and land parquet, CSV or Criteo TSV files into the lake; bad rows go to quarantine."""
@@ -168,7 +173,7 @@ def _run_features(settings: Settings, dataset, window: dict, quiet: bool, materi
     from recloop import pipeline
 
     with console.status("building features and updating Feast", spinner="dots") if not quiet else _quiet():
-        return pipeline.build_features(settings, dataset.name, window, materialize).to_dict()
+        return pipeline.build_features(settings, dataset, window, materialize).to_dict()
 
 
 def _print_features(summary: dict) -> None:
@@ -186,13 +191,13 @@ def _print_features(summary: dict) -> None:
 def features_command(
     start: Annotated[str | None, typer.Option(help="Window start (UTC, ISO); default: where the last run ended.")] = None,
     end: Annotated[str | None, typer.Option(help="Window end (UTC, ISO); default: after the newest event.")] = None,
-    spec: Annotated[str, typer.Option(help="Dataset spec of the lake's events.")] = "synthetic",
+    spec: SpecOption = None,
     materialize: Annotated[bool, typer.Option(help="Apply the Feast repo if needed and load the online store.")] = True,
     json_out: JsonOption = False,
 ) -> None:
     """Build features for a window: vocabularies, training rows, entity tables; then update Feast."""
     settings = Settings()
-    dataset = _load_spec(spec)
+    dataset = _load_spec(settings, spec)
     window = {k: _parse_start(v) for k, v in (("start", start), ("end", end)) if v}
     summary = _run_features(settings, dataset, window, json_out, materialize)
     if json_out:
@@ -352,15 +357,14 @@ def rollback_command(
 def serve_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
-    spec: Annotated[str, typer.Option(help="Dataset spec of the requests' context and of the feedback.")]
-    = "synthetic",
+    spec: SpecOption = None,
 ) -> None:
     """Run the serving API (/rank, /feedback, /healthz, /metrics, /admin/*) on the registry's models."""
     import uvicorn
 
     from recloop.serve.app import create_app
 
-    dataset = _load_spec(spec)
+    dataset = _load_spec(Settings(), spec)
     console.print(f"serving on http://{host}:{port} (models from {Settings().resolved_mlflow_tracking_uri()})")
     uvicorn.run(create_app(Settings(), dataset), host=host, port=port, log_level="warning")
 
@@ -414,7 +418,7 @@ def drift_command(
     hours: Annotated[int, typer.Option(min=1, help="Newest hours of events to check.")] = 24,
     reference_days: Annotated[int, typer.Option(min=1, help="Reference when there is no champion: days "
                                                 "before the checked hours.")] = 7,
-    spec: Annotated[str, typer.Option(help="Dataset spec of the lake's events.")] = "synthetic",
+    spec: SpecOption = None,
     config: Annotated[Path | None, typer.Option(help="YAML of MonitorConfig fields (thresholds, per-column "
                                                 "drift methods).")] = None,
     json_out: JsonOption = False,
@@ -423,9 +427,9 @@ def drift_command(
     from recloop import pipeline
     from recloop.monitor.runner import MonitorError, load_config
 
-    _load_spec(spec)
+    dataset = _load_spec(Settings(), spec)
     try:
-        result = pipeline.check_drift(Settings(), spec, hours=hours, reference_days=reference_days,
+        result = pipeline.check_drift(Settings(), dataset, hours=hours, reference_days=reference_days,
                                       config=load_config(config)).to_dict()
     except (MonitorError, ValueError, OSError) as err:
         raise _fail(str(err)) from err
@@ -442,14 +446,18 @@ def retrain_command(
     full: Annotated[bool, typer.Option("--full", help="Full retrain from scratch instead of incremental.")] = False,
     reason: Annotated[str, typer.Option(help="Why: recorded on the flow run.")] = "by hand",
     wait: Annotated[bool, typer.Option(help="With a Prefect server: wait for the run to finish.")] = False,
+    spec: SpecOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """Start a retrain now: the deployment on the Prefect server (RECLOOP_PREFECT_API_URL), else the flow here."""
     import os
 
+    from recloop import datasets
     from recloop.flow_support import configure_prefect
 
     settings = Settings()
+    _load_spec(settings, spec)  # validated (exit 2 on a bad spec) and remembered by this home
+    spec_source = datasets.source(settings, spec)
     configure_prefect(settings)
     mode = "full" if full else "incremental"
     if os.environ.get("PREFECT_API_URL"):
@@ -461,7 +469,8 @@ def retrain_command(
 
         name = f"retrain/{mode}-retrain"
         try:
-            run = run_deployment(name, parameters={"mode": mode, "reason": reason}, timeout=None if wait else 0)
+            run = run_deployment(name, parameters={"mode": mode, "reason": reason, "spec": spec_source},
+                                 timeout=None if wait else 0)
         except Exception as err:  # noqa: BLE001 - e.g. not deployed yet: say so in one line
             raise _fail(f"could not start deployment {name!r} ({err}); run `prefect deploy --all` first") from err
         result = {"deployment": name, "flow_run_id": str(run.id), "state": run.state.name if run.state else None}
@@ -470,9 +479,12 @@ def retrain_command(
         from recloop.flow_support import settings_parameter
 
         with _quiet_logs():
-            outcome = retrain_flow(mode=mode, reason=reason, settings=settings_parameter(settings))
-        result = {"mode": mode, "version": outcome["train"]["mlflow"]["version"], "gate": {
-            k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary")}
+            outcome = retrain_flow(mode=mode, reason=reason, spec=spec_source, settings=settings_parameter(settings))
+        ingested = outcome["ingest"]
+        result = {"mode": mode, "spec": spec_source, "version": outcome["train"]["mlflow"]["version"],
+                  "ingest": {k: ingested[k] for k in ("rows_in", "rows_landed", "rows_quarantined")},
+                  "gate": {k: outcome["gate"][k] for k in ("passed", "alias", "reasons")},
+                  "canary": outcome.get("canary")}
     if json_out:
         _emit(result)
     else:
