@@ -87,7 +87,8 @@ def _run_simulation(config: WorldConfig, out: Path, quiet: bool) -> SimulationSu
         return simulate(config, out, on_hour=lambda day, hour: progress.advance(0))
 
 
-def _run_ingest(source: Path, spec_name: str | None, settings: Settings, quiet: bool) -> IngestSummary:
+def _run_ingest(source: Path, spec_name: str | None, settings: Settings, quiet: bool,
+                reingest: bool = False) -> IngestSummary:
     spec = _load_spec(settings, spec_name)
     from recloop.ingest.run import discover
 
@@ -102,7 +103,7 @@ def _run_ingest(source: Path, spec_name: str | None, settings: Settings, quiet: 
             console.print(f"[yellow]{result.status}[/] {result.path}: {result.error}")
 
     with _progress(f"ingesting ({spec.name})", total, quiet) as progress:
-        return ingest(source, spec, settings, on_file=on_file)
+        return ingest(source, spec, settings, on_file=on_file, reingest=reingest)
 
 
 def _print_ingest(summary: IngestSummary) -> None:
@@ -122,6 +123,11 @@ def _print_ingest(summary: IngestSummary) -> None:
         console.print("quarantined rows by reason: " + ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())))
     if summary.recovered:
         console.print(f"finished {len(summary.recovered)} commit(s) left by an interrupted run")
+    hints = list(dict.fromkeys(h for result in summary.results for h in result.hints))
+    for hint in hints:
+        console.print(f"[yellow]hint[/]: {hint}")
+    if hints or summary.rows_quarantined:
+        console.print("after fixing the spec: `recloop quarantine replay --spec SPEC` lands the rows that pass now")
 
 
 def _emit(payload: dict) -> None:
@@ -157,11 +163,39 @@ def simulate_command(
 def ingest_command(
     source: Annotated[Path | None, typer.Argument(help="File or folder (default: $RECLOOP_HOME/landing).")] = None,
     spec: SpecOption = None,
+    reingest: Annotated[bool, typer.Option("--reingest", help="Read SOURCE again even if the ledger has it under "
+                                           "this spec (rows already in the lake count as duplicates).")] = False,
     json_out: JsonOption = False,
 ) -> None:
-    """Validate and land parquet, CSV or Criteo TSV files into the lake; bad rows go to quarantine."""
+    """Validate and land parquet, CSV or Criteo files into the lake; bad rows go to quarantine.
+
+    The ledger knows a file by its content and the spec's version: after a fix to the spec the same file
+    is read again; --reingest reads it again under an unchanged spec.
+    """
     settings = Settings()
-    summary = _run_ingest(source or settings.landing_dir, spec, settings, quiet=json_out)
+    if reingest and source is None:
+        raise _fail("--reingest needs the FILE (or folder) to read again")
+    summary = _run_ingest(source or settings.landing_dir, spec, settings, quiet=json_out, reingest=reingest)
+    if json_out:
+        _emit(summary.to_dict())
+    else:
+        _print_ingest(summary)
+
+
+@app.command("quarantine")
+def quarantine_command(
+    action: Annotated[str, typer.Argument(help="replay: quarantined rows through the spec again.")],
+    spec: SpecOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """replay: run quarantined rows through the (fixed) spec; those that pass land, the rest stay quarantined."""
+    from recloop.ingest.run import replay_quarantine
+
+    if action != "replay":
+        raise _fail(f"unknown action {action!r}: replay")
+    settings = Settings()
+    dataset = _load_spec(settings, spec)
+    summary = replay_quarantine(settings, dataset)
     if json_out:
         _emit(summary.to_dict())
     else:

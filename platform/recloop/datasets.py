@@ -15,8 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -78,9 +76,3 @@ def keep(settings: Settings, spec: DatasetSpec) -> None:
     staged = target.with_name(".spec.yaml.tmp")
     staged.write_text(text, encoding="utf-8")
     os.replace(staged, target)
-
-
-def version(spec: DatasetSpec) -> str:
-    """A short digest of everything the spec says: ingestion results depend on it (the ledger keys on it)."""
-    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
