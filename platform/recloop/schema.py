@@ -85,6 +85,9 @@ class ColumnSpec(_Frozen):
         format: for a timestamp column, how the files write it: ``iso`` (ISO 8601 text, or the file
             format's own timestamp type; the default), ``epoch_s``, ``epoch_ms`` or ``epoch_us`` (numbers
             since 1970-01-01 UTC, as integers or text).
+        vocabulary: for a ``multi_hot`` column, the categorical or key column whose vocabulary its ids share
+            (a history of items → the item key); by default the list has a vocabulary of its own (genres
+            are not items).
         integral_floats: for an integer column, accept a float written with a zero fraction (``2015.0``,
             common in CSVs exported by pandas) as that integer; ``2015.5`` is still quarantined. Default:
             the spec's ``integral_floats``.
@@ -102,6 +105,7 @@ class ColumnSpec(_Frozen):
     allow_non_finite: bool = False
     format: TimestampFormat | None = None
     integral_floats: bool | None = None
+    vocabulary: str | None = None
     description: str = ""
 
     @field_validator("pattern")
@@ -129,6 +133,8 @@ class ColumnSpec(_Frozen):
             raise ValueError(f"column {self.name!r}: min/max must be numbers for dtype {self.dtype}")
         if self.pattern is not None and self.dtype != "string":
             raise ValueError(f"column {self.name!r}: pattern only applies to string columns")
+        if self.vocabulary is not None and self.role != "multi_hot":
+            raise ValueError(f"column {self.name!r}: vocabulary only applies to multi_hot columns")
         if self.format is not None and self.dtype != "timestamp":
             raise ValueError(f"column {self.name!r}: format only applies to timestamp columns")
         if self.integral_floats is not None and self.dtype not in ("int8", "int32", "int64", "list<int64>"):
@@ -205,6 +211,11 @@ class DatasetSpec(_Frozen):
         for role in _AT_MOST_ONE_ROLES:
             if sum(c.role == role for c in self.columns) > 1:
                 raise ValueError(f"a spec has at most one {role} column")
+        for column in self.by_role("multi_hot"):
+            if column.vocabulary is not None and column.vocabulary not in [
+                    c.name for c in self.columns if c.role in ("user_key", "item_key", "categorical")]:
+                raise ValueError(f"multi_hot {column.name!r} shares the vocabulary of {column.vocabulary!r}, which is "
+                                 "not a key or categorical column")
         if self.format == "criteo_tsv" and self.criteo is None:
             raise ValueError("format criteo_tsv needs a 'criteo:' section with the start time")
         return self
