@@ -454,17 +454,27 @@ def drift_command(
                                                 "before the checked hours.")] = 7,
     spec: SpecOption = None,
     config: Annotated[Path | None, typer.Option(help="YAML of MonitorConfig fields (thresholds, per-column "
-                                                "drift methods).")] = None,
+                                                "drift methods, min_rows).")] = None,
+    current: Annotated[str | None, typer.Option(help="The checked window START..END (UTC, ISO), instead of the "
+                                                "newest --hours.")] = None,
+    reference: Annotated[str | None, typer.Option(help="The reference window START..END (UTC, ISO); with "
+                                                  "--current.")] = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Check the newest events for drift and broken columns against the champion's training window."""
+    """Check the newest events for drift and broken columns against the champion's training window.
+
+    Below MonitorConfig's min_rows events in either window the answer is insufficient_data (never a retrain).
+    """
     from recloop import pipeline
     from recloop.monitor.runner import MonitorError, load_config
 
     dataset = _load_spec(Settings(), spec)
+    if (current is None) != (reference is None):
+        raise _fail("--current and --reference go together (each START..END)")
+    windows = (_window("--reference", reference), _window("--current", current)) if current else None
     try:
         result = pipeline.check_drift(Settings(), dataset, hours=hours, reference_days=reference_days,
-                                      config=load_config(config)).to_dict()
+                                      config=load_config(config), windows=windows).to_dict()
     except (MonitorError, ValueError, OSError) as err:
         raise _fail(str(err)) from err
     if json_out:
@@ -473,6 +483,16 @@ def drift_command(
     current, reference = result["current"], result["reference"]
     console.print(f"[bold]{result['decision']}[/] ({current[0]} → {current[1]} vs {reference[0]} → {reference[1]}): "
                   + "; ".join(result["reasons"]))
+
+
+def _window(option: str, value: str) -> tuple[datetime, datetime]:
+    start, sep, end = value.partition("..")
+    if not sep:
+        raise _fail(f"{option} {value!r} is not START..END (e.g. 2015-01-01..2015-02-01)")
+    first, last = _parse_start(start), _parse_start(end)
+    if first >= last:
+        raise _fail(f"{option} {value!r}: the start must be before the end")
+    return first, last
 
 
 @app.command("retrain")

@@ -527,7 +527,8 @@ def _write_schema(layout: FeatureLayout, config: FeatureConfig, spec: DatasetSpe
     sample = sorted(layout.training.glob("*.parquet"))
     dense = [n for n in pq.read_schema(sample[-1]).names if n.startswith("d_")] if sample else []
     schema = {"label": "label", "event_id": spec.event_id, "timestamp": spec.timestamp, "dense": dense,
-              "categorical": categorical, "multi_hot": multi_hot, "state_version": version, "dataset": spec.name}
+              "categorical": categorical, "multi_hot": multi_hot, "state_version": version, "dataset": spec.name,
+              "user_key": spec.user_key, "item_key": spec.item_key}
     tmp = layout.schema.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(schema, indent=2) + "\n")
     os.replace(tmp, layout.schema)

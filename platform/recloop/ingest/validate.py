@@ -143,7 +143,7 @@ def coerce_column(col: ColumnSpec, values: pa.ChunkedArray | pa.Array, integral_
         arr = arr.dictionary_decode()
     target = ARROW_TYPES[col.dtype]
     none_bad = np.zeros(len(arr), dtype=bool)
-    if col.dtype == "timestamp" and col.format in EPOCH_UNITS:
+    if col.dtype == "timestamp" and col.format in EPOCH_UNITS and not pa.types.is_timestamp(arr.type):
         return _from_epoch(arr, EPOCH_UNITS[col.format], target)
     if arr.type == target:
         return arr, none_bad
