@@ -85,3 +85,10 @@ def test_the_period_is_inferred_from_density():
     assert choose_period(dense, 3, 500) == "day"
     sparse = np.arange(0, 200 * day, day // 100)  # 100 a day: 700 a week
     assert choose_period(sparse, 3, 500) == "week"
+
+
+def test_the_example_spec_in_the_readme_loads():
+    from recloop.schema import load_spec
+
+    spec = load_spec(Path(__file__).parents[1] / "examples" / "ratings.yaml")
+    assert (spec.user_key, spec.item_key, spec.column("rated_at").format) == ("customer", "product", "epoch_s")
