@@ -92,6 +92,9 @@ class TrainConfig:
             reads as before). Under torchrun each rank reads its shards only (``recloop.distributed``).
         row_wise_above: under several processes, tables with more rows are sharded row-wise over the ranks,
             the others table-wise (0: one rank's share of all rows).
+        min_steps: see ``fit_to_data`` (0: batch size and epochs exactly as given).
+        train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
+            sparse log's last 7 days may hold a few hundred).
         baselines: score the simple baselines (``recloop.gate.baselines``) on the held-out rows too.
     """
 
@@ -115,6 +118,8 @@ class TrainConfig:
     data_shards: int = 0
     row_wise_above: int = 0
     baselines: bool = True
+    min_steps: int = 100
+    train_rows: int = 200_000
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def to_dict(self) -> dict:
@@ -203,7 +208,12 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
     validation, trainable = files[cut:], files[:cut]
     if base is None:
         since = _stem_time(validation[0]) - timedelta(days=config.days)
-        return Windows([f for f in trainable if _stem_time(f) >= since], validation, config.epochs)
+        first = next((i for i, f in enumerate(trainable) if _stem_time(f) >= since), len(trainable))
+        rows = sum(_rows(f) for f in trainable[first:])
+        while first > 0 and rows < config.train_rows:
+            first -= 1
+            rows += _rows(trainable[first])
+        return Windows(trainable[first:], validation, config.epochs)
     new = [f for f in trainable if f.stem >= base["trained_until"]]
     if not new:
         raise TrainError(f"nothing new to train on: the checkpoint has seen every hour up to {base['trained_until']}")
@@ -211,6 +221,23 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
     replay_count = min(len(older), math.ceil(len(new) * config.replay_fraction))
     replay = sorted(np.random.default_rng(config.seed).choice(len(older), replay_count, replace=False).tolist())
     return Windows([older[i] for i in replay] + new, validation, 1)
+
+
+def fit_to_data(config: TrainConfig, windows: Windows, device: torch.device) -> tuple[TrainConfig, Windows]:
+    """Steps that suit the window's size, when no batch size is set: one that gives an epoch at least
+    ``min_steps`` steps (a power of two, 256 up to the device's default), and a full run at least ``min_steps``
+    steps in all, adding epochs. A small log trained in a handful of large-batch steps (a 20,000-row log is 5
+    steps of 4096 rows, inside the learning-rate warm-up) loses to a logistic regression. A batch size given
+    explicitly is kept, with its epochs."""
+    rows = sum(_rows(f) for f in windows.train)
+    if rows == 0 or config.min_steps <= 0 or config.batch_size is not None:
+        return config, windows
+    fitting = 2 ** int(math.floor(math.log2(max(rows / config.min_steps, 1))))
+    config = replace(config, batch_size=int(min(max(fitting, 256), default_batch_size(device))))
+    if config.mode == "full":
+        steps_per_epoch = math.ceil(rows / config.batch_size)
+        windows = replace(windows, epochs=max(windows.epochs, math.ceil(config.min_steps / steps_per_epoch)))
+    return config, windows
 
 
 def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = None,
@@ -254,6 +281,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         except checkpoint.CheckpointError as err:
             raise TrainError(str(err)) from err
     windows = choose_windows(files, config, base)
+    config, windows = fit_to_data(config, windows, distributed.device_for(config.device, ranks))
 
     identity = {"mode": config.mode, "files": [f.stem for f in windows.train], "base": base["path"] if base else None,
                 "config": config.to_dict(), "state_version": schema.state_version}
