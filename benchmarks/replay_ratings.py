@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "platform"), str(ROOT / "kernels"), str(ROOT / "tests")]
 
 from ratings_log import SPEC, write_log  # noqa: E402
+
 from recloop import datasets  # noqa: E402
 from recloop.replay import ReplayConfig, run_replay  # noqa: E402
 from recloop.settings import Settings  # noqa: E402

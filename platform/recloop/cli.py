@@ -304,6 +304,9 @@ def train_command(
     console.print(f"{summary.mode} run {summary.run_id}: {summary.samples:,} samples in {summary.seconds} s "
                   f"({summary.samples_per_s:,.0f}/s); validation AUC {summary.auc:.4f}{oracle}, log loss "
                   f"{summary.logloss:.4f}, calibration {summary.calibration:.3f} on {summary.validation_rows:,} rows")
+    if summary.baselines:
+        console.print("baselines on the same rows (AUC): " + ", ".join(
+            f"{name} {scores['auc']:.4f}" for name, scores in summary.baselines.items()))
     if summary.grown_tables:
         console.print(f"tables grown: {summary.grown_tables}")
     console.print(f"checkpoint: {summary.checkpoint}")
