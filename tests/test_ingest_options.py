@@ -110,6 +110,13 @@ def test_reingest_and_quarantine_replay_from_the_cli(tmp_path, monkeypatch):
         if pq.read_table(p)["_reason"].to_pylist() != ["duplicate_event_id"] * 2]
     assert "epoch_s" in (home / "spec.yaml").read_text()  # the home now works with the fixed spec
 
+    # `features --spec FILE` with a file named unlike its spec (once: "unknown spec 'ratings'").
+    built = runner.invoke(app, ["features", "--spec", str(good_spec), "--no-materialize", "--json"])
+    assert built.exit_code == 0, built.output
+    assert json.loads(built.stdout)["rows"] == 2
+    again = runner.invoke(app, ["features", "--json", "--no-materialize"])  # no --spec: the home's
+    assert again.exit_code == 0 and json.loads(again.stdout)["rows"] == 0, again.output
+
 
 def test_criteo_as_tsv_csv_with_header_and_parquet_with_ids_from_row_content(settings, tmp_path):
     criteo = load_spec("criteo")
