@@ -153,7 +153,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                 outcome = flows["retrain"](mode="incremental", reason="scheduled", days=day + 1, **train_args)
                 kind = "incremental"
             _record_training(record, outcome, kind)
-            if outcome["gate"]["alias"] == "challenger":
+            if outcome.get("gate", {}).get("alias") == "challenger":
                 freshness.append(_until_serving(server.url, outcome["gate"]["version"]) + time.perf_counter()
                                  - landed_at)
             record.champion = registry.version_by_alias(settings, "champion")
@@ -210,6 +210,9 @@ def _land_day(world: World, day: int, settings: Settings) -> int:
 
 def _record_training(record: DayRecord, outcome: dict, kind: str) -> None:
     record.retrain = kind
+    if "skipped" in outcome:  # no hour the champion has not seen: nothing trained (never in the demo's days)
+        record.retrain, record.gate = f"{kind} skipped", "-"
+        return
     gate = outcome["gate"]
     record.candidate_version = gate["version"]
     record.candidate_auc = gate["candidate"].get("auc")
