@@ -23,6 +23,8 @@ from recloop.flow_support import (
     log,
     model_slot,
     outcome_state,
+    record_failed_run,
+    record_outcome,
     retrain_run_name,
     settings_from,
     tag_run,
@@ -36,7 +38,8 @@ def pending_task(validation_hours: int, settings: dict | None) -> dict:
     return pipeline.pending_hours(settings_from(settings), TrainConfig(validation_hours=validation_hours)).to_dict()
 
 
-@flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True)
+@flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True, on_failure=[record_failed_run],
+      on_crashed=[record_failed_run])
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
                  spec: str = "synthetic", days: int = 7, epochs: int = 1, batch_size: int | None = None,
                  validation_hours: int = 6, canary_config: str | None = None,
@@ -48,6 +51,7 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
                             gate_thresholds, settings)
     except SlotBusy as busy:
         log("%s", busy)
+        record_outcome(settings_from(settings), "retrain", "cancelled")
         return Cancelled(message=str(busy))
 
 
@@ -64,7 +68,7 @@ def _retrain(mode: str, reason: str, spec: str, days: int, epochs: int, batch_si
             result["skipped"] = (f"no new hours: champion v{pending['champion']} has trained on every hour up to "
                                  f"{pending['trained_until']} (held-out hours excluded); nothing trained, no version "
                                  "registered")
-            return outcome_state("Skipped", result["skipped"], result)
+            return _finish(settings, "Skipped", result["skipped"], result)
         if pending["hours"]:
             log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs if mode == "full" else 1,
@@ -77,6 +81,11 @@ def _retrain(mode: str, reason: str, spec: str, days: int, epochs: int, batch_si
     tag_run(f"model-version:{version}", f"mode:{mode}", f"gate:{verdict}")
     reasons = "; ".join(gate["reasons"])
     if not gate["passed"]:
-        return outcome_state("Refused", f"v{version} failed the gate, stays unserved: {reasons}", result)
+        return _finish(settings, "Refused", f"v{version} failed the gate, stays unserved: {reasons}", result)
     then = "; canary started" if "canary" in result else ""
-    return outcome_state(gate["alias"].capitalize(), f"v{version} passed the gate → {gate['alias']}{then}", result)
+    return _finish(settings, gate["alias"].capitalize(), f"v{version} passed the gate → {gate['alias']}{then}", result)
+
+
+def _finish(settings: dict | None, name: str, message: str, result: dict):
+    record_outcome(settings_from(settings), "retrain", name.lower())
+    return outcome_state(name, message, result)

@@ -6,6 +6,7 @@ Under a real Prefect server (``prefect_test_harness``); the retrain uses the ses
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import threading
@@ -143,6 +144,8 @@ def test_an_incremental_retrain_with_no_new_hours_is_skipped(
         str(v.version) for v in MlflowClient().search_model_versions(f"name='{registry.MODEL_NAME}'")
     ] == ["1"]
     assert sorted(p.name for p in (home.home / "checkpoints").iterdir()) == checkpoints
+    outcomes = json.loads((home.home / "loop" / "outcomes.json").read_text())
+    assert outcomes["retrain"] == {"skipped": 1}  # counted for recloop_loop_outcomes_total
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(state.state_details.flow_run_id)
         assert (

@@ -199,6 +199,28 @@ def log(message: str, *args) -> None:
     get_run_logger().info(message, *args)
 
 
+def record_outcome(settings: Settings, stage: str, outcome: str) -> None:
+    """Count a run's outcome in ``$RECLOOP_HOME/loop/outcomes.json`` (``{stage: {outcome: n}}``), which the
+    serving API exports as ``recloop_loop_outcomes_total`` (the alert rules read it)."""
+    import json
+
+    from filelock import FileLock
+
+    path = settings.home.resolve() / "loop" / "outcomes.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.with_suffix(".lock"))):
+        counts = json.loads(path.read_text()) if path.exists() else {}
+        counts.setdefault(stage, {})[outcome] = counts.get(stage, {}).get(outcome, 0) + 1
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(counts, sort_keys=True))
+        tmp.replace(path)
+
+
+def record_failed_run(flow, flow_run, state) -> None:
+    """A Prefect ``on_failure`` / ``on_crashed`` hook: the run's failure counted (``record_outcome``)."""
+    record_outcome(settings_from((flow_run.parameters or {}).get("settings")), flow.name, "failed")
+
+
 def outcome_state(name: str, message: str, data: dict):
     """A Completed state named for the outcome (``Skipped``, ``Refused``...): the run's badge in the UI says
     what happened, its message why, and calling the flow still returns ``data``."""

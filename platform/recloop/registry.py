@@ -64,20 +64,31 @@ def configure(settings: Settings) -> str:
 
 
 def experiment(settings: Settings, name: str) -> str:
-    """The id of experiment ``name``, created with its artifacts under ``RECLOOP_HOME/mlartifacts`` (or the
-    configured object store). Every experiment is made here: one created without a location would write
-    to ``./mlruns`` of whatever directory the process runs in."""
+    """The id of experiment ``name``, created with its artifacts where ``artifact_location`` says. Every
+    experiment is made here: one created without a location on a local store would write to ``./mlruns``
+    of whatever directory the process runs in."""
     import mlflow
 
     found = mlflow.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    base = settings.mlflow_artifact_uri or (settings.home.resolve() / "mlartifacts").as_uri()
-    location = base if name == EXPERIMENT else f"{base.rstrip('/')}/{name}"
+    location = artifact_location(settings, name, mlflow.get_tracking_uri())
     try:
         return mlflow.create_experiment(name, artifact_location=location)
     except Exception:  # noqa: BLE001 - created meanwhile by another process
         return mlflow.get_experiment_by_name(name).experiment_id
+
+
+def artifact_location(settings: Settings, name: str, tracking_uri: str) -> str | None:
+    """Where experiment ``name`` keeps its artifacts: ``RECLOOP_MLFLOW_ARTIFACT_URI`` (``mlflow-artifacts:/...``
+    through a server that proxies its object store, or the store itself); else, with a tracking server, the
+    server's own default (None: a server started with ``--serve-artifacts`` proxies them); else (SQLite under
+    the home) ``RECLOOP_HOME/mlartifacts``."""
+    base = settings.mlflow_artifact_uri
+    if not base and tracking_uri.startswith(("http://", "https://")):
+        return None
+    base = base or (settings.home.resolve() / "mlartifacts").as_uri()
+    return base if name == EXPERIMENT else f"{base.rstrip('/')}/{name}"
 
 
 def _client(settings: Settings):
