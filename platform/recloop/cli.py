@@ -329,7 +329,10 @@ def promote_command(
     """Make VERSION the champion by hand (the old champion becomes 'previous')."""
     from recloop import registry
 
-    state = registry.promote(Settings(), version, why=why)
+    try:
+        state = registry.promote(Settings(), version, why=why)
+    except registry.UnknownVersion as err:
+        raise _fail(str(err)) from err
     _emit(state) if json_out else console.print(f"aliases: {state}")
 
 
@@ -492,6 +495,8 @@ def up_command(host: Annotated[str, typer.Option(help="Address the services list
     for name, entry in started.items():
         console.print(f"{name:10} {entry['url']:28} {entry['status']} (pid {entry['pid']})")
     console.print("stop them with: recloop down")
+    if any(entry["status"].startswith("failed") for entry in started.values()):
+        raise typer.Exit(1)
 
 
 @app.command("down")

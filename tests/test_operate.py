@@ -1,0 +1,51 @@
+"""Failing fast and clearly where an operator first looks: serving before any champion, `recloop up` on a
+port someone else holds (issue #20). The unreachable-service cases are in test_endpoints and test_cli."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+from recloop.settings import Settings
+
+
+def test_serving_on_a_fresh_home_answers_503_until_a_champion_exists(tmp_path: Path):
+    from recloop.serve.app import create_app
+
+    with TestClient(create_app(Settings(home=tmp_path / "home"))) as http_client:
+        health = http_client.get("/healthz")
+        assert health.status_code == 503 and not health.json()["ready"]
+        assert any("no champion" in reason for reason in health.json()["reasons"]), health.json()
+        answer = http_client.post("/rank", json={"user_id": 1, "item_ids": [1, 2]})
+        assert answer.status_code == 503 and "no champion" in answer.json()["detail"]
+        assert http_client.get("/metrics").status_code == 200  # alive, and scraped, while not ready
+
+
+class _Anything(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"someone else's server")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_up_does_not_call_someone_elses_server_on_its_port_up(tmp_path: Path):
+    from recloop import services
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Anything)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        port = other.server_address[1]
+        settings = Settings(home=tmp_path / "home")
+        started = services.up(settings, timeout=10, services=(services.Service("mlflow", port, "/health"),))
+    finally:
+        other.shutdown()
+        other.server_close()
+    entry = started["mlflow"]
+    assert entry["status"].startswith("failed: port") and "held by another process" in entry["status"], entry
+    assert entry["pid"] is None and not (settings.home / "run" / "mlflow.pid").exists()  # nothing started
