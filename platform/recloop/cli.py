@@ -12,8 +12,9 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -21,10 +22,40 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from recloop.cli_boundary import ErrorBoundary, UserError, debug_option, emit_json, fail
-from recloop.ingest import FileResult, IngestSummary, ingest
-from recloop.schema import SpecError, load_spec
 from recloop.settings import Settings
-from recloop.simulate import DRIFT_SCENARIOS, SimulationSummary, WorldConfig, simulate
+
+if TYPE_CHECKING:  # imported where used: `recloop --help` stays well under a second (no pandas, no torch)
+    from recloop.ingest import FileResult, IngestSummary
+    from recloop.simulate import SimulationSummary, WorldConfig
+
+
+class Drift(StrEnum):
+    """The simulator's drift scenarios (``recloop.simulate.DRIFT_SCENARIOS``; a test keeps them equal)."""
+
+    none = "none"
+    gradual = "gradual"
+    sudden = "sudden"
+    covariate = "covariate"
+    broken_column = "broken_column"
+
+
+class Mode(StrEnum):
+    full = "full"
+    incremental = "incremental"
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class CanaryAction(StrEnum):
+    status = "status"
+    step = "step"
+    promote = "promote"
+    rollback = "rollback"
+    start = "start"
 
 app = typer.Typer(
     cls=ErrorBoundary,
@@ -61,6 +92,8 @@ def _progress(description: str, total: int, quiet: bool) -> Iterator[Progress]:
 
 def _load_spec(name: str):
     """The dataset spec, or exit 2 with the spec's own message."""
+    from recloop.schema import SpecError, load_spec
+
     try:
         return load_spec(name)
     except SpecError as err:
@@ -76,13 +109,15 @@ def _parse_start(value: str) -> datetime:
 
 
 def _run_simulation(config: WorldConfig, out: Path, quiet: bool) -> SimulationSummary:
+    from recloop.simulate import simulate
+
     with _progress("simulating hours", config.days * 24, quiet) as progress:
         return simulate(config, out, on_hour=lambda day, hour: progress.advance(0))
 
 
 def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -> IngestSummary:
     spec = _load_spec(spec_name)
-    from recloop.ingest.run import discover
+    from recloop.ingest.run import discover, ingest
 
     try:
         total = len(discover(source))
@@ -127,16 +162,16 @@ def simulate_command(
     days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 7,
     events_per_day: Annotated[int, typer.Option(min=1, help="Impressions per day.")] = 100_000,
     seed: Annotated[int, typer.Option(help="Random seed: the world is a function of it.")] = 0,
-    drift: Annotated[str, typer.Option(help=f"Drift scenario: {', '.join(DRIFT_SCENARIOS)}.")] = "none",
+    drift: Annotated[Drift, typer.Option(help="Drift scenario.")] = Drift.none,
     drift_day: Annotated[int, typer.Option(min=0, help="First drifted day, counted from 0.")] = 3,
     start: Annotated[str, typer.Option(help="First simulated midnight (UTC), ISO date.")] = "2026-01-01",
     json_out: JsonOption = False,
 ) -> None:
     """Write a synthetic world's events, one parquet file per simulated hour under OUT/YYYY-MM-DD/."""
-    if drift not in DRIFT_SCENARIOS:
-        raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
+    from recloop.simulate import WorldConfig
+
     settings = Settings()
-    config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift,  # type: ignore[arg-type]
+    config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift.value,  # type: ignore[arg-type]
                          drift_day=drift_day, start=_parse_start(start))
     summary = _run_simulation(config, out or settings.landing_dir, quiet=json_out)
     if json_out:
@@ -208,7 +243,7 @@ def _quiet() -> Iterator[None]:
 
 @app.command("train")
 def train_command(
-    mode: Annotated[str, typer.Option(help="full (from scratch) or incremental (warm start).")] = "full",
+    mode: Annotated[Mode, typer.Option(help="full (from scratch) or incremental (warm start).")] = Mode.full,
     days: Annotated[int, typer.Option(min=1, help="Full: days of training rows before the held-out hours.")] = 7,
     epochs: Annotated[int, typer.Option(min=1, help="Full: passes over the window.")] = 1,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Rows per step (default: 16384 on a GPU, 4096 on a CPU).")] = None,
@@ -216,7 +251,7 @@ def train_command(
     replay: Annotated[float, typer.Option(min=0.0, help="Incremental: older hours replayed, per new hour.")] = 0.0,
     warm_start: Annotated[str | None, typer.Option("--from", help="Incremental: a registered version or a "
                                                    "checkpoint folder to start from (default: the champion).")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    device: Annotated[Device, typer.Option(help="auto: CUDA if present.")] = Device.auto,
     deterministic: Annotated[bool, typer.Option(help="Results independent of thread scheduling.")] = False,
     track: Annotated[bool, typer.Option(help="Log the run to MLflow and register the model.")] = True,
     nproc: Annotated[int, typer.Option(min=1, help="Processes (one per GPU): runs this command under torchrun, "
@@ -231,8 +266,7 @@ def train_command(
     from recloop import checkpoint, pipeline
     from recloop.train import TrainConfig, TrainError, train
 
-    if mode not in ("full", "incremental"):
-        raise _fail(f"--mode {mode!r} is not one of full, incremental")
+    mode, device = Mode(mode).value, Device(device).value  # plain strings from here on (checkpoints, JSON)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         raise typer.Exit(_under_torchrun(nproc))
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 tracks and reports
@@ -368,12 +402,9 @@ def serve_command(
     uvicorn.run(create_app(Settings(), dataset), host=host, port=port, log_level="warning")
 
 
-CANARY_ACTIONS = ("status", "step", "promote", "rollback", "start")
-
-
 @app.command("canary")
 def canary_command(
-    action: Annotated[str, typer.Argument(help="status | step | promote | rollback | start")],
+    action: Annotated[CanaryAction, typer.Argument(help="What to do.")],
     config: Annotated[Path | None, typer.Option(help="YAML with CanaryConfig fields (steps, bake_seconds, ...).")]
     = None,
     reason: Annotated[str, typer.Option(help="Why (promote, rollback): recorded in MLflow.")] = "by an operator",
@@ -383,8 +414,7 @@ def canary_command(
     """The canary controller: show the state, judge and act (step), or promote / roll back by hand."""
     from recloop.canary import controller
 
-    if action not in CANARY_ACTIONS:
-        raise _fail(f"unknown action {action!r}: one of {', '.join(CANARY_ACTIONS)}")
+    action = CanaryAction(action).value
     settings = Settings()
     try:
         canary_config = controller.load_config(config)
@@ -474,8 +504,11 @@ def retrain_command(
 
         with _quiet_logs():
             outcome = retrain_flow(mode=mode, reason=reason, settings=settings_parameter(settings))
-        result = {"mode": mode, "version": outcome["train"]["mlflow"]["version"], "gate": {
-            k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary")}
+        if "skipped" in outcome:  # nothing new since the champion: nothing trained, no version registered
+            result = {"mode": mode, "skipped": outcome["skipped"]}
+        else:
+            result = {"mode": mode, "version": outcome["train"]["mlflow"]["version"], "gate": {
+                k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary")}
     if json_out:
         _emit(result)
     else:
@@ -515,15 +548,14 @@ def demo_command(
     requests_per_day: Annotated[int, typer.Option(min=4, help="Ranking requests simulated users send per day.")]
     = 400,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
-    drift: Annotated[str, typer.Option(help=f"Drift scenario: {', '.join(DRIFT_SCENARIOS)}.")] = "sudden",
+    drift: Annotated[Drift, typer.Option(help="Drift scenario.")] = Drift.sudden,
     drift_day: Annotated[int, typer.Option(min=1, help="First drifted day, counted from 0.")] = 2,
     json_out: JsonOption = False,
 ) -> None:
     """The whole loop over simulated days: serving, feedback, canary, drift checks, retrains; table + HTML report."""
     from recloop.demo import DayRecord, DemoConfig, run_demo
 
-    if drift not in DRIFT_SCENARIOS:
-        raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
+    drift = Drift(drift).value
     settings = Settings()
     config = DemoConfig(days=days, events_per_day=events_per_day, requests_per_day=requests_per_day, seed=seed,
                         drift=drift, drift_day=drift_day)
