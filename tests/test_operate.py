@@ -74,3 +74,32 @@ def test_choices_are_enums_that_match_the_code():
         "cuda",
     }
     assert {a.value for a in CanaryAction} == {"status", "step", "promote", "rollback", "start"}
+
+
+def test_the_demo_table_fits_120_columns():
+    import io
+
+    from rich.console import Console
+
+    from recloop.cli import DEMO_WIDTH, demo_table
+
+    day = {
+        "day": 12,
+        "events": 1_000_000,
+        "drift": "broken_column",
+        "retrain": "full (kpi_decay)",
+        "candidate_version": "123",
+        "gate": "passed → challenger",
+        "canary": ["step v123", "rollback v123"],
+        "champion": "122",
+        "online_ctr": {"122": 0.1234, "123": 0.1301},
+        "vs_oracle": 0.91234,
+        "baseline_vs_oracle": 0.81234,
+    }
+    out = io.StringIO()
+    Console(file=out, width=DEMO_WIDTH, color_system=None).print(
+        demo_table({"days": [day, {**day, "day": 13}]})
+    )
+    lines = out.getvalue().splitlines()
+    assert DEMO_WIDTH == 120 and max(len(line) for line in lines) <= 120
+    assert "v123 → challenger" in out.getvalue() and "broken_column" in out.getvalue()  # nothing cut
