@@ -103,3 +103,22 @@ def test_the_demo_table_fits_120_columns():
     lines = out.getvalue().splitlines()
     assert DEMO_WIDTH == 120 and max(len(line) for line in lines) <= 120
     assert "v123 → challenger" in out.getvalue() and "broken_column" in out.getvalue()  # nothing cut
+
+
+def test_libraries_deprecation_notices_stay_out_of_the_commands_output():
+    """In a process of its own, as the command runs: Feast's ``simplefilter("once", ...)`` cannot bring them
+    back, and a warning that is not a deprecation still shows."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import warnings
+        from recloop import cli
+        cli._drop_deprecation_notices()
+        warnings.simplefilter("once", DeprecationWarning)  # what importing Feast does
+        warnings.warn("numpy.core is deprecated", DeprecationWarning, stacklevel=1)
+        warnings.warn("old", FutureWarning, stacklevel=1)
+        warnings.warn("a real problem", UserWarning, stacklevel=1)
+    """
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
+    assert "a real problem" in err and "deprecated" not in err and "FutureWarning" not in err, err

@@ -63,7 +63,7 @@ app = typer.Typer(
     no_args_is_help=True,
     help="recloop: continuous retraining for GPU recommenders. Settings come from RECLOOP_* variables.",
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # long lines wrap in the terminal, not at 80 in a log
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")]
 
@@ -72,14 +72,25 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON summary
 def _options(ctx: typer.Context,
              debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a failure.")] = False) -> None:
     """recloop: continuous retraining for GPU recommenders. Settings come from RECLOOP_* variables."""
+    if not sys.warnoptions:  # `python -W ...` still decides for itself
+        _drop_deprecation_notices()
+    debug_option(ctx, debug)
+
+
+def _drop_deprecation_notices() -> None:
+    """Libraries' deprecation notices (numpy via Evidently, litestar via Prefect...) are for their callers'
+    developers, not for the command's reader. Dropped where warnings are shown, not by a filter: importing
+    Feast puts ``simplefilter("once", DeprecationWarning)`` in front of any filter set before."""
     import warnings
 
-    # Libraries' deprecation notices (numpy, litestar, pydantic...) are for their callers' developers, not for
-    # the command's reader; tests and `python -W` still see them.
-    if not sys.warnoptions:
-        for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
-            warnings.filterwarnings("ignore", category=category)
-    debug_option(ctx, debug)
+    show = warnings.showwarning
+
+    def shown(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, DeprecationWarning | PendingDeprecationWarning | FutureWarning):
+            show(message, category, filename, lineno, file, line)
+
+    if getattr(show, "__name__", "") != "shown":
+        warnings.showwarning = shown
 
 
 def _fail(message: str) -> UserError:
@@ -586,7 +597,8 @@ def demo_command(
     if json_out:
         _emit(summary)
         return
-    Console(stderr=True, width=min(console.width, DEMO_WIDTH)).print(demo_table(summary))
+    width = min(console.width, DEMO_WIDTH) if console.is_terminal else DEMO_WIDTH  # a log file is not 80 wide
+    Console(stderr=True, width=width).print(demo_table(summary))
     efficacy = summary.get("efficacy")
     if efficacy:
         console.print(f"loop efficacy: two cycles after the drift the served ranking earns {efficacy['recovery']:.1%} "
@@ -650,10 +662,10 @@ class _StageLine:
         if self.status is not None:
             self.status.update(line)
         else:
-            self.console.print(line, highlight=False)
+            self.console.print(line, highlight=False, soft_wrap=True)
 
     def done(self, line: str) -> None:
-        self.console.print(line, highlight=False)
+        self.console.print(line, highlight=False, soft_wrap=True)
 
 
 def _fmt(value) -> str:
