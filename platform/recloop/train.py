@@ -185,14 +185,9 @@ def _rows(path: Path) -> int:
     return pq.ParquetFile(path).metadata.num_rows
 
 
-def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) -> Windows:
-    """Held out: the files of the newest ``validation_hours`` of time, grown back in time (a file at a time)
-    until they hold ``validation_rows`` rows; fewer than ``min_validation_rows`` is refused. A full run trains
-    on the ``days`` of time before them (whatever the files' period, empty hours included), an incremental one
-    on the files its base has not seen (plus a replay sample of older ones)."""
-    if len(files) < 2:
-        raise TrainError(f"only {len(files)} period(s) of training rows: one is held out for validation, so "
-                         "nothing is left to train on")
+def held_out_from(files: list[Path], config: TrainConfig) -> int:
+    """Where the held-out files start: the newest ``validation_hours`` of time, grown back a file at a time
+    until they hold ``validation_rows`` rows (at least one file stays to train on)."""
     newest = _stem_time(files[-1])
     cut = len(files) - 1
     while cut > 1 and _stem_time(files[cut - 1]) > newest - timedelta(hours=config.validation_hours):
@@ -201,6 +196,19 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
     while held < config.validation_rows and cut > 1:
         cut -= 1
         held += _rows(files[cut])
+    return cut
+
+
+def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) -> Windows:
+    """Held out: the files of the newest ``validation_hours`` of time, grown back in time (a file at a time)
+    until they hold ``validation_rows`` rows; fewer than ``min_validation_rows`` is refused. A full run trains
+    on the ``days`` of time before them (whatever the files' period, empty hours included), an incremental one
+    on the files its base has not seen (plus a replay sample of older ones)."""
+    if len(files) < 2:
+        raise TrainError(f"only {len(files)} period(s) of training rows: one is held out for validation, so "
+                         "nothing is left to train on")
+    cut = held_out_from(files, config)
+    held = sum(_rows(f) for f in files[cut:])
     if held < config.min_validation_rows:
         raise TrainError(f"only {held} rows to hold out for validation (at least {config.min_validation_rows} "
                          "are needed to judge a model): build features over a longer stretch of events, or "
@@ -214,7 +222,7 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
             first -= 1
             rows += _rows(trainable[first])
         return Windows(trainable[first:], validation, config.epochs)
-    new = [f for f in trainable if f.stem >= base["trained_until"]]
+    new = unseen(trainable, base)
     if not new:
         raise TrainError(f"nothing new to train on: the checkpoint has seen every hour up to {base['trained_until']}")
     older = [f for f in trainable if f.stem < base["trained_until"]]
@@ -238,6 +246,17 @@ def fit_to_data(config: TrainConfig, windows: Windows, device: torch.device) -> 
         steps_per_epoch = math.ceil(rows / config.batch_size)
         windows = replace(windows, epochs=max(windows.epochs, math.ceil(config.min_steps / steps_per_epoch)))
     return config, windows
+
+
+def unseen(files: list[Path], base: dict) -> list[Path]:
+    """The hourly files a checkpoint has not trained on (from its ``trained_until`` hour on)."""
+    return [f for f in files if f.stem >= base["trained_until"]]
+
+
+def trainable_files(settings: Settings, config: TrainConfig) -> list[Path]:
+    """The training files a run may train on: all but the held-out ones (``choose_windows``)."""
+    files = training_files(FeatureLayout.for_settings(settings).training)
+    return files[:held_out_from(files, config)] if len(files) >= 2 else []
 
 
 def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = None,
