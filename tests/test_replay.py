@@ -92,3 +92,15 @@ def test_the_example_spec_in_the_readme_loads():
 
     spec = load_spec(Path(__file__).parents[1] / "examples" / "ratings.yaml")
     assert (spec.user_key, spec.item_key, spec.column("rated_at").format) == ("customer", "product", "epoch_s")
+
+
+def test_replay_refuses_bad_options_clearly(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from recloop.cli import app
+
+    monkeypatch.setenv("RECLOOP_HOME", str(tmp_path / "home"))
+    missing = CliRunner().invoke(app, ["replay", "--data", str(tmp_path / "nowhere")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    fortnight = CliRunner().invoke(app, ["replay", "--data", str(tmp_path), "--period", "fortnight"])
+    assert fortnight.exit_code == 2 and "fortnight" in fortnight.output
