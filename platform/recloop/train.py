@@ -190,7 +190,7 @@ def held_out_from(files: list[Path], config: TrainConfig) -> int:
     until they hold ``validation_rows`` rows (at least one file stays to train on)."""
     newest = _stem_time(files[-1])
     cut = len(files) - 1
-    while cut > 1 and _stem_time(files[cut - 1]) > newest - timedelta(hours=config.validation_hours):
+    while cut > 0 and _stem_time(files[cut - 1]) > newest - timedelta(hours=config.validation_hours):
         cut -= 1
     held = sum(_rows(f) for f in files[cut:])
     while held < config.validation_rows and cut > 1:
@@ -208,6 +208,9 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
         raise TrainError(f"only {len(files)} period(s) of training rows: one is held out for validation, so "
                          "nothing is left to train on")
     cut = held_out_from(files, config)
+    if cut == 0:
+        raise TrainError(f"the {config.validation_hours} hours held out for validation cover all {len(files)} "
+                         "files of training rows: nothing is left to train on")
     held = sum(_rows(f) for f in files[cut:])
     if held < config.min_validation_rows:
         raise TrainError(f"only {held} rows to hold out for validation (at least {config.min_validation_rows} "
