@@ -104,3 +104,33 @@ def test_replay_refuses_bad_options_clearly(tmp_path, monkeypatch):
     assert missing.exit_code == 2 and "does not exist" in missing.output
     fortnight = CliRunner().invoke(app, ["replay", "--data", str(tmp_path), "--period", "fortnight"])
     assert fortnight.exit_code == 2 and "fortnight" in fortnight.output
+
+
+def test_every_flow_and_the_drift_triggered_retrain_take_the_spec():
+    import inspect
+
+    import yaml
+
+    from flows.drift_flow import drift_flow
+    from flows.features_flow import features_flow
+    from flows.ingest_flow import ingest_flow
+    from flows.retrain_flow import retrain_flow
+
+    for flow in (drift_flow, features_flow, ingest_flow, retrain_flow):
+        assert inspect.signature(flow.fn).parameters["spec"].default is None, flow.name  # None: the home's spec
+    deployments = yaml.safe_load((Path(__file__).parents[1] / "prefect.yaml").read_text())["deployments"]
+    [full] = [d for d in deployments if d["name"] == "full-retrain"]
+    assert full["triggers"][0]["parameters"]["spec"] == "{{ event.payload.spec }}"
+
+
+def test_a_spec_is_resolved_once_the_same_way_everywhere(tmp_path, monkeypatch):
+    settings = Settings(home=tmp_path / "home")
+    assert datasets.source(settings) == "synthetic"
+    spec_file = tmp_path / "odd name.yml"
+    spec_file.write_text(SPEC)
+    assert datasets.resolve(settings, str(spec_file)).name == "ratings"
+    assert datasets.source(settings) == str(settings.home.resolve() / "spec.yaml")  # remembered by the home
+    assert datasets.resolve(settings).user_key == "customer"
+    assert datasets.source(Settings(home=tmp_path / "home", spec="criteo")) == "criteo"  # RECLOOP_SPEC wins
+    monkeypatch.chdir(tmp_path)
+    assert datasets.source(settings, "odd name.yml") == str(spec_file.resolve())  # paths made absolute
