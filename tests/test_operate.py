@@ -122,3 +122,21 @@ def test_libraries_deprecation_notices_stay_out_of_the_commands_output():
     """
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
     assert "a real problem" in err and "deprecated" not in err and "FutureWarning" not in err, err
+
+
+def test_the_exclusive_lock_admits_one_holder_across_processes(tmp_path: Path):
+    """``exclusive_lock`` (filelock): while this process holds it, another process cannot take it."""
+    import subprocess
+    import sys
+
+    from recloop.ingest.ledger import exclusive_lock
+
+    lock = tmp_path / "lake" / "_ingest.lock"
+    probe = (
+        "import sys; from filelock import FileLock, Timeout\n"
+        "try:\n    FileLock(sys.argv[1]).acquire(timeout=0.2)\nexcept Timeout:\n    sys.exit(7)\n"
+    )
+    with exclusive_lock(lock):
+        held = subprocess.run([sys.executable, "-c", probe, str(lock)], check=False)
+    free = subprocess.run([sys.executable, "-c", probe, str(lock)], check=False)
+    assert (held.returncode, free.returncode) == (7, 0)
