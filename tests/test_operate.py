@@ -4,6 +4,7 @@ port someone else holds (issue #20). The unreachable-service cases are in test_e
 from __future__ import annotations
 
 import http.server
+import re
 import threading
 from pathlib import Path
 
@@ -140,3 +141,37 @@ def test_the_exclusive_lock_admits_one_holder_across_processes(tmp_path: Path):
         held = subprocess.run([sys.executable, "-c", probe, str(lock)], check=False)
     free = subprocess.run([sys.executable, "-c", probe, str(lock)], check=False)
     assert (held.returncode, free.returncode) == (7, 0)
+
+
+def test_the_demo_report_marks_each_day_once_rollbacks_included(tmp_path: Path):
+    from recloop.demo import DayRecord, DemoConfig, write_report
+
+    records = [
+        DayRecord(day=0, events=10, retrain="full (bootstrap)", gate="passed → champion", champion="1"),
+        DayRecord(
+            day=1,
+            events=10,
+            drift="drift",
+            retrain="full (drift)",
+            gate="passed → challenger",
+            canary=["start v2"],
+            champion="1",
+            online_ctr={"1": 0.1},
+        ),
+        DayRecord(
+            day=2,
+            events=10,
+            retrain="incremental",
+            canary=["step v2 → 50%", "rollback v2: challenger <b>CTR</b> fell"],
+            champion="1",
+        ),
+    ]
+    summary = {"freshness_seconds": [1.0], "seconds": 3.0}
+    page = write_report(
+        Settings(home=tmp_path), records, summary, DemoConfig(days=3, drift_day=1)
+    ).read_text()
+    labels = re.findall(r'"text":"([^"]*)"', page)
+    assert labels.count("drift\\u003cbr\\u003efull retrain (drift)") == 1  # day 1: one label for both events
+    assert labels.count("rolled back v2") == 1 and labels.count("full retrain (bootstrap)") == 1
+    assert "<b>CTR</b>" not in page and "&lt;b&gt;CTR&lt;/b&gt;" in page  # the template escapes what it shows
+    assert "v1: 0.100" in page

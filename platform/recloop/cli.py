@@ -629,7 +629,7 @@ def demo_table(summary: dict) -> Table:
         verdict = day["gate"].replace("passed → ", "→ ")
         table.add_row(str(day["day"]), f"{day['events']:,}", day["drift"], day["retrain"],
                       f"v{day['candidate_version']} {verdict}" if day.get("candidate_version") else verdict,
-                      "\n".join(day["canary"]) or "-", f"v{day['champion']}" if day["champion"] else "-",
+                      "\n".join(c.split(":")[0] for c in day["canary"]) or "-", f"v{day['champion']}" if day["champion"] else "-",
                       "\n".join(f"v{v}: {c:.3f}" for v, c in day["online_ctr"].items()) or "-",
                       _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]))
     return table

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+from jinja2 import Environment
+from markupsafe import Markup
 
 from recloop.canary import CanaryConfig
 from recloop.gate import GateThresholds
@@ -360,15 +362,13 @@ def write_report(settings: Settings, records: list[DayRecord], summary: dict, co
     for name, values in (("candidate", [r.candidate_auc for r in records]), ("champion", [r.champion_auc for r in records]),
                          ("oracle", [r.oracle_auc for r in records])):
         figure.add_trace(go.Scatter(x=days, y=values, name=f"{name} AUC", mode="lines+markers"), row=2, col=1)
-    for r in records:
-        if r.drift not in ("-", "ok"):
-            figure.add_vline(x=r.day, line={"color": "red", "dash": "dash"}, annotation_text=r.drift)
-        if r.retrain.startswith("full"):
-            figure.add_vline(x=r.day + 0.1, line={"color": "purple"}, annotation_text="full retrain",
-                             annotation_position="bottom right")
-        if any(c.startswith("promote") for c in r.canary):
-            figure.add_vline(x=r.day - 0.1, line={"color": "green"}, annotation_text="promoted",
-                             annotation_position="top left")
+    for r in records:  # one marker per day, its events in one label: markers never overlap
+        events = _day_events(r)
+        if events:
+            color = "red" if any(e.startswith(("rolled back", "drift", "kpi")) for e in events) else "purple"
+            figure.add_vline(x=r.day, line={"color": color, "dash": "dash"}, annotation_text="<br>".join(events),
+                             annotation_position="top right", annotation_font_size=11, row=1, col=1)
+            figure.add_vline(x=r.day, line={"color": color, "dash": "dash"}, row=2, col=1)  # labelled once
     if config.drift != "none":
         figure.add_vrect(x0=config.drift_day - 0.5, x1=config.days - 0.5, fillcolor="red", opacity=0.05,
                          line_width=0)
@@ -376,31 +376,50 @@ def write_report(settings: Settings, records: list[DayRecord], summary: dict, co
     figure.update_yaxes(title_text="AUC", row=2, col=1)
     figure.update_layout(height=760, width=1100, title=f"recloop demo — {config.days} days, drift "
                          f"'{config.drift}' from day {config.drift_day}", xaxis2_title="simulated day")
-    rows = "".join(
-        f"<tr><td>{r.day}</td><td>{r.events:,}</td><td>{r.requests}</td><td>{r.drift}</td><td>{r.retrain}</td>"
-        f"<td>{_f(r.candidate_auc)}</td><td>{_f(r.champion_auc)}</td><td>{_f(r.oracle_auc)}</td><td>{r.gate}</td>"
-        f"<td>{'<br>'.join(r.canary) or '-'}</td><td>{r.champion or '-'}</td>"
-        f"<td>{', '.join(f'v{v}: {c:.3f}' for v, c in r.online_ctr.items()) or '-'}</td>"
-        f"<td>{_f(r.vs_oracle)}</td><td>{_f(r.baseline_vs_oracle)}</td></tr>" for r in records)
-    efficacy = summary.get("efficacy")
-    verdict = "" if not efficacy else (
-        f"<p><b>Loop efficacy</b>: two cycles after the drift the served ranking earns {efficacy['recovery']:.1%} of "
-        f"its pre-drift share of the oracle's clicks (never retrained: {efficacy['never_retrain_recovery']:.1%}); "
-        f"target ≥ 95%: {'met' if efficacy['met'] else 'not met'}.</p>")
-    html = f"""<!doctype html><html><head><meta charset="utf-8"><title>recloop demo</title>
-<style>body{{font-family:sans-serif;margin:24px}}table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style></head><body>
-<h1>recloop demo</h1>{verdict}
-<table><tr><th>day</th><th>events</th><th>requests</th><th>drift</th><th>retrain</th><th>candidate AUC</th>
-<th>champion AUC</th><th>oracle AUC</th><th>gate</th><th>canary</th><th>champion</th><th>online CTR</th>
-<th>served / oracle</th><th>never retrained / oracle</th></tr>{rows}</table>
-{figure.to_html(full_html=False, include_plotlyjs=True)}
-<p>Freshness (events landed → challenger serving canary traffic): {summary['freshness_seconds']} s.
-Total {summary.get('seconds', '')} s.</p></body></html>"""
+    html = _REPORT.render(records=records, summary=summary, efficacy=summary.get("efficacy"), fmt=_f,
+                          plot=Markup(figure.to_html(full_html=False, include_plotlyjs=True)))
     path = settings.home.resolve() / "reports" / "demo.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(html)
     return path
+
+
+def _day_events(record: DayRecord) -> list[str]:
+    """What happened to the models on a day, for its marker: drift, retrains, promotions, rollbacks."""
+    events = [record.drift] if record.drift not in ("-", "ok") else []
+    if record.retrain.startswith("full"):
+        events.append(record.retrain.replace(" (", " retrain (", 1) if "(" in record.retrain else "full retrain")
+    for action in record.canary:
+        verb, _, version = action.split(":")[0].partition(" ")
+        label = {"promote": "promoted", "rollback": "rolled back"}.get(verb)
+        if label:
+            events.append(f"{label} {version}".strip())
+    return events
+
+
+_REPORT = Environment(autoescape=True).from_string("""<!doctype html>
+<html><head><meta charset="utf-8"><title>recloop demo</title>
+<style>body{font-family:sans-serif;margin:24px}table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style></head><body>
+<h1>recloop demo</h1>
+{% if efficacy %}<p><b>Loop efficacy</b>: two cycles after the drift the served ranking earns
+{{ "%.1f%%" % (efficacy.recovery * 100) }} of its pre-drift share of the oracle's clicks (never retrained:
+{{ "%.1f%%" % (efficacy.never_retrain_recovery * 100) }}); target ≥ 95%:
+{{ "met" if efficacy.met else "not met" }}.</p>{% endif %}
+<table><tr><th>day</th><th>events</th><th>requests</th><th>drift</th><th>retrain</th><th>candidate AUC</th>
+<th>champion AUC</th><th>oracle AUC</th><th>gate</th><th>canary</th><th>champion</th><th>online CTR</th>
+<th>served / oracle</th><th>never retrained / oracle</th></tr>
+{% for r in records %}<tr><td>{{ r.day }}</td><td>{{ "{:,}".format(r.events) }}</td><td>{{ r.requests }}</td>
+<td>{{ r.drift }}</td><td>{{ r.retrain }}</td><td>{{ fmt(r.candidate_auc) }}</td><td>{{ fmt(r.champion_auc) }}</td>
+<td>{{ fmt(r.oracle_auc) }}</td><td>{{ r.gate }}</td><td>{{ r.canary | join(", ") or "-" }}</td>
+<td>{{ r.champion or "-" }}</td>
+<td>{% for v, c in r.online_ctr.items() %}v{{ v }}: {{ "%.3f" % c }}{% if not loop.last %}, {% endif %}{% else %}-{% endfor %}</td>
+<td>{{ fmt(r.vs_oracle) }}</td><td>{{ fmt(r.baseline_vs_oracle) }}</td></tr>
+{% endfor %}</table>
+{{ plot }}
+<p>Freshness (events landed → challenger serving canary traffic): {{ summary.freshness_seconds }} s.
+Total {{ summary.seconds }} s.</p></body></html>
+""")
 
 
 def _f(value) -> str:
