@@ -150,7 +150,8 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
         monitored = tuple(c.name for c in spec.columns if c.role in ("categorical", "numeric"))
         snapshot_id = dashboards.record_run(settings, snapshots[0], kpis=decision.kpi or None,
                                             version=report.champion, when=current[1], decision=decision.decision,
-                                            columns=monitored)
+                                            columns=monitored, config=config,
+                                            figures={**decision.figures, "drift_share": decision.drift_share})
     return replace(report, mlflow_run_id=run_id, evidently_snapshot=snapshot_id)
 
 
@@ -179,8 +180,9 @@ def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, cu
                            f"{(reference if ref.empty else current)[0]:%Y-%m-%dT%H}..")
     quality = quality_findings(ref, cur, monitored, config)
     healthy = [c for c in monitored if not any(f.startswith(f"{c}:") for f in quality)]
-    share, drifted, scores, snapshot = evidently_drift(ref, cur, healthy, config, timestamp=current[1]) \
-        if healthy else (0.0, [], {}, None)
+    categorical = {c.name for c in spec.columns if c.role == "categorical"}  # typed by the spec, not the dtype
+    share, drifted, scores, snapshot = evidently_drift(ref, cur, healthy, config, timestamp=current[1],
+                                                       categorical=categorical) if healthy else (0.0, [], {}, None)
     if snapshot is not None and on_snapshot is not None:
         on_snapshot(snapshot)
     new_ids, figures = new_id_findings(ref, cur, keys, config)
