@@ -12,7 +12,6 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
 import yaml
 
 from recloop.settings import Settings
@@ -23,20 +22,6 @@ TRAINS_OR_GATES = {
     "flows/train_flow.py:train_flow",
     "flows/gate_flow.py:gate_flow",
 }
-
-
-@pytest.fixture(scope="module")
-def prefect_server():
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from recloop.flow_support import run_logs_to_the_ui_only
-
-    run_logs_to_the_ui_only()  # as the CLI and the demo set it: the run logs are asserted below
-    from prefect.logging.configuration import setup_logging
-    from prefect.testing.utilities import prefect_test_harness
-
-    setup_logging(incremental=False)
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 def test_deployments_that_train_or_gate_share_one_slot_and_no_per_deployment_limit():
