@@ -175,3 +175,25 @@ def test_the_demo_report_marks_each_day_once_rollbacks_included(tmp_path: Path):
     assert labels.count("rolled back v2") == 1 and labels.count("full retrain (bootstrap)") == 1
     assert "<b>CTR</b>" not in page and "&lt;b&gt;CTR&lt;/b&gt;" in page  # the template escapes what it shows
     assert "v1: 0.100" in page
+
+
+def test_serving_with_a_dead_journal_database_is_one_line_naming_it(tmp_path: Path, monkeypatch):
+    import socket
+
+    from typer.testing import CliRunner
+
+    from recloop.cli import app
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dsn = f"postgresql://recloop@127.0.0.1:{probe.getsockname()[1]}/recloop"
+    monkeypatch.setenv("RECLOOP_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RECLOOP_JOURNAL", "postgres")
+    monkeypatch.setenv("RECLOOP_POSTGRES_DSN", dsn)
+    result = CliRunner().invoke(app, ["serve", "--port", "1"])
+    assert result.exit_code == 3 and "Traceback" not in result.output
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        line
+        for line in result.output.splitlines()
+        if line.startswith(f"error: PostgreSQL at {dsn} is unreachable")
+    ]

@@ -416,8 +416,13 @@ def serve_command(
     from recloop.serve.app import create_app
 
     dataset = _load_spec(spec)
-    console.print(f"serving on http://{host}:{port} (models from {Settings().resolved_mlflow_tracking_uri()})")
-    uvicorn.run(create_app(Settings(), dataset), host=host, port=port, log_level="warning")
+    settings = Settings()
+    if settings.journal == "postgres":  # the journal is needed to serve at all: a dead one is one line, exit 3
+        from recloop import endpoints
+
+        endpoints.require_postgres(settings.postgres_dsn, endpoints.limits_for(settings))
+    console.print(f"serving on http://{host}:{port} (models from {settings.resolved_mlflow_tracking_uri()})")
+    uvicorn.run(create_app(settings, dataset), host=host, port=port, log_level="warning")
 
 
 @app.command("canary")
