@@ -50,17 +50,18 @@ def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, 
         description="drift test statistic per column (higher = more different)"), tab="Drift")
     created.dashboard.add_panel(line_plot_panel(
         "Unseen-id share vs its threshold", [
-            *(PanelMetric(legend=f"{key}: share of events on ids unseen in the reference", metric="MeanValue",
+            *(PanelMetric(legend=f"{key} unseen", metric="MeanValue",
                           metric_labels={"column": f"{key}_unseen_share"}) for key in keys),
-            PanelMetric(legend="threshold (new_id_share): drift at or above", metric="MeanValue",
+            PanelMetric(legend="threshold", metric="MeanValue",
                         metric_labels={"column": "new_id_share_threshold"})],
-        description="new users or items: the figure that most often asks for a full retrain"), tab="Drift")
+        description="share of recent events on user or item ids unseen in the reference; drift at or above the "
+        "threshold (new_id_share): the figure that most often asks for a full retrain"), tab="Drift")
     created.dashboard.add_panel(line_plot_panel(
         "Drift share vs its threshold", [
-            PanelMetric(legend="share of drifted columns", metric="MeanValue", metric_labels={"column": "drift_share"}),
-            PanelMetric(legend="threshold (drift_share): drift at or above", metric="MeanValue",
+            PanelMetric(legend="drift share", metric="MeanValue", metric_labels={"column": "drift_share"}),
+            PanelMetric(legend="threshold", metric="MeanValue",
                         metric_labels={"column": "drift_share_threshold"})],
-        description="the monitor's decision rule, with the line it is held to"), tab="Drift")
+        description="share of drifted columns; drift at or above the threshold (drift_share)"), tab="Drift")
     created.dashboard.add_panel(bar_plot_panel(
         "Decisions: 1 = drift or KPI decay (a full retrain is requested unless cooling down), -1 = broken data",
         [PanelMetric(legend="decision", metric="MeanValue", metric_labels={"column": "decision_code"})],
