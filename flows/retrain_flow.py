@@ -17,7 +17,7 @@ from flows.features_flow import features_flow
 from flows.gate_flow import gate_flow
 from flows.ingest_flow import ingest_flow
 from flows.train_flow import train_flow
-from recloop import pipeline
+from recloop import datasets, pipeline
 from recloop.flow_support import (
     SlotBusy,
     log,
@@ -41,7 +41,7 @@ def pending_task(validation_hours: int, settings: dict | None) -> dict:
 @flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True, on_failure=[record_failed_run],
       on_crashed=[record_failed_run])
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
-                 spec: str = "synthetic", days: int = 7, epochs: int = 1, batch_size: int | None = None,
+                 spec: str | None = None, days: int = 7, epochs: int = 1, batch_size: int | None = None,
                  validation_hours: int = 6, canary_config: str | None = None,
                  gate_thresholds: str | None = None, slot_timeout_seconds: float = 3600,
                  settings: dict | None = None) -> dict:
@@ -55,9 +55,10 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
         return Cancelled(message=str(busy))
 
 
-def _retrain(mode: str, reason: str, spec: str, days: int, epochs: int, batch_size: int | None,
+def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, batch_size: int | None,
              validation_hours: int, canary_config: str | None, gate_thresholds: str | None, settings: dict | None):
-    result: dict = {"mode": mode, "reason": reason}
+    spec = datasets.source(settings_from(settings), spec)  # resolved once, for every stage below
+    result: dict = {"mode": mode, "reason": reason, "spec": spec}
     log("%s retrain (%s)", mode, reason)
     result["ingest"] = ingest_flow(spec, settings=settings)
     result["features"] = features_flow(spec, settings=settings)

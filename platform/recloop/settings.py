@@ -57,6 +57,8 @@ class Settings(BaseSettings):
         dask_partitions: hash partitions of the entity keys (0: two per worker).
         journal: where serving replicas keep their journal: ``sqlite`` (a file under ``home``, one host) or
             ``postgres`` (at ``postgres_dsn``, shared by every replica).
+        spec: the dataset spec every command and flow uses when none is given (a shipped name or a YAML
+            path); empty means the spec this home last worked with, else ``synthetic`` (``recloop.datasets``).
     """
 
     model_config = SettingsConfigDict(env_prefix="RECLOOP_", env_file=".env", extra="ignore", frozen=True)
@@ -88,6 +90,7 @@ class Settings(BaseSettings):
     dask_workers: int = 2
     dask_partitions: int = 0
     journal: Literal["sqlite", "postgres"] = "sqlite"
+    spec: str = ""
 
     @property
     def landing_dir(self) -> Path:
