@@ -1,9 +1,11 @@
 """Full and incremental training with checkpoints that resume, on the chunked loader and fused kernels.
 
-Windows come from the hourly training files of ``recloop features``:
+Windows come from the training files of ``recloop features`` (one per period with events), by time and rows:
 
-- the newest ``validation_hours`` hours are held out (never trained on) and score the model;
-- ``full``: from scratch over the ``days`` before them, ``epochs`` passes;
+- the newest ``validation_hours`` of time are held out (never trained on) and score the model, grown back
+  until they hold ``validation_rows`` rows; fewer than ``min_validation_rows`` is refused;
+- ``full``: from scratch over the ``days`` before them (grown back to ``train_rows`` rows), ``epochs`` passes;
+  without a set batch size, batch and epochs fit the window (``fit_to_data``);
 - ``incremental``: warm start from a checkpoint (weights, sparse and dense optimizer state), grow the
   embedding tables for ids that are new since, one pass over the hours it has not seen (plus an
   optional replay sample of older hours).
