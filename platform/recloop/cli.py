@@ -375,6 +375,7 @@ def canary_command(
     = None,
     reason: Annotated[str, typer.Option(help="Why (promote, rollback): recorded in MLflow.")] = "by an operator",
     shadow: Annotated[bool, typer.Option(help="start: score with the challenger in shadow instead.")] = False,
+    model: Annotated[str, typer.Option(help="Whose canary: recloop-ranker or recloop-retriever.")] = "recloop-ranker",
     json_out: JsonOption = False,
 ) -> None:
     """The canary controller: show the state, judge and act (step), or promote / roll back by hand."""
@@ -384,15 +385,17 @@ def canary_command(
         raise _fail(f"unknown action {action!r}: one of {', '.join(CANARY_ACTIONS)}")
     settings = Settings()
     try:
+        name = controller.check_model(model)
         canary_config = controller.load_config(config)
         if action == "status":
-            result = controller.status(settings, canary_config).to_dict()
+            result = controller.status(settings, canary_config, model_name=name).to_dict()
         elif action == "step":
-            result = controller.step(settings, canary_config).to_dict()
+            result = controller.step(settings, canary_config, model_name=name).to_dict()
         elif action == "start":
-            result = controller.start(settings, canary_config, mode="shadow" if shadow else "canary").to_dict()
+            result = controller.start(settings, canary_config, mode="shadow" if shadow else "canary",
+                                      model_name=name).to_dict()
         else:
-            result = controller.manual(settings, action, reason).to_dict()  # type: ignore[arg-type]
+            result = controller.manual(settings, action, reason, model_name=name).to_dict()  # type: ignore[arg-type]
     except (controller.NoCanary, ValueError, FileNotFoundError) as err:
         raise _fail(str(err)) from err
     if json_out:
