@@ -122,7 +122,9 @@ class UnavailableItems:
                     self._ids = frozenset(int(i) for i in raw)
                     self._mtime = mtime
                 except (ValueError, TypeError, OSError) as err:
-                    log.error("%s is not a JSON list of item ids (%s): keeping the previous list", self.path, err)
+                    log.error(
+                        "%s is not a JSON list of item ids (%s): keeping the previous list", self.path, err
+                    )
         return self._ids
 
 
@@ -176,8 +178,11 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     except KeyError:
         per_candidate = []  # an unknown column: building the features says which
     if per_candidate:
-        raise HTTPException(422, f"context {per_candidate}: /recommend takes one value per column (a list only "
-                                 "for a list column), not one per candidate")
+        raise HTTPException(
+            422,
+            f"context {per_candidate}: /recommend takes one value per column (a list only "
+            "for a list column), not one per candidate",
+        )
 
     # --- retrieve --------------------------------------------------------------------------------------
     began = time.perf_counter()
@@ -189,13 +194,17 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         log.error("features for a recommendation failed: %s: %s", type(err).__name__, err)
         raise HTTPException(503, f"features unavailable: {type(err).__name__}: {err}") from err
     canary_on = retrievers.challenger is not None and retrievers.mode == "canary"
-    retriever_variant = canary.route(body.user_id, retrievers.share, retrievers.salt) if canary_on else "champion"
+    retriever_variant = (
+        canary.route(body.user_id, retrievers.share, retrievers.salt) if canary_on else "champion"
+    )
     routed = retrievers.challenger if retriever_variant == "challenger" else retrievers.champion
     evaluations: list[tuple] = []
     n = settings.recommend_candidates
     found, source, reason, served_retriever = _retrieve(routed, table, n, evaluations, "served")
     if found is None and routed is retrievers.challenger:  # never hand the user a broken answer
-        found, source, reason, served_retriever = _retrieve(retrievers.champion, table, n, evaluations, "served")
+        found, source, reason, served_retriever = _retrieve(
+            retrievers.champion, table, n, evaluations, "served"
+        )
     if found is None:
         _record_evaluations(svc, evaluations)
         raise HTTPException(500, f"retriever v{served_retriever.version} could not retrieve for this request")
@@ -209,14 +218,25 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     recent = None
     if settings.recommend_seen_hours > 0:
         recent = svc.journal.recent_items(body.user_id, ts_us - int(settings.recommend_seen_hours * 3600e6))
-    kept, dropped = filter_candidates(found, FilterConfig(seen_hours=settings.recommend_seen_hours), now_s=ts_us / 1e6,
-                                      recent=recent, unavailable=svc.unavailable.ids(), excluded=set(body.exclude))
+    kept, dropped = filter_candidates(
+        found,
+        FilterConfig(seen_hours=settings.recommend_seen_hours),
+        now_s=ts_us / 1e6,
+        recent=recent,
+        unavailable=svc.unavailable.ids(),
+        excluded=set(body.exclude),
+    )
     retriever = served_retriever.retriever
     positions = retriever.positions(kept)
     kept, positions = kept[positions >= 0], positions[positions >= 0]
     metrics.stage_latency.labels("filter").observe(time.perf_counter() - began)
-    counts = {"retrieved": retrieved, "excluded": dropped.excluded, "unavailable": dropped.unavailable,
-              "seen": dropped.seen, "ranked": len(kept)}
+    counts = {
+        "retrieved": retrieved,
+        "excluded": dropped.excluded,
+        "unavailable": dropped.unavailable,
+        "seen": dropped.seen,
+        "ranked": len(kept),
+    }
 
     # --- rank ------------------------------------------------------------------------------------------
     began = time.perf_counter()
@@ -256,29 +276,50 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     category = retriever.features.category
     categories = retriever.attributes.get(category, np.full(len(retriever.catalog), np.nan))[positions]
     categories = np.where(np.isnan(categories), -1, categories).astype(np.int64)
-    order_config = OrderConfig(category_cap=settings.recommend_category_cap or None, boosts=settings.recommend_boosts)
+    order_config = OrderConfig(
+        category_cap=settings.recommend_category_cap or None, boosts=settings.recommend_boosts
+    )
     top, boosted = order_items(kept, scores, categories, order_config, body.k)
     metrics.stage_latency.labels("order").observe(time.perf_counter() - began)
 
     request_id = uuid.uuid4().hex
     latency_ms = (time.perf_counter() - started) * 1000
     chosen = [int(np.flatnonzero(kept == item)[0]) for item in top.tolist()]
-    payload = {"item_ids": top.tolist(), "context": {**body.context, **{k: [v[i] for i in chosen]
-                                                                        for k, v in per_item.items()}},
-               "per_candidate": {**svc.features.per_candidate(body.context), **{k: True for k in per_item}},
-               "scores": {v: [s[i] for i in chosen] for v, s in all_scores.items()}, "ranked": top.tolist(),
-               "route": "recommend", "retriever": served_retriever.version, "source": source}
+    payload = {
+        "item_ids": top.tolist(),
+        "context": {**body.context, **{k: [v[i] for i in chosen] for k, v in per_item.items()}},
+        "per_candidate": {**svc.features.per_candidate(body.context), **{k: True for k in per_item}},
+        "scores": {v: [s[i] for i in chosen] for v, s in all_scores.items()},
+        "ranked": top.tolist(),
+        "route": "recommend",
+        "retriever": served_retriever.version,
+        "source": source,
+    }
     now = time.time()
-    svc.journal.record((request_id, now, ts_us, body.user_id, ranker_variant, ranker.version, latency_ms,
-                        json.dumps(payload)), [(request_id, *e, now) for e in evaluations])
+    svc.journal.record(
+        (
+            request_id,
+            now,
+            ts_us,
+            body.user_id,
+            ranker_variant,
+            ranker.version,
+            latency_ms,
+            json.dumps(payload),
+        ),
+        [(request_id, *e, now) for e in evaluations],
+    )
     metrics.recommendations.labels(retriever_variant, served_retriever.version, source).inc()
     metrics.stage_latency.labels("total").observe(latency_ms / 1000)
     return RecommendResponse(
-        request_id=request_id, items=[RecommendedItem(item_id=int(i), score=float(s)) for i, s in zip(top, boosted,
-                                                                                                   strict=True)],
+        request_id=request_id,
+        items=[RecommendedItem(item_id=int(i), score=float(s)) for i, s in zip(top, boosted, strict=True)],
         retriever=ModelUsed(version=served_retriever.version, variant=retriever_variant),
-        ranker=ModelUsed(version=ranker.version, variant=ranker_variant), source=source, fallback_reason=reason,
-        candidates=counts)
+        ranker=ModelUsed(version=ranker.version, variant=ranker_variant),
+        source=source,
+        fallback_reason=reason,
+        candidates=counts,
+    )
 
 
 def _retrieve(loaded, table, n: int, evaluations: list, role: str):
@@ -296,8 +337,10 @@ def _retrieve(loaded, table, n: int, evaluations: list, role: str):
             ids, source, reason = found[0], "retrieval", None
         else:
             ids, source = retriever.popular(n), "popularity"
-            reason = (f"the user is unknown to retriever v{loaded.version} (no row in its user table): the "
-                      "catalog's most clicked items were ranked instead")
+            reason = (
+                f"the user is unknown to retriever v{loaded.version} (no row in its user table): the "
+                "catalog's most clicked items were ranked instead"
+            )
         status = "ok"
     except Exception as err:  # noqa: BLE001 - a failing retriever is data for its canary, not a crash
         log.error("retriever v%s failed: %s: %s", loaded.version, type(err).__name__, err)
@@ -317,8 +360,10 @@ def _no_retriever(svc: Service) -> str:
         return f"no retriever is deployed: {pool.last_error}"
     wanted = pool.wanted
     if wanted is None or wanted.champion is None:
-        return ("no retriever is deployed: the registry has no 'champion' alias of recloop-retriever (train and "
-                "gate a retriever first)")
+        return (
+            "no retriever is deployed: the registry has no 'champion' alias of recloop-retriever (train and "
+            "gate a retriever first)"
+        )
     failure = pool.failures.get(wanted.champion)
     return f"no retriever is deployed: v{wanted.champion} does not load ({failure.reason if failure else 'not yet'})"
 
