@@ -533,7 +533,9 @@ def demo_command(
         if not json_out:
             console.print(f"day {record.day}: {record.events:,} events, {record.requests} requests, drift "
                           f"{record.drift}, {record.retrain} → v{record.candidate_version} {record.gate}; canary "
-                          f"{', '.join(record.canary) or '-'} ({record.seconds} s)")
+                          f"{', '.join(record.canary) or '-'}; retriever v{record.retriever_version or '-'} "
+                          f"{record.retriever_gate} (oracle recall {_fmt(record.retriever_oracle_recall)}), "
+                          f"/recommend {record.recommend_clicks} clicks ({record.seconds} s)")
 
     import os
 
@@ -545,14 +547,16 @@ def demo_command(
         return
     table = Table(title="recloop demo", show_edge=False)
     for column in ("day", "events", "drift", "retrain", "cand. AUC", "champ. AUC", "oracle AUC", "gate", "canary",
-                   "champion", "online CTR", "vs oracle", "never retrained"):
+                   "champion", "online CTR", "vs oracle", "never retrained", "retr. oracle recall", "path clicks",
+                   "path vs oracle"):
         table.add_column(column, justify="right")
     for day in summary["days"]:
         table.add_row(str(day["day"]), f"{day['events']:,}", day["drift"], day["retrain"], _fmt(day["candidate_auc"]),
                       _fmt(day["champion_auc"]), _fmt(day["oracle_auc"]), day["gate"],
                       "\n".join(day["canary"]) or "-", day["champion"] or "-",
                       "\n".join(f"v{v}: {c:.3f}" for v, c in day["online_ctr"].items()) or "-",
-                      _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]))
+                      _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]), _fmt(day["retriever_oracle_recall"]),
+                      str(day["recommend_clicks"]) if day["recommend_requests"] else "-", _fmt(day["recommend_vs_oracle"]))
     Console(stderr=True, width=max(console.width, 200)).print(table)
     efficacy = summary.get("efficacy")
     if efficacy:
