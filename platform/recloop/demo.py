@@ -71,8 +71,11 @@ class DemoConfig:
     shown: int = 10
     # The recommendation path: this share of each round's requests goes to /recommend, which retrieves
     # ``retrieve_k`` of the catalog (a few hundred items in this small world) for the ranker.
+    # Items shown to a user within ``seen_hours`` (simulated) are not recommended again: a few hours, as
+    # this small world's catalog would be exhausted by its most active users within a day.
     recommend_share: float = 0.5
     retrieve_k: int = 100
+    seen_hours: float = 3.0
     # A small world judged on a few hundred requests per step, in one process with everything else:
     # the online CTR guardrail decides; p99 of ~100 scoring times is their maximum (a pause anywhere in the
     # process), and AUC pooled over two different halves of the users is not comparable at this size.
@@ -155,7 +158,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     from recloop.serve.app import ServerThread, create_app
 
     serving = Settings(**{**settings.model_dump(), "serve_poll_seconds": 0.2, "feedback_flush_seconds": 3600,
-                          "recommend_candidates": config.retrieve_k})
+                          "recommend_candidates": config.retrieve_k, "recommend_seen_hours": config.seen_hours})
     app = create_app(serving)
     freshness: list[float] = []
     with ServerThread(app) as server:
@@ -271,7 +274,8 @@ def _record_retriever(record: DayRecord, outcome: dict, settings: Settings, orac
     from recloop.retrieval.publish import retriever_folder
     from recloop.retrieval.retriever import Retriever, score_window
 
-    first, last = retriever["train"]["validation_hours"]
+    hours = retriever["train"]["validation_hours"]
+    first, last = hours[0], hours[-1]
     held_out = [p for p in sorted(FeatureLayout.for_settings(settings).training.glob("*.parquet"))
                 if first <= p.stem <= last]
     scores = score_window(Retriever.load(retriever_folder(settings, gate["version"])), held_out, (k,), oracle)

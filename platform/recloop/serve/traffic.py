@@ -124,7 +124,7 @@ class SimulatedUsers:
     def react(self, answer: dict, who: dict) -> tuple[list[int], list[int], float]:
         """Impressions (the top ``shown``), the clicked ones, and the expected number of clicks."""
         shown = [item["item_id"] for item in answer["items"][: self.shown]]
-        p = self.world.click_probability(self.day, np.full(len(shown), who["user"]), np.array(shown),
+        p = self.world.click_probability(self.day, np.full(len(shown), who["user"]), np.array(shown, dtype=np.int64),
                                          np.full(len(shown), who["device"]), np.arange(1, len(shown) + 1))
         clicked = [item for item, hit in zip(shown, self.rng.random(len(shown)) < p, strict=True) if hit]
         return shown, clicked, float(p.sum())
@@ -168,6 +168,9 @@ async def drive(url: str, users: SimulatedUsers, requests: int | list[tuple[dict
             if not feedback:
                 continue
             shown, clicked, expected = users.react(answer, who)
+            if not shown:  # e.g. everything the user could be recommended was shown to them already
+                summary.errors["empty answer"] += 1
+                continue
             reply = await client.post("/feedback", json={"request_id": answer["request_id"], "impressions": shown,
                                                          "clicks": clicked})
             if reply.status_code != 200:
