@@ -130,6 +130,7 @@ def test_a_known_user_gets_k_items_from_the_catalog_named_by_both_models(http: h
         assert f'recloop_recommend_stage_seconds_count{{stage="{stage}"}}' in metrics
     assert 'recloop_recommendations_total{source="retrieval",variant="champion",version="1"}' in metrics
     assert 'recloop_retriever_info{alias="champion",version="1"} 1.0' in metrics
+    assert 'recloop_model_evaluations_total{role="served",status="ok",version="retriever:1"}' in metrics
 
 
 def test_seen_excluded_and_unavailable_items_are_filtered(http: httpx.Client, home: Settings):

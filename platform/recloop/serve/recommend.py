@@ -200,16 +200,15 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     routed = retrievers.challenger if retriever_variant == "challenger" else retrievers.champion
     evaluations: list[tuple] = []
     n = settings.recommend_candidates
-    found, source, reason, served_retriever = _retrieve(routed, table, n, evaluations, "served")
+    found, source, reason, served_retriever = _retrieve(routed, table, n, evaluations, "served", metrics)
     if found is None and routed is retrievers.challenger:  # never hand the user a broken answer
         found, source, reason, served_retriever = _retrieve(
-            retrievers.champion, table, n, evaluations, "served"
+            retrievers.champion, table, n, evaluations, "served", metrics
         )
     if found is None:
-        _record_evaluations(svc, evaluations)
         raise HTTPException(500, f"retriever v{served_retriever.version} could not retrieve for this request")
     if retrievers.challenger is not None and retrievers.mode == "shadow":
-        _retrieve(retrievers.challenger, table, n, evaluations, "shadow")
+        _retrieve(retrievers.challenger, table, n, evaluations, "shadow", metrics)
     retrieved = len(found)
     metrics.stage_latency.labels("retrieve").observe(time.perf_counter() - began)
 
@@ -264,7 +263,6 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
             status = "fallback" if status == "ok" else status
         if status not in ("ok", "fallback"):
             metrics.requests.labels(ranker_variant, ranker.version, "error").inc()
-            _record_evaluations(svc, evaluations)
             raise HTTPException(500, f"model v{ranker.version} could not score this request ({status})")
         if live.challenger is not None and live.mode == "shadow":
             svc._evaluate(live.challenger, rows, "shadow", evaluations, all_scores)
@@ -322,7 +320,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     )
 
 
-def _retrieve(loaded, table, n: int, evaluations: list, role: str):
+def _retrieve(loaded, table, n: int, evaluations: list, role: str, metrics):
     """``loaded``'s candidates for the request's user row: (ids, source, reason, loaded), ids None on failure.
 
     A user whose index the retriever's user table has no row for (unknown to the vocabularies, or admitted
@@ -346,12 +344,8 @@ def _retrieve(loaded, table, n: int, evaluations: list, role: str):
         log.error("retriever v%s failed: %s: %s", loaded.version, type(err).__name__, err)
         ids, source, reason, status = None, "retrieval", None, "error"
     evaluations.append((retriever_key(loaded.version), role, status, (time.perf_counter() - began) * 1000))
+    metrics.evaluations.labels(retriever_key(loaded.version), role, status).inc()
     return ids, source, reason, loaded
-
-
-def _record_evaluations(svc: Service, evaluations: list) -> None:
-    for version, role, status, _ in evaluations:
-        svc.metrics.evaluations.labels(version, role, status).inc()
 
 
 def _no_retriever(svc: Service) -> str:
