@@ -11,8 +11,10 @@ attributes (category, price) per item; registered as ``recloop-retriever`` v1 wi
 context only, k = 10; 500 retrieved) are offered at fixed rates, open loop (a request is sent on
 schedule whether or not earlier ones have answered). Latency is measured by the client over HTTP; the
 stages' times come from the server's ``recloop_recommend_stage_seconds`` histograms, read before and
-after each rate. The highest rate that met the target runs again while a separate process flips the
-ranker's champion alias and the retriever's champion alias, alternately, every second.
+after each rate. The highest rate that met the target (the lowest if none did) runs again while a
+separate process flips the ranker's champion alias and the retriever's champion alias, alternately,
+every second. A reference row in the same run: ``/rank`` with 100 given candidates (what
+``benchmarks/serve.py`` measures) at the lowest rate, to show how loaded the machine is.
 Target (issue #22): p99 <= 50 ms at the highest rate that holds it, zero failures during swaps of either
 model. Index build time and ANN recall against exact search: ``benchmarks/retrieval.py``.
 """
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 from common import machine, report
 from serve import REDIS_URL, TOKEN, cpu_seconds, setup
+from serve import offer as offer_rank
 
 from recloop import checkpoint, registry
 from recloop.features.job import FeatureLayout
@@ -183,6 +186,7 @@ def main() -> None:
         print(f"retriever over {args.items:,} items registered in {time.perf_counter() - began:.1f} s", flush=True)
         users = SimulatedUsers(world, day=world_config.days - 0.1, shown=10, seed=3)
         bodies = [users.recommend_request()[0] for _ in range(2000)]
+        rank_bodies = [users.request()[0] for _ in range(500)]
         env = {**os.environ, "RECLOOP_HOME": str(settings.home), "RECLOOP_FEAST_ONLINE_STORE": "redis",
                "RECLOOP_REDIS_URL": REDIS_URL, "RECLOOP_ADMIN_TOKEN": TOKEN, "RECLOOP_SERVE_POLL_SECONDS": "0.2",
                "RECLOOP_FRAME_BACKEND": "pandas", "RECLOOP_RECOMMEND_CANDIDATES": "500"}
@@ -202,6 +206,10 @@ def main() -> None:
                     raise RuntimeError(f"the server did not start: {server.stderr.read().decode()[-2000:]}")
                 time.sleep(0.5)
             rows, best = [], None
+            lowest = float(args.rates.split(",")[0])
+            reference = asyncio.run(offer_rank(url, rank_bodies, lowest, args.seconds))
+            rows.append({"phase": "reference: /rank, 100 candidates", "offered_rps": lowest, **reference,
+                         "versions": ",".join(reference["versions"]), "server_cpu_ms": "-"})
             for rate in (float(r) for r in args.rates.split(",")):
                 used, before = cpu_seconds(server.pid), stage_sums(url)
                 result = asyncio.run(offer(url, bodies, rate, args.seconds))
@@ -230,9 +238,11 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(timeout=30)
-    for row in rows:
+    for row in rows[1:]:
         row["target"] = f"p99 <= {TARGET_P99_MS:.0f} ms, 0 errors"
         row["met"] = "yes" if row["p99_ms"] <= TARGET_P99_MS and row["errors"] == 0 else "no"
+    columns = dict.fromkeys(key for row in rows for key in row)
+    rows = [{key: row.get(key, "-") for key in columns} for row in rows]
     info = machine() | {"catalog_items": str(args.items), "retrieved": "500", "k": "10", "online_store": "redis"}
     report(f"recommendation path: /recommend over {args.items:,} items (retrieve 500 → filter → rank → order → 10)",
            rows, info, args.json)
