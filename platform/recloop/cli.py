@@ -475,11 +475,22 @@ def retrain_command(
         with _quiet_logs():
             outcome = retrain_flow(mode=mode, reason=reason, settings=settings_parameter(settings))
         result = {"mode": mode, "version": outcome["train"]["mlflow"]["version"], "gate": {
-            k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary")}
+            k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary"),
+            "retriever": _retriever_outcome(outcome.get("retriever") or {})}
     if json_out:
         _emit(result)
     else:
         console.print(result)
+
+
+def _retriever_outcome(outcome: dict) -> dict:
+    """The retrain's retriever part in a few fields: its version and gate, or why it was not trained."""
+    if "skipped" in outcome.get("train", {}):
+        return {"skipped": outcome["train"]["skipped"]}
+    if "gate" not in outcome:
+        return {}
+    return {"version": outcome["gate"]["version"], **{k: outcome["gate"][k] for k in ("passed", "alias", "reasons")},
+            "canary": (outcome.get("canary") or {}).get("action")}
 
 
 @app.command("up")
