@@ -144,7 +144,7 @@ def set_share(settings: Settings, share: float, mode: Mode | None = None, who: s
     mode = mode or ("shadow" if tags.get(MODE_TAG) == "shadow" else "canary")
     registry.tag(settings, challenger, {SHARE_TAG: share, MODE_TAG: mode, STARTED_TAG: time.time(),
                                         "canary.share_set_by": who}, model_name)
-    return {"model": model_name, "version": challenger, "share": share, "mode": mode}
+    return {"version": challenger, "share": share, "mode": mode}
 
 
 def _variant_stats(journal, model_name: str, version: str, since: float) -> VariantStats:
