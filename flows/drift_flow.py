@@ -13,7 +13,7 @@ from prefect.events import emit_event
 
 from flows.retrain_flow import retrain_flow
 from recloop import pipeline
-from recloop.flow_support import markdown_table, publish, settings_from, tag_run
+from recloop.flow_support import log, markdown_table, publish, run_name, settings_from, tag_run
 from recloop.monitor import TriggerConfig, runner
 
 
@@ -27,7 +27,7 @@ def monitor_task(spec: str, hours: int, config_path: str | None, now: float, coo
     return {**report.to_dict(), "trigger": verdict.to_dict()}
 
 
-@flow(name="drift", log_prints=True)
+@flow(name="drift", flow_run_name=lambda: run_name("drift"), log_prints=True)
 def drift_flow(spec: str = "synthetic", hours: int = 24, now: float | None = None,
                cooldown_seconds: float = 6 * 3600, retrain_inline: bool = False,
                retrain_parameters: dict | None = None, config_path: str | None = None,
@@ -35,6 +35,7 @@ def drift_flow(spec: str = "synthetic", hours: int = 24, now: float | None = Non
     result = monitor_task(spec, hours, config_path, time.time() if now is None else now, cooldown_seconds, settings)
     verdict = result["trigger"]
     tag_run(f"drift:{result['decision']}")
+    log("%s: %s; trigger: %s", result["decision"], "; ".join(result["reasons"]), verdict["reason"])
     notes = "".join(f"\n\nnote: {note}" for note in result["notes"])
     publish("drift-summary", f"**{result['decision']}** — " + "; ".join(result["reasons"]) + notes + "\n\n"
             + markdown_table([{"drift_share": result["drift_share"], "drifted_columns": ", ".join(

@@ -12,8 +12,9 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -21,10 +22,40 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from recloop.cli_boundary import ErrorBoundary, UserError, debug_option, emit_json, fail
-from recloop.ingest import FileResult, IngestSummary, ingest
-from recloop.schema import SpecError, load_spec
 from recloop.settings import Settings
-from recloop.simulate import DRIFT_SCENARIOS, SimulationSummary, WorldConfig, simulate
+
+if TYPE_CHECKING:  # imported where used: `recloop --help` stays well under a second (no pandas, no torch)
+    from recloop.ingest import FileResult, IngestSummary
+    from recloop.simulate import SimulationSummary, WorldConfig
+
+
+class Drift(StrEnum):
+    """The simulator's drift scenarios (``recloop.simulate.DRIFT_SCENARIOS``; a test keeps them equal)."""
+
+    none = "none"
+    gradual = "gradual"
+    sudden = "sudden"
+    covariate = "covariate"
+    broken_column = "broken_column"
+
+
+class Mode(StrEnum):
+    full = "full"
+    incremental = "incremental"
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class CanaryAction(StrEnum):
+    status = "status"
+    step = "step"
+    promote = "promote"
+    rollback = "rollback"
+    start = "start"
 
 app = typer.Typer(
     cls=ErrorBoundary,
@@ -32,7 +63,7 @@ app = typer.Typer(
     no_args_is_help=True,
     help="recloop: continuous retraining for GPU recommenders. Settings come from RECLOOP_* variables.",
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # long lines wrap in the terminal, not at 80 in a log
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")]
 
@@ -41,7 +72,25 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON summary
 def _options(ctx: typer.Context,
              debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a failure.")] = False) -> None:
     """recloop: continuous retraining for GPU recommenders. Settings come from RECLOOP_* variables."""
+    if not sys.warnoptions:  # `python -W ...` still decides for itself
+        _drop_deprecation_notices()
     debug_option(ctx, debug)
+
+
+def _drop_deprecation_notices() -> None:
+    """Libraries' deprecation notices (numpy via Evidently, litestar via Prefect...) are for their callers'
+    developers, not for the command's reader. Dropped where warnings are shown, not by a filter: importing
+    Feast puts ``simplefilter("once", DeprecationWarning)`` in front of any filter set before."""
+    import warnings
+
+    show = warnings.showwarning
+
+    def shown(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, DeprecationWarning | PendingDeprecationWarning | FutureWarning):
+            show(message, category, filename, lineno, file, line)
+
+    if getattr(show, "__name__", "") != "shown":
+        warnings.showwarning = shown
 
 
 def _fail(message: str) -> UserError:
@@ -61,6 +110,8 @@ def _progress(description: str, total: int, quiet: bool) -> Iterator[Progress]:
 
 def _load_spec(name: str):
     """The dataset spec, or exit 2 with the spec's own message."""
+    from recloop.schema import SpecError, load_spec
+
     try:
         return load_spec(name)
     except SpecError as err:
@@ -76,13 +127,15 @@ def _parse_start(value: str) -> datetime:
 
 
 def _run_simulation(config: WorldConfig, out: Path, quiet: bool) -> SimulationSummary:
+    from recloop.simulate import simulate
+
     with _progress("simulating hours", config.days * 24, quiet) as progress:
         return simulate(config, out, on_hour=lambda day, hour: progress.advance(0))
 
 
 def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -> IngestSummary:
     spec = _load_spec(spec_name)
-    from recloop.ingest.run import discover
+    from recloop.ingest.run import discover, ingest
 
     try:
         total = len(discover(source))
@@ -127,16 +180,16 @@ def simulate_command(
     days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 7,
     events_per_day: Annotated[int, typer.Option(min=1, help="Impressions per day.")] = 100_000,
     seed: Annotated[int, typer.Option(help="Random seed: the world is a function of it.")] = 0,
-    drift: Annotated[str, typer.Option(help=f"Drift scenario: {', '.join(DRIFT_SCENARIOS)}.")] = "none",
+    drift: Annotated[Drift, typer.Option(help="Drift scenario.")] = Drift.none,
     drift_day: Annotated[int, typer.Option(min=0, help="First drifted day, counted from 0.")] = 3,
     start: Annotated[str, typer.Option(help="First simulated midnight (UTC), ISO date.")] = "2026-01-01",
     json_out: JsonOption = False,
 ) -> None:
     """Write a synthetic world's events, one parquet file per simulated hour under OUT/YYYY-MM-DD/."""
-    if drift not in DRIFT_SCENARIOS:
-        raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
+    from recloop.simulate import WorldConfig
+
     settings = Settings()
-    config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift,  # type: ignore[arg-type]
+    config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift.value,  # type: ignore[arg-type]
                          drift_day=drift_day, start=_parse_start(start))
     summary = _run_simulation(config, out or settings.landing_dir, quiet=json_out)
     if json_out:
@@ -208,7 +261,7 @@ def _quiet() -> Iterator[None]:
 
 @app.command("train")
 def train_command(
-    mode: Annotated[str, typer.Option(help="full (from scratch) or incremental (warm start).")] = "full",
+    mode: Annotated[Mode, typer.Option(help="full (from scratch) or incremental (warm start).")] = Mode.full,
     days: Annotated[int, typer.Option(min=1, help="Full: days of training rows before the held-out hours.")] = 7,
     epochs: Annotated[int, typer.Option(min=1, help="Full: passes over the window.")] = 1,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Rows per step (default: 16384 on a GPU, 4096 on a CPU).")] = None,
@@ -216,7 +269,7 @@ def train_command(
     replay: Annotated[float, typer.Option(min=0.0, help="Incremental: older hours replayed, per new hour.")] = 0.0,
     warm_start: Annotated[str | None, typer.Option("--from", help="Incremental: a registered version or a "
                                                    "checkpoint folder to start from (default: the champion).")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    device: Annotated[Device, typer.Option(help="auto: CUDA if present.")] = Device.auto,
     deterministic: Annotated[bool, typer.Option(help="Results independent of thread scheduling.")] = False,
     track: Annotated[bool, typer.Option(help="Log the run to MLflow and register the model.")] = True,
     nproc: Annotated[int, typer.Option(min=1, help="Processes (one per GPU): runs this command under torchrun, "
@@ -231,8 +284,7 @@ def train_command(
     from recloop import checkpoint, pipeline
     from recloop.train import TrainConfig, TrainError, train
 
-    if mode not in ("full", "incremental"):
-        raise _fail(f"--mode {mode!r} is not one of full, incremental")
+    mode, device = Mode(mode).value, Device(device).value  # plain strings from here on (checkpoints, JSON)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         raise typer.Exit(_under_torchrun(nproc))
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 tracks and reports
@@ -329,7 +381,10 @@ def promote_command(
     """Make VERSION the champion by hand (the old champion becomes 'previous')."""
     from recloop import registry
 
-    state = registry.promote(Settings(), version, why=why)
+    try:
+        state = registry.promote(Settings(), version, why=why)
+    except registry.UnknownVersion as err:
+        raise _fail(str(err)) from err
     _emit(state) if json_out else console.print(f"aliases: {state}")
 
 
@@ -365,12 +420,9 @@ def serve_command(
     uvicorn.run(create_app(Settings(), dataset), host=host, port=port, log_level="warning")
 
 
-CANARY_ACTIONS = ("status", "step", "promote", "rollback", "start")
-
-
 @app.command("canary")
 def canary_command(
-    action: Annotated[str, typer.Argument(help="status | step | promote | rollback | start")],
+    action: Annotated[CanaryAction, typer.Argument(help="What to do.")],
     config: Annotated[Path | None, typer.Option(help="YAML with CanaryConfig fields (steps, bake_seconds, ...).")]
     = None,
     reason: Annotated[str, typer.Option(help="Why (promote, rollback): recorded in MLflow.")] = "by an operator",
@@ -381,8 +433,7 @@ def canary_command(
     """The canary controller: show the state, judge and act (step), or promote / roll back by hand."""
     from recloop.canary import controller
 
-    if action not in CANARY_ACTIONS:
-        raise _fail(f"unknown action {action!r}: one of {', '.join(CANARY_ACTIONS)}")
+    action = CanaryAction(action).value
     settings = Settings()
     try:
         name = controller.check_model(model)
@@ -474,9 +525,12 @@ def retrain_command(
 
         with _quiet_logs():
             outcome = retrain_flow(mode=mode, reason=reason, settings=settings_parameter(settings))
-        result = {"mode": mode, "version": outcome["train"]["mlflow"]["version"], "gate": {
-            k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary"),
-            "retriever": _retriever_outcome(outcome.get("retriever") or {})}
+        if "skipped" in outcome:  # nothing new since the champion: nothing trained, no version registered
+            result = {"mode": mode, "skipped": outcome["skipped"]}
+        else:
+            result = {"mode": mode, "version": outcome["train"]["mlflow"]["version"], "gate": {
+                k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary")}
+        result["retriever"] = _retriever_outcome(outcome.get("retriever") or {})
     if json_out:
         _emit(result)
     else:
@@ -506,6 +560,8 @@ def up_command(host: Annotated[str, typer.Option(help="Address the services list
     for name, entry in started.items():
         console.print(f"{name:10} {entry['url']:28} {entry['status']} (pid {entry['pid']})")
     console.print("stop them with: recloop down")
+    if any(entry["status"].startswith("failed") for entry in started.values()):
+        raise typer.Exit(1)
 
 
 @app.command("down")
@@ -524,15 +580,14 @@ def demo_command(
     requests_per_day: Annotated[int, typer.Option(min=4, help="Ranking requests simulated users send per day.")]
     = 400,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
-    drift: Annotated[str, typer.Option(help=f"Drift scenario: {', '.join(DRIFT_SCENARIOS)}.")] = "sudden",
+    drift: Annotated[Drift, typer.Option(help="Drift scenario.")] = Drift.sudden,
     drift_day: Annotated[int, typer.Option(min=1, help="First drifted day, counted from 0.")] = 2,
     json_out: JsonOption = False,
 ) -> None:
     """The whole loop over simulated days: serving, feedback, canary, drift checks, retrains; table + HTML report."""
     from recloop.demo import DayRecord, DemoConfig, run_demo
 
-    if drift not in DRIFT_SCENARIOS:
-        raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
+    drift = Drift(drift).value
     settings = Settings()
     config = DemoConfig(days=days, events_per_day=events_per_day, requests_per_day=requests_per_day, seed=seed,
                         drift=drift, drift_day=drift_day)
@@ -540,35 +595,26 @@ def demo_command(
         console.print(f"recloop demo: {days} simulated days, drift '{drift}' from day {drift_day}; "
                       f"home {settings.home.resolve()}")
 
+    live = _StageLine(console, quiet=json_out)
+
     def on_day(record: DayRecord) -> None:
         if not json_out:
-            console.print(f"day {record.day}: {record.events:,} events, {record.requests} requests, drift "
-                          f"{record.drift}, {record.retrain} → v{record.candidate_version} {record.gate}; canary "
-                          f"{', '.join(record.canary) or '-'}; retriever v{record.retriever_version or '-'} "
-                          f"{record.retriever_gate} (oracle recall {_fmt(record.retriever_oracle_recall)}), "
-                          f"/recommend {record.recommend_clicks} clicks ({record.seconds} s)")
+            live.done(f"day {record.day}: {record.events:,} events, {record.requests} requests, drift "
+                      f"{record.drift}, {record.retrain} → v{record.candidate_version} {record.gate}; canary "
+                      f"{', '.join(record.canary) or '-'}; retriever v{record.retriever_version or '-'} "
+                      f"{record.retriever_gate} (oracle recall {_fmt(record.retriever_oracle_recall)}), "
+                      f"/recommend {record.recommend_clicks} clicks ({record.seconds} s)")
 
     import os
 
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-    with _quiet_logs():
-        summary = run_demo(settings, config, on_day=on_day)
+    with _quiet_logs(), live:
+        summary = run_demo(settings, config, on_day=on_day, on_stage=live.stage)
     if json_out:
         _emit(summary)
         return
-    table = Table(title="recloop demo", show_edge=False)
-    for column in ("day", "events", "drift", "retrain", "cand. AUC", "champ. AUC", "oracle AUC", "gate", "canary",
-                   "champion", "online CTR", "vs oracle", "never retrained", "retr. oracle recall", "path clicks",
-                   "path vs oracle"):
-        table.add_column(column, justify="right")
-    for day in summary["days"]:
-        table.add_row(str(day["day"]), f"{day['events']:,}", day["drift"], day["retrain"], _fmt(day["candidate_auc"]),
-                      _fmt(day["champion_auc"]), _fmt(day["oracle_auc"]), day["gate"],
-                      "\n".join(day["canary"]) or "-", day["champion"] or "-",
-                      "\n".join(f"v{v}: {c:.3f}" for v, c in day["online_ctr"].items()) or "-",
-                      _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]), _fmt(day["retriever_oracle_recall"]),
-                      str(day["recommend_clicks"]) if day["recommend_requests"] else "-", _fmt(day["recommend_vs_oracle"]))
-    Console(stderr=True, width=max(console.width, 200)).print(table)
+    width = min(console.width, DEMO_WIDTH) if console.is_terminal else DEMO_WIDTH  # a log file is not 80 wide
+    Console(stderr=True, width=width).print(demo_table(summary))
     efficacy = summary.get("efficacy")
     if efficacy:
         console.print(f"loop efficacy: two cycles after the drift the served ranking earns {efficacy['recovery']:.1%} "
@@ -579,6 +625,66 @@ def demo_command(
                   f"full retrains triggered by drift: {summary['full_retrains']}; total {summary['seconds']} s")
     console.print(f"report: {summary['report']}")
     console.print("review it all: .venv/bin/recloop up  (Prefect, MLflow and Evidently UIs, the serving API)")
+
+
+DEMO_WIDTH = 120
+
+
+def demo_table(summary: dict) -> Table:
+    """The demo's per-day table, narrow enough for 120 columns: the AUCs and the drift's reasons are in
+    ``--json`` and the HTML report."""
+    from rich import box
+
+    table = Table(title="recloop demo", box=box.SIMPLE_HEAD, padding=(0, 0),
+                  caption="vs oracle: the served ranking's clicks as a share of the oracle's; frozen: the same for "
+                  "the day-0 model never retrained; path: /recommend's clicks. AUCs, reasons, retrieval's oracle recall: "
+                  "--json and the report.")
+    for column in ("day", "events", "drift", "retrain", "gate", "canary", "champion", "online CTR", "vs oracle",
+                   "frozen", "path"):
+        table.add_column(column, justify="right" if column in ("day", "events", "vs oracle", "frozen", "path")
+                         else "left")
+    for day in summary["days"]:
+        verdict = day["gate"].replace("passed → ", "→ ")
+        table.add_row(str(day["day"]), f"{day['events']:,}", day["drift"], day["retrain"],
+                      f"v{day['candidate_version']} {verdict}" if day.get("candidate_version") else verdict,
+                      "\n".join(day["canary"]) or "-", f"v{day['champion']}" if day["champion"] else "-",
+                      "\n".join(f"v{v}: {c:.3f}" for v, c in day["online_ctr"].items()) or "-",
+                      _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]),
+                      str(day.get("recommend_clicks", 0)) if day.get("recommend_requests") else "-")
+    return table
+
+
+class _StageLine:
+    """The demo's current stage: one live line on a terminal (``day 2 · features · 14 s``), replaced by each
+    day's summary when it ends; a plain line per stage when stderr is not a terminal (logs, CI)."""
+
+    def __init__(self, console: Console, quiet: bool):
+        import time
+
+        self.console, self.quiet, self.clock = console, quiet, time.perf_counter
+        self.status = None if quiet or not console.is_terminal else console.status("")
+        self.began = self.clock()
+
+    def __enter__(self):
+        if self.status is not None:
+            self.status.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.status is not None:
+            self.status.__exit__(*exc)
+
+    def stage(self, day: int, what: str) -> None:
+        if self.quiet:
+            return
+        line = f"day {day} · {what} · {self.clock() - self.began:.0f} s"
+        if self.status is not None:
+            self.status.update(line)
+        else:
+            self.console.print(line, highlight=False, soft_wrap=True)
+
+    def done(self, line: str) -> None:
+        self.console.print(line, highlight=False, soft_wrap=True)
 
 
 def _fmt(value) -> str:

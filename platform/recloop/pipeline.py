@@ -97,6 +97,36 @@ def warm_start_checkpoint(settings: Settings, source: str | Path | None = None) 
     return checkpoint.resolve(settings, champion)
 
 
+@dataclass(frozen=True)
+class Pending:
+    """What an incremental run from the champion would train on: the hours it has not seen (held-out hours
+    excluded). ``hours`` empty: nothing new, and a retrain would register a model of hours already seen."""
+
+    champion: str | None
+    trained_until: str | None
+    hours: list[str]
+
+    @property
+    def nothing_new(self) -> bool:
+        return self.champion is not None and not self.hours
+
+    def to_dict(self) -> dict:
+        return {"champion": self.champion, "trained_until": self.trained_until, "hours": len(self.hours),
+                "first": self.hours[0] if self.hours else None, "last": self.hours[-1] if self.hours else None}
+
+
+def pending_hours(settings: Settings, config: TrainConfig) -> Pending:
+    """The hours an incremental run from the champion would train on (no champion: ``champion`` is None)."""
+    from recloop import checkpoint, registry
+    from recloop.train import trainable_files, unseen
+
+    champion = registry.version_by_alias(settings, "champion")
+    if champion is None:
+        return Pending(None, None, [])
+    base = checkpoint.read(checkpoint.resolve(settings, champion))
+    return Pending(champion, base["trained_until"], [f.stem for f in unseen(trainable_files(settings, config), base)])
+
+
 def register_training(settings: Settings, summary: TrainSummary) -> LoggedModel:
     """Log a training run to MLflow and register its model (once per run: a rerun finds it)."""
     import pyarrow.parquet as pq

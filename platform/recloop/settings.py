@@ -27,8 +27,9 @@ class Settings(BaseSettings):
     Args:
         home: root folder for the landing zone, lake, quarantine and the embedded stores.
         mlflow_tracking_uri: MLflow tracking server or store; empty means SQLite under ``home``.
-        mlflow_artifact_uri: where MLflow puts artifacts (``s3://...`` with the object store); empty means
-            files under ``home``.
+        mlflow_artifact_uri: where MLflow puts artifacts (``mlflow-artifacts:/recloop`` through a server that
+            proxies its object store, or ``s3://...``); empty means the tracking server's default, or files
+            under ``home`` without a server.
         prefect_api_url: a Prefect server; empty means Prefect's temporary local server.
         feast_repo: the Feast repository folder (``feature_repo/`` of the checkout by default).
         feast_online_store: ``sqlite`` (a file under ``home``) or ``redis`` (at ``redis_url``).

@@ -169,13 +169,24 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
     validation, trainable = files[-config.validation_hours:], files[:-config.validation_hours]
     if base is None:
         return Windows(trainable[-config.days * 24:], validation, config.epochs)
-    new = [f for f in trainable if f.stem >= base["trained_until"]]
+    new = unseen(trainable, base)
     if not new:
         raise TrainError(f"nothing new to train on: the checkpoint has seen every hour up to {base['trained_until']}")
     older = [f for f in trainable if f.stem < base["trained_until"]]
     replay_count = min(len(older), math.ceil(len(new) * config.replay_fraction))
     replay = sorted(np.random.default_rng(config.seed).choice(len(older), replay_count, replace=False).tolist())
     return Windows([older[i] for i in replay] + new, validation, 1)
+
+
+def unseen(files: list[Path], base: dict) -> list[Path]:
+    """The hourly files a checkpoint has not trained on (from its ``trained_until`` hour on)."""
+    return [f for f in files if f.stem >= base["trained_until"]]
+
+
+def trainable_files(settings: Settings, config: TrainConfig) -> list[Path]:
+    """The hourly training files a run may train on: all but the newest ``validation_hours`` (held out)."""
+    files = training_files(FeatureLayout.for_settings(settings).training)
+    return files[:-config.validation_hours] if config.validation_hours else files
 
 
 def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = None,
