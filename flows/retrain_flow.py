@@ -78,7 +78,7 @@ def _retrain(mode: str, reason: str, spec: str, days: int, epochs: int, batch_si
             result["skipped"] = (f"no new hours: champion v{pending['champion']} has trained on every hour up to "
                                  f"{pending['trained_until']} (held-out hours excluded); nothing trained, no version "
                                  "registered")
-            return _finish(settings, "Skipped", result["skipped"], result, retriever_step)
+            return _finish(settings, "Skipped", result["skipped"], result)  # the retriever has nothing new either
         if pending["hours"]:
             log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs if mode == "full" else 1,

@@ -637,20 +637,18 @@ def demo_table(summary: dict) -> Table:
 
     table = Table(title="recloop demo", box=box.SIMPLE_HEAD, padding=(0, 0),
                   caption="vs oracle: the served ranking's clicks as a share of the oracle's; frozen: the same for "
-                  "the day-0 model never retrained; path: /recommend's clicks. AUCs, reasons, retrieval's oracle recall: "
+                  "the day-0 model never retrained. AUCs, reasons and the recommendation path (each day's line above): "
                   "--json and the report.")
     for column in ("day", "events", "drift", "retrain", "gate", "canary", "champion", "online CTR", "vs oracle",
-                   "frozen", "path"):
-        table.add_column(column, justify="right" if column in ("day", "events", "vs oracle", "frozen", "path")
-                         else "left")
+                   "frozen"):
+        table.add_column(column, justify="right" if column in ("day", "events", "vs oracle", "frozen") else "left")
     for day in summary["days"]:
         verdict = day["gate"].replace("passed → ", "→ ")
         table.add_row(str(day["day"]), f"{day['events']:,}", day["drift"], day["retrain"],
                       f"v{day['candidate_version']} {verdict}" if day.get("candidate_version") else verdict,
                       "\n".join(day["canary"]) or "-", f"v{day['champion']}" if day["champion"] else "-",
                       "\n".join(f"v{v}: {c:.3f}" for v, c in day["online_ctr"].items()) or "-",
-                      _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]),
-                      str(day.get("recommend_clicks", 0)) if day.get("recommend_requests") else "-")
+                      _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]))
     return table
 
 
