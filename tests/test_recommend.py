@@ -318,3 +318,20 @@ def test_no_retriever_answers_503_with_the_reason(champion_home: Settings, tmp_p
         answer = httpx.post(f"{server.url}/recommend", json={"user_id": 3, "k": 5}, timeout=30)
         assert answer.status_code == 503 and "recloop-retriever" in answer.json()["detail"]
         assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200  # /rank does not need one
+
+
+def test_an_incremental_retriever_starts_from_the_retriever_champion(home: Settings):
+    """The retrain flow's retriever step: warm start from the registered champion (through the registry, not
+    a path on the trainer's disk); with no hour the champion has not seen, nothing is trained."""
+    from recloop import checkpoint, pipeline
+    from recloop.retrieval.train import RetrievalTrainError
+
+    champion = registry.version_by_alias(home, "champion", RETRIEVER_NAME)
+    base = pipeline.retriever_warm_start(home)
+    assert base == checkpoint.resolve(home, champion, RETRIEVER_NAME) and (base / "state.json").exists()
+    versions = registry.aliases(home, RETRIEVER_NAME)
+    with pytest.raises(RetrievalTrainError, match="nothing new to train on"):
+        pipeline.train_and_register_retriever(
+            home, RetrievalTrainConfig(mode="incremental", validation_hours=12, device="cpu")
+        )
+    assert registry.aliases(home, RETRIEVER_NAME) == versions
