@@ -7,12 +7,12 @@ from recloop.flow_support import log, markdown_table, publish, run_name, setting
 
 
 @task(retries=2, retry_delay_seconds=10, persist_result=True, result_serializer="json")
-def features_task(spec: str, settings: dict | None) -> dict:
+def features_task(spec: str | None, settings: dict | None) -> dict:
     return pipeline.build_features(settings_from(settings), spec).to_dict()
 
 
 @flow(name="features", flow_run_name=lambda: run_name("features"), log_prints=True)
-def features_flow(spec: str = "synthetic", settings: dict | None = None) -> dict:
+def features_flow(spec: str | None = None, settings: dict | None = None) -> dict:
     summary = features_task(spec, settings)
     log("features for %s..%s: %s rows, %s hours written", summary["start"], summary["end"], summary["rows"],
         summary["hours_written"])

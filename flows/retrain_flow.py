@@ -19,7 +19,7 @@ from flows.gate_flow import gate_flow
 from flows.ingest_flow import ingest_flow
 from flows.retriever_flow import retriever_flow
 from flows.train_flow import train_flow
-from recloop import pipeline
+from recloop import datasets, pipeline
 from recloop.flow_support import (
     SlotBusy,
     log,
@@ -43,15 +43,15 @@ def pending_task(validation_hours: int, settings: dict | None) -> dict:
 @flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True, on_failure=[record_failed_run],
       on_crashed=[record_failed_run])
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
-                 spec: str = "synthetic", days: int = 7, epochs: int = 1, batch_size: int | None = None,
+                 spec: str | None = None, days: int = 7, epochs: int = 1, batch_size: int | None = None,
                  validation_hours: int = 6, canary_config: str | None = None,
                  gate_thresholds: str | None = None, slot_timeout_seconds: float = 3600,
                  retriever: bool = True, retriever_thresholds: str | None = None, retriever_epochs: int = 3,
                  settings: dict | None = None) -> dict:
     retriever_step = None
     if retriever:
-        def retriever_step() -> dict:
-            return retriever_flow(mode=mode, spec=spec, days=days, epochs=retriever_epochs,
+        def retriever_step(resolved_spec: str) -> dict:
+            return retriever_flow(mode=mode, spec=resolved_spec, days=days, epochs=retriever_epochs,
                                   validation_hours=validation_hours, thresholds_path=retriever_thresholds,
                                   canary_config=canary_config, settings=settings)
     try:
@@ -64,10 +64,11 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
         return Cancelled(message=str(busy))
 
 
-def _retrain(mode: str, reason: str, spec: str, days: int, epochs: int, batch_size: int | None,
+def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, batch_size: int | None,
              validation_hours: int, canary_config: str | None, gate_thresholds: str | None, settings: dict | None,
              retriever_step=None):
-    result: dict = {"mode": mode, "reason": reason}
+    spec = datasets.source(settings_from(settings), spec)  # resolved once, for every stage below
+    result: dict = {"mode": mode, "reason": reason, "spec": spec}
     log("%s retrain (%s)", mode, reason)
     result["ingest"] = ingest_flow(spec, settings=settings)
     result["features"] = features_flow(spec, settings=settings)
@@ -101,7 +102,7 @@ def _retrain(mode: str, reason: str, spec: str, days: int, epochs: int, batch_si
 def _finish(settings: dict | None, name: str, message: str, result: dict, retriever_step=None):
     """The run's outcome is the ranker's; the retriever's steps (run here, in the same slot) add to its message."""
     if retriever_step is not None:
-        result["retriever"] = retriever = retriever_step()
+        result["retriever"] = retriever = retriever_step(result["spec"])
         gate = retriever.get("gate")
         message += ("; retriever: " + retriever["train"]["skipped"] if gate is None else
                     f"; retriever v{gate['version']} " + (f"passed its gate → {gate['alias']}" if gate["passed"]

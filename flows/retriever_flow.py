@@ -12,12 +12,14 @@ from recloop.registry import RETRIEVER_NAME
 
 
 @task(retries=1, retry_delay_seconds=30, persist_result=True, result_serializer="json")
-def train_retriever_task(config: dict, spec: str, settings: dict | None) -> dict:
+def train_retriever_task(config: dict, spec: str | None, settings: dict | None) -> dict:
+    from recloop import datasets
     from recloop.retrieval.train import RetrievalTrainConfig, RetrievalTrainError
 
+    resolved = settings_from(settings)
     try:
-        trained = pipeline.train_and_register_retriever(settings_from(settings),
-                                                        RetrievalTrainConfig(**config, spec=spec))
+        trained = pipeline.train_and_register_retriever(
+            resolved, RetrievalTrainConfig(**config, spec=datasets.source(resolved, spec)))
     except RetrievalTrainError as err:  # e.g. no new hours since the champion: nothing to train, not a failure
         return {"skipped": str(err)}
     return trained.to_dict()
@@ -35,7 +37,7 @@ def gate_retriever_task(version: str, thresholds_path: str | None, settings: dic
 
 
 @flow(name="retriever", log_prints=True)
-def retriever_flow(mode: Literal["incremental", "full"] = "incremental", spec: str = "synthetic", days: int = 7,
+def retriever_flow(mode: Literal["incremental", "full"] = "incremental", spec: str | None = None, days: int = 7,
                    epochs: int = 3, validation_hours: int = 6, thresholds_path: str | None = None,
                    canary_config: str | None = None, settings: dict | None = None) -> dict:
     result: dict = {"train": train_retriever_task({"mode": mode, "days": days, "epochs": epochs if mode == "full" else 1,

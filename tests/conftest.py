@@ -40,6 +40,12 @@ except (
 ):  # a GPU machine with torch, triton, numpy, pandas and pyarrow only (benchmarks/gpu_suite.py):
     Settings = None  # the kernel, loader and trainer-core tests run there; fixtures needing settings do not
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker per core, at most four (each worker trains the session's champion and starts
+    its own Prefect server; beyond four the shared services and the disk are the bottleneck)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 SERVICES = {"redis": ("127.0.0.1", 6379), "postgres": ("127.0.0.1", 5432)}
 
 

@@ -178,3 +178,19 @@ H = timedelta(hours=1)
 def test_choose_windows(newest, trained, reference, current):
     got_reference, got_current = choose_windows(newest, hours=24, trained=trained, reference_days=2)
     assert (got_reference, got_current) == (reference, current)
+
+
+def test_drift_refuses_to_decide_on_too_few_rows():
+    from recloop.monitor.decision import MonitorConfig, insufficient
+
+    decision = insufficient(2, 3, MonitorConfig())  # what once decided "drift"
+    assert decision is not None and decision.decision == "insufficient_data"
+    assert "2 in the reference window and 3 in the current one" in decision.reasons[0]
+    assert insufficient(500, 500, MonitorConfig()) is None
+    assert not should_retrain_on(decision)
+
+
+def should_retrain_on(decision) -> bool:
+    from recloop.monitor.decision import TriggerConfig
+
+    return decision.decision in TriggerConfig().retrain_on

@@ -108,12 +108,18 @@ def _progress(description: str, total: int, quiet: bool) -> Iterator[Progress]:
         yield progress
 
 
-def _load_spec(name: str):
-    """The dataset spec, or exit 2 with the spec's own message."""
-    from recloop.schema import SpecError, load_spec
+SpecOption = Annotated[str | None, typer.Option(
+    "--spec", help="Dataset spec: a shipped name (synthetic, criteo) or a YAML file of any name; default: "
+    "RECLOOP_SPEC, else the spec this home last used, else synthetic.")]
+
+
+def _load_spec(settings: Settings, name: str | None):
+    """The dataset spec, resolved once (``recloop.datasets``), or exit 2 with the spec's own message."""
+    from recloop import datasets
+    from recloop.schema import SpecError
 
     try:
-        return load_spec(name)
+        return datasets.resolve(settings, name)
     except SpecError as err:
         raise _fail(str(err)) from err
 
@@ -133,8 +139,9 @@ def _run_simulation(config: WorldConfig, out: Path, quiet: bool) -> SimulationSu
         return simulate(config, out, on_hour=lambda day, hour: progress.advance(0))
 
 
-def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -> IngestSummary:
-    spec = _load_spec(spec_name)
+def _run_ingest(source: Path, spec_name: str | None, settings: Settings, quiet: bool,
+                reingest: bool = False) -> IngestSummary:
+    spec = _load_spec(settings, spec_name)
     from recloop.ingest.run import discover, ingest
 
     try:
@@ -148,7 +155,7 @@ def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -
             console.print(f"[yellow]{result.status}[/] {result.path}: {result.error}")
 
     with _progress(f"ingesting ({spec.name})", total, quiet) as progress:
-        return ingest(source, spec, settings, on_file=on_file)
+        return ingest(source, spec, settings, on_file=on_file, reingest=reingest)
 
 
 def _print_ingest(summary: IngestSummary) -> None:
@@ -168,6 +175,11 @@ def _print_ingest(summary: IngestSummary) -> None:
         console.print("quarantined rows by reason: " + ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())))
     if summary.recovered:
         console.print(f"finished {len(summary.recovered)} commit(s) left by an interrupted run")
+    hints = list(dict.fromkeys(h for result in summary.results for h in result.hints))
+    for hint in hints:
+        console.print(f"[yellow]hint[/]: {hint}")
+    if hints or summary.rows_quarantined:
+        console.print("after fixing the spec: `recloop quarantine replay --spec SPEC` lands the rows that pass now")
 
 
 def _emit(payload: dict) -> None:
@@ -202,14 +214,40 @@ def simulate_command(
 @app.command("ingest")
 def ingest_command(
     source: Annotated[Path | None, typer.Argument(help="File or folder (default: $RECLOOP_HOME/landing).")] = None,
-    spec: Annotated[str, typer.Option(help="Dataset spec: a shipped name (synthetic, criteo) or a YAML path.")] = (
-        "synthetic"
-    ),
+    spec: SpecOption = None,
+    reingest: Annotated[bool, typer.Option("--reingest", help="Read SOURCE again even if the ledger has it under "
+                                           "this spec (rows already in the lake count as duplicates).")] = False,
     json_out: JsonOption = False,
 ) -> None:
-    """Validate and land parquet, CSV or Criteo TSV files into the lake; bad rows go to quarantine."""
+    """Validate and land parquet, CSV or Criteo files into the lake; bad rows go to quarantine.
+
+    The ledger knows a file by its content and the spec's version: after a fix to the spec the same file
+    is read again; --reingest reads it again under an unchanged spec.
+    """
     settings = Settings()
-    summary = _run_ingest(source or settings.landing_dir, spec, settings, quiet=json_out)
+    if reingest and source is None:
+        raise _fail("--reingest needs the FILE (or folder) to read again")
+    summary = _run_ingest(source or settings.landing_dir, spec, settings, quiet=json_out, reingest=reingest)
+    if json_out:
+        _emit(summary.to_dict())
+    else:
+        _print_ingest(summary)
+
+
+@app.command("quarantine")
+def quarantine_command(
+    action: Annotated[str, typer.Argument(help="replay: quarantined rows through the spec again.")],
+    spec: SpecOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """replay: run quarantined rows through the (fixed) spec; those that pass land, the rest stay quarantined."""
+    from recloop.ingest.run import replay_quarantine
+
+    if action != "replay":
+        raise _fail(f"unknown action {action!r}: replay")
+    settings = Settings()
+    dataset = _load_spec(settings, spec)
+    summary = replay_quarantine(settings, dataset)
     if json_out:
         _emit(summary.to_dict())
     else:
@@ -221,7 +259,7 @@ def _run_features(settings: Settings, dataset, window: dict, quiet: bool, materi
     from recloop import pipeline
 
     with console.status("building features and updating Feast", spinner="dots") if not quiet else _quiet():
-        return pipeline.build_features(settings, dataset.name, window, materialize).to_dict()
+        return pipeline.build_features(settings, dataset, window, materialize).to_dict()
 
 
 def _print_features(summary: dict) -> None:
@@ -239,13 +277,13 @@ def _print_features(summary: dict) -> None:
 def features_command(
     start: Annotated[str | None, typer.Option(help="Window start (UTC, ISO); default: where the last run ended.")] = None,
     end: Annotated[str | None, typer.Option(help="Window end (UTC, ISO); default: after the newest event.")] = None,
-    spec: Annotated[str, typer.Option(help="Dataset spec of the lake's events.")] = "synthetic",
+    spec: SpecOption = None,
     materialize: Annotated[bool, typer.Option(help="Apply the Feast repo if needed and load the online store.")] = True,
     json_out: JsonOption = False,
 ) -> None:
     """Build features for a window: vocabularies, training rows, entity tables; then update Feast."""
     settings = Settings()
-    dataset = _load_spec(spec)
+    dataset = _load_spec(settings, spec)
     window = {k: _parse_start(v) for k, v in (("start", start), ("end", end)) if v}
     summary = _run_features(settings, dataset, window, json_out, materialize)
     if json_out:
@@ -317,6 +355,9 @@ def train_command(
     console.print(f"{summary.mode} run {summary.run_id}: {summary.samples:,} samples in {summary.seconds} s "
                   f"({summary.samples_per_s:,.0f}/s); validation AUC {summary.auc:.4f}{oracle}, log loss "
                   f"{summary.logloss:.4f}, calibration {summary.calibration:.3f} on {summary.validation_rows:,} rows")
+    if summary.baselines:
+        console.print("baselines on the same rows (AUC): " + ", ".join(
+            f"{name} {scores['auc']:.4f}" for name, scores in summary.baselines.items()))
     if summary.grown_tables:
         console.print(f"tables grown: {summary.grown_tables}")
     console.print(f"checkpoint: {summary.checkpoint}")
@@ -407,15 +448,14 @@ def rollback_command(
 def serve_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
-    spec: Annotated[str, typer.Option(help="Dataset spec of the requests' context and of the feedback.")]
-    = "synthetic",
+    spec: SpecOption = None,
 ) -> None:
     """Run the serving API (/rank, /feedback, /healthz, /metrics, /admin/*) on the registry's models."""
     import uvicorn
 
     from recloop.serve.app import create_app
 
-    dataset = _load_spec(spec)
+    dataset = _load_spec(Settings(), spec)
     console.print(f"serving on http://{host}:{port} (models from {Settings().resolved_mlflow_tracking_uri()})")
     uvicorn.run(create_app(Settings(), dataset), host=host, port=port, log_level="warning")
 
@@ -468,19 +508,29 @@ def drift_command(
     hours: Annotated[int, typer.Option(min=1, help="Newest hours of events to check.")] = 24,
     reference_days: Annotated[int, typer.Option(min=1, help="Reference when there is no champion: days "
                                                 "before the checked hours.")] = 7,
-    spec: Annotated[str, typer.Option(help="Dataset spec of the lake's events.")] = "synthetic",
+    spec: SpecOption = None,
     config: Annotated[Path | None, typer.Option(help="YAML of MonitorConfig fields (thresholds, per-column "
-                                                "drift methods).")] = None,
+                                                "drift methods, min_rows).")] = None,
+    current: Annotated[str | None, typer.Option(help="The checked window START..END (UTC, ISO), instead of the "
+                                                "newest --hours.")] = None,
+    reference: Annotated[str | None, typer.Option(help="The reference window START..END (UTC, ISO); with "
+                                                  "--current.")] = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Check the newest events for drift and broken columns against the champion's training window."""
+    """Check the newest events for drift and broken columns against the champion's training window.
+
+    Below MonitorConfig's min_rows events in either window the answer is insufficient_data (never a retrain).
+    """
     from recloop import pipeline
     from recloop.monitor.runner import MonitorError, load_config
 
-    _load_spec(spec)
+    dataset = _load_spec(Settings(), spec)
+    if (current is None) != (reference is None):
+        raise _fail("--current and --reference go together (each START..END)")
+    windows = (_window("--reference", reference), _window("--current", current)) if current else None
     try:
-        result = pipeline.check_drift(Settings(), spec, hours=hours, reference_days=reference_days,
-                                      config=load_config(config)).to_dict()
+        result = pipeline.check_drift(Settings(), dataset, hours=hours, reference_days=reference_days,
+                                      config=load_config(config), windows=windows).to_dict()
     except (MonitorError, ValueError, OSError) as err:
         raise _fail(str(err)) from err
     if json_out:
@@ -491,19 +541,33 @@ def drift_command(
                   + "; ".join(result["reasons"]))
 
 
+def _window(option: str, value: str) -> tuple[datetime, datetime]:
+    start, sep, end = value.partition("..")
+    if not sep:
+        raise _fail(f"{option} {value!r} is not START..END (e.g. 2015-01-01..2015-02-01)")
+    first, last = _parse_start(start), _parse_start(end)
+    if first >= last:
+        raise _fail(f"{option} {value!r}: the start must be before the end")
+    return first, last
+
+
 @app.command("retrain")
 def retrain_command(
     full: Annotated[bool, typer.Option("--full", help="Full retrain from scratch instead of incremental.")] = False,
     reason: Annotated[str, typer.Option(help="Why: recorded on the flow run.")] = "by hand",
     wait: Annotated[bool, typer.Option(help="With a Prefect server: wait for the run to finish.")] = False,
+    spec: SpecOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """Start a retrain now: the deployment on the Prefect server (RECLOOP_PREFECT_API_URL), else the flow here."""
     import os
 
+    from recloop import datasets
     from recloop.flow_support import configure_prefect
 
     settings = Settings()
+    _load_spec(settings, spec)  # validated (exit 2 on a bad spec) and remembered by this home
+    spec_source = datasets.source(settings, spec)
     configure_prefect(settings)
     mode = "full" if full else "incremental"
     if os.environ.get("PREFECT_API_URL"):
@@ -515,7 +579,8 @@ def retrain_command(
 
         name = f"retrain/{mode}-retrain"
         try:
-            run = run_deployment(name, parameters={"mode": mode, "reason": reason}, timeout=None if wait else 0)
+            run = run_deployment(name, parameters={"mode": mode, "reason": reason, "spec": spec_source},
+                                 timeout=None if wait else 0)
         except Exception as err:  # noqa: BLE001 - e.g. not deployed yet: say so in one line
             raise _fail(f"could not start deployment {name!r} ({err}); run `prefect deploy --all` first") from err
         result = {"deployment": name, "flow_run_id": str(run.id), "state": run.state.name if run.state else None}
@@ -524,13 +589,15 @@ def retrain_command(
         from recloop.flow_support import settings_parameter
 
         with _quiet_logs():
-            outcome = retrain_flow(mode=mode, reason=reason, settings=settings_parameter(settings))
+            outcome = retrain_flow(mode=mode, reason=reason, spec=spec_source, settings=settings_parameter(settings))
+        ingested = {k: outcome["ingest"][k] for k in ("rows_in", "rows_landed", "rows_quarantined")}
         if "skipped" in outcome:  # nothing new since the champion: nothing trained, no version registered
-            result = {"mode": mode, "skipped": outcome["skipped"]}
+            result = {"mode": mode, "spec": spec_source, "ingest": ingested, "skipped": outcome["skipped"]}
         else:
-            result = {"mode": mode, "version": outcome["train"]["mlflow"]["version"], "gate": {
-                k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary")}
-        result["retriever"] = _retriever_outcome(outcome.get("retriever") or {})
+            result = {"mode": mode, "spec": spec_source, "version": outcome["train"]["mlflow"]["version"],
+                      "ingest": ingested, "gate": {k: outcome["gate"][k] for k in ("passed", "alias", "reasons")},
+                      "canary": outcome.get("canary")}
+            result["retriever"] = _retriever_outcome(outcome.get("retriever") or {})
     if json_out:
         _emit(result)
     else:
@@ -683,6 +750,53 @@ class _StageLine:
 
     def done(self, line: str) -> None:
         self.console.print(line, highlight=False, soft_wrap=True)
+
+
+@app.command("replay")
+def replay_command(
+    data: Annotated[Path, typer.Option(help="Your event log: a parquet/CSV file or a folder of them.")],
+    spec: SpecOption = None,
+    period: Annotated[str, typer.Option(help="day, week, month (30 days) or auto (from the log's density).")]
+    = "auto",
+    periods: Annotated[int, typer.Option(min=1, help="Periods replayed after the first model's bootstrap.")] = 6,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes of each full retrain.")] = 3,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    json_out: JsonOption = False,
+) -> None:
+    """Your own timestamped log through the loop, period by period: ingest, features, retrain, gate, drift;
+    held-out AUC/NDCG of the models and the simple baselines per period; HTML report."""
+    import os
+
+    from recloop.replay import PERIODS, PeriodRecord, ReplayConfig, ReplayError, run_replay
+
+    if period != "auto" and period not in PERIODS:
+        raise _fail(f"--period {period!r} is not one of auto, {', '.join(PERIODS)}")
+    if not data.exists():
+        raise _fail(f"--data {data} does not exist")
+    settings = Settings()
+    dataset = _load_spec(settings, spec)
+    config = ReplayConfig(period=period, periods=periods, epochs=epochs, device=device)  # type: ignore[arg-type]
+
+    def on_period(record: PeriodRecord) -> None:
+        if json_out:
+            return
+        figures = ", ".join(f"{name} {scores['auc']:.4f}" for name, scores in record.scores.items()
+                            if scores.get("auc") is not None)
+        console.print(f"period {record.period} ({record.start[:10]}): {record.landed:,} events; AUC {figures}; "
+                      f"drift {record.drift}; incremental v{record.incremental_version} {record.gate}; "
+                      f"full {record.full_retrain} ({record.seconds} s)")
+
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    try:
+        with _quiet_logs():
+            summary = run_replay(settings, dataset, data, config, on_period=on_period)
+    except ReplayError as err:
+        raise _fail(str(err)) from err
+    if json_out:
+        _emit(summary)
+        return
+    console.print(f"replayed {len(summary['periods'])} {summary['period']}s in {summary['seconds']} s; "
+                  f"report: {summary['report']}")
 
 
 def _fmt(value) -> str:

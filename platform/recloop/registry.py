@@ -140,6 +140,11 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
                    "validation_rows": summary.validation_rows}
         if summary.oracle_auc is not None:
             figures["oracle_auc"] = summary.oracle_auc
+        figures["ndcg"] = summary.ndcg
+        for name, scores in summary.baselines.items():  # recloop.gate.baselines on the same held-out rows
+            for metric in ("auc", "logloss", "ndcg"):
+                if scores.get(metric) is not None:
+                    figures[f"baseline_{name}_{metric}"] = scores[metric]
         for name, scores in summary.slices.items():
             figures[f"slice_auc.{name.replace('=', '.')}"] = scores["auc"]
         mlflow.log_metrics({k: float(v) for k, v in figures.items() if v == v})
@@ -157,6 +162,8 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             "recloop.warm_start": summary.warm_start or "",
         })
         mlflow.log_dict(_flatten("", {"slices": summary.slices}, {}), "validation_slices.json")
+        if summary.baselines:
+            mlflow.log_dict(summary.baselines, "baselines.json")
         inputs = example[[c for c in example.columns if c.startswith(("d_", "c_", "m_"))]]
         with warnings.catch_warnings():  # its hint about integer columns: ours are indices, never missing
             warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")

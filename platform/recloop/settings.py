@@ -57,6 +57,8 @@ class Settings(BaseSettings):
         dask_partitions: hash partitions of the entity keys (0: two per worker).
         journal: where serving replicas keep their journal: ``sqlite`` (a file under ``home``, one host) or
             ``postgres`` (at ``postgres_dsn``, shared by every replica).
+        spec: the dataset spec every command and flow uses when none is given (a shipped name or a YAML
+            path); empty means the spec this home last worked with, else ``synthetic`` (``recloop.datasets``).
         recommend_candidates: items ``/recommend`` retrieves before filtering and ranking.
         recommend_seen_hours: ``/recommend`` leaves out items the user was shown or clicked within this
             many hours (event time; 0 turns the rule off).
@@ -94,6 +96,7 @@ class Settings(BaseSettings):
     dask_workers: int = 2
     dask_partitions: int = 0
     journal: Literal["sqlite", "postgres"] = "sqlite"
+    spec: str = ""
     recommend_candidates: int = Field(default=500, ge=1, le=5000)
     recommend_seen_hours: float = Field(default=24.0, ge=0.0)
     recommend_category_cap: int = Field(default=3, ge=0)

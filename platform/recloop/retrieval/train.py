@@ -77,7 +77,8 @@ class RetrievalTrainConfig:
         eval_ks: the K of recall@K and NDCG@K in the summary (the largest is retrieved).
         seed, device: reproducibility and placement (``auto``: CUDA when present).
         model, features, index: the towers, which columns feed them, the ANN index.
-        spec: the dataset spec of the lake (the catalog's raw item attributes are read from it).
+        spec: the dataset spec of the lake, a shipped name or a YAML path (the catalog's raw item attributes
+            are read from it).
     """
 
     mode: Literal["full", "incremental"] = "full"
@@ -222,10 +223,10 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
 def catalog_attributes(settings: Settings, config: RetrievalTrainConfig, raw_ids: np.ndarray
                        ) -> dict[str, np.ndarray]:
     """The catalog items' newest raw attributes in the lake (``features.item_attributes``)."""
+    from recloop import datasets
     from recloop.ingest.lake import read_window
-    from recloop.schema import load_spec
 
-    spec = load_spec(config.spec)
+    spec = datasets.resolve(settings, config.spec, remember=False)
     wanted = [c.name for c in spec.columns if c.name in config.features.item_attributes]
     events = read_window(settings, spec, None, None, columns=[spec.item_key, spec.timestamp, *wanted])
     return newest_attributes(events, spec.item_key, spec.timestamp, tuple(wanted), raw_ids)
