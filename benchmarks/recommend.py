@@ -44,7 +44,7 @@ from recloop.features.job import FeatureLayout
 from recloop.features.vocab import FIRST_INDEX
 from recloop.model.retrieval import TwoTowerModel
 from recloop.registry import RETRIEVER_NAME
-from recloop.retrieval.data import ItemCatalog
+from recloop.retrieval.data import ItemCatalog, RetrievalFeatures
 from recloop.retrieval.index import ItemIndex
 from recloop.retrieval.publish import log_retriever
 from recloop.retrieval.retriever import Retriever
@@ -74,8 +74,8 @@ for n in range(10**6):
 
 def catalog_retriever(settings: Settings, world: World, items: int) -> str:
     """A retriever over ``items`` catalog items, registered (v1, champion) with a twin; returns the twin."""
-    config = RetrievalTrainConfig(device="cpu")
-    features = config.features
+    features = RetrievalFeatures()  # the synthetic world's columns
+    config = RetrievalTrainConfig(device="cpu", features=features)
     user_tables, item_tables = features.table_sizes(FeatureLayout.for_settings(settings).schema)
     item_tables = [(name, items + FIRST_INDEX if name == features.item_id else rows) for name, rows in item_tables]
     model = TwoTowerModel(config.model, user_tables, item_tables, len(features.item_dense), set(features.history))

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from recloop import registry
 from recloop.canary import CanaryConfig, controller
 from recloop.registry import RETRIEVER_NAME
-from recloop.retrieval.data import read_rows
+from recloop.retrieval.data import RetrievalFeatures, read_rows
 from recloop.retrieval.gate import RetrievalThresholds
 from recloop.retrieval.publish import log_retriever, run_retrieval_gate
 from recloop.retrieval.retriever import Retriever
@@ -93,7 +93,7 @@ def wait_for(client: httpx.Client, condition, timeout: float = 20.0) -> dict:
 
 def known_users(home: Settings, count: int) -> list[int]:
     training = sorted((home.home / "features" / "training").glob("*.parquet"))
-    users = read_rows(training[-24:], RetrievalTrainConfig().features).columns["user_id"]
+    users = read_rows(training[-24:], RetrievalFeatures()).columns["user_id"]
     return [int(u) for u in dict.fromkeys(users.tolist())][:count]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SMALL_MODEL_DIMS
-from ratings_log import SPEC, write_log
+from ratings_log import SPEC, START, write_log
 
 from recloop import datasets
 from recloop.model import ModelConfig
@@ -162,3 +162,31 @@ def test_a_spec_is_resolved_once_the_same_way_everywhere(tmp_path, monkeypatch):
     assert datasets.source(Settings(home=tmp_path / "home", spec="criteo")) == "criteo"  # RECLOOP_SPEC wins
     monkeypatch.chdir(tmp_path)
     assert datasets.source(settings, "odd name.yml") == str(spec_file.resolve())  # paths made absolute
+
+
+def test_the_retrain_flow_takes_new_files_of_the_users_log_to_a_gated_version(replayed, prefect_server, tmp_path):
+    """After the replay: a later week of the same log dropped into the landing zone, the hourly retrain flow
+    (as the deployment runs it, spec from the home) lands it, trains from the champion, gates and serves it.
+    Runs last in this module: it moves the shared home forward."""
+    import pandas as pd
+
+    from flows.retrain_flow import retrain_flow
+    from recloop import registry
+    from recloop.flow_support import settings_parameter
+
+    settings, _ = replayed
+    later = pd.read_csv(next(write_log(tmp_path / "later", events=6000, weeks=10, seed=3, files=1).glob("*.csv")))
+    later = later[later["rated_at"] >= START + 8 * 7 * 86400].assign(rating_id=lambda f: "later-" + f["rating_id"])
+    settings.landing_dir.mkdir(parents=True, exist_ok=True)
+    later.to_csv(settings.landing_dir / "week-9.csv", index=False)
+    champion_before = registry.version_by_alias(settings, "champion")
+
+    result = retrain_flow(mode="incremental", validation_hours=24, settings=settings_parameter(settings))
+    assert datasets.resolve(settings, result["spec"], remember=False).user_key == "customer"  # the home's spec
+    assert result["ingest"]["rows_landed"] == len(later) and result["ingest"]["rows_quarantined"] == 0
+    trained = result["train"]
+    assert trained["mode"] == "incremental" and trained["warm_start"] and trained["steps"] > 0
+    gate = result["gate"]
+    assert gate["version"] == trained["mlflow"]["version"] != champion_before
+    assert gate["passed"] == (gate["alias"] is not None) and (gate["passed"] or gate["reasons"])
+    assert "retriever" in result  # the same flow ran the retriever on the spec's keys

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from recloop import registry
 from recloop.features.config import FeatureConfig
 from recloop.features.job import build_features
-from recloop.retrieval.data import read_rows
+from recloop.retrieval.data import RetrievalFeatures, read_rows
 from recloop.retrieval.evaluate import WorldOracle
 from recloop.retrieval.retriever import Retriever, score_window
-from recloop.retrieval.train import RetrievalTrainConfig, train_retriever
+from recloop.retrieval.train import RetrievalTrainConfig, features_for, train_retriever
 from recloop.schema import load_spec
 from recloop.settings import Settings
 from recloop.simulate import World, WorldConfig
@@ -76,7 +76,7 @@ def test_incremental_warm_start_grows_tables_and_keeps_untouched_rows(home: Sett
     new = Retriever.load(Path(incremental.checkpoint)).model.item_tower.embeddings.weight("c_item_id")
     training = home.home / "features" / "training"
     clicked = set(read_rows([p for p in sorted(training.glob("*.parquet")) if p.stem >= base.trained_until][:-12],
-                            config().features).columns["c_item_id"].tolist())
+                            RetrievalFeatures()).columns["c_item_id"].tolist())
     untouched = [r for r in range(2, old_rows) if r not in clicked]
     touched = sorted(clicked & set(range(2, old_rows)))
     assert untouched and touched
@@ -108,7 +108,7 @@ def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
     assert registry.aliases(home, name) == {"champion": challenger.version, "challenger": None,
                                             "previous": logged.version}
     model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
-    rows = read_rows(sorted((home.home / "features" / "training").glob("*.parquet"))[-1:], config().features)
+    rows = read_rows(sorted((home.home / "features" / "training").glob("*.parquet"))[-1:], RetrievalFeatures())
     frame = __import__("pandas").DataFrame({"c_user_id": rows.columns["c_user_id"][:3],
                                             "c_device": rows.columns["c_device"][:3],
                                             "c_country": rows.columns["c_country"][:3],
@@ -116,3 +116,12 @@ def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
                                                           for i in range(3)]})
     answer = model.predict(frame, params={"k": 20})
     assert len(answer) == 3 and all(len(ids) == 20 and (np.asarray(ids) >= 0).all() for ids in answer["item_ids"])
+
+
+def test_the_towers_columns_come_from_the_spec_and_the_data(home: Settings):
+    """Derived from the spec's roles and which columns are fixed per item, the synthetic world's towers are
+    the ones written by hand for it: device and country are request context, category and price belong to
+    the item, the position varies per event and is left out, the history shares the item vocabulary."""
+    from recloop.features.job import FeatureLayout
+
+    assert features_for(home, "synthetic", FeatureLayout.for_settings(home).schema) == RetrievalFeatures()

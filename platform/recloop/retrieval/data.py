@@ -87,6 +87,44 @@ class RetrievalFeatures:
     def from_dict(cls, raw: dict) -> RetrievalFeatures:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
 
+    @classmethod
+    def for_spec(cls, spec, events, schema_path: Path) -> RetrievalFeatures:
+        """The towers' columns for a dataset spec (any key names), from its roles and its data.
+
+        The keys come from the spec's ``user_key`` / ``item_key``; the user's history is every multi-hot
+        column that shares the item key's vocabulary. A categorical or numeric column whose value is fixed
+        per item (in at least 99 % of the items seen in ``events``, a pandas frame of the lake) is an item
+        attribute (item tower); another categorical column is request context (user tower); a numeric one
+        that varies per event (a position, say) is left out. Only columns the feature job wrote are used.
+        """
+        user, item = spec.user_key, spec.item_key
+        if user is None or item is None:
+            raise ValueError(f"spec {spec.name!r} has no user_key or item_key column: retrieval needs both")
+        raw = json.loads(Path(schema_path).read_text())
+        categorical, dense = set(raw["categorical"]), set(raw["dense"])
+
+        def fixed_per_item(column: str) -> bool:
+            distinct = events.groupby(item)[column].nunique(dropna=True)
+            return len(distinct) > 0 and float((distinct <= 1).mean()) >= 0.99
+
+        item_categorical, item_dense, context, attributes = [], [], [], []
+        for column in spec.columns:
+            if column.role == "categorical" and f"c_{column.name}" in categorical:
+                if fixed_per_item(column.name):
+                    item_categorical.append(f"c_{column.name}")
+                    attributes.append(column.name)
+                else:
+                    context.append(f"c_{column.name}")
+            elif column.role == "numeric" and f"d_{column.name}" in dense and fixed_per_item(column.name):
+                item_dense.append(f"d_{column.name}")
+                attributes.append(column.name)
+        history = tuple(f"m_{c.name}" for c in spec.by_role("multi_hot")
+                        if c.vocabulary == item and f"m_{c.name}" in raw["multi_hot"])
+        return cls(user_id=f"c_{user}", context=tuple(context), history=history, item_id=f"c_{item}",
+                   item_categorical=tuple(item_categorical), item_dense=tuple(item_dense), raw_user=user,
+                   raw_item=item, item_vocabulary=item, item_attributes=tuple(attributes),
+                   category=attributes[0] if item_categorical else "")
+
     def table_sizes(self, schema_path: Path) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
         """(name, rows) of the user tower's and the item tower's tables, from the feature job's schema."""
         raw = json.loads(Path(schema_path).read_text())

@@ -32,7 +32,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -91,7 +91,7 @@ class RetrievalTrainConfig:
     seed: int = 0
     device: str = "auto"
     model: RetrievalConfig = field(default_factory=RetrievalConfig)
-    features: RetrievalFeatures = field(default_factory=RetrievalFeatures)
+    features: RetrievalFeatures | None = None  # None: from the spec and the lake (``features_for``)
     index: IndexConfig = field(default_factory=IndexConfig)
     spec: str = "synthetic"
 
@@ -175,6 +175,9 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
     else:
         train_files, epochs = trainable[-config.days * 24:], config.epochs
 
+    if config.features is None:  # a warm start keeps its towers' columns; a full run derives them
+        config = replace(config, features=RetrievalFeatures.from_dict(base["features"]) if base and "features" in base
+                         else features_for(settings, config.spec, layout.schema))
     state = StateStore(layout.state).latest()
     identity = {"mode": config.mode, "files": [f.stem for f in train_files], "base": base["path"] if base else None,
                 "config": config.to_dict(), "state_version": state.version}
@@ -218,6 +221,23 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
         state_version=state.version, warm_start=base["path"] if base else None, grown_tables=grown)
     _save(run_dir, retriever, config, user_tables, item_tables, summary)
     return summary
+
+
+def features_for(settings: Settings, spec_source: str, schema_path: Path) -> RetrievalFeatures:
+    """``RetrievalFeatures.for_spec`` over the newest 200k events of the lake."""
+    from recloop import datasets
+    from recloop.ingest.lake import read_window
+
+    spec = datasets.resolve(settings, spec_source, remember=False)
+    if spec.item_key is None:
+        raise RetrievalTrainError(f"spec {spec.name!r} has no item_key column: nothing to retrieve")
+    wanted = [spec.item_key, *(c.name for c in spec.columns if c.role in ("categorical", "numeric"))]
+    events = read_window(settings, spec, None, None, columns=wanted)
+    events = events.slice(max(0, events.num_rows - 200_000)).to_pandas()
+    try:
+        return RetrievalFeatures.for_spec(spec, events, schema_path)
+    except ValueError as err:
+        raise RetrievalTrainError(str(err)) from err
 
 
 def catalog_attributes(settings: Settings, config: RetrievalTrainConfig, raw_ids: np.ndarray
