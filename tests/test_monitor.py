@@ -55,6 +55,14 @@ def test_no_drift_means_no_false_alarm(tmp_path, lake_factory):
     assert decisions.count("ok") == len(decisions), decisions  # 0 false positives in 5 runs
 
 
+def test_a_few_hours_of_reference_raise_no_false_alarm(tmp_path, lake_factory):
+    """A young champion's training window: three hours (under 1000 rows) against a day. Typed by the spec and
+    compared by distance, the categorical columns do not call the day's ordinary mix drift (chi-square did)."""
+    settings = lake_factory(tmp_path, WorldConfig(seed=1, days=2, events_per_day=4000), features=False)
+    checked = compare_windows(settings, SPEC, reference=(day(1), day(1) + timedelta(hours=3)), current=(day(2), day(3)))
+    assert checked.decision == "ok" and checked.figures["reference_rows"] < 1000, checked.reasons
+
+
 def test_an_empty_window_is_a_clear_error(tmp_path, lake_factory):
     settings = lake_factory(tmp_path, WorldConfig(seed=5, days=1, events_per_day=500), features=False)
     with pytest.raises(MonitorError, match="no events in the current window"):

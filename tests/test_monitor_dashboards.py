@@ -36,9 +36,23 @@ def test_a_spec_categorical_integer_column_is_tested_as_a_category():
         reference, current, ["item_category", "price"], MonitorConfig(), categorical={"item_category"}
     )
     assert _methods(inferred)["item_category"].startswith("K-S")  # 50 integer values: taken for a quantity
-    assert _methods(typed)["item_category"].startswith("chi-square") and _methods(typed)["price"].startswith(
+    assert _methods(typed)["item_category"] == "jensenshannon" and _methods(typed)["price"].startswith(
         "K-S"
     )
+
+
+def test_a_category_missing_from_a_small_reference_is_not_drift():
+    """The same 26-value category mix: a few hours of reference lack its rarest values. Chi-square (Evidently's
+    choice below 1000 rows) calls that drift; the Jensen-Shannon distance that categorical columns get does not."""
+    rng = np.random.default_rng(2)
+    shares = np.geomspace(1, 0.01, 26) / np.geomspace(1, 0.01, 26).sum()
+    reference, current = (pd.DataFrame({"category": rng.choice(26, rows, p=shares)}) for rows in (600, 4000))
+    assert set(current["category"]) - set(reference["category"])  # values the reference never saw
+    _, drifted, scores, snapshot = evidently_drift(reference, current, ["category"], MonitorConfig(),
+                                                   categorical={"category"})
+    assert drifted == [] and scores["category"] < 0.1 and _methods(snapshot)["category"] == "jensenshannon"
+    chi = MonitorConfig(per_column_method={"category": "chisquare"})
+    assert evidently_drift(reference, current, ["category"], chi, categorical={"category"})[1] == ["category"]
 
 
 def test_each_check_records_its_decision_with_the_thresholds(tmp_path):

@@ -95,6 +95,41 @@ def test_first_model_is_champion_and_a_better_incremental_becomes_challenger(hom
     assert len(history) == len(incremental.loss_curve) > 0
 
 
+def test_the_training_run_is_open_while_it_trains_and_a_crash_resumes_into_it(home: Settings):
+    from mlflow import MlflowClient
+
+    registry.configure(home)
+    client, tracker, seen = MlflowClient(), registry.TrainingRun(home), {}
+
+    def crash(step: int) -> None:
+        if step == 15:
+            run = client.get_run(tracker.run_id)  # opened at the first step, not after the training
+            seen.update(status=run.info.status, params=dict(run.data.params),
+                        inputs=len(run.inputs.dataset_inputs))
+            raise KeyboardInterrupt("simulated crash")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(home, config(seed=3, checkpoint_every=6), on_step=crash, tracker=tracker)
+    assert seen["status"] == "RUNNING" and seen["params"]["train.mode"] == "full" and seen["inputs"] == 2
+    stopped = client.get_run(tracker.run_id)
+    assert stopped.info.status == "KILLED" and "simulated crash" in stopped.data.tags["recloop.stopped"]
+    assert [m.step for m in client.get_metric_history(tracker.run_id, "train_loss")] == [10]  # logged as it came
+
+    again = registry.TrainingRun(home)
+    resumed = train(home, config(seed=3, checkpoint_every=6), tracker=again)
+    assert resumed.resumed_from_step == 12 and again.run_id == tracker.run_id  # the same MLflow run, taken up again
+    run = client.get_run(again.run_id)
+    assert run.info.status == "FINISHED" and "recloop.stopped" not in run.data.tags
+    assert run.data.tags["recloop.resumed_from_step"] == "12" and run.data.metrics["auc"] == resumed.auc
+    assert len(run.inputs.dataset_inputs) == 2  # not logged twice
+    steps = [m.step for m in client.get_metric_history(again.run_id, "train_loss")]
+    assert steps[0] == 10 and steps[1:] == [s for s, _ in resumed.loss_curve]
+    epochs = client.get_metric_history(again.run_id, "epoch")  # each epoch's end, at its step
+    assert [m.value for m in epochs] == [1.0, 2.0] and epochs[-1].step == resumed.steps
+    logged = registry.log_training(home, resumed, example_rows(home))
+    assert logged.run_id == again.run_id  # the model goes into the run that trained it
+
+
 def test_a_model_trained_on_shuffled_labels_is_refused(home: Settings):
     training = FeatureLayout.for_settings(home).training
     files = sorted(training.glob("*.parquet"))[:-12]  # shuffle everything but the held-out hours

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from recloop import checkpoint
+from recloop import checkpoint, registry
 from recloop.data.loader import Batch
 from recloop.distributed import concat_batches, shard_row_groups
 from recloop.model import ModelConfig, RankingModel
@@ -32,14 +33,17 @@ WEIGHT_TOLERANCE = 1e-5
 
 RANK_SCRIPT = """
 import json, os, sys
+from pathlib import Path
+from recloop.registry import TrainingRun
 from recloop.settings import Settings
 from recloop.train import TrainConfig, train
 from recloop.model import ModelConfig
 raw = json.loads(sys.argv[2])
 config = TrainConfig(**{**raw, "model": ModelConfig.from_dict(raw["model"])})
-summary = train(Settings(home=sys.argv[1], frame_backend="pandas"), config)
-print(json.dumps({"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
-                  "summary": summary.to_dict()}))
+settings = Settings(home=sys.argv[1], frame_backend="pandas")
+summary = train(settings, config, tracker=TrainingRun(settings))  # every rank has one; rank 0 alone tells it
+Path(sys.argv[3], f"rank-{os.environ['RANK']}.json").write_text(json.dumps({  # a file each: no interleaved lines
+    "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]), "summary": summary.to_dict()}))
 """
 
 
@@ -60,11 +64,13 @@ def _torchrun(home: Path, config: TrainConfig, tmp_path: Path) -> list[dict]:
     script.write_text(RANK_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(CHECKOUT / p) for p in ("platform", "kernels", "")),
            "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "ranks"
+    out.mkdir()
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), str(home), json.dumps(config.to_dict())], env=env, cwd=tmp_path,
+                           str(script), str(home), json.dumps(config.to_dict()), str(out)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(path.read_text()) for path in sorted(out.glob("rank-*.json"))]
 
 
 def test_two_ranks_train_the_same_model_as_one_process(lake: Settings, tmp_path: Path):
@@ -88,6 +94,13 @@ def test_two_ranks_train_the_same_model_as_one_process(lake: Settings, tmp_path:
     assert moved.abs().max() > 100 * WEIGHT_TOLERANCE  # the tables did train: the agreement is not trivial
     plan = plan_sharding(checkpoint.load_model(double.checkpoint)[0].embeddings, 2, ROW_WISE_ABOVE)
     assert {s.row_wise for shards in plan.ranks for s in shards} == {True, False}
+
+    registry.configure(Settings(home=tmp_path / "two"))  # one MLflow run, kept by rank 0 while the ranks trained
+    client = MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name(registry.EXPERIMENT).experiment_id])
+    assert [r.data.tags["recloop.run_id"] for r in runs] == [double.run_id] and runs[0].info.status == "FINISHED"
+    losses = client.get_metric_history(runs[0].info.run_id, "train_loss")
+    assert [[m.step, m.value] for m in losses] == double.loss_curve and runs[0].data.metrics["auc"] == double.auc
 
     # The 2-rank checkpoint warm-starts one process (six newer hours: the first run held out eight).
     warm = train(_copy(lake, tmp_path / "warm"),

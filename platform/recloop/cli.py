@@ -319,7 +319,7 @@ def train_command(
 
     from rich.progress import TaskProgressColumn
 
-    from recloop import checkpoint, pipeline
+    from recloop import checkpoint, pipeline, registry
     from recloop.train import TrainConfig, TrainError, train
 
     mode, device = Mode(mode).value, Device(device).value  # plain strings from here on (checkpoints, JSON)
@@ -340,7 +340,8 @@ def train_command(
 
         try:
             base = pipeline.warm_start_checkpoint(Settings(), warm_start) if mode == "incremental" else None
-            summary = train(Settings(), config, warm_start=base, on_progress=on_progress)
+            tracker = registry.TrainingRun(Settings()) if track else None  # the MLflow run spans the training
+            summary = train(Settings(), config, warm_start=base, on_progress=on_progress, tracker=tracker)
         except (TrainError, checkpoint.CheckpointError) as err:
             raise _fail(str(err)) from err
     result = summary.to_dict()

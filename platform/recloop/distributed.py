@@ -163,13 +163,15 @@ def gather(trained: torch.nn.Module, model: RankingModel, ranks: Ranks) -> None:
 def fit(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, loaders: list[ShardLoader], num_tables: int,
         epochs: int, ranks: Ranks, lr: Callable[[int], float], position: dict, save: Callable[[bool], object],
         checkpoint_every: int, on_progress: Callable[[int, int, float], None] | None = None,
-        on_step: Callable[[int], None] | None = None) -> list[list[float]]:
+        on_step: Callable[[int], None] | None = None,
+        on_figures: Callable[[int, dict[str, float]], None] | None = None) -> list[list[float]]:
     """The training loop over this rank's data shards from ``position`` (updated in place) to the last epoch.
 
     Args:
         trained: ``wrap``'s model. loaders: this rank's shards, in shard order.
         lr: the dense learning rate for a step number (warm-up, batch scaling).
         save: writes a checkpoint (collective under several ranks: every rank calls it).
+        on_figures: ``(step, figures)`` on rank 0: each loss reading, each epoch's end (the run's tracker).
     Returns:
         The loss curve, ``[step, mean loss of the global batch]`` every 10 steps.
     """
@@ -214,6 +216,8 @@ def fit(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, loaders: lis
                 if ranks.world > 1:
                     dist.all_reduce(mean)
                 curve.append([position["step"], float(mean)])
+                if on_figures and ranks.leader:
+                    on_figures(position["step"], {"train_loss": curve[-1][1]})
                 if on_progress and ranks.leader:
                     on_progress(position["samples"], total, (position["samples"] - first_samples)
                                 / (time.perf_counter() - started))
@@ -222,6 +226,9 @@ def fit(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, loaders: lis
         for stream in streams:
             stream.close()  # stops the shards' reader threads
         position.update(epoch=epoch + 1, batch=0)
+        if on_figures and ranks.leader:
+            on_figures(position["step"], {"epoch": epoch + 1, "samples_per_s": round(
+                (position["samples"] - first_samples) / max(time.perf_counter() - started, 1e-9), 1)})
     return curve
 
 

@@ -150,11 +150,13 @@ def register_training(settings: Settings, summary: TrainSummary) -> LoggedModel:
 
 def train_and_register(settings: Settings, config: TrainConfig, warm_start: str | Path | None = None
                        ) -> TrainedVersion:
-    """Train (full, or incremental from ``warm_start_checkpoint``) and register the model in MLflow."""
+    """Train (full, or incremental from ``warm_start_checkpoint``) and register the model in MLflow; the MLflow
+    run is opened when the training starts and follows it (``registry.TrainingRun``)."""
+    from recloop import registry
     from recloop.train import train
 
     base = warm_start_checkpoint(settings, warm_start) if config.mode == "incremental" else None
-    summary = train(settings, config, warm_start=base)
+    summary = train(settings, config, warm_start=base, tracker=registry.TrainingRun(settings))
     return TrainedVersion(summary, register_training(settings, summary))
 
 

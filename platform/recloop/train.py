@@ -16,6 +16,10 @@ deterministic mode the resumed run ends with the same weights as an uninterrupte
 (safetensors + JSON, never pickle) are written and read by ``recloop.checkpoint``::
 
     $RECLOOP_HOME/checkpoints/<run id>/step-000400/{model.safetensors, dense_optimizer.safetensors, state.json}
+
+A ``Tracker`` (``recloop.registry.TrainingRun``: an MLflow run) follows the training as it happens: told
+when it starts (``RunStart``: parameters, windows), of each loss reading and epoch, and when it ends (the
+summary) or fails. Under torchrun only rank 0 has one.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import math
 import os
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
+import pandas as pd
 import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file
@@ -163,6 +169,44 @@ class TrainSummary:
         return out
 
 
+@dataclass(frozen=True)
+class RunStart:
+    """What a training run is about to do, told to its tracker before the first step.
+
+    ``params``: the training and model configurations (nested dicts); ``train_rows``/``validation_rows``: the
+    rows of the windows' files; ``example``: a few training rows (their schema is the datasets' profile);
+    ``resumed_from_step``: a run taken up again from its last checkpoint (0: from the start).
+    """
+
+    run_id: str
+    mode: str
+    params: dict
+    train_hours: list[str]
+    validation_hours: list[str]
+    train_rows: int
+    validation_rows: int
+    example: pd.DataFrame
+    state_version: int
+    warm_start: str | None
+    resumed_from_step: int = 0
+
+
+class Tracker(Protocol):
+    """Follows one training run as it happens (``recloop.registry.TrainingRun`` records it in MLflow)."""
+
+    def started(self, start: RunStart) -> None:
+        """Before the first step (or the first step after a resume)."""
+
+    def progress(self, step: int, figures: dict[str, float]) -> None:
+        """Figures as they come: the training loss at each reading, the epoch and throughput at its end."""
+
+    def trained(self, summary: TrainSummary) -> None:
+        """The training ended: its validation figures."""
+
+    def failed(self, error: BaseException) -> None:
+        """The training stopped on ``error`` (a crash, an interrupt): it resumes from its last checkpoint."""
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -271,29 +315,31 @@ def trainable_files(settings: Settings, config: TrainConfig) -> list[Path]:
 
 def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = None,
           on_progress: Callable[[int, int, float], None] | None = None,
-          on_step: Callable[[int], None] | None = None) -> TrainSummary:
+          on_step: Callable[[int], None] | None = None, tracker: Tracker | None = None) -> TrainSummary:
     """Train (or resume) a run; returns its summary. Raises ``TrainError`` on bad input.
 
     Under ``torchrun`` every rank calls it: tables sharded, dense layers under DDP, each rank reading its own
-    row groups; rank 0 writes the checkpoints (``recloop.distributed``). Every rank returns the summary.
+    row groups; rank 0 writes the checkpoints (``recloop.distributed``) and alone tells ``tracker``. Every rank
+    returns the summary.
 
     Args:
         warm_start: incremental only, and required there: the checkpoint to start from (the loop passes
             the champion's, resolved through the registry: ``pipeline.warm_start_checkpoint``).
         on_progress: ``(samples, total_samples, samples_per_s)``, every few steps.
         on_step: ``(step)`` after each step (tests use it to simulate a crash).
+        tracker: follows the run from its first step to its summary (not told about a run found completed).
     """
     ranks, joined = distributed.join(config.device)
     try:
         return _train(settings, replace(config, data_shards=config.data_shards or ranks.world), ranks,
-                      warm_start, on_progress, on_step)
+                      warm_start, on_progress, on_step, tracker if ranks.leader else None)
     finally:
         distributed.leave(joined)
 
 
 def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, warm_start: Path | None,
            on_progress: Callable[[int, int, float], None] | None,
-           on_step: Callable[[int], None] | None) -> TrainSummary:
+           on_step: Callable[[int], None] | None, tracker: Tracker | None) -> TrainSummary:
     layout = FeatureLayout.for_settings(settings)
     files = training_files(layout.training)
     if not files:
@@ -341,44 +387,68 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
                 "summary": asdict(summary) if summary else None}
         return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed)
 
-    started = time.perf_counter()
-    if sharded:
-        loss_curve = _fit_sharded(trained, optimizer, windows, schema, config, device, position, base is not None,
-                                  save, ranks, on_progress, on_step)
-        distributed.gather(trained, model, ranks)
-        if not ranks.leader:  # rank 0 validates and writes; the others return its summary
-            return TrainSummary(**distributed.share_summary(None, ranks))
-    else:
-        loss_curve = _fit(model, optimizer, windows, schema, config, device, position, warm=base is not None,
-                          save=save, on_progress=on_progress, on_step=on_step)
-    seconds = time.perf_counter() - started
-    samples_this_run = position["samples"] - (resumed["samples"] if resumed else 0)
-
-    figures, slices = _validate(model, windows.validation, schema, layout, config, device)
-    baseline_figures = (baselines.score_baselines(windows.train, windows.validation, schema,
-                                                  _user_key(layout)) if config.baselines else {})
-    summary = TrainSummary(
-        mode=config.mode, run_id=run_id, checkpoint="", samples=position["samples"], steps=position["step"],
-        samples_per_s=round(samples_this_run / seconds, 1) if seconds > 0 else 0.0, seconds=round(seconds, 3),
-        auc=figures["auc"], logloss=figures["logloss"], calibration=figures["calibration"],
-        oracle_auc=figures.get("oracle_auc"), validation_rows=figures["rows"], slices=slices,
-        ndcg=figures["ndcg"], baselines=baseline_figures,
+    start = RunStart(
+        run_id=run_id, mode=config.mode, params={"train": config.to_dict(), "model": model.config.to_dict()},
         train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
-        trained_until=checkpoint.hour_after(windows.train[-1].stem), state_version=schema.state_version,
-        warm_start=base["path"] if base else None, grown_tables=grown,
-        resumed_from_step=resumed["step"] if resumed else 0, loss_curve=loss_curve,
-    )
-    summary.checkpoint = str(run_dir / f"{checkpoint.STEP_PREFIX}{position['step']:07d}")
-    save(completed=True, summary=summary, gathered=True)
-    if ranks.world > 1:
-        distributed.share_summary(asdict(summary), ranks)
+        train_rows=sum(_rows(f) for f in windows.train), validation_rows=sum(_rows(f) for f in windows.validation),
+        example=pq.read_table(windows.train[-1]).slice(0, 5).to_pandas(), state_version=schema.state_version,
+        warm_start=base["path"] if base else None, resumed_from_step=resumed["step"] if resumed else 0,
+    ) if tracker is not None else None
+    with _followed(tracker, start):
+        started = time.perf_counter()
+        if sharded:
+            loss_curve = _fit_sharded(trained, optimizer, windows, schema, config, device, position, base is not None,
+                                      save, ranks, on_progress, on_step, tracker)
+            distributed.gather(trained, model, ranks)
+            if not ranks.leader:  # rank 0 validates and writes; the others return its summary
+                return TrainSummary(**distributed.share_summary(None, ranks))
+        else:
+            loss_curve = _fit(model, optimizer, windows, schema, config, device, position, warm=base is not None,
+                              save=save, on_progress=on_progress, on_step=on_step, tracker=tracker)
+        seconds = time.perf_counter() - started
+        samples_this_run = position["samples"] - (resumed["samples"] if resumed else 0)
+
+        figures, slices = _validate(model, windows.validation, schema, layout, config, device)
+        baseline_figures = (baselines.score_baselines(windows.train, windows.validation, schema,
+                                                      _user_key(layout)) if config.baselines else {})
+        summary = TrainSummary(
+            mode=config.mode, run_id=run_id, checkpoint="", samples=position["samples"], steps=position["step"],
+            samples_per_s=round(samples_this_run / seconds, 1) if seconds > 0 else 0.0, seconds=round(seconds, 3),
+            auc=figures["auc"], logloss=figures["logloss"], calibration=figures["calibration"],
+            oracle_auc=figures.get("oracle_auc"), validation_rows=figures["rows"], slices=slices,
+            ndcg=figures["ndcg"], baselines=baseline_figures,
+            train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
+            trained_until=checkpoint.hour_after(windows.train[-1].stem), state_version=schema.state_version,
+            warm_start=base["path"] if base else None, grown_tables=grown,
+            resumed_from_step=resumed["step"] if resumed else 0, loss_curve=loss_curve,
+        )
+        summary.checkpoint = str(run_dir / f"{checkpoint.STEP_PREFIX}{position['step']:07d}")
+        save(completed=True, summary=summary, gathered=True)
+        if ranks.world > 1:
+            distributed.share_summary(asdict(summary), ranks)
+    if tracker is not None:
+        tracker.trained(summary)
     return summary
+
+
+@contextmanager
+def _followed(tracker: Tracker | None, start: RunStart | None):
+    """The tracker told of the run's start, and of its failure if it stops on an error."""
+    if tracker is None:
+        yield
+        return
+    tracker.started(start)
+    try:
+        yield
+    except BaseException as error:
+        tracker.failed(error)
+        raise
 
 
 def _fit_sharded(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, windows: Windows, schema: FeatureSchema,
                  config: TrainConfig, device: torch.device, position: dict, warm: bool, save: Callable[[bool], Path],
                  ranks: distributed.Ranks, on_progress: Callable[[int, int, float], None] | None,
-                 on_step: Callable[[int], None] | None) -> list[list[float]]:
+                 on_step: Callable[[int], None] | None, tracker: Tracker | None) -> list[list[float]]:
     """``_fit`` over data shards: this rank's shards of the row groups (``recloop.distributed``)."""
     if config.data_shards % ranks.world:
         raise TrainError(f"data_shards={config.data_shards} must be a multiple of the {ranks.world} processes")
@@ -395,15 +465,17 @@ def _fit_sharded(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, win
         return config.lr * scale * (1.0 if warm else min(1.0, (step + 1) / max(config.warmup_steps, 1)))
 
     return distributed.fit(trained, optimizer, loaders, len(schema.tables), windows.epochs, ranks, lr, position,
-                           save, config.checkpoint_every, on_progress, on_step)
+                           save, config.checkpoint_every, on_progress, on_step,
+                           tracker.progress if tracker is not None else None)
 
 
 def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows, schema: FeatureSchema,
          config: TrainConfig, device: torch.device, position: dict, warm: bool, save: Callable[[bool], Path],
          on_progress: Callable[[int, int, float], None] | None,
-         on_step: Callable[[int], None] | None) -> list[list[float]]:
+         on_step: Callable[[int], None] | None, tracker: Tracker | None = None) -> list[list[float]]:
     """The training loop from ``position`` (updated in place) to the last epoch; returns the loss curve
-    (``[step, loss]`` every 10 steps). Checkpoints every ``checkpoint_every`` steps through ``save``."""
+    (``[step, loss]`` every 10 steps). Checkpoints every ``checkpoint_every`` steps through ``save``; the
+    tracker gets each loss reading as it lands and each epoch's end."""
     batch_size = config.batch_size or default_batch_size(device)
     # On a GPU, ids are padded to a few bucketed lengths so the compiled step replays as CUDA graphs.
     bucket = VALUES_BUCKET if device.type == "cuda" and schema.multi_hot else None
@@ -415,6 +487,7 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
     # One compiled graph, nothing read back per step: the loss every 10 steps and the id checks are
     # read at intervals (recloop.model.fit).
     step = TrainStep(model, optimizer, StepConfig(compile=config.compile), device, first_step=position["step"])
+    told = 0  # loss readings told to the tracker
     for epoch in range(position["epoch"], windows.epochs):
         skip = position["batch"] if epoch == position["epoch"] else 0
         for batch_index, batch in enumerate(loader.epoch(epoch, skip_batches=skip), start=skip):
@@ -429,11 +502,25 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
             if position["step"] % 10 == 0 and on_progress:
                 rate = (position["samples"] - first_samples) / (time.perf_counter() - started)
                 on_progress(position["samples"], total, rate)
+            if tracker is not None and len(step.loss_curve) > told:
+                told = _tell_losses(tracker, step.loss_curve, told)
             if on_step:
                 on_step(position["step"])
         position.update(epoch=epoch + 1, batch=0)
+        if tracker is not None:
+            tracker.progress(position["step"], {"epoch": epoch + 1, "samples_per_s": round(
+                (position["samples"] - first_samples) / max(time.perf_counter() - started, 1e-9), 1)})
     step.finish()
+    if tracker is not None:
+        _tell_losses(tracker, step.loss_curve, told)
     return step.loss_curve
+
+
+def _tell_losses(tracker: Tracker, curve: list[list[float]], told: int) -> int:
+    """The loss readings after the first ``told`` to the tracker; returns how many it has been told."""
+    for at, loss in curve[told:]:
+        tracker.progress(int(at), {"train_loss": loss})
+    return len(curve)
 
 
 def _validate(model: RankingModel, files: list[Path], schema: FeatureSchema, layout: FeatureLayout,

@@ -78,6 +78,8 @@ def repo_config(settings: Settings):
     """Feast's RepoConfig for these settings (the same as feature_store.yaml for the defaults)."""
     from feast.repo_config import RepoConfig
 
+    from recloop.features import offline_store
+
     home = settings.home.resolve()
     if settings.feast_online_store == "redis":
         online = {"type": "redis",
@@ -92,7 +94,7 @@ def repo_config(settings: Settings):
         registry = str(registry_file)
     (home / "feast").mkdir(parents=True, exist_ok=True)
     return RepoConfig(project="recloop", provider="local", registry=registry, online_store=online,
-                      offline_store={"type": "duckdb"}, entity_key_serialization_version=3,
+                      offline_store={"type": offline_store.TYPE}, entity_key_serialization_version=3,
                       repo_path=str(_repo_path(settings)))
 
 
@@ -250,6 +252,8 @@ def materialize(settings: Settings, end: datetime, ttl: timedelta) -> list[str]:
     Each view continues from where its last materialization ended; the first one starts at
     ``end - ttl`` (older rows are expired by the views' TTL anyway). Returns the views loaded.
     """
+    from recloop.features import offline_store
+
     require_services(settings)
     store = feature_store(settings)
     loaded = []
@@ -268,23 +272,9 @@ def materialize(settings: Settings, end: datetime, ttl: timedelta) -> list[str]:
                     warnings.simplefilter("ignore", DeprecationWarning)  # ibis 12 on DuckDB 2.0
                     store.materialize(start_date=start, end_date=end, feature_views=[view.name])
             finally:
-                _release_offline_store()
+                offline_store.release()
         loaded.append(view.name)
     return loaded
-
-
-def _release_offline_store() -> None:
-    """Disconnect the global DuckDB connection that Feast's offline store leaves in ibis.
-
-    Left connected until interpreter exit, DuckDB's bindings report dozens of "leaked" objects on
-    stderr at shutdown, burying a command's own output.
-    """
-    import ibis
-
-    backend = ibis.options.default_backend
-    if backend is not None:
-        backend.disconnect()
-        ibis.options.default_backend = None
 
 
 def _materialize_redis(settings: Settings, store, view, start: datetime, end: datetime) -> int:
@@ -317,6 +307,8 @@ def historical_features(settings: Settings, entity_rows: pd.DataFrame) -> pd.Dat
     Feast's file offline store silently drops entity rows whose key exists in the source but has no
     feature row valid at that time; those come back here with nulls, so row counts always hold.
     """
+    from recloop.features import offline_store
+
     store = feature_store(settings)
     rows = entity_rows.reset_index(drop=True).copy()
     rows["_row"] = range(len(rows))
@@ -326,7 +318,7 @@ def historical_features(settings: Settings, entity_rows: pd.DataFrame) -> pd.Dat
             warnings.simplefilter("ignore", DeprecationWarning)  # ibis 12 on DuckDB 2.0
             result = store.get_historical_features(entity_df=rows, features=service).to_df()
     finally:
-        _release_offline_store()
+        offline_store.release()
     merged = rows[["_row"]].merge(result.drop(columns=[c for c in rows.columns if c != "_row"], errors="ignore"),
                                   on="_row", how="left")
     if len(merged) != len(rows):

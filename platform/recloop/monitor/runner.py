@@ -188,12 +188,13 @@ def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, cu
         return too_few
     quality = quality_findings(ref, cur, monitored, config)
     healthy = [c for c in monitored if not any(f.startswith(f"{c}:") for f in quality)]
-    # The spec's integer categorical columns (``category``) are still typed by their values here: tested as
-    # categories (chi-square), a day's natural shift in category shares raised false drift alarms in the demo
-    # (tests/test_flows.py, day 1); ``evidently_drift(categorical=...)`` is ready once a test and threshold
-    # for them is chosen.
-    share, drifted, scores, snapshot = evidently_drift(ref, cur, healthy, config, timestamp=current[1]) \
-        if healthy else (0.0, [], {}, None)
+    share, drifted, scores, snapshot = 0.0, [], {}, None
+    if healthy:  # typed by the spec's roles: the integer ``category`` is a category, ``position`` a quantity
+        roles = {c.name: c.role for c in spec.columns}
+        share, drifted, scores, snapshot = evidently_drift(
+            ref, cur, healthy, config, timestamp=current[1],
+            categorical=[c for c in healthy if roles[c] == "categorical"],
+            numeric=[c for c in healthy if roles[c] == "numeric"])
     if snapshot is not None and on_snapshot is not None:
         on_snapshot(snapshot)
     new_ids, figures = new_id_findings(ref, cur, keys, config)
