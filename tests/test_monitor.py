@@ -178,3 +178,24 @@ H = timedelta(hours=1)
 def test_choose_windows(newest, trained, reference, current):
     got_reference, got_current = choose_windows(newest, hours=24, trained=trained, reference_days=2)
     assert (got_reference, got_current) == (reference, current)
+
+
+def test_the_cool_down_starts_when_a_retrain_is_deployed_and_a_refused_one_is_retried(tmp_path):
+    from recloop.monitor import MonitorDecision, TriggerConfig
+    from recloop.monitor.runner import record_retrain_outcome, retrain_requests
+    from recloop.settings import Settings
+
+    home = Settings(home=tmp_path)
+    config = TriggerConfig(cooldown_seconds=3600)
+    drift = MonitorDecision("drift", ("item_id: 63% unseen",), 0.5, ("item_id",))
+    assert request_retrain(home, drift, now=0.0, config=config).retrain
+    assert not request_retrain(home, drift, now=600.0, config=config).retrain  # in flight: wait
+    record_retrain_outcome(home, deployed=False, now=900.0, gate_reasons=["auc dropped 0.004"])
+    retry = request_retrain(home, drift, now=1200.0, config=config)  # refused: asked again at once
+    assert retry.retrain and "refused by the gate (auc dropped 0.004)" in retry.reason
+    record_retrain_outcome(home, deployed=True, now=5000.0)
+    later = request_retrain(home, drift, now=5000.0 + 1800, config=config)
+    assert not later.retrain and "deployed 1800 s ago" in later.reason  # counted from the deployment
+    assert request_retrain(home, drift, now=5000.0 + 3700, config=config).retrain
+    past = retrain_requests(home)
+    assert [t["outcome"] for t in past] == ["refused", "deployed", None] and past[1]["retry_of_refused"]

@@ -54,6 +54,10 @@ class Settings(BaseSettings):
         dask_scheduler: a Dask scheduler address (``tcp://scheduler:8786``); empty starts a local cluster.
         dask_workers: worker processes of that local cluster.
         dask_partitions: hash partitions of the entity keys (0: two per worker).
+        explore_share: the share of (champion-served) requests ranked by a Plackett-Luce draw over the
+            model's logits instead of by score, each position's propensity logged in the journal, so a
+            candidate's online CTR can be estimated off-policy (IPS / SNIPS / DR) before its canary. 0: off.
+        explore_temperature: the draw's temperature (lower: closer to the model's own order).
         journal: where serving replicas keep their journal: ``sqlite`` (a file under ``home``, one host) or
             ``postgres`` (at ``postgres_dsn``, shared by every replica).
     """
@@ -87,6 +91,8 @@ class Settings(BaseSettings):
     dask_workers: int = 2
     dask_partitions: int = 0
     journal: Literal["sqlite", "postgres"] = "sqlite"
+    explore_share: float = 0.0
+    explore_temperature: float = 1.0
 
     @property
     def landing_dir(self) -> Path:

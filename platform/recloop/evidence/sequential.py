@@ -178,3 +178,21 @@ def paired_difference(
     return Difference(
         float(mean), float(variance), float(low), float(high), int(len(np.unique(clusters))), method
     )
+
+
+def interleaving_difference(
+    champion_clicks, challenger_clicks, clusters, *, tau: float, alpha: float = 0.05
+) -> Difference:
+    """Relative preference of an interleaving experiment: ``sum(challenger credit) / sum(champion credit) - 1``
+    over the interleaved requests, with the delta-method variance over user clusters and the always-valid
+    interval (``tau``: the minimum relative effect)."""
+    ids, linear, ratio = ratio_linearized(challenger_clicks, champion_clicks, clusters)
+    if len(ids) < 2 or not np.asarray(champion_clicks).sum():
+        return Difference(
+            float("nan"), float("inf"), -np.inf, np.inf, len(ids), "interleaving, user clusters"
+        )
+    variance = float(linear.var(ddof=1) / len(ids))
+    low, high = confidence_sequence(ratio - 1.0, variance, tau, alpha)
+    return Difference(
+        float(ratio - 1.0), variance, float(low), float(high), len(ids), "interleaving, user clusters"
+    )

@@ -19,9 +19,11 @@ Findings, in the order they decide:
 4. otherwise **ok**.
 
 Then the trigger (``should_retrain``): ``drift`` and ``kpi_decay`` request a full retrain, ``data_quality``
-alerts and does not retrain (training on a broken column teaches the model the breakage), and after a
-requested retrain further requests wait out a cool-down, so a drift that persists for hours (as it does
-until the new model is out) cannot start a storm of retrains.
+alerts and does not retrain (training on a broken column teaches the model the breakage). The cool-down
+starts when a retrain is *deployed* (passed the gate), so a drift that persists until the new model is
+out cannot start a storm of retrains; a retrain the gate *refused* blocks nothing: the next check asks
+again, with the gate's reasons attached. A request whose outcome is not known yet (in flight, or run
+elsewhere) holds further requests for the cool-down from the request.
 
 Everything here is pure; ``monitor.drift`` computes the Evidently figures and ``monitor.runner`` does the IO.
 
@@ -245,13 +247,30 @@ class TriggerVerdict:
 
 
 def should_retrain(decision: MonitorDecision, last_requested_at: float | None, now: float,
-                   config: TriggerConfig) -> TriggerVerdict:
-    """Whether a monitoring decision requests a full retrain now (see the module docstring)."""
+                   config: TriggerConfig, last_outcome: str | None = None, outcome_at: float | None = None,
+                   gate_reasons: tuple[str, ...] | list[str] = ()) -> TriggerVerdict:
+    """Whether a monitoring decision requests a full retrain now (see the module docstring).
+
+    Args:
+        last_requested_at: when the last retrain was requested.
+        last_outcome: what became of it: ``deployed`` (passed the gate), ``refused`` (the gate said no), or
+            None (not known yet); ``outcome_at``: when; ``gate_reasons``: the gate's reasons for a refusal.
+    """
     outcome, detail = decision.decision, "; ".join(decision.reasons)
     if outcome == "data_quality":
         return TriggerVerdict(False, True, f"data quality: alert, no retrain on broken data ({detail})", outcome)
     if outcome not in config.retrain_on:
         return TriggerVerdict(False, False, f"{outcome}: nothing to do", outcome)
+    if last_outcome == "refused":
+        why = "; ".join(gate_reasons) or "no reason recorded"
+        return TriggerVerdict(True, outcome == "kpi_decay", f"{outcome}: full retrain, retrying: the last retrain "
+                                                            f"was refused by the gate ({why}) ({detail})", outcome)
+    if last_outcome == "deployed" and outcome_at is not None:
+        if now - outcome_at < config.cooldown_seconds:
+            left = config.cooldown_seconds - (now - outcome_at)
+            return TriggerVerdict(False, False, f"{outcome}, but a retrain was deployed {now - outcome_at:.0f} s "
+                                                f"ago: cool-down, {left:.0f} s left", outcome)
+        return TriggerVerdict(True, outcome == "kpi_decay", f"{outcome}: full retrain ({detail})", outcome)
     if last_requested_at is not None and now - last_requested_at < config.cooldown_seconds:
         left = config.cooldown_seconds - (now - last_requested_at)
         return TriggerVerdict(False, False, f"{outcome}, but a retrain was requested {now - last_requested_at:.0f} s "

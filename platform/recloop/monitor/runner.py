@@ -310,10 +310,35 @@ def request_retrain(settings: Settings, decision: MonitorDecision, now: float,
     path.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(path.with_suffix(".lock")):
         past = retrain_requests(settings)
-        verdict = should_retrain(decision, max((t["at"] for t in past), default=None), now, config)
+        last = max(past, key=lambda t: t["at"], default={})
+        deployed = [t["outcome_at"] for t in past if t.get("outcome") == "deployed" and t.get("outcome_at")]
+        verdict = should_retrain(decision, last.get("at"), now, config, last_outcome=last.get("outcome"),
+                                 outcome_at=max(deployed, default=None) if last.get("outcome") == "deployed" else None,
+                                 gate_reasons=last.get("gate_reasons", ()))
         if verdict.retrain:
-            past.append({"at": now, "decision": decision.decision, "reasons": list(decision.reasons)})
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(past, indent=2) + "\n")
-            os.replace(tmp, path)
+            past.append({"at": now, "decision": decision.decision, "reasons": list(decision.reasons),
+                         "outcome": None, "retry_of_refused": last.get("outcome") == "refused"})
+            _write_requests(path, past)
     return verdict
+
+
+def record_retrain_outcome(settings: Settings, deployed: bool, now: float, gate_reasons: list[str] | tuple = ()
+                           ) -> dict | None:
+    """Record what became of the last requested retrain: ``deployed`` (passed the gate: the cool-down starts
+    now) or ``refused`` (the next check asks again, with these reasons). Returns the updated request."""
+    path = _requests_path(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(path.with_suffix(".lock")):
+        past = retrain_requests(settings)
+        if not past:
+            return None
+        last = max(past, key=lambda t: t["at"])
+        last.update(outcome="deployed" if deployed else "refused", outcome_at=now, gate_reasons=list(gate_reasons))
+        _write_requests(path, past)
+    return last
+
+
+def _write_requests(path: Path, past: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(past, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -276,6 +276,50 @@ class Journal:
             online_auc=None if online_auc != online_auc else float(online_auc),
         )
 
+    def interleaving_credits(self, challenger: str, since: float | None = None
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per interleaved request of ``challenger`` with feedback: the user, the clicks credited to the
+        champion's team and to the challenger's (the team that placed each clicked item)."""
+        self.flush()
+        rows = self._query(
+            "SELECT r.request_id, r.user_id, r.payload, f.item_id, f.label FROM feedback f "
+            "JOIN requests r USING (request_id) WHERE r.variant = 'interleave' AND r.served_version = ? "
+            "AND r.at >= ?", [challenger, since or 0.0])
+        requests: dict[str, list] = {}
+        teams_of: dict[str, dict[int, int]] = {}
+        for request_id, user_id, raw, item, label in rows:
+            if request_id not in teams_of:
+                payload = json.loads(raw)
+                teams = payload.get("interleaving", {}).get("teams", [])
+                teams_of[request_id] = dict(zip(payload["ranked"], teams, strict=False))
+                requests[request_id] = [user_id, 0, 0]
+            team = teams_of[request_id].get(item)
+            if label and team is not None:
+                requests[request_id][1 + int(team)] += 1
+        table = np.array(list(requests.values()), dtype=np.int64).reshape(-1, 3)
+        return table[:, 0], table[:, 1], table[:, 2]
+
+    def user_clicks(self, version: str | None, since: float | None = None, until: float | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per user: clicks and impressions of the requests ``version`` served (any version: None) with
+        wall-clock time in ``[since, until)`` (interleaved requests left out)."""
+        self.flush()
+        where, params = ["r.variant <> 'interleave'"], []
+        if version is not None:
+            where.append("r.served_version = ?")
+            params.append(version)
+        if since is not None:
+            where.append("r.at >= ?")
+            params.append(since)
+        if until is not None:
+            where.append("r.at < ?")
+            params.append(until)
+        rows = self._query(
+            f"SELECT r.user_id, SUM(f.label), COUNT(*) FROM feedback f JOIN requests r USING (request_id) "
+            f"WHERE {' AND '.join(where)} GROUP BY r.user_id", params)
+        table = np.array(rows, dtype=np.float64).reshape(-1, 3)
+        return table[:, 0].astype(np.int64), table[:, 1], table[:, 2]
+
 
 class SqliteJournal(Journal):
     """The journal in one SQLite file (WAL): the default, for the serving processes of one host."""

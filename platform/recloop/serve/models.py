@@ -32,7 +32,7 @@ from recloop.settings import Settings
 
 log = logging.getLogger("recloop.serve")
 
-CanaryMode = Literal["canary", "shadow"]
+CanaryMode = Literal["interleave", "canary", "shadow"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class Wanted:
     challenger: str | None
     share: float
     mode: CanaryMode
+    salt: str = "recloop-canary"
 
 
 def registry_wanted(settings: Settings) -> Wanted:
@@ -79,18 +80,19 @@ def registry_wanted(settings: Settings) -> Wanted:
     from mlflow import MlflowClient
 
     from recloop import registry
-    from recloop.canary.controller import MODE_TAG, SHARE_TAG
+    from recloop.canary.controller import MODE_TAG, SALT_TAG, SHARE_TAG
 
     registry.configure(settings)
     client = MlflowClient()
     champion = registry.version_by_alias(settings, "champion")
     challenger = registry.version_by_alias(settings, "challenger")
-    share, mode = 0.0, "canary"
+    share, mode, salt = 0.0, "canary", "recloop-canary"
     if challenger is not None:
         tags = client.get_model_version(registry.MODEL_NAME, challenger).tags
         share = float(tags.get(SHARE_TAG, 0.0))
-        mode = "shadow" if tags.get(MODE_TAG) == "shadow" else "canary"
-    return Wanted(champion, challenger, share, mode)
+        mode = tags.get(MODE_TAG) if tags.get(MODE_TAG) in ("interleave", "shadow") else "canary"
+        salt = tags.get(SALT_TAG, salt)  # each experiment's own split of users
+    return Wanted(champion, challenger, share, mode, salt)
 
 
 def load_version(settings: Settings, version: str) -> LoadedModel:
@@ -193,10 +195,10 @@ class ModelPool:
             if challenger is not None and champion is not None and challenger.version == champion.version:
                 challenger = None
             share = wanted.share if challenger else 0.0
-            new = Deployment(champion, challenger, share, wanted.mode)
+            new = Deployment(champion, challenger, share, wanted.mode, wanted.salt)
             if new.versions == current.versions:
-                if (share, wanted.mode) != (current.share, current.mode):
-                    self.live = replace(current, share=share, mode=wanted.mode)
+                if (share, wanted.mode, wanted.salt) != (current.share, current.mode, current.salt):
+                    self.live = replace(current, share=share, mode=wanted.mode, salt=wanted.salt)
                 return False
             self.live = new  # the swap: one reference assignment
             self.swaps += 1
