@@ -195,3 +195,16 @@ def test_platt_scaling_fixes_the_level_fitted_on_training_rows():
     fixed = apply_platt(overconfident, a, b)
     assert fixed.mean() / labels.mean() == pytest.approx(1.0, abs=0.03)
     assert auc(labels, fixed) == pytest.approx(auc(labels, overconfident), abs=1e-9)
+
+
+def test_no_evidence_yet_is_an_unbounded_interval_without_warnings():
+    import warnings
+
+    from recloop.evidence.sequential import interleaving_difference
+
+    empty = np.zeros(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nothing = interleaving_difference(empty, empty, empty, tau=0.05)
+        also = ab_difference(empty, empty, empty, empty, empty, empty, tau=0.05)
+    assert nothing.low == -np.inf and nothing.high == np.inf and also.high == np.inf

@@ -14,9 +14,10 @@ the controller has it: by default the canary *interleaves* (team-draft) the two 
 requests, so each such request compares both models on the same user; in ``canary`` (A/B) mode the
 per-user CTRs are compared with CUPED and user-cluster errors. Either way the interval is always-valid
 (mSPRT), so looking at every step does not inflate the error: the challenger is rolled back when it is
-significantly worse (the interval's top below 0), passes when it is non-inferior (the interval's bottom
-above ``-min_effect``), and is held otherwise, until ``max_users`` without an answer rolls it back as
-inconclusive. Each experiment hashes users with its own salt (``experiment_salt``), and the last step
+significantly worse (the interval's top below 0) at any step, and is promoted from the last step only
+when it is non-inferior (the interval's bottom above ``-min_effect``); held there otherwise, until
+``max_users`` without an answer rolls it back as inconclusive. Earlier steps ride on the guardrails and
+on "not significantly worse", so traffic grows while the evidence accumulates. Each experiment hashes users with its own salt (``experiment_salt``), and the last step
 keeps a champion holdout of ``holdout`` users.
 
 Example::
@@ -190,8 +191,9 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
             return verdict("rollback", [f"online CTR significantly worse ({evidence.method}): "
                                         f"{evidence.estimate:+.1%} [{evidence.low:+.1%}, {evidence.high:+.1%}], "
                                         f"always-valid at alpha {config.alpha}"], 0.0)
-        if not evidence.low > -config.min_effect:
-            if evidence.units >= config.max_users:
+        last_step = not [s for s in config.schedule() if s > state.share + 1e-9]
+        if last_step and not evidence.low > -config.min_effect:  # steps ride on the guardrails; promotion
+            if evidence.units >= config.max_users:                # needs non-inferiority shown
                 return verdict("rollback", [f"inconclusive after {evidence.units} users: online CTR "
                                             f"{evidence.estimate:+.1%} [{evidence.low:+.1%}, {evidence.high:+.1%}] "
                                             f"not shown within {config.min_effect:.0%} of the champion"], 0.0)

@@ -85,6 +85,8 @@ def ratio_linearized(numerator, denominator, clusters) -> tuple[np.ndarray, np.n
     impressions`` (mean zero, variance = the ratio's variance times the number of clusters) and ``R``.
     """
     ids, index = np.unique(np.asarray(clusters), return_inverse=True)
+    if not len(ids):  # no evidence yet
+        return ids, np.zeros(0), 0.0
     num = np.bincount(index, weights=np.asarray(numerator, dtype=np.float64))
     den = np.bincount(index, weights=np.asarray(denominator, dtype=np.float64))
     ratio = num.sum() / max(den.sum(), 1e-300)
