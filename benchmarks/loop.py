@@ -189,9 +189,8 @@ def run_canary(
                 "reason": decision.reasons[0],
             }
         share = decision.share if decision.action == "step" else share
-        if decision.action == "step":  # a new step judges only its own traffic in the legacy rule
-            if legacy:
-                log = {k: [] for k in log}
+        if decision.action == "step" and legacy:  # a new step judges only its own traffic in the legacy rule
+            log = {k: [] for k in log}
     return {
         "outcome": "rollback",
         "looks": max_looks,
