@@ -86,6 +86,9 @@ class TrainConfig:
             reads as before). Under torchrun each rank reads its shards only (``recloop.distributed``).
         row_wise_above: under several processes, tables with more rows are sharded row-wise over the ranks,
             the others table-wise (0: one rank's share of all rows).
+        calibration_rows: after training, Platt scaling (``recloop.evidence.calibration``) is fitted on up
+            to this many of the newest *training* rows (never the held-out ones) and kept with the
+            checkpoint, so its probabilities match the base rate; 0: no calibration.
     """
 
     mode: Literal["full", "incremental"] = "full"
@@ -105,6 +108,7 @@ class TrainConfig:
     compile: str = "auto"
     data_shards: int = 0
     row_wise_above: int = 0
+    calibration_rows: int = 200_000
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def to_dict(self) -> dict:
@@ -246,6 +250,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
                 "tables": [[n, r] for n, r in zip(model.table_names, model.embeddings.layout.rows, strict=True)],
                 "dense": list(schema.dense), "state_version": schema.state_version, "position": dict(position),
                 "trained_until": checkpoint.hour_after(windows.train[-1].stem),
+                "calibration": list(model.calibration) if model.calibration else None,
                 "summary": asdict(summary) if summary else None}
         return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed)
 
@@ -262,6 +267,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
     seconds = time.perf_counter() - started
     samples_this_run = position["samples"] - (resumed["samples"] if resumed else 0)
 
+    model.calibration = _fit_calibration(model, windows.train, schema, config, device)
     figures, slices = _validate(model, windows.validation, schema, layout, config, device)
     summary = TrainSummary(
         mode=config.mode, run_id=run_id, checkpoint="", samples=position["samples"], steps=position["step"],
@@ -339,6 +345,25 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
         position.update(epoch=epoch + 1, batch=0)
     step.finish()
     return step.loss_curve
+
+
+def _fit_calibration(model: RankingModel, files: list[Path], schema: FeatureSchema, config: TrainConfig,
+                     device: torch.device) -> tuple[float, float] | None:
+    """Platt scaling on the newest training rows (up to ``config.calibration_rows``), never the held-out ones."""
+    import itertools
+
+    from recloop.evidence.calibration import fit_platt
+
+    if config.calibration_rows <= 0 or not files:
+        return None
+    model.calibration = None
+    batch = max(config.batch_size or default_batch_size(device), 8192)
+    loader = ChunkLoader(files[-max(1, min(len(files), 24)):], schema, batch, device=device, shuffle=False)
+    batches = itertools.islice(loader.epoch(0), math.ceil(config.calibration_rows / batch))
+    labels, scores, _ = predict(model, batches)
+    if len(labels) < 100 or labels.min() == labels.max() or not np.isfinite(scores).all():
+        return None
+    return fit_platt(labels, scores)
 
 
 def _validate(model: RankingModel, files: list[Path], schema: FeatureSchema, layout: FeatureLayout,

@@ -16,7 +16,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from recloop.gate.decision import GateDecision, GateThresholds, ModelScores, decide, report_markdown
+from recloop.gate.paired import HeldOut, PairedConfig, compare
 from recloop.settings import Settings
 
 
@@ -60,8 +63,13 @@ class GateOutcome:
         return out
 
 
-def score_version(settings: Settings, version: str, files: list[Path], schema) -> ModelScores:
-    """A registered version's metrics on the given held-out files, overall and per slice."""
+def score_version(settings: Settings, version: str, files: list[Path], schema, keep: np.ndarray | None = None,
+                  arrays: dict | None = None) -> ModelScores:
+    """A registered version's metrics on the given held-out files, overall and per slice.
+
+    ``keep``: the rows to judge on (served feedback left out); ``arrays``: receives the labels, scores and
+    slice labels of those rows (for the paired comparison).
+    """
     from recloop import checkpoint
     from recloop.data import ChunkLoader
     from recloop.evaluate import metrics, predict, slice_metrics
@@ -71,8 +79,40 @@ def score_version(settings: Settings, version: str, files: list[Path], schema) -
     model, _ = checkpoint.load_model(checkpoint.resolve(settings, version))
     loader = ChunkLoader(files, schema, 16384, shuffle=False)
     labels, scores, extras = predict(model, loader.epoch(0))
-    return ModelScores(metrics(labels, scores, extras.get("p_click")),
-                       slice_metrics(labels, scores, slice_values(extras, FeatureLayout.for_settings(settings))))
+    if keep is not None and len(keep) == len(labels):
+        labels, scores, extras = labels[keep], scores[keep], {k: v[keep] for k, v in extras.items()}
+    slices = slice_values(extras, FeatureLayout.for_settings(settings))
+    if arrays is not None:
+        arrays.update(labels=labels, scores=scores, slices=slices)
+    return ModelScores(metrics(labels, scores, extras.get("p_click")), slice_metrics(labels, scores, slices))
+
+
+SERVED_EVENT_ID = r"^[0-9a-f]{32}-[0-9]+$"  # the journal's event ids: <request id>-<item id>
+
+
+def held_out_rows(files: list[Path], user_key: str | None, timestamp: str | None, event_id: str | None
+                  ) -> dict[str, np.ndarray]:
+    """Per held-out row, in the loader's order: whether it is served feedback (the journal's event ids),
+    its user and its group (the user's hour: the simulated world has no request ids)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    parts: dict[str, list] = {"served": [], "users": [], "groups": [], "labels": []}
+    for path in files:
+        present = set(pq.read_schema(path).names)
+        columns = [c for c in (event_id, user_key, timestamp, "label") if c and c in present]
+        table = pq.read_table(path, columns=columns)
+        n = table.num_rows
+        served = pc.match_substring_regex(table[event_id], SERVED_EVENT_ID).to_numpy(zero_copy_only=False) \
+            if event_id in present else np.zeros(n, dtype=bool)
+        users = table[user_key].to_numpy() if user_key in present else np.zeros(n, dtype=np.int64)
+        hours = (pc.cast(table[timestamp], "int64").to_numpy() // 3_600_000_000) if timestamp in present \
+            else np.zeros(n, dtype=np.int64)
+        parts["served"].append(np.asarray(served, dtype=bool))
+        parts["users"].append(np.asarray(users, dtype=np.int64))
+        parts["groups"].append(np.asarray(users, dtype=np.int64) * 1_000_003 + hours)
+        parts["labels"].append(table["label"].to_numpy() if "label" in present else np.zeros(n))
+    return {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
 
 
 def serving_smoke_check(settings: Settings, version: str, example_file: str, budget_ms: float = 500.0) -> str | None:
@@ -148,6 +188,7 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
 
     thresholds = thresholds or GateThresholds()
     registry.configure(settings)
+
     client = MlflowClient()
     versions = client.search_model_versions(f"name='{registry.MODEL_NAME}'")
     if not versions:
@@ -164,15 +205,33 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
                                 extra=tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS) if c in present))
     mode = info.mode or "full"
     unloadable = _unloadable()
+    layout_schema = json.loads(FeatureLayout.for_settings(settings).schema.read_text())
+    rows = held_out_rows(files, "user_id" if "user_id" in present else None, layout_schema.get("timestamp"),
+                         layout_schema.get("event_id"))
+    # Served feedback is the champion's own top-k, logged without propensities: judged on, it favours the
+    # champion. Left out when the rest is enough to judge on.
+    keep = ~rows["served"] if rows["served"].any() and (~rows["served"]).sum() >= 1000 else None
+    mine: dict = {}
+    theirs: dict = {}
     try:
-        candidate = score_version(settings, candidate_version, files, schema)
+        candidate = score_version(settings, candidate_version, files, schema, keep, mine)
     except unloadable as err:  # the candidate's own files: a verdict on it, not a failure of the gate
         return _refuse_unloadable(settings, client, info, champion_version, mode, err)
     try:
-        champion = score_version(settings, champion_version, files, schema) if champion_version else None
+        champion = score_version(settings, champion_version, files, schema, keep, theirs) if champion_version \
+            else None
     except unloadable as err:
         raise GateError(f"the champion v{champion_version} cannot be loaded to compare with: {err}") from err
-    decision = decide(candidate, champion, thresholds, mode)  # type: ignore[arg-type]
+    paired = None
+    kept = (lambda a: a[keep]) if keep is not None else (lambda a: a)
+    if champion is not None and len(rows["labels"]) == len(rows["served"]) and \
+            np.array_equal(kept(rows["labels"]).astype(np.float32), mine["labels"].astype(np.float32)) and \
+            all(np.isfinite(m["scores"]).all() for m in (mine, theirs)):
+        held = HeldOut(mine["labels"], mine["scores"], theirs["scores"], kept(rows["groups"]), kept(rows["users"]),
+                       mine["slices"], int(rows["served"].sum()) if keep is not None else 0)
+        allowed = thresholds.max_auc_drop_incremental if mode == "incremental" else thresholds.max_auc_drop_full
+        paired = compare(held, allowed, thresholds.max_slice_auc_drop, PairedConfig())
+    decision = decide(candidate, champion, thresholds, mode, paired)  # type: ignore[arg-type]
     reasons = list(decision.reasons)
     if smoke_check:
         problem = serving_smoke_check(settings, candidate_version, str(files[0]))
