@@ -141,7 +141,6 @@ class World:
         n_items = config.items
         n_wave = int(round(n_items * SUDDEN_WAVE_FRACTION)) if config.drift == "sudden" else 0
         self.num_original_items = n_items
-        total_items = n_items + n_wave
 
         centroids = rng.normal(0.0, 1.0, (config.num_categories, k)) / np.sqrt(k)
         category = rng.integers(0, config.num_categories, n_items)
