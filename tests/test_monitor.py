@@ -199,3 +199,26 @@ def test_the_cool_down_starts_when_a_retrain_is_deployed_and_a_refused_one_is_re
     assert request_retrain(home, drift, now=5000.0 + 3700, config=config).retrain
     past = retrain_requests(home)
     assert [t["outcome"] for t in past] == ["refused", "deployed", None] and past[1]["retry_of_refused"]
+
+
+def test_concept_drift_is_the_champions_calibration_on_served_feedback():
+    import numpy as np
+
+    from recloop.monitor import MonitorConfig
+    from recloop.monitor.concept import concept_findings
+
+    rng = np.random.default_rng(0)
+    n = 20000
+    users = rng.integers(0, 2000, n)
+    device = np.where(rng.random(n) < 0.3, "desktop", "mobile")
+    predicted = rng.uniform(0.05, 0.4, n)
+    same = (rng.random(n) < predicted).astype(float)
+    config = MonitorConfig()
+    found, figures = concept_findings(same, predicted, users, {"device": device}, config)
+    assert found == [] and abs(figures["served_calibration.all"] - 1) < 0.05
+    # tastes moved: desktop users click half as often as the champion predicts
+    moved = same.copy()
+    moved[device == "desktop"] = (rng.random((device == "desktop").sum()) < predicted[device == "desktop"] / 2)
+    found, figures = concept_findings(moved, predicted, users, {"device": device}, config)
+    assert any("device=desktop" in f for f in found) and not any("device=mobile" in f for f in found), found
+    assert concept_findings(moved[:500], predicted[:500], users[:500], {"device": device[:500]}, config)[0] == []

@@ -8,7 +8,9 @@ Findings, in the order they decide:
 1. **data quality** — a column that suddenly arrives null or constant is its own finding, not drift:
    retraining on broken data would teach the model the breakage, so it alerts and does not retrain;
 2. **KPI decay** — online CTR (and AUC) per model version against the baseline recorded when the
-   champion was promoted (fed by serving; none yet: the decision then rests on the data);
+   champion was promoted (fed by serving; none yet: the decision then rests on the data); and **concept
+   drift** (``monitor.concept``): the champion's calibration on served feedback, overall and per segment
+   (changed tastes move it while the inputs look the same);
 3. **drift** — Evidently's ``DataDriftPreset`` over the context and item columns (per-column methods and
    thresholds as Evidently chooses them for the sample size), judged by the share of drifted columns;
    and, for entity keys, the share of recent events on ids the reference never saw (a new catalog wave
@@ -66,6 +68,10 @@ class MonitorConfig:
         max_auc_drop: absolute drop of online AUC (from feedback) against the baseline that counts as decay.
         kpi_z: and a CTR or AUC drop must be this many standard errors (both sides' impressions), when known.
         min_impressions: feedback impressions the window needs before its KPIs are judged.
+        max_calibration_error, concept_alpha, min_segment_impressions: concept drift (``monitor.concept``):
+            the champion's calibration on served feedback (predicted / observed CTR), overall and per
+            segment of at least ``min_segment_impressions``, off by more than this, significant at
+            ``concept_alpha`` after Holm (user-cluster errors), is KPI decay: a retrain.
         per_column_method, per_column_threshold: Evidently's drift test and threshold for named columns
             (e.g. ``{"price": "psi"}``, ``{"price": 0.2}``); the others get Evidently's choice for their
             type and sample size.
@@ -81,6 +87,9 @@ class MonitorConfig:
     max_auc_drop: float = 0.03
     kpi_z: float = 3.0
     min_impressions: int = 2000
+    max_calibration_error: float = 0.2
+    concept_alpha: float = 0.01
+    min_segment_impressions: int = 1000
     seed: int = 0
     per_column_method: dict[str, str] = field(default_factory=dict)
     per_column_threshold: dict[str, float] = field(default_factory=dict)

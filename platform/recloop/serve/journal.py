@@ -299,6 +299,36 @@ class Journal:
         table = np.array(list(requests.values()), dtype=np.int64).reshape(-1, 3)
         return table[:, 0], table[:, 1], table[:, 2]
 
+    def served_predictions(self, version: str, event_window: tuple[int, int] | None = None,
+                           segments: tuple[str, ...] = ("device",)) -> dict[str, np.ndarray]:
+        """Per impression ``version`` served (interleaved requests left out), with event time in the window:
+        the label, the version's own predicted probability, the user and each segment column's value (from
+        the request's context)."""
+        self.flush()
+        where, params = ["r.variant <> 'interleave'", "r.served_version = ?"], [version]
+        if event_window is not None:
+            where.append("r.ts_us >= ? AND r.ts_us < ?")
+            params += list(event_window)
+        rows = self._query(
+            f"SELECT f.label, f.scores, r.user_id, r.request_id, r.payload, f.item_id FROM feedback f "
+            f"JOIN requests r USING (request_id) WHERE {' AND '.join(where)}", params)
+        out: dict[str, list] = {"labels": [], "predictions": [], "users": [], **{c: [] for c in segments}}
+        payloads: dict[str, dict] = {}
+        for label, scores, user_id, request_id, raw, item in rows:
+            score = json.loads(scores).get(version)
+            if score is None:
+                continue
+            payload = payloads.setdefault(request_id, json.loads(raw))
+            out["labels"].append(label)
+            out["predictions"].append(score)
+            out["users"].append(user_id)
+            for column in segments:
+                value = payload["context"].get(column)
+                if payload.get("per_candidate", {}).get(column):
+                    value = value[payload["item_ids"].index(item)]
+                out[column].append("" if value is None else str(value))
+        return {k: np.asarray(v) for k, v in out.items()}
+
     def user_clicks(self, version: str | None, since: float | None = None, until: float | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per user: clicks and impressions of the requests ``version`` served (any version: None) with
