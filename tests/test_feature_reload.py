@@ -20,11 +20,13 @@ def test_serving_reloads_vocabularies_when_the_features_flow_publishes(champion_
     before = features.state_version
     assert before == store.versions()[-1]
     assert not features.refresh_if_published()  # nothing new: one stat, no load
-    known = features._state.vocabularies["item_id"].size
+    loads, as_of = features.reloads, features._state.as_of_us
+    seen = features._state.vocabularies["user_id"].table["count"].to_numpy().sum()
 
     build_features(settings, spec, FeatureConfig.for_spec(spec))  # day 4: ingested, not yet featurized
     assert store.versions()[-1] > before and store.marker.read_text().strip() == str(store.versions()[-1])
     assert features.refresh_if_published()  # the next request sees it, an hour before the flush timer
-    assert features.state_version == store.versions()[-1] and features.reloads == 1
-    assert features._state.vocabularies["item_id"].size > known  # ids admitted on day 4 are in vocabulary
+    assert features.state_version == store.versions()[-1] and features.reloads == loads + 1
+    assert features._state.as_of_us > as_of  # day 4's state: its vocabularies count day 4's ids
+    assert features._state.vocabularies["user_id"].table["count"].to_numpy().sum() > seen
     assert not features.refresh_if_published()

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import lru_cache
 
 import numpy as np
@@ -50,8 +51,17 @@ def draw_panel(world: World, day: float, requests: int, candidates: int = 50, se
     mix = DEVICE_MIX_AFTER_COVARIATE_DRIFT if drifted and drift == "covariate" else DEVICE_MIX
     devices = rng.choice(len(mix), requests, p=mix)
     p = popularity / popularity.sum()
-    # candidates without repeats within a request (Gumbel top-k over log popularity)
-    keys = np.log(np.maximum(p, 1e-300))[None, :] + rng.gumbel(size=(requests, len(p)))
+    # candidates without repeats within a request (Gumbel top-k over log popularity); the drift's new items
+    # get their keys from their own stream, so a world and its no-drift twin draw the same panels before it
+    original = world.num_original_items
+    keys = np.log(np.maximum(p[:original], 1e-300))[None, :] + rng.gumbel(size=(requests, original))
+    if len(p) > original:
+        wave = np.random.default_rng(np.random.SeedSequence([world.config.seed, 8, int(day * 24), seed]))
+        wave_p = p[original:]
+        wave_keys = np.where(wave_p > 0, np.log(np.maximum(wave_p, 1e-300)), -np.inf)[None, :] + wave.gumbel(
+            size=(requests, len(wave_p))
+        )
+        keys = np.concatenate([keys, wave_keys], axis=1)
     items = np.argpartition(-keys, candidates - 1, axis=1)[:, :candidates]
     return Panel(day, users, devices, items)
 
@@ -144,5 +154,68 @@ class SimulatedModel:
 
 @lru_cache(maxsize=32)
 def _errors(world_seed: int, seed: int, rank: int, users: int, items: int):
-    rng = np.random.default_rng(np.random.SeedSequence([world_seed, 11, seed]))
-    return rng.normal(0, 1, (users, rank)), rng.normal(0, 1, (items, rank)), rng.normal(0, 1, items)
+    """Each factor from its own stream: a twin world with extra (wave) items shares the others' errors."""
+    streams = [
+        np.random.default_rng(np.random.SeedSequence([world_seed, 11, seed, part])) for part in range(3)
+    ]
+    return (
+        streams[0].normal(0, 1, (users, rank)),
+        streams[1].normal(0, 1, (items, rank)),
+        streams[2].normal(0, 1, items),
+    )
+
+
+def request_bodies(world: World, panel: Panel) -> list[dict]:
+    """The panel's requests as ``/rank`` bodies (context as the simulated users send it)."""
+    from recloop.simulate import COUNTRIES, DEVICES
+
+    ts = (world.config.start + timedelta(days=panel.day)).isoformat()
+    bodies = []
+    for user, device, items in zip(
+        panel.users.tolist(), panel.devices.tolist(), panel.items.tolist(), strict=True
+    ):
+        bodies.append(
+            {
+                "user_id": user,
+                "item_ids": items,
+                "ts": ts,
+                "context": {
+                    "device": DEVICES[device],
+                    "country": COUNTRIES[world.user_country[user]],
+                    "history": [int(i) for i in world.history[user] if i >= 0],
+                    "category": [int(c) for c in world.item_category[items]],
+                    "price": [float(p) for p in world.item_price[items]],
+                },
+            }
+        )
+    return bodies
+
+
+def normalized(rewards: dict[str, np.ndarray], policy: str, weights: np.ndarray | None = None):
+    """Normalized reward of ``policy`` from per-request rewards (``oracle``, ``random`` included); with
+    ``weights`` of shape (resamples, requests), one value per resample."""
+    if weights is None:
+        total = {k: v.sum() for k, v in rewards.items()}
+    else:
+        total = {k: weights @ v for k, v in rewards.items()}
+    return (total[policy] - total["random"]) / (total["oracle"] - total["random"])
+
+
+def twin_recovery(
+    drifted: dict[str, np.ndarray],
+    twin: dict[str, np.ndarray],
+    users: np.ndarray,
+    policy: str,
+    resamples: int = 1000,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Normalized reward of ``policy`` in the drifted world over the same in its no-drift twin, on paired
+    panels (request ``i`` of both drawn by the same stream), with a 95 % user-cluster bootstrap interval
+    (one Poisson weight per user of the drifted panel, applied to both worlds' requests)."""
+    _, index = np.unique(users, return_inverse=True)
+    per_user = np.random.default_rng(seed).poisson(1.0, (resamples, index.max() + 1)).astype(np.float64)
+    weights = per_user[:, index]
+    point = normalized(drifted, policy) / normalized(twin, policy)
+    boot = normalized(drifted, policy, weights) / normalized(twin, policy, weights)
+    low, high = np.quantile(boot[np.isfinite(boot)], [0.025, 0.975])
+    return {"recovery": float(point), "low": float(low), "high": float(high)}
