@@ -370,6 +370,73 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int)
     return out
 
 
+# --- the loop itself: seeds × scenarios (the demo, twin worlds) -------------------------------------------------
+
+
+def loop_grid(
+    seeds: int, scenarios: tuple[str, ...], days: int, events_per_day: int, requests_per_day: int, root: str
+) -> dict:
+    """``recloop demo`` per world seed and scenario, each with its no-drift twin: the twin-world recovery
+    two cycles after the drift (mean and t interval across seeds, each run's own user-cluster interval),
+    the paired difference loop − never retrained on the same panel, the day drift was first acted on
+    (detection delay) and false alarms on ``none``."""
+    from pathlib import Path
+
+    from recloop.demo import DemoConfig, run_demo
+    from recloop.settings import Settings
+
+    runs: dict[str, list[dict]] = {}
+    for scenario in scenarios:
+        for seed in range(seeds):
+            home = Path(root) / f"{scenario}-{seed}" / "home"
+            config = DemoConfig(
+                days=days,
+                events_per_day=events_per_day,
+                requests_per_day=requests_per_day,
+                seed=seed,
+                drift=scenario,
+                drift_day=2,
+                twin=scenario != "none",
+            )
+            began = time.perf_counter()
+            summary = run_demo(Settings(home=home, frame_backend="pandas"), config)
+            decisions = [(d["day"], d["drift"]) for d in summary["days"] if d["day"] > 0]
+            acted = [day for day, decision in decisions if decision in ("drift", "kpi_decay") and day >= 2]
+            headline = (summary.get("recovery") or {}).get("headline") or {}
+            panel = {d["day"]: d["panel"] for d in summary["days"] if d.get("panel")}
+            day = config.drift_day + 2 if config.drift_day + 2 in panel else max(panel)
+            row = {
+                "seed": seed,
+                "seconds": time.perf_counter() - began,
+                "recovery": headline.get("champion", {}).get("recovery"),
+                "recovery_low": headline.get("champion", {}).get("low"),
+                "recovery_high": headline.get("champion", {}).get("high"),
+                "never_retrained_recovery": headline.get("never_retrained", {}).get("recovery"),
+                "loop_minus_frozen": panel[day]["champion"]["normalized_reward"]
+                - panel[day]["never_retrained"]["normalized_reward"],
+                "detection_delay_days": (min(acted) - config.drift_day) if acted else None,
+                "false_alarms": sum(decision in ("drift", "kpi_decay") for _, decision in decisions)
+                if scenario == "none"
+                else None,
+            }
+            runs.setdefault(scenario, []).append(row)
+            print(f"loop {scenario} seed {seed}: {json.dumps(row, default=float)}", flush=True)
+    out = {}
+    for scenario, rows in runs.items():
+        entry = {"runs": rows}
+        for key in ("recovery", "loop_minus_frozen"):
+            values = [r[key] for r in rows if r[key] is not None]
+            if values:
+                entry[key] = dict(zip(("mean", "low", "high"), mean_ci(values), strict=True))
+        delays = [r["detection_delay_days"] for r in rows]
+        entry["detected_within_2_days"] = sum(d is not None and d <= 2 for d in delays) / len(rows)
+        if scenario == "none":
+            entry["false_alarm_checks"] = sum(r["false_alarms"] for r in rows)
+            entry["checks"] = len(rows) * (days - 1)
+        out[scenario] = entry
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=10)
@@ -384,6 +451,19 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=300)
     parser.add_argument("--modes", default="interleave,canary")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: canary, gate")
+    parser.add_argument(
+        "--loop-seeds",
+        type=int,
+        default=0,
+        help="world seeds of the full-loop grid (0: skip it; each run is a `recloop demo` and its twin)",
+    )
+    parser.add_argument("--scenarios", default="sudden,gradual,covariate,none")
+    parser.add_argument("--loop-days", type=int, default=5)
+    parser.add_argument("--loop-events-per-day", type=int, default=20_000)
+    parser.add_argument("--loop-requests-per-day", type=int, default=400)
+    parser.add_argument(
+        "--loop-root", default=None, help="where the runs' homes go (default: a temporary folder)"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -417,6 +497,24 @@ def main() -> None:
                 f"[{row['better_refused_ci'][0]:.0%}, {row['better_refused_ci'][1]:.0%}] of {row['better']}, "
                 f"panel-worse passed {row['worse_passed']:.0%} [{row['worse_passed_ci'][0]:.0%}, "
                 f"{row['worse_passed_ci'][1]:.0%}] of {row['worse']}",
+                flush=True,
+            )
+    if args.loop_seeds:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="recloop-loop-") as scratch:
+            result["loop"] = loop_grid(
+                args.loop_seeds,
+                tuple(args.scenarios.split(",")),
+                args.loop_days,
+                args.loop_events_per_day,
+                args.loop_requests_per_day,
+                args.loop_root or scratch,
+            )
+        for scenario, entry in result["loop"].items():
+            print(
+                f"loop {scenario}: recovery {entry.get('recovery')}, loop − frozen {entry.get('loop_minus_frozen')}, "
+                f"detected within 2 days {entry['detected_within_2_days']:.0%}",
                 flush=True,
             )
     result["seconds"] = time.perf_counter() - started
