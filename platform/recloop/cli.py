@@ -374,7 +374,8 @@ def canary_command(
     config: Annotated[Path | None, typer.Option(help="YAML with CanaryConfig fields (steps, bake_seconds, ...).")]
     = None,
     reason: Annotated[str, typer.Option(help="Why (promote, rollback): recorded in MLflow.")] = "by an operator",
-    shadow: Annotated[bool, typer.Option(help="start: score with the challenger in shadow instead.")] = False,
+    shadow: Annotated[bool, typer.Option(help="start: score with the challenger in shadow instead (default: the "
+                                              "config's mode, interleave).")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """The canary controller: show the state, judge and act (step), or promote / roll back by hand."""
@@ -390,7 +391,7 @@ def canary_command(
         elif action == "step":
             result = controller.step(settings, canary_config).to_dict()
         elif action == "start":
-            result = controller.start(settings, canary_config, mode="shadow" if shadow else "canary").to_dict()
+            result = controller.start(settings, canary_config, mode="shadow" if shadow else None).to_dict()
         else:
             result = controller.manual(settings, action, reason).to_dict()  # type: ignore[arg-type]
     except (controller.NoCanary, ValueError, FileNotFoundError) as err:
