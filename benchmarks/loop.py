@@ -264,6 +264,9 @@ def canary_rates(
                     )
                     entry = results.setdefault(name, {}).setdefault(label, [])
                     entry.append({**outcome, "true_effect": measured})
+                done = results[name][label][-per_seed:]
+                print(f"  seed {seed} {name} {label}: rolled back {sum(r['outcome'] == 'rollback' for r in done)}"
+                      f"/{len(done)}", flush=True)
     summary = {}
     for name, by_label in results.items():
         summary[name] = {}

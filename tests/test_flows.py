@@ -172,6 +172,9 @@ def test_the_demo_runs_every_stage_each_day(prefect_server, tmp_path: Path):
         assert day["requests"] == 120 and day["events"] == 4000
         assert day["gate"] in ("refused", "passed → challenger")  # only the first model goes straight to champion
         assert day["vs_oracle"] is not None and day["online_ctr"]
+        panel = day["panel"]  # the day's evaluation panel, scored against the ground truth
+        assert panel["champion"]["low"] <= panel["champion"]["normalized_reward"] <= panel["champion"]["high"]
+        assert -1 < panel["never_retrained"]["normalized_reward"] < 1
     assert days[1]["canary"] == ([f"start v{days[1]['candidate_version']}"] if days[1]["gate"] != "refused" else [])
     if days[1]["gate"] != "refused":  # the day-1 challenger was judged on day 2's traffic
         assert any(c.split()[0] in ("step", "promote", "rollback") for c in days[2]["canary"]), days[2]["canary"]
