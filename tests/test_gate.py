@@ -160,3 +160,25 @@ def test_a_first_model_is_calibrated_on_its_training_rows(champion_home):
     held = score_version(champion_home, "1", files, FeatureSchema.load(FeatureLayout.for_settings(champion_home).schema))
     low, high = T.calibration_range
     assert low <= held.overall["calibration"] <= high, held.overall
+
+
+def test_the_off_policy_check_refuses_a_candidate_the_exploration_logs_say_is_worse():
+    from recloop.evidence.offpolicy import softmax
+    from recloop.gate.offpolicy import check, policy_estimate
+
+    rng = np.random.default_rng(7)
+    requests, m = 12000, 20
+    truth = rng.uniform(0.01, 0.3, (requests, m))
+    logging = softmax(np.log(truth), 1.0)  # a Plackett-Luce top slot: proportional to the champion-like guess
+    shown = (logging.cumsum(axis=1) > rng.random((requests, 1))).argmax(axis=1)
+    rows = np.arange(requests)
+    labels = (rng.random(requests) < truth[rows, shown]).astype(float)
+    good = list(np.clip(truth + rng.normal(0, 0.02, truth.shape), 1e-3, 1))
+    bad = list(rng.uniform(0.01, 0.3, truth.shape))  # ranks at random
+    good_estimate = policy_estimate(labels, logging[rows, shown], shown, good)
+    bad_estimate = policy_estimate(labels, logging[rows, shown], shown, bad)
+    assert good_estimate.snips > bad_estimate.snips + 0.05
+    reason, figures = check(bad_estimate, good_estimate)
+    assert reason and "off-policy top-slot CTR" in reason and figures["effective_samples"] >= 200
+    assert check(good_estimate, bad_estimate)[0] is None
+    assert check(good_estimate, good_estimate)[0] is None

@@ -155,6 +155,49 @@ def held_out_files(settings: Settings, info) -> list[Path]:
     return files
 
 
+def off_policy(settings: Settings, candidate: str, champion: str, window: tuple[str, str] | None,
+               limit: int = 5000) -> tuple[str | None, dict] | None:
+    """The off-policy check (``gate.offpolicy``) on the journal's explored requests with event time in the
+    candidate's held-out hours; None when serving logged none."""
+    from datetime import UTC, datetime, timedelta
+
+    from recloop.features.config import FeatureConfig
+    from recloop.features.job import FeatureLayout
+    from recloop.gate.offpolicy import check, policy_estimate
+    from recloop.schema import load_spec
+    from recloop.serve.features import RequestFeatures, online_reader
+    from recloop.serve.journal import open_journal
+    from recloop.serve.models import load_version, score
+
+    if window is None:
+        return None
+    first, last = (datetime.strptime(h, "%Y-%m-%dT%H").replace(tzinfo=UTC) for h in window)
+    bounds = (int(first.timestamp() * 1e6), int((last + timedelta(hours=1)).timestamp() * 1e6))
+    journal = open_journal(settings, create=False)
+    if journal is None:
+        return None
+    try:
+        logs = journal.exploration_requests(bounds, limit)
+    finally:
+        journal.close()
+    if len(logs) < 50:
+        return None
+    layout = FeatureLayout.for_settings(settings)
+    spec = load_spec(json.loads(layout.schema.read_text()).get("dataset", "synthetic"))
+    features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), online_reader(settings))
+    models = {v: load_version(settings, v) for v in (candidate, champion)}
+    scores: dict[str, list] = {candidate: [], champion: []}
+    for log in logs:
+        rows, _ = features.rows(log["user_id"], log["item_ids"], log["context"], log["ts_us"])
+        for version, model in models.items():
+            scores[version].append(score(model, rows).numpy())
+    labels = [log["label"] for log in logs]
+    logged = [log["propensity"] for log in logs]
+    shown = [log["item_ids"].index(log["top"]) for log in logs]
+    return check(policy_estimate(labels, logged, shown, scores[candidate]),
+                 policy_estimate(labels, logged, shown, scores[champion]))
+
+
 def _refuse_unloadable(settings: Settings, client, info, champion_version: str | None, mode: str,
                        err: BaseException) -> GateOutcome:
     """A candidate whose checkpoint cannot be loaded fails the gate, tagged with the reason like any other."""
@@ -233,6 +276,13 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
         paired = compare(held, allowed, thresholds.max_slice_auc_drop, PairedConfig())
     decision = decide(candidate, champion, thresholds, mode, paired)  # type: ignore[arg-type]
     reasons = list(decision.reasons)
+    if champion_version is not None:
+        found = off_policy(settings, candidate_version, champion_version, info.validation_window)
+        if found is not None:
+            reason, figures = found
+            decision.figures["off-policy (explored requests)"] = figures
+            if reason:
+                reasons.append(reason)
     if smoke_check:
         problem = serving_smoke_check(settings, candidate_version, str(files[0]))
         if problem:

@@ -329,6 +329,30 @@ class Journal:
                 out[column].append("" if value is None else str(value))
         return {k: np.asarray(v) for k, v in out.items()}
 
+    def exploration_requests(self, event_window: tuple[int, int] | None = None, limit: int = 20_000) -> list[dict]:
+        """Explored requests (served by a Plackett-Luce draw, propensities logged) with feedback on their top
+        slot: user, event time, candidates, context, the shown top item, its propensity and whether it was
+        clicked (the off-policy estimators' logs)."""
+        self.flush()
+        where, params = ["r.payload LIKE ?"], ['%"exploration"%']
+        if event_window is not None:
+            where.append("r.ts_us >= ? AND r.ts_us < ?")
+            params += list(event_window)
+        rows = self._query(
+            f"SELECT r.request_id, r.user_id, r.ts_us, r.payload, f.item_id, f.label FROM feedback f "
+            f"JOIN requests r USING (request_id) WHERE {' AND '.join(where)} LIMIT {int(limit) * 10}", params)
+        out: dict[str, dict] = {}
+        for request_id, user_id, ts_us, raw, item, label in rows:
+            payload = json.loads(raw)
+            if not payload.get("ranked") or item != payload["ranked"][0] or request_id in out:
+                continue
+            out[request_id] = {"user_id": user_id, "ts_us": ts_us, "item_ids": payload["item_ids"],
+                               "context": payload["context"], "top": item, "label": int(label),
+                               "propensity": float(payload["exploration"]["propensities"][0])}
+            if len(out) >= limit:
+                break
+        return list(out.values())
+
     def user_clicks(self, version: str | None, since: float | None = None, until: float | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per user: clicks and impressions of the requests ``version`` served (any version: None) with
