@@ -265,8 +265,11 @@ def canary_rates(
                     entry = results.setdefault(name, {}).setdefault(label, [])
                     entry.append({**outcome, "true_effect": measured})
                 done = results[name][label][-per_seed:]
-                print(f"  seed {seed} {name} {label}: rolled back {sum(r['outcome'] == 'rollback' for r in done)}"
-                      f"/{len(done)}", flush=True)
+                print(
+                    f"  seed {seed} {name} {label}: rolled back {sum(r['outcome'] == 'rollback' for r in done)}"
+                    f"/{len(done)}",
+                    flush=True,
+                )
     summary = {}
     for name, by_label in results.items():
         summary[name] = {}
@@ -373,6 +376,74 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int)
     return out
 
 
+# --- concept drift: the monitor's served-feedback check on a stale champion ------------------------------------
+
+
+def concept_rates(seeds: int, scenarios: tuple[str, ...], requests_per_day: int, days_after: int = 3) -> dict:
+    """Per seed and scenario: a champion that knows the world as it was the day before the drift (its true
+    click probabilities then: perfectly calibrated until the drift) serves ``requests_per_day`` requests a
+    day (top 10 of 30 candidates); its predictions on the shown items and the clicks they got go to
+    ``monitor.concept.concept_findings`` each day. Detection delay (days after onset) and false alarms."""
+    from recloop.monitor import MonitorConfig
+    from recloop.monitor.concept import concept_findings
+
+    config = MonitorConfig()
+    drift_day = 2
+    out = {}
+    for scenario in scenarios:
+        delays, alarms, checks = [], 0, 0
+        for seed in range(seeds):
+            world = World(
+                WorldConfig(
+                    seed=seed,
+                    days=drift_day + days_after,
+                    events_per_day=20_000,
+                    drift=scenario,
+                    drift_day=drift_day,
+                )
+            )
+            rng = np.random.default_rng([seed, 3])
+            found_on = None
+            for day in range(drift_day - 1, drift_day + days_after):
+                panel = draw_panel(world, day + 0.5, requests_per_day, CANDIDATES, seed=500 + day)
+                n, m = panel.items.shape
+                stale = world.click_probability(
+                    drift_day - 0.5,
+                    np.repeat(panel.users, m),
+                    panel.items.ravel(),
+                    np.repeat(panel.devices, m),
+                    np.ones(n * m),
+                ).reshape(n, m)
+                order = np.argsort(-stale, axis=1)[:, :K]
+                items = np.take_along_axis(panel.items, order, axis=1)
+                positions = np.tile(np.arange(1, K + 1), (n, 1))
+                users = np.repeat(panel.users, K)
+                devices = np.repeat(panel.devices, K)
+                predicted = world.click_probability(
+                    drift_day - 0.5, users, items.ravel(), devices, positions.ravel()
+                )
+                actual = world.click_probability(day + 0.5, users, items.ravel(), devices, positions.ravel())
+                labels = (rng.random(len(actual)) < actual).astype(float)
+                findings, _ = concept_findings(
+                    labels, predicted, users, {"device": np.asarray(DEVICES)[devices]}, config
+                )
+                checks += 1
+                if findings and (scenario == "none" or day < drift_day):
+                    alarms += 1
+                if findings and day >= drift_day and found_on is None:
+                    found_on = day
+            delays.append(None if found_on is None else found_on - drift_day)
+        out[scenario] = {
+            "seeds": seeds,
+            "detected_within_2_days": sum(d is not None and d <= 2 for d in delays) / seeds,
+            "detected_ci": proportion_ci(sum(d is not None and d <= 2 for d in delays), seeds),
+            "delays": delays,
+            "false_alarms": alarms,
+            "checks_without_drift": checks if scenario == "none" else seeds,
+        }
+    return out
+
+
 # --- the loop itself: seeds × scenarios (the demo, twin worlds) -------------------------------------------------
 
 
@@ -453,7 +524,7 @@ def main() -> None:
     parser.add_argument("--gate-seeds", type=int, default=None)
     parser.add_argument("--resamples", type=int, default=300)
     parser.add_argument("--modes", default="interleave,canary")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: canary, gate")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: canary, gate, concept")
     parser.add_argument(
         "--loop-seeds",
         type=int,
@@ -461,6 +532,9 @@ def main() -> None:
         help="world seeds of the full-loop grid (0: skip it; each run is a `recloop demo` and its twin)",
     )
     parser.add_argument("--scenarios", default="sudden,gradual,covariate,none")
+    parser.add_argument(
+        "--concept-requests", type=int, default=400, help="served requests a day (concept drift)"
+    )
     parser.add_argument("--loop-days", type=int, default=5)
     parser.add_argument("--loop-events-per-day", type=int, default=20_000)
     parser.add_argument("--loop-requests-per-day", type=int, default=400)
@@ -500,6 +574,15 @@ def main() -> None:
                 f"[{row['better_refused_ci'][0]:.0%}, {row['better_refused_ci'][1]:.0%}] of {row['better']}, "
                 f"panel-worse passed {row['worse_passed']:.0%} [{row['worse_passed_ci'][0]:.0%}, "
                 f"{row['worse_passed_ci'][1]:.0%}] of {row['worse']}",
+                flush=True,
+            )
+    if "concept" not in skip:
+        result["concept"] = concept_rates(args.seeds, tuple(args.scenarios.split(",")), args.concept_requests)
+        for scenario, row in result["concept"].items():
+            print(
+                f"concept {scenario:>9}: detected within 2 days {row['detected_within_2_days']:.0%} "
+                f"[{row['detected_ci'][0]:.0%}, {row['detected_ci'][1]:.0%}], delays {row['delays']}, "
+                f"false alarms {row['false_alarms']} of {row['checks_without_drift']} checks",
                 flush=True,
             )
     if args.loop_seeds:
