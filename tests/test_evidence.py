@@ -208,3 +208,17 @@ def test_no_evidence_yet_is_an_unbounded_interval_without_warnings():
         nothing = interleaving_difference(empty, empty, empty, tau=0.05)
         also = ab_difference(empty, empty, empty, empty, empty, empty, tau=0.05)
     assert nothing.low == -np.inf and nothing.high == np.inf and also.high == np.inf
+
+
+def test_the_pooled_auc_bootstrap_matches_the_plain_auc_and_resamples_users():
+    from recloop.evidence.ranking import _pooled_auc_resamples
+
+    rng = np.random.default_rng(8)
+    labels = rng.random(3000) < 0.2
+    scores = np.round(rng.normal(0, 1, 3000) + labels, 1)  # with ties
+    ones = np.ones((2, 3000))
+    np.testing.assert_allclose(_pooled_auc_resamples(labels, scores, ones), auc(labels, scores))
+    users = rng.integers(0, 300, 3000)
+    worse = scores + rng.normal(0, 2, 3000)
+    result = paired_bootstrap(labels, worse, scores, users, users, metric="auc", rng=rng, resamples=200)
+    assert result.high < 0 and result.p_worse < 0.001 and result.metric == "auc"

@@ -141,6 +141,29 @@ def _unit_contributions(metric: str, labels, candidate, champion, groups, units,
     return out, n_units
 
 
+def _pooled_auc_resamples(labels, scores, row_weights: np.ndarray, chunk: int = 50) -> np.ndarray:
+    """Pooled AUC under each row of ``row_weights`` (resamples × rows): weighted Mann-Whitney, ties half."""
+    y = np.asarray(labels).astype(bool)
+    s = np.asarray(scores, dtype=np.float64)
+    order = np.argsort(s, kind="stable")
+    y, s = y[order], s[order]
+    # rows with equal scores form one run: a positive gets half the negatives of its own run
+    new_run = np.r_[True, s[1:] != s[:-1]]
+    starts = np.flatnonzero(new_run)
+    run = np.cumsum(new_run) - 1
+    out = []
+    for begin in range(0, len(row_weights), chunk):
+        w = row_weights[begin : begin + chunk][:, order]
+        negative = w * ~y
+        positive = w * y
+        run_negative = np.add.reduceat(negative, starts, axis=1)
+        below = np.cumsum(run_negative, axis=1) - run_negative  # negatives in lower runs
+        credit = below[:, run] + 0.5 * run_negative[:, run]
+        total = positive.sum(axis=1) * negative.sum(axis=1)
+        out.append((positive * credit).sum(axis=1) / np.maximum(total, 1e-300))
+    return np.concatenate(out)
+
+
 def paired_bootstrap(
     labels,
     candidate,
@@ -156,13 +179,16 @@ def paired_bootstrap(
     rng: np.random.Generator | None = None,
 ) -> PairedResult:
     """Paired bootstrap over ``units`` (users; default: the groups themselves) of the candidate − champion
-    difference in grouped AUC (``gauc``) or NDCG@k (``ndcg``; ``labels`` are the gains).
+    difference in grouped AUC (``gauc``), NDCG@k (``ndcg``; ``labels`` are the gains) or pooled AUC
+    (``auc``: for data whose groups rarely hold both classes; still resampled by user).
 
     Each resample draws every unit's multiplicity from Poisson(1) (vectorised), so both models see the
     same users the same number of times.
     """
     rng = rng or np.random.default_rng(0)
     units = groups if units is None else units
+    if metric == "auc":
+        return _paired_pooled_auc(labels, candidate, champion, units, margin, resamples, confidence, rng)
     ((cn, cd), (hn, hd)), n_units = _unit_contributions(metric, labels, candidate, champion, groups, units, k)
     cand, champ = cn.sum() / max(cd.sum(), 1e-300), hn.sum() / max(hd.sum(), 1e-300)
     diff = float(cand - champ)
@@ -178,6 +204,30 @@ def paired_bootstrap(
     p_worse = float(stats.norm.sf((-margin - diff) / se)) if se > 0 else float(diff < -margin)
     return PairedResult(
         metric, float(cand), float(champ), diff, float(low), float(high), p_worse, margin, n_units
+    )
+
+
+def _paired_pooled_auc(
+    labels, candidate, champion, units, margin, resamples, confidence, rng
+) -> PairedResult:
+    """Pooled AUC of both models, resampling users (each row weighted by its user's Poisson draw)."""
+    from recloop.evaluate import auc
+
+    index, n_units = _group_index(units)
+    cand, champ = auc(labels, candidate), auc(labels, champion)
+    diff = float(cand - champ)
+    if n_units < 2 or not np.isfinite(diff):
+        return PairedResult("auc", float(cand), float(champ), diff, -np.inf, np.inf, 1.0, margin, n_units)
+    weights = rng.poisson(1.0, size=(resamples, n_units)).astype(np.float64)[:, index]
+    boot = _pooled_auc_resamples(labels, candidate, weights) - _pooled_auc_resamples(
+        labels, champion, weights
+    )
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(boot, [tail, 1 - tail])
+    se = float(boot.std(ddof=1))
+    p_worse = float(stats.norm.sf((-margin - diff) / se)) if se > 0 else float(diff < -margin)
+    return PairedResult(
+        "auc", float(cand), float(champ), diff, float(low), float(high), p_worse, margin, n_units
     )
 
 

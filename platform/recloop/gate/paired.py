@@ -33,6 +33,7 @@ from recloop.evidence.ranking import (
     min_rows_for_auc_difference,
     ndcg_at_k,
     paired_bootstrap,
+    per_group_auc,
 )
 
 
@@ -52,6 +53,11 @@ class HeldOut:
 
 @dataclass(frozen=True)
 class PairedConfig:
+    """``min_groups``: groups holding both classes needed for grouped AUC; with fewer (a simulated world's
+    impressions are not requests, and a user-hour rarely holds a click and a non-click) the comparison is
+    pooled AUC, still resampled by user."""
+
+    min_groups: int = 100
     alpha: float = 0.05
     power: float = 0.8
     resamples: int = 500
@@ -76,6 +82,8 @@ def compare(
     config = config or PairedConfig()
     rng = np.random.default_rng(config.seed)
     tests, names = [], []
+    usable = len(per_group_auc(held.labels, held.champion, held.groups)[0])
+    metric = "gauc" if usable >= config.min_groups else "auc"
     overall = paired_bootstrap(
         held.labels,
         held.candidate,
@@ -85,6 +93,7 @@ def compare(
         margin=max_drop,
         resamples=config.resamples,
         rng=rng,
+        metric=metric,
     )
     tests.append(overall)
     names.append("overall")
@@ -97,6 +106,8 @@ def compare(
             "high": overall.high,
             "allowed_drop": max_drop,
             "users": float(overall.units),
+            "usable_groups": float(usable),
+            "pooled": float(metric == "auc"),
             "served_rows_excluded": float(held.served_excluded),
         },
         "ndcg@10": {
@@ -113,7 +124,11 @@ def compare(
             name = f"{column}={value}"
             rows = int(mask.sum())
             base = float(held.labels[mask].mean()) if rows else 0.0
-            reference = grouped_auc(held.labels[mask], held.champion[mask], held.groups[mask])
+            reference = (
+                grouped_auc(held.labels[mask], held.champion[mask], held.groups[mask])
+                if metric == "gauc"
+                else float("nan")
+            )
             needed = min_rows_for_auc_difference(
                 max_slice_drop,
                 auc=reference if reference == reference else 0.7,
@@ -133,6 +148,7 @@ def compare(
                 margin=max_slice_drop,
                 resamples=config.resamples,
                 rng=rng,
+                metric=metric,
             )
             tests.append(result)
             names.append(name)
@@ -152,8 +168,9 @@ def compare(
         figures[key]["p_worse_holm"] = float(p)
         if p < config.alpha:
             where = "" if name == "overall" else f"slice {name}: "
+            label = "grouped auc" if metric == "gauc" else "auc (resampled by user)"
             failures.append(
-                f"{where}grouped auc {test.difference:+.4f} [{test.low:+.4f}, {test.high:+.4f}] vs the "
+                f"{where}{label} {test.difference:+.4f} [{test.low:+.4f}, {test.high:+.4f}] vs the "
                 f"champion: worse by more than {test.margin} (Holm-adjusted p {p:.3g} < {config.alpha})"
             )
     return PairedResult(tuple(failures), figures, tuple(skipped))

@@ -110,7 +110,8 @@ def held_out_rows(files: list[Path], user_key: str | None, timestamp: str | None
             else np.zeros(n, dtype=np.int64)
         parts["served"].append(np.asarray(served, dtype=bool))
         parts["users"].append(np.asarray(users, dtype=np.int64))
-        parts["groups"].append(np.asarray(users, dtype=np.int64) * 1_000_003 + hours)
+        del hours  # (a request id, where a dataset has one, is the better group)
+        parts["groups"].append(np.asarray(users, dtype=np.int64))
         parts["labels"].append(table["label"].to_numpy() if "label" in present else np.zeros(n))
     return {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
 
