@@ -10,11 +10,17 @@ from __future__ import annotations
 import os
 import socket
 
+# The suite runs thousands of small tensor ops next to servers and subprocesses on a 2-core machine:
+# one intra-op thread per process avoids OpenMP threads spinning against each other (a training step of
+# the tests' tiny model took 10x longer with two threads on a busy machine). Children inherit the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Without a GPU, the Triton kernels run in Triton's interpreter (tests ask for them with
 # backend="triton"). The variable must be set before recloop_kernels is first imported.
 try:
     import torch as _torch
 
+    _torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if not _torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover

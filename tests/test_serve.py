@@ -125,11 +125,11 @@ def nan_scores(weights) -> None:
     weights["over_arch.layers.0.bias"][:] = float("nan")
 
 
-SLOW_WIDTH = 1 << 19
+SLOW_WIDTH = 1 << 17
 
 
 def widened(weights) -> None:
-    """The same function computed 16000x wider: zero units added to the top MLP (ReLU(0) adds nothing)."""
+    """The same function computed 4000x wider: zero units added to the top MLP (ReLU(0) adds nothing)."""
     first, bias, last = (weights[k] for k in ("over_arch.layers.0.weight", "over_arch.layers.0.bias",
                                                "over_arch.layers.2.weight"))
     grow = SLOW_WIDTH - first.shape[0]
