@@ -12,13 +12,13 @@ from prefect import flow, task
 from prefect.events import emit_event
 
 from flows.retrain_flow import retrain_flow
-from recloop import pipeline
-from recloop.flow_support import markdown_table, publish, settings_from, tag_run
+from recloop import datasets, pipeline
+from recloop.flow_support import log, markdown_table, publish, run_name, settings_from, tag_run
 from recloop.monitor import TriggerConfig, runner
 
 
 @task(retries=2, retry_delay_seconds=10)
-def monitor_task(spec: str, hours: int, config_path: str | None, now: float, cooldown_seconds: float,
+def monitor_task(spec: str | None, hours: int, config_path: str | None, now: float, cooldown_seconds: float,
                  settings: dict | None) -> dict:
     resolved = settings_from(settings)
     report = pipeline.check_drift(resolved, spec, hours=hours, config=runner.load_config(config_path), log=True)
@@ -27,21 +27,23 @@ def monitor_task(spec: str, hours: int, config_path: str | None, now: float, coo
     return {**report.to_dict(), "trigger": verdict.to_dict()}
 
 
-@flow(name="drift", log_prints=True)
-def drift_flow(spec: str = "synthetic", hours: int = 24, now: float | None = None,
+@flow(name="drift", flow_run_name=lambda: run_name("drift"), log_prints=True)
+def drift_flow(spec: str | None = None, hours: int = 24, now: float | None = None,
                cooldown_seconds: float = 6 * 3600, retrain_inline: bool = False,
                retrain_parameters: dict | None = None, config_path: str | None = None,
                settings: dict | None = None) -> dict:
+    spec = datasets.source(settings_from(settings), spec)  # resolved once: the retrain it asks for uses the same
     result = monitor_task(spec, hours, config_path, time.time() if now is None else now, cooldown_seconds, settings)
     verdict = result["trigger"]
     tag_run(f"drift:{result['decision']}")
+    log("%s: %s; trigger: %s", result["decision"], "; ".join(result["reasons"]), verdict["reason"])
     notes = "".join(f"\n\nnote: {note}" for note in result["notes"])
     publish("drift-summary", f"**{result['decision']}** — " + "; ".join(result["reasons"]) + notes + "\n\n"
             + markdown_table([{"drift_share": result["drift_share"], "drifted_columns": ", ".join(
                 result["drifted_columns"]), "trigger": verdict["reason"]}]), "drift monitor")
     if verdict["retrain"]:
         emit_event(event="recloop.retrain.requested", resource={"prefect.resource.id": "recloop.loop"},
-                   payload={"reason": verdict["reason"], "decision": result["decision"],
+                   payload={"reason": verdict["reason"], "decision": result["decision"], "spec": spec,
                             "parameters": retrain_parameters or {}})
         if retrain_inline:
             result["retrain"] = retrain_flow(mode="full", reason=verdict["reason"], spec=spec,

@@ -1,9 +1,10 @@
 """Judge a registered version against the champion on the same held-out window (pass → challenger)."""
 
 from prefect import flow, task
+from prefect.states import Cancelled
 
 from recloop import pipeline
-from recloop.flow_support import publish, settings_from, tag_run
+from recloop.flow_support import SlotBusy, gate_run_name, log, model_slot, publish, settings_from, tag_run
 from recloop.gate import load_thresholds
 
 
@@ -14,9 +15,19 @@ def gate_task(version: str | None, thresholds_path: str | None, settings: dict |
     return {**outcome.to_dict(), "report": outcome.report}
 
 
-@flow(name="gate", log_prints=True)
-def gate_flow(version: str | None = None, thresholds_path: str | None = None, settings: dict | None = None) -> dict:
-    outcome = gate_task(version, thresholds_path, settings)
-    tag_run(f"model-version:{outcome['version']}", "gate:passed" if outcome["passed"] else "gate:failed")
+@flow(name="gate", flow_run_name=gate_run_name, log_prints=True)
+def gate_flow(version: str | None = None, thresholds_path: str | None = None, slot_timeout_seconds: float = 3600,
+              settings: dict | None = None) -> dict:
+    """Holds the ``recloop-model`` slot while it judges (moving aliases races with a retrain's gate)."""
+    try:
+        with model_slot(slot_timeout_seconds):
+            outcome = gate_task(version, thresholds_path, settings)
+    except SlotBusy as busy:
+        log("%s", busy)
+        return Cancelled(message=str(busy))
+    verdict = "passed" if outcome["passed"] else "failed"
+    log("v%s %s the gate → %s%s", outcome["version"], verdict, outcome["alias"] or "no alias",
+        "".join(f"\n  - {reason}" for reason in outcome["reasons"]))
+    tag_run(f"model-version:{outcome['version']}", f"gate:{verdict}")
     publish("gate-report", outcome.pop("report"), f"gate of version {outcome['version']}")
     return outcome

@@ -1,30 +1,92 @@
-"""The loop: ingest → features → train → gate → canary start. Hourly incremental; full on drift or by hand."""
+"""The loop: ingest → features → train → gate → canary start. Hourly incremental; full on drift or by hand.
+
+One retrain (or any training or gate) at a time: the run holds the ``recloop-model`` slot from ingest to
+the canary's start (``flow_support.model_slot``); its ``train`` and ``gate`` subflows run inside it. An
+incremental retrain with no hour the champion has not seen ends ``Skipped``: nothing trained, no version
+registered. The run's final state names the outcome (``Skipped``, ``Refused``, ``Challenger``,
+``Champion``), its message says why, and its tags carry the version and the gate's verdict.
+"""
 
 from typing import Literal
 
-from prefect import flow
+from prefect import flow, task
+from prefect.states import Cancelled
 
 from flows.canary_flow import canary_flow
 from flows.features_flow import features_flow
 from flows.gate_flow import gate_flow
 from flows.ingest_flow import ingest_flow
 from flows.train_flow import train_flow
-from recloop.flow_support import tag_run
+from recloop import datasets, pipeline
+from recloop.flow_support import (
+    SlotBusy,
+    log,
+    model_slot,
+    outcome_state,
+    record_failed_run,
+    record_outcome,
+    retrain_run_name,
+    settings_from,
+    tag_run,
+)
+from recloop.train import TrainConfig
 
 
-@flow(name="retrain", log_prints=True)
+@task
+def pending_task(validation_hours: int, settings: dict | None) -> dict:
+    """The hours an incremental run from the champion would train on."""
+    return pipeline.pending_hours(settings_from(settings), TrainConfig(validation_hours=validation_hours)).to_dict()
+
+
+@flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True, on_failure=[record_failed_run],
+      on_crashed=[record_failed_run])
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
-                 spec: str = "synthetic", days: int = 7, epochs: int = 1, batch_size: int | None = None,
+                 spec: str | None = None, days: int = 7, epochs: int = 1, batch_size: int | None = None,
                  validation_hours: int = 6, canary_config: str | None = None,
-                 gate_thresholds: str | None = None, settings: dict | None = None) -> dict:
-    result: dict = {"mode": mode, "reason": reason}
+                 gate_thresholds: str | None = None, slot_timeout_seconds: float = 3600,
+                 settings: dict | None = None) -> dict:
+    try:
+        with model_slot(slot_timeout_seconds):
+            return _retrain(mode, reason, spec, days, epochs, batch_size, validation_hours, canary_config,
+                            gate_thresholds, settings)
+    except SlotBusy as busy:
+        log("%s", busy)
+        record_outcome(settings_from(settings), "retrain", "cancelled")
+        return Cancelled(message=str(busy))
+
+
+def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, batch_size: int | None,
+             validation_hours: int, canary_config: str | None, gate_thresholds: str | None, settings: dict | None):
+    spec = datasets.source(settings_from(settings), spec)  # resolved once, for every stage below
+    result: dict = {"mode": mode, "reason": reason, "spec": spec}
+    log("%s retrain (%s)", mode, reason)
     result["ingest"] = ingest_flow(spec, settings=settings)
     result["features"] = features_flow(spec, settings=settings)
+    if mode == "incremental":
+        pending = result["pending"] = pending_task(validation_hours, settings)
+        if pending["champion"] is not None and not pending["hours"]:
+            tag_run("mode:incremental", "retrain:skipped")
+            result["skipped"] = (f"no new hours: champion v{pending['champion']} has trained on every hour up to "
+                                 f"{pending['trained_until']} (held-out hours excluded); nothing trained, no version "
+                                 "registered")
+            return _finish(settings, "Skipped", result["skipped"], result)
+        if pending["hours"]:
+            log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs if mode == "full" else 1,
                                  batch_size=batch_size, validation_hours=validation_hours, settings=settings)
     version = result["train"]["mlflow"]["version"]
-    result["gate"] = gate_flow(version, gate_thresholds, settings=settings)
-    if result["gate"]["alias"] == "challenger":
+    result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)
+    if gate["alias"] == "challenger":
         result["canary"] = canary_flow(config_path=canary_config, start=True, settings=settings)
-    tag_run(f"model-version:{version}", f"mode:{mode}")
-    return result
+    verdict = "passed" if gate["passed"] else "failed"
+    tag_run(f"model-version:{version}", f"mode:{mode}", f"gate:{verdict}")
+    reasons = "; ".join(gate["reasons"])
+    if not gate["passed"]:
+        return _finish(settings, "Refused", f"v{version} failed the gate, stays unserved: {reasons}", result)
+    then = "; canary started" if "canary" in result else ""
+    return _finish(settings, gate["alias"].capitalize(), f"v{version} passed the gate → {gate['alias']}{then}", result)
+
+
+def _finish(settings: dict | None, name: str, message: str, result: dict):
+    record_outcome(settings_from(settings), "retrain", name.lower())
+    return outcome_state(name, message, result)

@@ -35,8 +35,16 @@ from recloop.simulate import World, WorldConfig
 
 try:
     from recloop.settings import Settings
-except ImportError:  # a GPU machine with torch, triton, numpy, pandas and pyarrow only (benchmarks/gpu_suite.py):
+except (
+    ImportError
+):  # a GPU machine with torch, triton, numpy, pandas and pyarrow only (benchmarks/gpu_suite.py):
     Settings = None  # the kernel, loader and trainer-core tests run there; fixtures needing settings do not
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker per core, at most four (each worker trains the session's champion and starts
+    its own Prefect server; beyond four the shared services and the disk are the bottleneck)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
 
 SERVICES = {"redis": ("127.0.0.1", 6379), "postgres": ("127.0.0.1", 5432)}
 
@@ -114,7 +122,9 @@ def lake_factory():
     from recloop.schema import load_spec
     from recloop.simulate import simulate
 
-    def make(root: Path, world: WorldConfig, features: bool = True, features_end: datetime | None = None) -> Settings:
+    def make(
+        root: Path, world: WorldConfig, features: bool = True, features_end: datetime | None = None
+    ) -> Settings:
         spec = load_spec("synthetic")
         simulate(world, root / "landing")
         settings = Settings(home=root / "home", frame_backend="pandas")
@@ -146,13 +156,27 @@ def champion_home(tmp_path_factory, lake_factory) -> Settings:
     from recloop.gate import GateThresholds, run_gate
     from recloop.train import TrainConfig, train
 
-    settings = lake_factory(tmp_path_factory.mktemp("champion"), CHAMPION_WORLD, features_end=CHAMPION_FEATURES_END)
+    settings = lake_factory(
+        tmp_path_factory.mktemp("champion"), CHAMPION_WORLD, features_end=CHAMPION_FEATURES_END
+    )
     store.apply_repo(settings)
     store.materialize(settings, CHAMPION_FEATURES_END, timedelta(days=7))
-    summary = train(settings, TrainConfig(days=3, epochs=2, batch_size=512, validation_hours=12, device="cpu",
-                                          checkpoint_every=1000, model=_small_model()))
+    summary = train(
+        settings,
+        TrainConfig(
+            days=3,
+            epochs=2,
+            batch_size=512,
+            validation_hours=12,
+            device="cpu",
+            checkpoint_every=1000,
+            model=_small_model(),
+        ),
+    )
     logged = pipeline.register_training(settings, summary)
-    outcome = run_gate(settings, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=True)
+    outcome = run_gate(
+        settings, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=True
+    )
     assert outcome.passed and outcome.alias == "champion" and outcome.first_model, outcome.reasons
     assert registry.aliases(settings)["champion"] == "1"
     return settings
@@ -185,3 +209,23 @@ def copy_home():
     freely. Feast's registry stays behind (the copied one names the original's online tables as its
     infrastructure: applying it would drop them); ``feast=True`` applies a fresh one for the copy."""
     return _copy_home
+
+
+# --- one Prefect server for every test that needs one ---------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real Prefect server (``prefect_test_harness``) for the session: starting one costs seconds.
+
+    Run loggers send to the UI only, as the CLI and the demo set them (tests read the runs' logs back)."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.logging.configuration import setup_logging
+    from prefect.testing.utilities import prefect_test_harness
+
+    from recloop.flow_support import run_logs_to_the_ui_only
+
+    run_logs_to_the_ui_only()
+    setup_logging(incremental=False)
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

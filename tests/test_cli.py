@@ -144,3 +144,10 @@ def test_json_output_is_strict_json(capsys: pytest.CaptureFixture):
     line = capsys.readouterr().out
     assert json.loads(line, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}")) == {
         "auc": None, "ratio": 1.5, "scores": [None, None, 2.0], "count": 3, "when": "/x"}
+
+
+def test_promoting_a_version_that_does_not_exist_is_one_clear_line(runner: CliRunner):
+    result = runner.invoke(app, ["promote", "99"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == ["error: recloop-ranker has no version '99' (no version registered yet)"], lines  # no MLflow INFO

@@ -128,3 +128,31 @@ def test_a_damaged_vocabulary_file_is_an_error_that_names_it(home: Settings, dam
     with pytest.raises(FeatureStateError, match="vocab-item_id.parquet") as err:
         build_features(home, SPEC, CONFIG)
     assert damage in str(err.value)
+
+
+def test_a_long_window_is_built_as_consecutive_smaller_ones(home: Settings, tmp_path: Path):
+    other = Settings(home=tmp_path / "other", frame_backend="pandas")
+    shutil.copytree(home.home, other.home)
+    whole = build_features(home, SPEC, CONFIG)
+    split = build_features(other, SPEC, CONFIG, max_window_rows=2500)  # 9000 events: four windows
+    assert (whole.windows, split.windows) == (1, 4) and split.rows == whole.rows == 9000
+    for name, key in (("user_stats", "user_id"), ("item_stats", "item_id")):
+        order = [(key, "ascending"), ("event_timestamp", "ascending")]
+        assert read(home, name).sort_by(order).equals(read(other, name).sort_by(order)), name
+    a, b = read(home, "training").sort_by("event_id"), read(other, "training").sort_by("event_id")
+    # The smoothed CTRs use the prior stored with the first state (the first window's positive rate): only
+    # the counts and recencies are the same whichever way the window was cut.
+    for column in [c for c in a.column_names if c.startswith(("d_user", "d_item")) and "ctr" not in c]:
+        np.testing.assert_allclose(a[column].to_numpy(), b[column].to_numpy(), rtol=1e-6, err_msg=column)
+
+
+def test_a_sparse_log_gets_day_or_week_files_and_only_periods_with_events():
+    from recloop.features.job import HOUR_US, choose_period_hours
+
+    hour = HOUR_US
+    dense = np.arange(0, 48 * hour, hour // 50)  # 50 events an hour
+    assert choose_period_hours(dense) == 1
+    daily = np.arange(0, 400 * 24 * hour, 24 * hour // 20)  # 20 a day, over a year
+    assert choose_period_hours(daily) == 24
+    sparse = np.arange(0, 22 * 365 * 24 * hour, 24 * hour * 3)  # one every three days for 22 years
+    assert choose_period_hours(sparse) == 168

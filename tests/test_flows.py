@@ -3,7 +3,6 @@ real Prefect server (``prefect_test_harness``), MLflow on SQLite, Feast on SQLit
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -15,16 +14,6 @@ from recloop.monitor.runner import request_retrain, retrain_requests
 from recloop.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def prefect_server():
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 # --- the deployments file -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from recloop.evaluate import slice_metrics
 from recloop.gate import GateThresholds, ModelScores, decide
 
-GOOD = {"auc": 0.70, "logloss": 0.30, "calibration": 1.0, "nan_predictions": 0, "rows": 5000}
+GOOD = {"auc": 0.70, "logloss": 0.30, "calibration": 1.0, "nan_predictions": 0, "rows": 5000, "positive_rate": 0.1}
 SLICES = {"device=mobile": {"auc": 0.70, "rows": 3000}, "device=tablet": {"auc": 0.68, "rows": 500},
           "user_is_new=True": {"auc": 0.60, "rows": 100}}
 CHAMPION = ModelScores(GOOD, SLICES)
@@ -26,7 +26,12 @@ CASES = [
     # id, candidate, champion, mode, passed, reason fragment
     ("first-model-passes-floors", scores(), None, "full", True, None),
     ("first-model-below-auc-floor", scores(auc=0.52), None, "full", False, "auc 0.5200 below the floor 0.55"),
-    ("shuffled-labels", scores(auc=0.50, logloss=0.69), CHAMPION, "full", False, "logloss 0.6900 above the ceiling"),
+    ("shuffled-labels", scores(auc=0.50, logloss=0.69), CHAMPION, "full", False,
+     "logloss 0.6900 above 0.3251 (1.0 × the log loss of predicting the base rate 0.100)"),
+    ("the-log-loss-ceiling-follows-the-base-rate", scores(logloss=0.65, positive_rate=0.48), None, "full", True, None),
+    ("worse-than-the-base-rate-at-48%", scores(logloss=0.70, positive_rate=0.48), None, "full", False,
+     "× the log loss of predicting the base rate 0.480"),
+    ("too-few-held-out-rows", scores(rows=13, auc=1.0), None, "full", False, "only 13 held-out rows"),
     ("nan-predictions", scores(auc=math.nan, nan_predictions=12), CHAMPION, "full", False, "12 NaN or infinite"),
     ("miscalibrated", scores(calibration=1.25), CHAMPION, "full", False, "calibration 1.250 outside [0.9, 1.1]"),
     ("incremental-small-drop-ok", scores(auc=0.699), CHAMPION, "incremental", True, None),

@@ -152,3 +152,118 @@ def test_compose_runs_two_serving_replicas_behind_the_proxy():
     assert sorted(prometheus["scrape_configs"][0]["static_configs"][0]["targets"]) == [f"{r}:8000" for r in replicas]
     env = compose["x-recloop-env"]
     assert env["RECLOOP_JOURNAL"] == "postgres" and env["RECLOOP_POSTGRES_DSN"].startswith("postgresql://")
+
+
+# --- the team setup starts as written (issue #20) ---------------------------------------------------------------
+
+LONG_RUNNING = NEEDED | {"serving-1", "serving-2"}
+
+
+def _compose() -> dict:
+    return yaml.safe_load((INFRA / "compose.yaml").read_text())
+
+
+def test_every_long_running_service_restarts_and_checks_its_own_health():
+    services = _compose()["services"]
+    for name in LONG_RUNNING:
+        assert services[name].get("restart") == "unless-stopped", f"{name} has no restart policy"
+    assert services["buckets"]["restart"] == "no"  # a one-shot job
+    for name, service in services.items():  # a health check probes the service itself, not another one
+        probe = " ".join(service["healthcheck"]["test"])
+        for other in set(services) - {name}:
+            assert f"//{other}:" not in probe, f"{name}'s health check probes {other}"
+    worker = services["worker"]
+    assert "--with-healthcheck" in worker["command"] and "localhost:8080/health" in " ".join(
+        worker["healthcheck"]["test"])
+    assert worker["build"]["dockerfile"] == "infra/Dockerfile.gpu"  # it trains: the CUDA image
+
+
+def test_mlflow_artifacts_go_to_the_object_store_through_the_server():
+    from recloop.registry import EXPERIMENT, artifact_location
+    from recloop.settings import Settings
+
+    compose = _compose()
+    services, env = compose["services"], compose["x-recloop-env"]
+    mlflow = services["mlflow"]
+    assert "--serve-artifacts" in mlflow["command"] and "--artifacts-destination s3://mlflow" in mlflow["command"]
+    assert mlflow["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
+    assert "buckets" in mlflow["depends_on"]  # the bucket exists before the server writes to it
+    for name, service in services.items():  # only the server holds the store's keys
+        if name not in ("mlflow", "minio", "buckets"):
+            environment = service.get("environment") or {}
+            assert not any(key.startswith(("AWS_", "MLFLOW_S3")) for key in environment), name
+    settings = Settings(home=Path("/data"), mlflow_tracking_uri=env["RECLOOP_MLFLOW_TRACKING_URI"],
+                        mlflow_artifact_uri=env["RECLOOP_MLFLOW_ARTIFACT_URI"])
+    for experiment in (EXPERIMENT, "recloop-canary"):
+        location = artifact_location(settings, experiment, settings.mlflow_tracking_uri)
+        assert location.startswith("mlflow-artifacts:/"), location  # proxied: never a path in one container
+    assert artifact_location(Settings(home=Path("/data")), EXPERIMENT, "http://mlflow:5000") is None
+    assert artifact_location(Settings(home=Path("/data")), EXPERIMENT, "sqlite:///x.db") == "file:///data/mlartifacts"
+    k8s = _one(_documents(), "ConfigMap", "recloop-config")["data"]
+    assert k8s["RECLOOP_MLFLOW_ARTIFACT_URI"].startswith("mlflow-artifacts:/")
+
+
+def _exported_metrics() -> set[str]:
+    from recloop.serve.metrics import ServingMetrics
+
+    exported = set()
+    for family in ServingMetrics(Path("/nonexistent")).registry.collect():
+        exported.update({family.name, f"{family.name}_total"} if family.type == "counter" else {family.name})
+        exported.update(sample.name for sample in family.samples)
+    return exported
+
+
+def test_alert_rules_cover_the_loop_and_read_exported_metrics():
+    prometheus = yaml.safe_load((INFRA / "prometheus.yml").read_text())
+    assert prometheus["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    mounts = _compose()["services"]["prometheus"]["volumes"]
+    assert "./alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
+    rules = [r for group in yaml.safe_load((INFRA / "alerts.yml").read_text())["groups"] for r in group["rules"]]
+    names = {r["alert"] for r in rules}
+    assert {"RecloopErrorRateHigh", "RecloopLatencyP99High", "RecloopCanaryRolledBack", "RecloopDriftDetected",
+            "RecloopRetrainFailed"} <= names
+    exported = _exported_metrics()
+    for rule in rules:
+        assert rule["labels"]["severity"] in ("page", "ticket") and rule["annotations"]["summary"], rule["alert"]
+        used = set(re.findall(r"recloop_[a-z0-9_]+", rule["expr"]))
+        assert used and {u.removesuffix("_bucket") for u in used} <= exported, (rule["alert"], used - exported)
+        assert rule["expr"].lstrip().startswith(("sum", "max", "histogram_quantile")), rule["alert"]  # replicas
+
+
+def test_loop_outcomes_reach_the_metrics_the_alerts_read(tmp_path):
+    from recloop.flow_support import record_outcome
+    from recloop.serve.metrics import ServingMetrics
+    from recloop.settings import Settings
+
+    settings = Settings(home=tmp_path)
+    for stage, outcome in [("retrain", "failed"), ("retrain", "skipped"), ("retrain", "failed"),
+                           ("canary", "rollback")]:
+        record_outcome(settings, stage, outcome)
+    registry = ServingMetrics(tmp_path).registry
+    assert registry.get_sample_value("recloop_loop_outcomes_total", {"stage": "retrain", "outcome": "failed"}) == 2
+    assert registry.get_sample_value("recloop_loop_outcomes_total", {"stage": "canary", "outcome": "rollback"}) == 1
+
+
+def test_dashboard_panels_aggregate_over_the_replicas():
+    dashboard = json.loads((INFRA / "grafana" / "dashboards" / "recloop.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expression = target["expr"].lstrip()
+            assert expression.startswith(("sum", "max", "avg", "histogram_quantile")), (panel["title"], expression)
+    ctr = next(p for p in dashboard["panels"] if p["title"].startswith("Online CTR"))["targets"][0]["expr"]
+    assert "recloop_clicks_total" in ctr and "recloop_impressions_total" in ctr  # a ratio of sums, not a mean
+
+
+def test_the_kubernetes_worker_can_start_and_runs_jobs_from_the_gpu_image():
+    documents = _documents()
+    worker = _one(documents, "Deployment", "prefect-worker")["spec"]["template"]["spec"]["containers"][0]
+    assert "kubernetes" in worker["command"] and worker["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8080}
+    pyproject = (INFRA.parent / "pyproject.toml").read_text()
+    assert re.search(r'kubernetes = \["prefect-kubernetes[^"]*"\]', pyproject)
+    constraints = (INFRA.parent / "constraints.txt").read_text()
+    assert re.search(r"^prefect-kubernetes==0\.8\.\d+$", constraints, re.M)  # resolves with prefect 3.8
+    assert "'.[kubernetes]'" in (INFRA / "Dockerfile").read_text()
+    gpu = (INFRA / "Dockerfile.gpu").read_text()
+    assert "gpu" in gpu and "COPY flows flows" in gpu and "torch.version.cuda" in gpu
+    template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
+    assert "recloop-gpu" in template["variables"]["properties"]["image"]["default"]

@@ -209,7 +209,7 @@ def test_bad_input(case: Case, small_events: pa.Table, settings: Settings, now: 
         assert case.error in result.error
         assert summary.files_rejected == 1 and not lake_rows(settings).num_rows
         with Ledger.open(settings.ledger_path) as ledger:
-            assert ledger.get(result.sha256).status == "rejected"
+            assert ledger.get(result.ledger_key).status == "rejected"
         return
     expected = result.rows_in if case.quarantined == "all" else case.quarantined
     assert result.rows_quarantined == expected

@@ -104,7 +104,7 @@ def test_a_file_broken_halfway_is_rejected_whole_and_leaves_nothing(small_events
     assert lake_table(settings).num_rows == 0 and quarantine_table(settings).num_rows == 0
     assert not list(settings.home.rglob(".*.tmp"))
     with Ledger.open(settings.ledger_path) as ledger:
-        assert ledger.event_id_count() == 0 and ledger.get(result.sha256).status == "rejected"
+        assert ledger.event_id_count() == 0 and ledger.get(result.ledger_key).status == "rejected"
 
 
 # --- links, odd names: every file accounted for ------------------------------------------------------------

@@ -222,3 +222,19 @@ def test_concept_drift_is_the_champions_calibration_on_served_feedback():
     found, figures = concept_findings(moved, predicted, users, {"device": device}, config)
     assert any("device=desktop" in f for f in found) and not any("device=mobile" in f for f in found), found
     assert concept_findings(moved[:500], predicted[:500], users[:500], {"device": device[:500]}, config)[0] == []
+
+
+def test_drift_refuses_to_decide_on_too_few_rows():
+    from recloop.monitor.decision import MonitorConfig, insufficient
+
+    decision = insufficient(2, 3, MonitorConfig())  # what once decided "drift"
+    assert decision is not None and decision.decision == "insufficient_data"
+    assert "2 in the reference window and 3 in the current one" in decision.reasons[0]
+    assert insufficient(500, 500, MonitorConfig()) is None
+    assert not should_retrain_on(decision)
+
+
+def should_retrain_on(decision) -> bool:
+    from recloop.monitor.decision import TriggerConfig
+
+    return decision.decision in TriggerConfig().retrain_on

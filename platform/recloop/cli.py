@@ -12,8 +12,9 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -21,10 +22,40 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from recloop.cli_boundary import ErrorBoundary, UserError, debug_option, emit_json, fail
-from recloop.ingest import FileResult, IngestSummary, ingest
-from recloop.schema import SpecError, load_spec
 from recloop.settings import Settings
-from recloop.simulate import DRIFT_SCENARIOS, SimulationSummary, WorldConfig, simulate
+
+if TYPE_CHECKING:  # imported where used: `recloop --help` stays well under a second (no pandas, no torch)
+    from recloop.ingest import FileResult, IngestSummary
+    from recloop.simulate import SimulationSummary, WorldConfig
+
+
+class Drift(StrEnum):
+    """The simulator's drift scenarios (``recloop.simulate.DRIFT_SCENARIOS``; a test keeps them equal)."""
+
+    none = "none"
+    gradual = "gradual"
+    sudden = "sudden"
+    covariate = "covariate"
+    broken_column = "broken_column"
+
+
+class Mode(StrEnum):
+    full = "full"
+    incremental = "incremental"
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class CanaryAction(StrEnum):
+    status = "status"
+    step = "step"
+    promote = "promote"
+    rollback = "rollback"
+    start = "start"
 
 app = typer.Typer(
     cls=ErrorBoundary,
@@ -32,7 +63,7 @@ app = typer.Typer(
     no_args_is_help=True,
     help="recloop: continuous retraining for GPU recommenders. Settings come from RECLOOP_* variables.",
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # long lines wrap in the terminal, not at 80 in a log
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")]
 
@@ -41,7 +72,25 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON summary
 def _options(ctx: typer.Context,
              debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a failure.")] = False) -> None:
     """recloop: continuous retraining for GPU recommenders. Settings come from RECLOOP_* variables."""
+    if not sys.warnoptions:  # `python -W ...` still decides for itself
+        _drop_deprecation_notices()
     debug_option(ctx, debug)
+
+
+def _drop_deprecation_notices() -> None:
+    """Libraries' deprecation notices (numpy via Evidently, litestar via Prefect...) are for their callers'
+    developers, not for the command's reader. Dropped where warnings are shown, not by a filter: importing
+    Feast puts ``simplefilter("once", DeprecationWarning)`` in front of any filter set before."""
+    import warnings
+
+    show = warnings.showwarning
+
+    def shown(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, DeprecationWarning | PendingDeprecationWarning | FutureWarning):
+            show(message, category, filename, lineno, file, line)
+
+    if getattr(show, "__name__", "") != "shown":
+        warnings.showwarning = shown
 
 
 def _fail(message: str) -> UserError:
@@ -59,10 +108,18 @@ def _progress(description: str, total: int, quiet: bool) -> Iterator[Progress]:
         yield progress
 
 
-def _load_spec(name: str):
-    """The dataset spec, or exit 2 with the spec's own message."""
+SpecOption = Annotated[str | None, typer.Option(
+    "--spec", help="Dataset spec: a shipped name (synthetic, criteo) or a YAML file of any name; default: "
+    "RECLOOP_SPEC, else the spec this home last used, else synthetic.")]
+
+
+def _load_spec(settings: Settings, name: str | None):
+    """The dataset spec, resolved once (``recloop.datasets``), or exit 2 with the spec's own message."""
+    from recloop import datasets
+    from recloop.schema import SpecError
+
     try:
-        return load_spec(name)
+        return datasets.resolve(settings, name)
     except SpecError as err:
         raise _fail(str(err)) from err
 
@@ -76,13 +133,16 @@ def _parse_start(value: str) -> datetime:
 
 
 def _run_simulation(config: WorldConfig, out: Path, quiet: bool) -> SimulationSummary:
+    from recloop.simulate import simulate
+
     with _progress("simulating hours", config.days * 24, quiet) as progress:
         return simulate(config, out, on_hour=lambda day, hour: progress.advance(0))
 
 
-def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -> IngestSummary:
-    spec = _load_spec(spec_name)
-    from recloop.ingest.run import discover
+def _run_ingest(source: Path, spec_name: str | None, settings: Settings, quiet: bool,
+                reingest: bool = False) -> IngestSummary:
+    spec = _load_spec(settings, spec_name)
+    from recloop.ingest.run import discover, ingest
 
     try:
         total = len(discover(source))
@@ -95,7 +155,7 @@ def _run_ingest(source: Path, spec_name: str, settings: Settings, quiet: bool) -
             console.print(f"[yellow]{result.status}[/] {result.path}: {result.error}")
 
     with _progress(f"ingesting ({spec.name})", total, quiet) as progress:
-        return ingest(source, spec, settings, on_file=on_file)
+        return ingest(source, spec, settings, on_file=on_file, reingest=reingest)
 
 
 def _print_ingest(summary: IngestSummary) -> None:
@@ -115,6 +175,11 @@ def _print_ingest(summary: IngestSummary) -> None:
         console.print("quarantined rows by reason: " + ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())))
     if summary.recovered:
         console.print(f"finished {len(summary.recovered)} commit(s) left by an interrupted run")
+    hints = list(dict.fromkeys(h for result in summary.results for h in result.hints))
+    for hint in hints:
+        console.print(f"[yellow]hint[/]: {hint}")
+    if hints or summary.rows_quarantined:
+        console.print("after fixing the spec: `recloop quarantine replay --spec SPEC` lands the rows that pass now")
 
 
 def _emit(payload: dict) -> None:
@@ -127,16 +192,16 @@ def simulate_command(
     days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 7,
     events_per_day: Annotated[int, typer.Option(min=1, help="Impressions per day.")] = 100_000,
     seed: Annotated[int, typer.Option(help="Random seed: the world is a function of it.")] = 0,
-    drift: Annotated[str, typer.Option(help=f"Drift scenario: {', '.join(DRIFT_SCENARIOS)}.")] = "none",
+    drift: Annotated[Drift, typer.Option(help="Drift scenario.")] = Drift.none,
     drift_day: Annotated[int, typer.Option(min=0, help="First drifted day, counted from 0.")] = 3,
     start: Annotated[str, typer.Option(help="First simulated midnight (UTC), ISO date.")] = "2026-01-01",
     json_out: JsonOption = False,
 ) -> None:
     """Write a synthetic world's events, one parquet file per simulated hour under OUT/YYYY-MM-DD/."""
-    if drift not in DRIFT_SCENARIOS:
-        raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
+    from recloop.simulate import WorldConfig
+
     settings = Settings()
-    config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift,  # type: ignore[arg-type]
+    config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift.value,  # type: ignore[arg-type]
                          drift_day=drift_day, start=_parse_start(start))
     summary = _run_simulation(config, out or settings.landing_dir, quiet=json_out)
     if json_out:
@@ -149,14 +214,40 @@ def simulate_command(
 @app.command("ingest")
 def ingest_command(
     source: Annotated[Path | None, typer.Argument(help="File or folder (default: $RECLOOP_HOME/landing).")] = None,
-    spec: Annotated[str, typer.Option(help="Dataset spec: a shipped name (synthetic, criteo) or a YAML path.")] = (
-        "synthetic"
-    ),
+    spec: SpecOption = None,
+    reingest: Annotated[bool, typer.Option("--reingest", help="Read SOURCE again even if the ledger has it under "
+                                           "this spec (rows already in the lake count as duplicates).")] = False,
     json_out: JsonOption = False,
 ) -> None:
-    """Validate and land parquet, CSV or Criteo TSV files into the lake; bad rows go to quarantine."""
+    """Validate and land parquet, CSV or Criteo files into the lake; bad rows go to quarantine.
+
+    The ledger knows a file by its content and the spec's version: after a fix to the spec the same file
+    is read again; --reingest reads it again under an unchanged spec.
+    """
     settings = Settings()
-    summary = _run_ingest(source or settings.landing_dir, spec, settings, quiet=json_out)
+    if reingest and source is None:
+        raise _fail("--reingest needs the FILE (or folder) to read again")
+    summary = _run_ingest(source or settings.landing_dir, spec, settings, quiet=json_out, reingest=reingest)
+    if json_out:
+        _emit(summary.to_dict())
+    else:
+        _print_ingest(summary)
+
+
+@app.command("quarantine")
+def quarantine_command(
+    action: Annotated[str, typer.Argument(help="replay: quarantined rows through the spec again.")],
+    spec: SpecOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """replay: run quarantined rows through the (fixed) spec; those that pass land, the rest stay quarantined."""
+    from recloop.ingest.run import replay_quarantine
+
+    if action != "replay":
+        raise _fail(f"unknown action {action!r}: replay")
+    settings = Settings()
+    dataset = _load_spec(settings, spec)
+    summary = replay_quarantine(settings, dataset)
     if json_out:
         _emit(summary.to_dict())
     else:
@@ -168,7 +259,7 @@ def _run_features(settings: Settings, dataset, window: dict, quiet: bool, materi
     from recloop import pipeline
 
     with console.status("building features and updating Feast", spinner="dots") if not quiet else _quiet():
-        return pipeline.build_features(settings, dataset.name, window, materialize).to_dict()
+        return pipeline.build_features(settings, dataset, window, materialize).to_dict()
 
 
 def _print_features(summary: dict) -> None:
@@ -186,13 +277,13 @@ def _print_features(summary: dict) -> None:
 def features_command(
     start: Annotated[str | None, typer.Option(help="Window start (UTC, ISO); default: where the last run ended.")] = None,
     end: Annotated[str | None, typer.Option(help="Window end (UTC, ISO); default: after the newest event.")] = None,
-    spec: Annotated[str, typer.Option(help="Dataset spec of the lake's events.")] = "synthetic",
+    spec: SpecOption = None,
     materialize: Annotated[bool, typer.Option(help="Apply the Feast repo if needed and load the online store.")] = True,
     json_out: JsonOption = False,
 ) -> None:
     """Build features for a window: vocabularies, training rows, entity tables; then update Feast."""
     settings = Settings()
-    dataset = _load_spec(spec)
+    dataset = _load_spec(settings, spec)
     window = {k: _parse_start(v) for k, v in (("start", start), ("end", end)) if v}
     summary = _run_features(settings, dataset, window, json_out, materialize)
     if json_out:
@@ -208,7 +299,7 @@ def _quiet() -> Iterator[None]:
 
 @app.command("train")
 def train_command(
-    mode: Annotated[str, typer.Option(help="full (from scratch) or incremental (warm start).")] = "full",
+    mode: Annotated[Mode, typer.Option(help="full (from scratch) or incremental (warm start).")] = Mode.full,
     days: Annotated[int, typer.Option(min=1, help="Full: days of training rows before the held-out hours.")] = 7,
     epochs: Annotated[int, typer.Option(min=1, help="Full: passes over the window.")] = 1,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Rows per step (default: 16384 on a GPU, 4096 on a CPU).")] = None,
@@ -216,7 +307,7 @@ def train_command(
     replay: Annotated[float, typer.Option(min=0.0, help="Incremental: older hours replayed, per new hour.")] = 0.0,
     warm_start: Annotated[str | None, typer.Option("--from", help="Incremental: a registered version or a "
                                                    "checkpoint folder to start from (default: the champion).")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    device: Annotated[Device, typer.Option(help="auto: CUDA if present.")] = Device.auto,
     deterministic: Annotated[bool, typer.Option(help="Results independent of thread scheduling.")] = False,
     track: Annotated[bool, typer.Option(help="Log the run to MLflow and register the model.")] = True,
     nproc: Annotated[int, typer.Option(min=1, help="Processes (one per GPU): runs this command under torchrun, "
@@ -231,8 +322,7 @@ def train_command(
     from recloop import checkpoint, pipeline
     from recloop.train import TrainConfig, TrainError, train
 
-    if mode not in ("full", "incremental"):
-        raise _fail(f"--mode {mode!r} is not one of full, incremental")
+    mode, device = Mode(mode).value, Device(device).value  # plain strings from here on (checkpoints, JSON)
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         raise typer.Exit(_under_torchrun(nproc))
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 tracks and reports
@@ -265,6 +355,9 @@ def train_command(
     console.print(f"{summary.mode} run {summary.run_id}: {summary.samples:,} samples in {summary.seconds} s "
                   f"({summary.samples_per_s:,.0f}/s); validation AUC {summary.auc:.4f}{oracle}, log loss "
                   f"{summary.logloss:.4f}, calibration {summary.calibration:.3f} on {summary.validation_rows:,} rows")
+    if summary.baselines:
+        console.print("baselines on the same rows (AUC): " + ", ".join(
+            f"{name} {scores['auc']:.4f}" for name, scores in summary.baselines.items()))
     if summary.grown_tables:
         console.print(f"tables grown: {summary.grown_tables}")
     console.print(f"checkpoint: {summary.checkpoint}")
@@ -329,7 +422,10 @@ def promote_command(
     """Make VERSION the champion by hand (the old champion becomes 'previous')."""
     from recloop import registry
 
-    state = registry.promote(Settings(), version, why=why)
+    try:
+        state = registry.promote(Settings(), version, why=why)
+    except registry.UnknownVersion as err:
+        raise _fail(str(err)) from err
     _emit(state) if json_out else console.print(f"aliases: {state}")
 
 
@@ -352,25 +448,21 @@ def rollback_command(
 def serve_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
-    spec: Annotated[str, typer.Option(help="Dataset spec of the requests' context and of the feedback.")]
-    = "synthetic",
+    spec: SpecOption = None,
 ) -> None:
     """Run the serving API (/rank, /feedback, /healthz, /metrics, /admin/*) on the registry's models."""
     import uvicorn
 
     from recloop.serve.app import create_app
 
-    dataset = _load_spec(spec)
+    dataset = _load_spec(Settings(), spec)
     console.print(f"serving on http://{host}:{port} (models from {Settings().resolved_mlflow_tracking_uri()})")
     uvicorn.run(create_app(Settings(), dataset), host=host, port=port, log_level="warning")
 
 
-CANARY_ACTIONS = ("status", "step", "promote", "rollback", "start")
-
-
 @app.command("canary")
 def canary_command(
-    action: Annotated[str, typer.Argument(help="status | step | promote | rollback | start")],
+    action: Annotated[CanaryAction, typer.Argument(help="What to do.")],
     config: Annotated[Path | None, typer.Option(help="YAML with CanaryConfig fields (steps, bake_seconds, ...).")]
     = None,
     reason: Annotated[str, typer.Option(help="Why (promote, rollback): recorded in MLflow.")] = "by an operator",
@@ -381,8 +473,7 @@ def canary_command(
     """The canary controller: show the state, judge and act (step), or promote / roll back by hand."""
     from recloop.canary import controller
 
-    if action not in CANARY_ACTIONS:
-        raise _fail(f"unknown action {action!r}: one of {', '.join(CANARY_ACTIONS)}")
+    action = CanaryAction(action).value
     settings = Settings()
     try:
         canary_config = controller.load_config(config)
@@ -415,19 +506,29 @@ def drift_command(
     hours: Annotated[int, typer.Option(min=1, help="Newest hours of events to check.")] = 24,
     reference_days: Annotated[int, typer.Option(min=1, help="Reference when there is no champion: days "
                                                 "before the checked hours.")] = 7,
-    spec: Annotated[str, typer.Option(help="Dataset spec of the lake's events.")] = "synthetic",
+    spec: SpecOption = None,
     config: Annotated[Path | None, typer.Option(help="YAML of MonitorConfig fields (thresholds, per-column "
-                                                "drift methods).")] = None,
+                                                "drift methods, min_rows).")] = None,
+    current: Annotated[str | None, typer.Option(help="The checked window START..END (UTC, ISO), instead of the "
+                                                "newest --hours.")] = None,
+    reference: Annotated[str | None, typer.Option(help="The reference window START..END (UTC, ISO); with "
+                                                  "--current.")] = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Check the newest events for drift and broken columns against the champion's training window."""
+    """Check the newest events for drift and broken columns against the champion's training window.
+
+    Below MonitorConfig's min_rows events in either window the answer is insufficient_data (never a retrain).
+    """
     from recloop import pipeline
     from recloop.monitor.runner import MonitorError, load_config
 
-    _load_spec(spec)
+    dataset = _load_spec(Settings(), spec)
+    if (current is None) != (reference is None):
+        raise _fail("--current and --reference go together (each START..END)")
+    windows = (_window("--reference", reference), _window("--current", current)) if current else None
     try:
-        result = pipeline.check_drift(Settings(), spec, hours=hours, reference_days=reference_days,
-                                      config=load_config(config)).to_dict()
+        result = pipeline.check_drift(Settings(), dataset, hours=hours, reference_days=reference_days,
+                                      config=load_config(config), windows=windows).to_dict()
     except (MonitorError, ValueError, OSError) as err:
         raise _fail(str(err)) from err
     if json_out:
@@ -438,19 +539,33 @@ def drift_command(
                   + "; ".join(result["reasons"]))
 
 
+def _window(option: str, value: str) -> tuple[datetime, datetime]:
+    start, sep, end = value.partition("..")
+    if not sep:
+        raise _fail(f"{option} {value!r} is not START..END (e.g. 2015-01-01..2015-02-01)")
+    first, last = _parse_start(start), _parse_start(end)
+    if first >= last:
+        raise _fail(f"{option} {value!r}: the start must be before the end")
+    return first, last
+
+
 @app.command("retrain")
 def retrain_command(
     full: Annotated[bool, typer.Option("--full", help="Full retrain from scratch instead of incremental.")] = False,
     reason: Annotated[str, typer.Option(help="Why: recorded on the flow run.")] = "by hand",
     wait: Annotated[bool, typer.Option(help="With a Prefect server: wait for the run to finish.")] = False,
+    spec: SpecOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """Start a retrain now: the deployment on the Prefect server (RECLOOP_PREFECT_API_URL), else the flow here."""
     import os
 
+    from recloop import datasets
     from recloop.flow_support import configure_prefect
 
     settings = Settings()
+    _load_spec(settings, spec)  # validated (exit 2 on a bad spec) and remembered by this home
+    spec_source = datasets.source(settings, spec)
     configure_prefect(settings)
     mode = "full" if full else "incremental"
     if os.environ.get("PREFECT_API_URL"):
@@ -462,7 +577,8 @@ def retrain_command(
 
         name = f"retrain/{mode}-retrain"
         try:
-            run = run_deployment(name, parameters={"mode": mode, "reason": reason}, timeout=None if wait else 0)
+            run = run_deployment(name, parameters={"mode": mode, "reason": reason, "spec": spec_source},
+                                 timeout=None if wait else 0)
         except Exception as err:  # noqa: BLE001 - e.g. not deployed yet: say so in one line
             raise _fail(f"could not start deployment {name!r} ({err}); run `prefect deploy --all` first") from err
         result = {"deployment": name, "flow_run_id": str(run.id), "state": run.state.name if run.state else None}
@@ -471,9 +587,14 @@ def retrain_command(
         from recloop.flow_support import settings_parameter
 
         with _quiet_logs():
-            outcome = retrain_flow(mode=mode, reason=reason, settings=settings_parameter(settings))
-        result = {"mode": mode, "version": outcome["train"]["mlflow"]["version"], "gate": {
-            k: outcome["gate"][k] for k in ("passed", "alias", "reasons")}, "canary": outcome.get("canary")}
+            outcome = retrain_flow(mode=mode, reason=reason, spec=spec_source, settings=settings_parameter(settings))
+        ingested = {k: outcome["ingest"][k] for k in ("rows_in", "rows_landed", "rows_quarantined")}
+        if "skipped" in outcome:  # nothing new since the champion: nothing trained, no version registered
+            result = {"mode": mode, "spec": spec_source, "ingest": ingested, "skipped": outcome["skipped"]}
+        else:
+            result = {"mode": mode, "spec": spec_source, "version": outcome["train"]["mlflow"]["version"],
+                      "ingest": ingested, "gate": {k: outcome["gate"][k] for k in ("passed", "alias", "reasons")},
+                      "canary": outcome.get("canary")}
     if json_out:
         _emit(result)
     else:
@@ -493,6 +614,8 @@ def up_command(host: Annotated[str, typer.Option(help="Address the services list
     for name, entry in started.items():
         console.print(f"{name:10} {entry['url']:28} {entry['status']} (pid {entry['pid']})")
     console.print("stop them with: recloop down")
+    if any(entry["status"].startswith("failed") for entry in started.values()):
+        raise typer.Exit(1)
 
 
 @app.command("down")
@@ -511,7 +634,7 @@ def demo_command(
     requests_per_day: Annotated[int, typer.Option(min=4, help="Ranking requests simulated users send per day.")]
     = 400,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
-    drift: Annotated[str, typer.Option(help=f"Drift scenario: {', '.join(DRIFT_SCENARIOS)}.")] = "sudden",
+    drift: Annotated[Drift, typer.Option(help="Drift scenario.")] = Drift.sudden,
     drift_day: Annotated[int, typer.Option(min=1, help="First drifted day, counted from 0.")] = 2,
     twin: Annotated[bool, typer.Option(help="Run the loop again on the no-drift twin world and report the "
                                             "twin-world recovery (about twice the time).")] = True,
@@ -520,8 +643,7 @@ def demo_command(
     """The whole loop over simulated days: serving, feedback, canary, drift checks, retrains; table + HTML report."""
     from recloop.demo import DayRecord, DemoConfig, run_demo
 
-    if drift not in DRIFT_SCENARIOS:
-        raise _fail(f"--drift {drift!r} is not one of {', '.join(DRIFT_SCENARIOS)}")
+    drift = Drift(drift).value
     settings = Settings()
     config = DemoConfig(days=days, events_per_day=events_per_day, requests_per_day=requests_per_day, seed=seed,
                         drift=drift, drift_day=drift_day, twin=twin)
@@ -529,31 +651,24 @@ def demo_command(
         console.print(f"recloop demo: {days} simulated days, drift '{drift}' from day {drift_day}; "
                       f"home {settings.home.resolve()}")
 
+    live = _StageLine(console, quiet=json_out)
+
     def on_day(record: DayRecord) -> None:
         if not json_out:
-            console.print(f"day {record.day}: {record.events:,} events, {record.requests} requests, drift "
-                          f"{record.drift}, {record.retrain} → v{record.candidate_version} {record.gate}; canary "
-                          f"{', '.join(record.canary) or '-'} ({record.seconds} s)")
+            live.done(f"day {record.day}: {record.events:,} events, {record.requests} requests, drift "
+                      f"{record.drift}, {record.retrain} → v{record.candidate_version} {record.gate}; canary "
+                      f"{', '.join(record.canary) or '-'} ({record.seconds} s)")
 
     import os
 
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-    with _quiet_logs():
-        summary = run_demo(settings, config, on_day=on_day)
+    with _quiet_logs(), live:
+        summary = run_demo(settings, config, on_day=on_day, on_stage=live.stage)
     if json_out:
         _emit(summary)
         return
-    table = Table(title="recloop demo", show_edge=False)
-    for column in ("day", "events", "drift", "retrain", "cand. AUC", "champ. AUC", "oracle AUC", "gate", "canary",
-                   "champion", "online CTR", "vs oracle", "never retrained"):
-        table.add_column(column, justify="right")
-    for day in summary["days"]:
-        table.add_row(str(day["day"]), f"{day['events']:,}", day["drift"], day["retrain"], _fmt(day["candidate_auc"]),
-                      _fmt(day["champion_auc"]), _fmt(day["oracle_auc"]), day["gate"],
-                      "\n".join(day["canary"]) or "-", day["champion"] or "-",
-                      "\n".join(f"v{v}: {c:.3f}" for v, c in day["online_ctr"].items()) or "-",
-                      _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]))
-    Console(stderr=True, width=max(console.width, 200)).print(table)
+    width = min(console.width, DEMO_WIDTH) if console.is_terminal else DEMO_WIDTH  # a log file is not 80 wide
+    Console(stderr=True, width=width).print(demo_table(summary))
     recovery = (summary.get("recovery") or {}).get("headline")
     if recovery:
         mine, frozen = recovery["champion"], recovery["never_retrained"]
@@ -572,6 +687,110 @@ def demo_command(
                   f"full retrains triggered by drift: {summary['full_retrains']}; total {summary['seconds']} s")
     console.print(f"report: {summary['report']}")
     console.print("review it all: .venv/bin/recloop up  (Prefect, MLflow and Evidently UIs, the serving API)")
+
+
+DEMO_WIDTH = 120
+
+
+def demo_table(summary: dict) -> Table:
+    """The demo's per-day table, narrow enough for 120 columns: the AUCs and the drift's reasons are in
+    ``--json`` and the HTML report."""
+    from rich import box
+
+    table = Table(title="recloop demo", box=box.SIMPLE_HEAD, padding=(0, 0),
+                  caption="vs oracle: the served ranking's clicks as a share of the oracle's; frozen: the same for "
+                  "the day-0 model never retrained. AUCs and reasons: --json and the report.")
+    for column in ("day", "events", "drift", "retrain", "gate", "canary", "champion", "online CTR", "vs oracle",
+                   "frozen"):
+        table.add_column(column, justify="right" if column in ("day", "events", "vs oracle", "frozen") else "left")
+    for day in summary["days"]:
+        verdict = day["gate"].replace("passed → ", "→ ")
+        table.add_row(str(day["day"]), f"{day['events']:,}", day["drift"], day["retrain"],
+                      f"v{day['candidate_version']} {verdict}" if day.get("candidate_version") else verdict,
+                      "\n".join(day["canary"]) or "-", f"v{day['champion']}" if day["champion"] else "-",
+                      "\n".join(f"v{v}: {c:.3f}" for v, c in day["online_ctr"].items()) or "-",
+                      _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]))
+    return table
+
+
+class _StageLine:
+    """The demo's current stage: one live line on a terminal (``day 2 · features · 14 s``), replaced by each
+    day's summary when it ends; a plain line per stage when stderr is not a terminal (logs, CI)."""
+
+    def __init__(self, console: Console, quiet: bool):
+        import time
+
+        self.console, self.quiet, self.clock = console, quiet, time.perf_counter
+        self.status = None if quiet or not console.is_terminal else console.status("")
+        self.began = self.clock()
+
+    def __enter__(self):
+        if self.status is not None:
+            self.status.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.status is not None:
+            self.status.__exit__(*exc)
+
+    def stage(self, day: int, what: str) -> None:
+        if self.quiet:
+            return
+        line = f"day {day} · {what} · {self.clock() - self.began:.0f} s"
+        if self.status is not None:
+            self.status.update(line)
+        else:
+            self.console.print(line, highlight=False, soft_wrap=True)
+
+    def done(self, line: str) -> None:
+        self.console.print(line, highlight=False, soft_wrap=True)
+
+
+@app.command("replay")
+def replay_command(
+    data: Annotated[Path, typer.Option(help="Your event log: a parquet/CSV file or a folder of them.")],
+    spec: SpecOption = None,
+    period: Annotated[str, typer.Option(help="day, week, month (30 days) or auto (from the log's density).")]
+    = "auto",
+    periods: Annotated[int, typer.Option(min=1, help="Periods replayed after the first model's bootstrap.")] = 6,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes of each full retrain.")] = 3,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    json_out: JsonOption = False,
+) -> None:
+    """Your own timestamped log through the loop, period by period: ingest, features, retrain, gate, drift;
+    held-out AUC/NDCG of the models and the simple baselines per period; HTML report."""
+    import os
+
+    from recloop.replay import PERIODS, PeriodRecord, ReplayConfig, ReplayError, run_replay
+
+    if period != "auto" and period not in PERIODS:
+        raise _fail(f"--period {period!r} is not one of auto, {', '.join(PERIODS)}")
+    if not data.exists():
+        raise _fail(f"--data {data} does not exist")
+    settings = Settings()
+    dataset = _load_spec(settings, spec)
+    config = ReplayConfig(period=period, periods=periods, epochs=epochs, device=device)  # type: ignore[arg-type]
+
+    def on_period(record: PeriodRecord) -> None:
+        if json_out:
+            return
+        figures = ", ".join(f"{name} {scores['auc']:.4f}" for name, scores in record.scores.items()
+                            if scores.get("auc") is not None)
+        console.print(f"period {record.period} ({record.start[:10]}): {record.landed:,} events; AUC {figures}; "
+                      f"drift {record.drift}; incremental v{record.incremental_version} {record.gate}; "
+                      f"full {record.full_retrain} ({record.seconds} s)")
+
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    try:
+        with _quiet_logs():
+            summary = run_replay(settings, dataset, data, config, on_period=on_period)
+    except ReplayError as err:
+        raise _fail(str(err)) from err
+    if json_out:
+        _emit(summary)
+        return
+    console.print(f"replayed {len(summary['periods'])} {summary['period']}s in {summary['seconds']} s; "
+                  f"report: {summary['report']}")
 
 
 def _fmt(value) -> str:

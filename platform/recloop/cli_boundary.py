@@ -27,13 +27,17 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from recloop.endpoints import ServiceUnavailable
-from recloop.schema import SpecError
-
 DEBUG_KEY, JSON_KEY = "recloop.debug", "recloop.json"
 USAGE_ERROR, FAILURE, SERVICE_UNAVAILABLE = 2, 1, 3
-# Errors whose message is already written for a user: shown as they are, without the type's name.
-PLAIN = (ServiceUnavailable, SpecError, FileNotFoundError, PermissionError, ValueError, RuntimeError)
+
+
+def plain_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message is already written for a user: shown as they are, without the type's name.
+    (Imported here, not at the top: ``recloop --help`` must not pay for pandas.)"""
+    from recloop.endpoints import ServiceUnavailable
+    from recloop.schema import SpecError
+
+    return (ServiceUnavailable, SpecError, FileNotFoundError, PermissionError, ValueError, RuntimeError)
 
 stderr = Console(stderr=True)
 
@@ -63,7 +67,7 @@ def one_line(err: BaseException) -> str:
     """What a user needs from an exception, on one line."""
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
     message = lines[0] if lines else ""
-    if isinstance(err, PLAIN) and message:
+    if isinstance(err, plain_errors()) and message:
         return message
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
@@ -103,6 +107,8 @@ class ErrorBoundary(TyperGroup):
         except Exception as err:
             if ctx.meta.get(DEBUG_KEY):
                 raise
+            from recloop.endpoints import ServiceUnavailable
+
             unavailable = isinstance(err, ServiceUnavailable)
             self._report(ctx, one_line(err), "service_unavailable" if unavailable else type(err).__name__, hint=True)
             raise typer.Exit(code=SERVICE_UNAVAILABLE if unavailable else FAILURE) from None

@@ -106,7 +106,10 @@ class DayRecord:
     seconds: float = 0.0
 
 
-def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord], None] | None = None) -> dict:
+def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord], None] | None = None,
+             on_stage: Callable[[int, str], None] | None = None) -> dict:
+    """Run the demo; ``on_day`` gets each finished day, ``on_stage`` ``(day, stage)`` as each stage begins."""
+    stage = on_stage or (lambda day, what: None)
     from recloop.flow_support import configure_prefect, settings_parameter
 
     configure_prefect(settings)
@@ -121,13 +124,16 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                   "gate_thresholds": str(_write_json(settings, "gate.json", asdict(config.gate)))}
 
     bootstrap = DayRecord(day=0)
+    stage(0, "landing the first day's events")
     bootstrap.events = _land_day(world, 0, settings)
+    stage(0, "full retrain (bootstrap): ingest, features, train, gate")
     first = flows["retrain"](mode="full", reason="bootstrap", days=1, epochs=config.full_epochs, **train_args)
     _record_training(bootstrap, first, "full (bootstrap)")
     if first["gate"]["alias"] != "champion":
         raise RuntimeError("the first model did not pass the gate's floors, so nothing can be served: "
                            + "; ".join(first["gate"]["reasons"]) + " (more --events-per-day helps)")
     records = [bootstrap]
+    bootstrap.seconds = round(time.perf_counter() - started, 1)
     if on_day:
         on_day(bootstrap)
     frozen = _FrozenRanker(settings, first["gate"]["version"])
@@ -144,17 +150,22 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
         for day in range(1, config.days):
             began = time.perf_counter()
             record = DayRecord(day=day)
+            stage(day, f"serving {config.requests_per_day} requests in {config.rounds} rounds (canary checks between)")
             served, baseline = _serve_day(server.url, app, world, day, config, flows, canary_path, record, frozen)
             record.requests, record.online_ctr = served["requests"], served["ctr"]
             record.vs_oracle, record.baseline_vs_oracle = served["vs_oracle"], baseline
             panels[day] = frozen.panel(world, day, config, registry.version_by_alias(settings, "champion"))
             record.panel = panels[day]["figures"]
             app.state.service.land_feedback()
+            stage(day, "landing the day's events and feedback")
             record.events = _land_day(world, day, settings)
             landed_at = time.perf_counter()
             # By the time the monitor looks, the hourly runs have landed the day and built its features.
+            stage(day, "ingest")
             flows["ingest"]()
+            stage(day, "features (and Feast materialize)")
             flows["features"]()
+            stage(day, "drift check (Evidently); a full retrain if it drifted")
             now = (world_config.start + timedelta(days=day + 1)).timestamp()
             drift = flows["drift"](hours=24, now=now, cooldown_seconds=config.cooldown_days * 86400,
                                         retrain_inline=True, retrain_parameters={
@@ -164,10 +175,11 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                 outcome, kind = drift["retrain"], f"full ({drift['decision']})"
                 last_full_day = day
             else:
+                stage(day, "incremental retrain: train, gate")
                 outcome = flows["retrain"](mode="incremental", reason="scheduled", days=day + 1, **train_args)
                 kind = "incremental"
             _record_training(record, outcome, kind)
-            if outcome["gate"]["alias"] == "challenger":
+            if outcome.get("gate", {}).get("alias") == "challenger":
                 freshness.append(_until_serving(server.url, outcome["gate"]["version"]) + time.perf_counter()
                                  - landed_at)
             record.champion = registry.version_by_alias(settings, "champion")
@@ -233,6 +245,9 @@ def _land_day(world: World, day: int, settings: Settings) -> int:
 
 def _record_training(record: DayRecord, outcome: dict, kind: str) -> None:
     record.retrain = kind
+    if "skipped" in outcome:  # no hour the champion has not seen: nothing trained (never in the demo's days)
+        record.retrain, record.gate = f"{kind} skipped", "-"
+        return
     gate = outcome["gate"]
     record.candidate_version = gate["version"]
     record.candidate_auc = gate["candidate"].get("auc")

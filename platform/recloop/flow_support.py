@@ -1,11 +1,16 @@
-"""What the Prefect flows in ``flows/`` share: artifacts, run tags, and Prefect's embedded defaults.
+"""What the Prefect flows in ``flows/`` share: artifacts, run tags and names, the one slot for training and
+gating, and Prefect's embedded defaults.
 
 Kept out of ``flows/`` so the flow files stay thin wiring; imported only by them (and the demo).
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from datetime import UTC, datetime
 from pathlib import Path
 
 from recloop import endpoints
@@ -20,10 +25,19 @@ def configure_prefect(settings: Settings) -> None:
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect warns when it cannot
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    run_logs_to_the_ui_only()
     endpoints.prefect_environment(endpoints.limits_for(settings))
     if settings.prefect_api_url:
         os.environ.setdefault("PREFECT_API_URL", settings.prefect_api_url)
+
+
+def run_logs_to_the_ui_only() -> None:
+    """Prefect's logging settings (before its logging is set up): the run loggers at INFO, so each run's page
+    in the UI shows what it did; the console shows Prefect's warnings only."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    for logger in ("PREFECT_FLOW_RUNS", "PREFECT_TASK_RUNS"):
+        os.environ.setdefault(f"PREFECT_LOGGING_LOGGERS_{logger}_LEVEL", "INFO")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 
 
 SECRET_FIELDS = ("admin_token", "object_store_secret_key")
@@ -76,3 +90,141 @@ def tag_run(*tags: str) -> None:
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(context.flow_run.id)
         client.update_flow_run(context.flow_run.id, tags=sorted({*run.tags, *tags}))
+
+
+# --- one training or gate at a time, across every deployment ---------------------------------------------------
+
+MODEL_SLOT = "recloop-model"
+"""The global concurrency limit (limit 1) that every flow which trains or gates holds while it does: the
+hourly and the full retrain, ``train`` and ``gate`` by hand. Created on first use; ``prefect gcl inspect
+recloop-model`` shows who holds it."""
+
+_holding: contextvars.ContextVar[bool] = contextvars.ContextVar("recloop_model_slot", default=False)
+
+
+class SlotBusy(TimeoutError):
+    """Another run held the model slot for longer than this one would wait."""
+
+
+def ensure_model_slot() -> None:
+    """Create the ``recloop-model`` limit (1 slot) if the Prefect server has none (an existing one is kept)."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(MODEL_SLOT)
+        except ObjectNotFound:
+            with suppress(ObjectAlreadyExists):  # created meanwhile by another run
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=MODEL_SLOT, limit=1))
+
+
+@contextmanager
+def model_slot(timeout_seconds: float | None = None) -> Iterator[None]:
+    """Hold ``recloop-model`` while training or gating; a run nested in one that holds it (the retrain's
+    ``train`` and ``gate`` subflows) goes on without waiting for itself.
+
+    Raises:
+        SlotBusy: the slot stayed taken for ``timeout_seconds``.
+    """
+    if _holding.get():
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    ensure_model_slot()
+    held = ExitStack()
+    try:
+        held.enter_context(concurrency(MODEL_SLOT, occupy=1, timeout_seconds=timeout_seconds, strict=True))
+    except TimeoutError as err:
+        raise SlotBusy(f"another run held {MODEL_SLOT!r} for {timeout_seconds:.0f} s (one training or gate "
+                       "at a time): nothing was done") from err
+    with held:
+        token = _holding.set(True)
+        try:
+            yield
+        finally:
+            _holding.reset(token)
+
+
+# --- run names, run logs, the outcome on the run ---------------------------------------------------------------
+
+
+def _scheduled_hour() -> str:
+    from prefect.runtime import flow_run
+
+    when = flow_run.scheduled_start_time or datetime.now(UTC)
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H")
+
+
+def _parameters() -> dict:
+    from prefect.runtime import flow_run
+
+    return dict(flow_run.parameters or {})
+
+
+def run_name(kind: str) -> str:
+    """``kind-YYYY-MM-DDTHH`` (the hour the run was scheduled for, UTC): ``ingest-2026-11-23T10``."""
+    return f"{kind}-{_scheduled_hour()}"
+
+
+def retrain_run_name() -> str:
+    """``retrain-incremental-2026-11-23T10``: the mode and the hour it was scheduled for."""
+    return f"retrain-{_parameters().get('mode', 'incremental')}-{_scheduled_hour()}"
+
+
+def train_run_name() -> str:
+    return f"train-{_parameters().get('mode', 'incremental')}-{_scheduled_hour()}"
+
+
+def gate_run_name() -> str:
+    """``gate-v7``, or ``gate-newest-<hour>`` when no version is named."""
+    version = _parameters().get("version")
+    return f"gate-v{version}" if version else f"gate-newest-{_scheduled_hour()}"
+
+
+def canary_run_name() -> str:
+    return ("canary-start-" if _parameters().get("start") else "canary-check-") + _scheduled_hour()
+
+
+def log(message: str, *args) -> None:
+    """An INFO line on the current run's log (shown on its page in the Prefect UI); nothing outside a run."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        return
+    from prefect import get_run_logger
+
+    get_run_logger().info(message, *args)
+
+
+def record_outcome(settings: Settings, stage: str, outcome: str) -> None:
+    """Count a run's outcome in ``$RECLOOP_HOME/loop/outcomes.json`` (``{stage: {outcome: n}}``), which the
+    serving API exports as ``recloop_loop_outcomes_total`` (the alert rules read it)."""
+    import json
+
+    from filelock import FileLock
+
+    path = settings.home.resolve() / "loop" / "outcomes.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.with_suffix(".lock"))):
+        counts = json.loads(path.read_text()) if path.exists() else {}
+        counts.setdefault(stage, {})[outcome] = counts.get(stage, {}).get(outcome, 0) + 1
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(counts, sort_keys=True))
+        tmp.replace(path)
+
+
+def record_failed_run(flow, flow_run, state) -> None:
+    """A Prefect ``on_failure`` / ``on_crashed`` hook: the run's failure counted (``record_outcome``)."""
+    record_outcome(settings_from((flow_run.parameters or {}).get("settings")), flow.name, "failed")
+
+
+def outcome_state(name: str, message: str, data: dict):
+    """A Completed state named for the outcome (``Skipped``, ``Refused``...): the run's badge in the UI says
+    what happened, its message why, and calling the flow still returns ``data``."""
+    from prefect.states import Completed
+
+    log("%s: %s", name, message)
+    return Completed(name=name, message=message, data=data)

@@ -19,7 +19,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from recloop.schema import load_spec
+from recloop import datasets
+from recloop.schema import DatasetSpec
 from recloop.settings import Settings
 
 if TYPE_CHECKING:
@@ -32,30 +33,39 @@ if TYPE_CHECKING:
     from recloop.train import TrainConfig, TrainSummary
 
 
-def ingest_new(settings: Settings, spec: str = "synthetic", source: Path | None = None) -> IngestSummary:
+SpecArg = DatasetSpec | str | Path | None  # a spec, a shipped name or a YAML path; None: see recloop.datasets
+
+
+def ingest_new(settings: Settings, spec: SpecArg = None, source: Path | None = None) -> IngestSummary:
     """Ingest what is new in the landing zone (or ``source``); a file seen before is skipped."""
     from recloop.ingest import ingest
 
-    return ingest(source or settings.landing_dir, load_spec(spec), settings)
+    return ingest(source or settings.landing_dir, datasets.resolve(settings, spec), settings)
 
 
-def build_features(settings: Settings, spec: str = "synthetic", window: dict | None = None,
+def build_features(settings: Settings, spec: SpecArg = None, window: dict | None = None,
                    materialize: bool = True) -> FeatureRunSummary:
-    """The feature job, then (if the dataset has users and items) Feast apply + incremental materialize."""
+    """Feast apply (the repo generated from the spec's keys), the feature job, then incremental materialize.
+
+    Feast is applied before the job's work, so a registry or definition that fails leaves the feature state
+    where it was (a rerun starts from the same window); materialization after the job continues from where
+    each view's last one ended, so a failure there is caught up by the next run.
+    """
     from recloop.features import store
     from recloop.features.config import FeatureConfig
     from recloop.features.job import build_features as run_job
 
-    dataset = load_spec(spec)
+    dataset = datasets.resolve(settings, spec)
     config = FeatureConfig.for_spec(dataset)
-    publish = materialize and dataset.user_key and dataset.item_key
+    publish = materialize and bool(dataset.user_key or dataset.item_key)
+    applied = False
     if publish:
         store.require_services(settings)  # a dead Redis or registry database: named before the job's work
+        applied = store.apply_repo(settings, dataset)
     summary = run_job(settings, dataset, config, **(window or {}))
     if not (publish and summary.rows):
-        return summary
+        return replace(summary, feast_applied=applied)
 
-    applied = store.apply_repo(settings)
     materialized = store.materialize(settings, datetime.fromisoformat(summary.end), timedelta(seconds=config.ttl_seconds))
     return replace(summary, feast_applied=applied, materialized=list(materialized))
 
@@ -93,6 +103,36 @@ def warm_start_checkpoint(settings: Settings, source: str | Path | None = None) 
     return checkpoint.resolve(settings, champion)
 
 
+@dataclass(frozen=True)
+class Pending:
+    """What an incremental run from the champion would train on: the hours it has not seen (held-out hours
+    excluded). ``hours`` empty: nothing new, and a retrain would register a model of hours already seen."""
+
+    champion: str | None
+    trained_until: str | None
+    hours: list[str]
+
+    @property
+    def nothing_new(self) -> bool:
+        return self.champion is not None and not self.hours
+
+    def to_dict(self) -> dict:
+        return {"champion": self.champion, "trained_until": self.trained_until, "hours": len(self.hours),
+                "first": self.hours[0] if self.hours else None, "last": self.hours[-1] if self.hours else None}
+
+
+def pending_hours(settings: Settings, config: TrainConfig) -> Pending:
+    """The hours an incremental run from the champion would train on (no champion: ``champion`` is None)."""
+    from recloop import checkpoint, registry
+    from recloop.train import trainable_files, unseen
+
+    champion = registry.version_by_alias(settings, "champion")
+    if champion is None:
+        return Pending(None, None, [])
+    base = checkpoint.read(checkpoint.resolve(settings, champion))
+    return Pending(champion, base["trained_until"], [f.stem for f in unseen(trainable_files(settings, config), base)])
+
+
 def register_training(settings: Settings, summary: TrainSummary) -> LoggedModel:
     """Log a training run to MLflow and register its model (once per run: a rerun finds it)."""
     import pyarrow.parquet as pq
@@ -121,10 +161,11 @@ def gate(settings: Settings, version: str | None = None, thresholds: GateThresho
     return run_gate(settings, version, thresholds, smoke_check=smoke_check)
 
 
-def check_drift(settings: Settings, spec: str = "synthetic", hours: int = 24, reference_days: int = 7,
-                config: MonitorConfig | None = None, log: bool = False) -> MonitorReport:
+def check_drift(settings: Settings, spec: SpecArg = None, hours: int = 24, reference_days: int = 7,
+                config: MonitorConfig | None = None, log: bool = False, windows: tuple | None = None
+                ) -> MonitorReport:
     """The drift and KPI monitor over the newest ``hours`` of the lake (``recloop.monitor.runner.check``)."""
     from recloop.monitor import runner
 
-    return runner.check(settings, load_spec(spec), hours=hours, reference_days=reference_days, config=config,
-                        log=log)
+    return runner.check(settings, datasets.resolve(settings, spec), hours=hours, reference_days=reference_days,
+                        config=config, log=log, windows=windows)

@@ -51,8 +51,13 @@ def configure(settings: Settings) -> str:
     Raises:
         endpoints.ServiceUnavailable: a tracking server that does not answer, within seconds.
     """
+    import logging
+
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # its INFO lines (schema migrations...) are noise
     import mlflow
 
+    logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"].upper())  # imported earlier, maybe
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # Logging a model copies its artifacts with a tqdm bar on stderr: noise in every command's output.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -64,20 +69,31 @@ def configure(settings: Settings) -> str:
 
 
 def experiment(settings: Settings, name: str) -> str:
-    """The id of experiment ``name``, created with its artifacts under ``RECLOOP_HOME/mlartifacts`` (or the
-    configured object store). Every experiment is made here: one created without a location would write
-    to ``./mlruns`` of whatever directory the process runs in."""
+    """The id of experiment ``name``, created with its artifacts where ``artifact_location`` says. Every
+    experiment is made here: one created without a location on a local store would write to ``./mlruns``
+    of whatever directory the process runs in."""
     import mlflow
 
     found = mlflow.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    base = settings.mlflow_artifact_uri or (settings.home.resolve() / "mlartifacts").as_uri()
-    location = base if name == EXPERIMENT else f"{base.rstrip('/')}/{name}"
+    location = artifact_location(settings, name, mlflow.get_tracking_uri())
     try:
         return mlflow.create_experiment(name, artifact_location=location)
     except Exception:  # noqa: BLE001 - created meanwhile by another process
         return mlflow.get_experiment_by_name(name).experiment_id
+
+
+def artifact_location(settings: Settings, name: str, tracking_uri: str) -> str | None:
+    """Where experiment ``name`` keeps its artifacts: ``RECLOOP_MLFLOW_ARTIFACT_URI`` (``mlflow-artifacts:/...``
+    through a server that proxies its object store, or the store itself); else, with a tracking server, the
+    server's own default (None: a server started with ``--serve-artifacts`` proxies them); else (SQLite under
+    the home) ``RECLOOP_HOME/mlartifacts``."""
+    base = settings.mlflow_artifact_uri
+    if not base and tracking_uri.startswith(("http://", "https://")):
+        return None
+    base = base or (settings.home.resolve() / "mlartifacts").as_uri()
+    return base if name == EXPERIMENT else f"{base.rstrip('/')}/{name}"
 
 
 def _client(settings: Settings):
@@ -124,6 +140,11 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
                    "validation_rows": summary.validation_rows}
         if summary.oracle_auc is not None:
             figures["oracle_auc"] = summary.oracle_auc
+        figures["ndcg"] = summary.ndcg
+        for name, scores in summary.baselines.items():  # recloop.gate.baselines on the same held-out rows
+            for metric in ("auc", "logloss", "ndcg"):
+                if scores.get(metric) is not None:
+                    figures[f"baseline_{name}_{metric}"] = scores[metric]
         for name, scores in summary.slices.items():
             figures[f"slice_auc.{name.replace('=', '.')}"] = scores["auc"]
         mlflow.log_metrics({k: float(v) for k, v in figures.items() if v == v})
@@ -141,6 +162,8 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             "recloop.warm_start": summary.warm_start or "",
         })
         mlflow.log_dict(_flatten("", {"slices": summary.slices}, {}), "validation_slices.json")
+        if summary.baselines:
+            mlflow.log_dict(summary.baselines, "baselines.json")
         inputs = example[[c for c in example.columns if c.startswith(("d_", "c_", "m_"))]]
         with warnings.catch_warnings():  # its hint about integer columns: ours are indices, never missing
             warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
@@ -249,9 +272,28 @@ def version_info(settings: Settings, version: str, model_name: str = MODEL_NAME)
                        window("recloop.validation_window"))
 
 
+class UnknownVersion(LookupError):
+    """No such registered version (the message names the versions there are)."""
+
+
+def require_version(settings: Settings, version: str, model_name: str = MODEL_NAME) -> None:
+    """Raises ``UnknownVersion`` unless ``version`` of ``model_name`` is registered."""
+    client = _client(settings)
+    numbers = sorted(int(v.version) for v in client.search_model_versions(f"name='{model_name}'"))
+    if str(version).isdigit() and int(version) in numbers:
+        return
+    known = f"versions {numbers[0]}..{numbers[-1]}" if numbers else "no version registered yet"
+    raise UnknownVersion(f"{model_name} has no version {version!r} ({known})")
+
+
 def promote(settings: Settings, version: str, *, who: str | None = None, why: str = "",
             model_name: str = MODEL_NAME) -> dict[str, str | None]:
-    """``champion`` := version, ``previous`` := the old champion, ``challenger`` removed if it was this."""
+    """``champion`` := version, ``previous`` := the old champion, ``challenger`` removed if it was this.
+
+    Raises:
+        UnknownVersion: ``version`` is not registered.
+    """
+    require_version(settings, version, model_name)
     old = version_by_alias(settings, "champion", model_name)
     if old is not None and old != version:
         set_alias(settings, "previous", old, who=who, why=f"replaced by v{version}", model_name=model_name)

@@ -43,6 +43,8 @@ Role = Literal[
 DType = Literal["string", "int8", "int32", "int64", "float32", "float64", "bool", "timestamp", "list<int64>"]
 
 FLOAT_DTYPES = ("float32", "float64")
+TimestampFormat = Literal["iso", "epoch_s", "epoch_ms", "epoch_us"]
+EPOCH_UNITS = {"epoch_s": 1_000_000, "epoch_ms": 1_000, "epoch_us": 1}  # microseconds per unit
 _SINGLE_ROLES = ("event_id", "timestamp", "label")
 _AT_MOST_ONE_ROLES = ("user_key", "item_key")
 _ROLE_DTYPES: dict[str, tuple[str, ...]] = {
@@ -80,6 +82,15 @@ class ColumnSpec(_Frozen):
         separator: how a ``list<int64>`` value is written in text formats (CSV), e.g. ``"3|17|42"``.
         allow_non_finite: for float columns, let NaN and ±infinity land; by default such a value is
             quarantined (``non_finite:<column>``): one infinite price turns a whole training run into NaN.
+        format: for a timestamp column, how the files write it: ``iso`` (ISO 8601 text, or the file
+            format's own timestamp type; the default), ``epoch_s``, ``epoch_ms`` or ``epoch_us`` (numbers
+            since 1970-01-01 UTC, as integers or text).
+        vocabulary: for a ``multi_hot`` column, the categorical or key column whose vocabulary its ids share
+            (a history of items → the item key); by default the list has a vocabulary of its own (genres
+            are not items).
+        integral_floats: for an integer column, accept a float written with a zero fraction (``2015.0``,
+            common in CSVs exported by pandas) as that integer; ``2015.5`` is still quarantined. Default:
+            the spec's ``integral_floats``.
     """
 
     name: str
@@ -92,6 +103,9 @@ class ColumnSpec(_Frozen):
     pattern: str | None = None
     separator: str = "|"
     allow_non_finite: bool = False
+    format: TimestampFormat | None = None
+    integral_floats: bool | None = None
+    vocabulary: str | None = None
     description: str = ""
 
     @field_validator("pattern")
@@ -119,6 +133,12 @@ class ColumnSpec(_Frozen):
             raise ValueError(f"column {self.name!r}: min/max must be numbers for dtype {self.dtype}")
         if self.pattern is not None and self.dtype != "string":
             raise ValueError(f"column {self.name!r}: pattern only applies to string columns")
+        if self.vocabulary is not None and self.role != "multi_hot":
+            raise ValueError(f"column {self.name!r}: vocabulary only applies to multi_hot columns")
+        if self.format is not None and self.dtype != "timestamp":
+            raise ValueError(f"column {self.name!r}: format only applies to timestamp columns")
+        if self.integral_floats is not None and self.dtype not in ("int8", "int32", "int64", "list<int64>"):
+            raise ValueError(f"column {self.name!r}: integral_floats only applies to integer columns")
         if self.allow_non_finite and self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"column {self.name!r}: allow_non_finite only applies to float columns")
         if self.role == "numeric" and (self.min is None or self.max is None):
@@ -134,11 +154,12 @@ class ColumnSpec(_Frozen):
 
 
 class CriteoOptions(_Frozen):
-    """How event ids and timestamps are derived for Criteo TSV files, which carry neither.
+    """How event ids and timestamps are derived for Criteo files, which carry neither.
 
     A file's day index is read from its name with ``day_pattern`` (``day_3`` → 3; 0 if it does not match);
-    its rows are spread evenly over that day, starting at ``start``. The event id is made of the file's
-    content hash and the row number, so re-reading a file gives the same ids whatever it is called.
+    its rows are spread evenly over that day, starting at ``start``. The event id is a hash of the row's
+    content (its fields joined by tabs), so the same row gives the same id whatever file, name or line it
+    arrives in: a file sent again lands nothing twice.
     """
 
     start: datetime
@@ -156,11 +177,16 @@ class DatasetSpec(_Frozen):
     Args:
         name: short name (used in paths and logs).
         format: ``table`` for parquet or CSV files with named columns; ``criteo_tsv`` for Criteo logs,
-            whose fields are the spec's columns in order, minus the derived event id and timestamp.
+            whose fields are the spec's columns minus the derived event id and timestamp: headerless TSV
+            (``*.tsv``, ``*.txt``, ``day_N``, optionally ``.gz``) in the spec's order, or a CSV with a header
+            or a parquet file naming them.
         columns: the columns, see ``ColumnSpec``.
         on_extra_columns: ``quarantine`` rows of a file that has columns the spec does not know
             (the contract changed upstream: a person should look), or ``ignore`` those columns.
         max_future_seconds: events stamped further than this past the ingest clock are quarantined.
+        integral_floats: every integer column accepts ``2015.0`` as ``2015`` (a column's own
+            ``integral_floats`` wins); fractional values are quarantined either way.
+        criteo: how Criteo files get their derived event id and timestamp (``format: criteo_tsv``).
     """
 
     name: str
@@ -169,6 +195,7 @@ class DatasetSpec(_Frozen):
     columns: tuple[ColumnSpec, ...]
     on_extra_columns: Literal["quarantine", "ignore"] = "quarantine"
     max_future_seconds: int = 24 * 3600
+    integral_floats: bool = False
     criteo: CriteoOptions | None = None
 
     @model_validator(mode="after")
@@ -184,6 +211,11 @@ class DatasetSpec(_Frozen):
         for role in _AT_MOST_ONE_ROLES:
             if sum(c.role == role for c in self.columns) > 1:
                 raise ValueError(f"a spec has at most one {role} column")
+        for column in self.by_role("multi_hot"):
+            if column.vocabulary is not None and column.vocabulary not in [
+                    c.name for c in self.columns if c.role in ("user_key", "item_key", "categorical")]:
+                raise ValueError(f"multi_hot {column.name!r} shares the vocabulary of {column.vocabulary!r}, which is "
+                                 "not a key or categorical column")
         if self.format == "criteo_tsv" and self.criteo is None:
             raise ValueError("format criteo_tsv needs a 'criteo:' section with the start time")
         return self
@@ -196,12 +228,25 @@ class DatasetSpec(_Frozen):
                 return c
         raise KeyError(f"spec {self.name!r} has no column {name!r}")
 
+    def accepts_integral_floats(self, column: ColumnSpec) -> bool:
+        return self.integral_floats if column.integral_floats is None else column.integral_floats
+
     def by_role(self, role: Role) -> list[ColumnSpec]:
         return [c for c in self.columns if c.role == role]
 
     def _single(self, role: Role) -> str | None:
         found = self.by_role(role)
         return found[0].name if found else None
+
+    @property
+    def version(self) -> str:
+        """A short digest of everything the spec says: what ingestion makes of a file depends on it (the
+        ledger keys files on content + this version, so a fixed spec reads a file again)."""
+        import hashlib
+        import json
+
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     @property
     def names(self) -> list[str]:

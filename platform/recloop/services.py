@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,8 +64,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0) -> dict[str, dict]:
-    """Start what is not running yet and wait until each answers; returns name → url, pid, status."""
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
+       services: tuple[Service, ...] = SERVICES) -> dict[str, dict]:
+    """Start what is not running yet and wait until each answers; returns name → url, pid, status.
+
+    A service counts as up only when the process started here answers: a port another process holds is a
+    failure named as such (an answer from someone else's server there would be a lie), and so is a process
+    that exited while something answered on its port.
+    """
     import httpx
 
     from recloop.flow_support import configure_prefect
@@ -72,28 +89,40 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0) -> d
     configure_prefect(settings)
     env = {**os.environ, "RECLOOP_HOME": str(settings.home.resolve()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)  # the server itself must not point at another one
-    started = {}
-    for service in SERVICES:
+    started, processes = {}, {}
+
+    def alive(name: str) -> bool:  # a child started here that exited is a zombie until reaped: poll it
+        if name in processes:
+            return processes[name].poll() is None
+        return _alive(started[name]["pid"])
+
+    for service in services:
         pid_file = _run_dir(settings) / f"{service.name}.pid"
         if pid_file.exists() and _alive(int(pid_file.read_text())):
             started[service.name] = {"url": service.url(host), "pid": int(pid_file.read_text()), "status": "running"}
+            continue
+        if not _port_free(host, service.port):
+            started[service.name] = {"url": service.url(host), "pid": None, "status": (
+                f"failed: port {service.port} on {host} is held by another process (not one `recloop up` "
+                "started): stop it, or free the port")}
             continue
         log = open(_run_dir(settings) / f"{service.name}.log", "ab")  # noqa: SIM115 - handed to the child
         process = subprocess.Popen(_command(service, settings, host), env=env, stdout=log, stderr=log,
                                    start_new_session=True)
         pid_file.write_text(str(process.pid))
+        processes[service.name] = process
         started[service.name] = {"url": service.url(host), "pid": process.pid, "status": "starting"}
     deadline = time.time() + timeout
-    for service in SERVICES:
+    for service in services:
         entry = started[service.name]
-        while entry["status"] != "up":
+        while not entry["status"].startswith(("up", "failed")):
             try:
-                if httpx.get(entry["url"] + service.health, timeout=2).status_code == 200:
+                if httpx.get(entry["url"] + service.health, timeout=2).status_code == 200 and alive(service.name):
                     entry["status"] = "up"
                     break
             except httpx.HTTPError:
                 pass
-            if not _alive(entry["pid"]) or time.time() > deadline:
+            if not alive(service.name) or time.time() > deadline:
                 entry["status"] = f"failed: see {_run_dir(settings) / (service.name + '.log')}"
                 break
             time.sleep(0.5)

@@ -27,8 +27,9 @@ class Settings(BaseSettings):
     Args:
         home: root folder for the landing zone, lake, quarantine and the embedded stores.
         mlflow_tracking_uri: MLflow tracking server or store; empty means SQLite under ``home``.
-        mlflow_artifact_uri: where MLflow puts artifacts (``s3://...`` with the object store); empty means
-            files under ``home``.
+        mlflow_artifact_uri: where MLflow puts artifacts (``mlflow-artifacts:/recloop`` through a server that
+            proxies its object store, or ``s3://...``); empty means the tracking server's default, or files
+            under ``home`` without a server.
         prefect_api_url: a Prefect server; empty means Prefect's temporary local server.
         feast_repo: the Feast repository folder (``feature_repo/`` of the checkout by default).
         feast_online_store: ``sqlite`` (a file under ``home``) or ``redis`` (at ``redis_url``).
@@ -60,6 +61,8 @@ class Settings(BaseSettings):
         explore_temperature: the draw's temperature (lower: closer to the model's own order).
         journal: where serving replicas keep their journal: ``sqlite`` (a file under ``home``, one host) or
             ``postgres`` (at ``postgres_dsn``, shared by every replica).
+        spec: the dataset spec every command and flow uses when none is given (a shipped name or a YAML
+            path); empty means the spec this home last worked with, else ``synthetic`` (``recloop.datasets``).
     """
 
     model_config = SettingsConfigDict(env_prefix="RECLOOP_", env_file=".env", extra="ignore", frozen=True)
@@ -93,6 +96,7 @@ class Settings(BaseSettings):
     journal: Literal["sqlite", "postgres"] = "sqlite"
     explore_share: float = 0.0
     explore_temperature: float = 1.0
+    spec: str = ""
 
     @property
     def landing_dir(self) -> Path:

@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +38,7 @@ from recloop import checkpoint, distributed
 from recloop.data import ChunkLoader, FeatureSchema, training_files
 from recloop.evaluate import metrics, predict, slice_metrics
 from recloop.features.job import FeatureLayout
+from recloop.gate import baselines
 from recloop.model import (
     ModelConfig,
     RankingModel,
@@ -64,12 +66,16 @@ class TrainConfig:
 
     Args:
         mode: ``full`` or ``incremental``.
-        days: window of a full retrain (hours before the held-out ones).
+        days: window of a full retrain: days of time before the held-out rows.
         epochs: passes of a full retrain (an incremental run makes one).
         batch_size: rows per step; None: 16K on a GPU, 4K on a CPU (``recloop.model.default_batch_size``).
         lr: dense (MLP) Adam learning rate at ``reference_batch``; scaled by sqrt(batch/reference) and,
             from scratch, warmed up linearly over ``warmup_steps`` so large batches stay stable.
-        validation_hours: newest hours held out for validation.
+        validation_hours: the newest hours of time held out for validation (whole feature files).
+        validation_rows: the held-out window grows back in time, a file at a time, until it holds this many
+            rows (a sparse log's newest 6 hours may hold a handful).
+        min_validation_rows: fewer held-out rows than this: training is refused (a version validated on 13
+            rows says nothing; the gate's ``min_rows`` refuses it too).
         replay_fraction: incremental only: older hours replayed, as a fraction of the new hours.
         checkpoint_every: steps between checkpoints.
         warm_state_decay: incremental only: the embedding optimizer's accumulated state is multiplied by
@@ -89,6 +95,10 @@ class TrainConfig:
         calibration_rows: after training, Platt scaling (``recloop.evidence.calibration``) is fitted on up
             to this many of the newest *training* rows (never the held-out ones) and kept with the
             checkpoint, so its probabilities match the base rate; 0: no calibration.
+        min_steps: see ``fit_to_data`` (0: batch size and epochs exactly as given).
+        train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
+            sparse log's last 7 days may hold a few hundred).
+        baselines: score the simple baselines (``recloop.gate.baselines``) on the held-out rows too.
     """
 
     mode: Literal["full", "incremental"] = "full"
@@ -99,6 +109,8 @@ class TrainConfig:
     reference_batch: int = 1024
     warmup_steps: int = 20
     validation_hours: int = 6
+    validation_rows: int = 2000
+    min_validation_rows: int = 200
     replay_fraction: float = 0.0
     checkpoint_every: int = 200
     warm_state_decay: float = 1.0
@@ -109,6 +121,9 @@ class TrainConfig:
     data_shards: int = 0
     row_wise_above: int = 0
     calibration_rows: int = 200_000
+    baselines: bool = True
+    min_steps: int = 100
+    train_rows: int = 200_000
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def to_dict(self) -> dict:
@@ -129,6 +144,8 @@ class TrainSummary:
     calibration: float = float("nan")
     oracle_auc: float | None = None
     validation_rows: int = 0
+    ndcg: float = float("nan")  # NDCG@10 per user on the held-out rows (NaN without a user key)
+    baselines: dict[str, dict] = field(default_factory=dict)  # recloop.gate.baselines on the same rows
     slices: dict[str, dict[str, float]] = field(default_factory=dict)
     loss_curve: list[list[float]] = field(default_factory=list)  # [step, training loss] every 10 steps
     train_hours: list[str] = field(default_factory=list)
@@ -164,22 +181,89 @@ class Windows:
     epochs: int
 
 
+def _stem_time(path: Path) -> datetime:
+    return datetime.strptime(path.stem, "%Y-%m-%dT%H").replace(tzinfo=UTC)
+
+
+def _rows(path: Path) -> int:
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def held_out_from(files: list[Path], config: TrainConfig) -> int:
+    """Where the held-out files start: the newest ``validation_hours`` of time, grown back a file at a time
+    until they hold ``validation_rows`` rows (at least one file stays to train on)."""
+    newest = _stem_time(files[-1])
+    cut = len(files) - 1
+    while cut > 0 and _stem_time(files[cut - 1]) > newest - timedelta(hours=config.validation_hours):
+        cut -= 1
+    held = sum(_rows(f) for f in files[cut:])
+    while held < config.validation_rows and cut > 1:
+        cut -= 1
+        held += _rows(files[cut])
+    return cut
+
+
 def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) -> Windows:
-    """The newest ``validation_hours`` files are held out; a full run trains on the ``days`` before them,
-    an incremental one on the hours its base has not seen (plus a replay sample of older ones)."""
-    if len(files) <= config.validation_hours:
-        raise TrainError(f"only {len(files)} hours of training rows; {config.validation_hours} are held out "
-                         "for validation, so nothing is left to train on")
-    validation, trainable = files[-config.validation_hours:], files[:-config.validation_hours]
+    """Held out: the files of the newest ``validation_hours`` of time, grown back in time (a file at a time)
+    until they hold ``validation_rows`` rows; fewer than ``min_validation_rows`` is refused. A full run trains
+    on the ``days`` of time before them (whatever the files' period, empty hours included), an incremental one
+    on the files its base has not seen (plus a replay sample of older ones)."""
+    if len(files) < 2:
+        raise TrainError(f"only {len(files)} period(s) of training rows: one is held out for validation, so "
+                         "nothing is left to train on")
+    cut = held_out_from(files, config)
+    if cut == 0:
+        raise TrainError(f"the {config.validation_hours} hours held out for validation cover all {len(files)} "
+                         "files of training rows: nothing is left to train on")
+    held = sum(_rows(f) for f in files[cut:])
+    if held < config.min_validation_rows:
+        raise TrainError(f"only {held} rows to hold out for validation (at least {config.min_validation_rows} "
+                         "are needed to judge a model): build features over a longer stretch of events, or "
+                         "lower min_validation_rows knowingly")
+    validation, trainable = files[cut:], files[:cut]
     if base is None:
-        return Windows(trainable[-config.days * 24:], validation, config.epochs)
-    new = [f for f in trainable if f.stem >= base["trained_until"]]
+        since = _stem_time(validation[0]) - timedelta(days=config.days)
+        first = next((i for i, f in enumerate(trainable) if _stem_time(f) >= since), len(trainable))
+        rows = sum(_rows(f) for f in trainable[first:])
+        while first > 0 and rows < config.train_rows:
+            first -= 1
+            rows += _rows(trainable[first])
+        return Windows(trainable[first:], validation, config.epochs)
+    new = unseen(trainable, base)
     if not new:
         raise TrainError(f"nothing new to train on: the checkpoint has seen every hour up to {base['trained_until']}")
     older = [f for f in trainable if f.stem < base["trained_until"]]
     replay_count = min(len(older), math.ceil(len(new) * config.replay_fraction))
     replay = sorted(np.random.default_rng(config.seed).choice(len(older), replay_count, replace=False).tolist())
     return Windows([older[i] for i in replay] + new, validation, 1)
+
+
+def fit_to_data(config: TrainConfig, windows: Windows, device: torch.device) -> tuple[TrainConfig, Windows]:
+    """Steps that suit the window's size, when no batch size is set: one that gives an epoch at least
+    ``min_steps`` steps (a power of two, 256 up to the device's default), and a full run at least ``min_steps``
+    steps in all, adding epochs. A small log trained in a handful of large-batch steps (a 20,000-row log is 5
+    steps of 4096 rows, inside the learning-rate warm-up) loses to a logistic regression. A batch size given
+    explicitly is kept, with its epochs."""
+    rows = sum(_rows(f) for f in windows.train)
+    if rows == 0 or config.min_steps <= 0 or config.batch_size is not None:
+        return config, windows
+    fitting = 2 ** int(math.floor(math.log2(max(rows / config.min_steps, 1))))
+    config = replace(config, batch_size=int(min(max(fitting, 256), default_batch_size(device))))
+    if config.mode == "full":
+        steps_per_epoch = math.ceil(rows / config.batch_size)
+        windows = replace(windows, epochs=max(windows.epochs, math.ceil(config.min_steps / steps_per_epoch)))
+    return config, windows
+
+
+def unseen(files: list[Path], base: dict) -> list[Path]:
+    """The hourly files a checkpoint has not trained on (from its ``trained_until`` hour on)."""
+    return [f for f in files if f.stem >= base["trained_until"]]
+
+
+def trainable_files(settings: Settings, config: TrainConfig) -> list[Path]:
+    """The training files a run may train on: all but the held-out ones (``choose_windows``)."""
+    files = training_files(FeatureLayout.for_settings(settings).training)
+    return files[:held_out_from(files, config)] if len(files) >= 2 else []
 
 
 def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = None,
@@ -223,6 +307,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         except checkpoint.CheckpointError as err:
             raise TrainError(str(err)) from err
     windows = choose_windows(files, config, base)
+    config, windows = fit_to_data(config, windows, distributed.device_for(config.device, ranks))
 
     identity = {"mode": config.mode, "files": [f.stem for f in windows.train], "base": base["path"] if base else None,
                 "config": config.to_dict(), "state_version": schema.state_version}
@@ -269,11 +354,14 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
 
     model.calibration = _fit_calibration(model, windows.train, schema, config, device)
     figures, slices = _validate(model, windows.validation, schema, layout, config, device)
+    baseline_figures = (baselines.score_baselines(windows.train, windows.validation, schema,
+                                                  _user_key(layout)) if config.baselines else {})
     summary = TrainSummary(
         mode=config.mode, run_id=run_id, checkpoint="", samples=position["samples"], steps=position["step"],
         samples_per_s=round(samples_this_run / seconds, 1) if seconds > 0 else 0.0, seconds=round(seconds, 3),
         auc=figures["auc"], logloss=figures["logloss"], calibration=figures["calibration"],
         oracle_auc=figures.get("oracle_auc"), validation_rows=figures["rows"], slices=slices,
+        ndcg=figures["ndcg"], baselines=baseline_figures,
         train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
         trained_until=checkpoint.hour_after(windows.train[-1].stem), state_version=schema.state_version,
         warm_start=base["path"] if base else None, grown_tables=grown,
@@ -372,8 +460,24 @@ def _validate(model: RankingModel, files: list[Path], schema: FeatureSchema, lay
     loader = ChunkLoader(files, schema, max(config.batch_size or default_batch_size(device), 8192), device=device,
                          shuffle=False)
     labels, scores, extras = predict(model, loader.epoch(0))
-    return (metrics(labels, scores, extras.get("p_click")),
-            slice_metrics(labels, scores, slice_values(extras, layout)))
+    figures = metrics(labels, scores, extras.get("p_click"))
+    groups = user_groups(files, layout, len(labels))
+    figures["ndcg"] = baselines.ndcg_by_group(labels, scores, groups)
+    return figures, slice_metrics(labels, scores, slice_values(extras, layout))
+
+
+def _user_key(layout: FeatureLayout) -> str | None:
+    return json.loads(layout.schema.read_text()).get("user_key") if layout.schema.exists() else None
+
+
+def user_groups(files: list[Path], layout: FeatureLayout, rows: int) -> np.ndarray | None:
+    """The user key of each held-out row, in the order the loader reads them (None: no user key)."""
+    user_key = _user_key(layout)
+    if not user_key or not files or user_key not in pq.read_schema(files[0]).names:
+        return None
+    values = np.concatenate([pq.read_table(f, columns=[user_key])[user_key].to_numpy(zero_copy_only=False)
+                             for f in files])
+    return values if len(values) == rows else None
 
 
 def slice_values(extras: dict[str, np.ndarray], layout: FeatureLayout) -> dict[str, np.ndarray]:

@@ -53,7 +53,8 @@ class NumericFeature:
 
 @dataclass(frozen=True)
 class MultiHotFeature:
-    """A list column whose ids are mapped through another categorical's vocabulary (history → item_id)."""
+    """A list column whose ids are mapped through a vocabulary: another categorical's (history → item_id), or
+    its own (``vocabulary == column``: genres)."""
 
     column: str
     vocabulary: str
@@ -85,7 +86,7 @@ class FeatureConfig:
     def __post_init__(self) -> None:
         names = [c.column for c in self.categorical]
         for multi in self.multi_hot:
-            if multi.vocabulary not in names:
+            if multi.vocabulary not in names and multi.vocabulary != multi.column:
                 raise ValueError(f"multi-hot {multi.column!r} maps through {multi.vocabulary!r}, "
                                  "which is not a categorical feature")
         for cross in self.crosses:
@@ -103,7 +104,8 @@ class FeatureConfig:
     def for_spec(cls, spec: DatasetSpec) -> FeatureConfig:
         """Sensible defaults: every categorical gets a vocabulary (entity keys need two sightings),
         the first two non-key categoricals are each crossed with the last one, non-negative numerics
-        are log-transformed, and multi-hot lists map through the item vocabulary."""
+        are log-transformed, and each multi-hot list maps through the vocabulary its spec column names, else its
+        own."""
         keys = [k for k in (spec.user_key, spec.item_key) if k]
         categorical = [CategoricalFeature(k, min_count=2) for k in keys]
         others = [c.name for c in spec.by_role("categorical")]
@@ -114,7 +116,5 @@ class FeatureConfig:
                            clip_min=0.0 if c.min is not None and float(c.min) >= 0 else None)
             for c in spec.by_role("numeric")
         )
-        multi_hot = tuple(
-            MultiHotFeature(c.name, vocabulary=spec.item_key) for c in spec.by_role("multi_hot") if spec.item_key
-        )
+        multi_hot = tuple(MultiHotFeature(c.name, vocabulary=c.vocabulary or c.name) for c in spec.by_role("multi_hot"))
         return cls(categorical=tuple(categorical), crosses=crosses, numeric=numeric, multi_hot=multi_hot)

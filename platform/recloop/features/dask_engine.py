@@ -128,7 +128,7 @@ def read_part(settings: Settings, spec: DatasetSpec, config: FeatureConfig, boun
     if bounds.new_state:
         new = events if bounds.absorb_from_us is None else events.filter(
             pc.greater_equal(events["_ts_us"], bounds.absorb_from_us))
-        counts = {f.column: count_values(new[f.column]) for f in job.vocabulary_features(config)}
+        counts = {f.column: count_values(job.vocabulary_values(new, f.column)) for f in job.vocabulary_features(config)}
         if bounds.first_state:
             moments = new.select([*(f.column for f in config.numeric), spec.label])
     buckets = {}

@@ -1,6 +1,7 @@
 """The feature job: lake events of a time window → training rows, entity tables and a new feature state.
 
-Outputs under ``$RECLOOP_HOME/features/`` (one parquet file per hour, replaced whole when rerun)::
+Outputs under ``$RECLOOP_HOME/features/`` (one parquet file per *period with events*, named after the
+period's first hour, replaced whole when rerun)::
 
     training/2026-01-01T05.parquet    one row per event: label, d_* floats, c_* indices, m_* lists
     user_stats/2026-01-01T05.parquet  user state rows (Feast source of the ``user_stats`` view)
@@ -8,10 +9,15 @@ Outputs under ``$RECLOOP_HOME/features/`` (one parquet file per hour, replaced w
     state/v000001/                    vocabularies, stored statistics, latest state per entity
     schema.json                       which training columns are dense, categorical (with table sizes),
                                       multi-hot, and the state version they were built with
+    partition.json                    the period of the files (1 h, 24 h or 168 h): chosen once per home
 
-Windows are whole hours. The job reads events from 24 h before the newest state version at or before
-the window start (so windowed counts are complete), carries totals over from that version, and writes
-a new version when the window moves past the latest one. Rerunning a window gives the same files.
+The period is an hour for dense logs; for a sparse one (a rating log over years) a day or a week, chosen
+at the first run from the events' density (``choose_period_hours``), so the cost follows the events, not
+the calendar: only periods with events are written. Windows are whole periods. A window holding more than
+``max_window_rows`` events is built as consecutive smaller windows (each one's state carries to the next).
+The job reads events from 24 h before the newest state version at or before the window start (so windowed
+counts are complete), carries totals over from that version, and writes a new version when the window
+moves past the latest one. Rerunning a window gives the same files.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import pyarrow.parquet as pq
 
 from recloop.features import ops
 from recloop.features.backend import FrameBackend, get_backend
-from recloop.features.config import FeatureConfig
+from recloop.features.config import CategoricalFeature, FeatureConfig
 from recloop.features.state import FeatureState, StateStore
 from recloop.features.vocab import Vocabulary, count_values
 from recloop.ingest import lake
@@ -70,6 +76,16 @@ class FeatureLayout:
     def schema(self) -> Path:
         return self.root / "schema.json"
 
+    @property
+    def partition(self) -> Path:
+        return self.root / "partition.json"
+
+    def period_hours(self) -> int | None:
+        """The period of this home's feature files (None before the first run)."""
+        if not self.partition.is_file():
+            return None
+        return int(json.loads(self.partition.read_text())["period_hours"])
+
 
 @dataclass
 class FeatureRunSummary:
@@ -83,6 +99,8 @@ class FeatureRunSummary:
     vocabulary_sizes: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     message: str = ""
+    windows: int = 1  # a long window is built as several (see MAX_WINDOW_ROWS)
+    period_hours: int = 1  # the feature files' period
     feast_applied: bool = False  # set by the pipeline when it publishes the window through Feast
     materialized: list[str] = field(default_factory=list)
 
@@ -94,9 +112,42 @@ def _iso(t_us: int) -> str:
     return datetime.fromtimestamp(t_us / US, tz=UTC).isoformat()
 
 
-def _hour_files(folder: Path, start_us: int, end_us: int) -> list[tuple[int, Path]]:
-    return [(h, folder / f"{datetime.fromtimestamp(h / US, tz=UTC):%Y-%m-%dT%H}.parquet")
-            for h in range(start_us, end_us, HOUR_US)]
+PERIOD_HOURS = (1, 24, 168)
+MIN_ROWS_PER_PERIOD = 10  # the period is the shortest whose average period with events holds this many
+MAX_WINDOW_ROWS = 2_000_000
+
+
+def _period_file(folder: Path, period_us: int) -> Path:
+    return folder / f"{datetime.fromtimestamp(period_us / US, tz=UTC):%Y-%m-%dT%H}.parquet"
+
+
+def _period_start(t_us, period_us: int):
+    """The start of the period holding ``t_us`` (an int or an array); weeks start on Monday 00:00 UTC."""
+    offset = 4 * DAY_US if period_us == 7 * DAY_US else 0  # 1970-01-01 was a Thursday
+    return (t_us - offset) // period_us * period_us + offset
+
+
+def choose_period_hours(ts_us: np.ndarray) -> int:
+    """The shortest period (hour, day, week) whose periods with events hold ``MIN_ROWS_PER_PERIOD`` events on
+    average: a dense log keeps hourly files, a sparse one (ratings over years) gets fewer, fuller files."""
+    for hours in PERIOD_HOURS:
+        occupied = len(np.unique(_period_start(ts_us, hours * HOUR_US)))
+        if occupied and len(ts_us) / occupied >= MIN_ROWS_PER_PERIOD:
+            return hours
+    return PERIOD_HOURS[-1]
+
+
+def _split_points(ts_us: np.ndarray, start_us: int, end_us: int, period_us: int, max_rows: int) -> list[int]:
+    """Window boundaries (period-aligned) so that each window holds at most about ``max_rows`` events."""
+    if len(ts_us) <= max_rows:
+        return [start_us, end_us]
+    ordered = np.sort(ts_us)
+    points = [start_us]
+    for index in range(max_rows, len(ordered), max_rows):
+        cut = _period_start(int(ordered[index]), period_us)
+        if cut > points[-1]:
+            points.append(cut)
+    return [*points, end_us] if end_us > points[-1] else points
 
 
 @dataclass(frozen=True)
@@ -136,7 +187,7 @@ class WindowFeatures:
 
 def build_features(
     settings: Settings, spec: DatasetSpec, config: FeatureConfig, *, start: datetime | None = None,
-    end: datetime | None = None, backend: FrameBackend | None = None,
+    end: datetime | None = None, backend: FrameBackend | None = None, max_window_rows: int = MAX_WINDOW_ROWS,
 ) -> FeatureRunSummary:
     """Build features for ``[start, end)`` (default: from the latest state to the newest event).
 
@@ -156,15 +207,46 @@ def build_features(
     lake_first, lake_last = bounds
     start_us = lake.to_us(start) if start else (latest.as_of_us if latest else lake_first)
     end_us = lake.to_us(end) if end else lake_last + 1
-    start_us -= start_us % HOUR_US
-    end_us += (-end_us) % HOUR_US
+    engine = settings.features_engine
+    name = backend.name if engine == "local" else f"dask/{settings.frame_backend}"
+    if start_us >= end_us:
+        return FeatureRunSummary(_iso(start_us), _iso(end_us), name, message="empty window: nothing to build")
+    timestamps = lake.read_window(settings, spec, start_us, end_us, columns=[spec.timestamp])
+    ts_us = (timestamps[spec.timestamp].cast(pa.int64()).to_numpy() if timestamps.num_columns
+             else np.empty(0, np.int64))
+    period_hours = layout.period_hours()
+    if period_hours is None:  # a home built before periods existed has hourly files
+        period_hours = choose_period_hours(ts_us) if len(ts_us) and latest is None else 1
+        layout.root.mkdir(parents=True, exist_ok=True)
+        layout.partition.write_text(json.dumps({"period_hours": period_hours}) + "\n")
+    period_us = period_hours * HOUR_US
+    start_us = _period_start(start_us, period_us)
+    end_us = _period_start(end_us - 1, period_us) + period_us
+    points = _split_points(ts_us, start_us, end_us, period_us, max_window_rows)
+    total = FeatureRunSummary(_iso(start_us), _iso(end_us), name)
+    for part_start, part_end in zip(points[:-1], points[1:], strict=True):
+        part = _build_window(settings, spec, config, backend, layout, store, part_start, part_end, period_us)
+        total.rows += part.rows
+        total.hours_written += part.hours_written
+        for prefix, count in part.entity_rows.items():
+            total.entity_rows[prefix] = total.entity_rows.get(prefix, 0) + count
+        total.state_version = part.state_version or total.state_version
+        total.vocabulary_sizes = part.vocabulary_sizes or total.vocabulary_sizes
+        total.message = part.message if not total.rows else ""
+    total.windows = len(points) - 1
+    total.period_hours = period_hours
+    total.seconds = round(time.perf_counter() - began, 3)
+    return total
+
+
+def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, backend: FrameBackend,
+                  layout: FeatureLayout, store: StateStore, start_us: int, end_us: int, period_us: int
+                  ) -> FeatureRunSummary:
+    """One window ``[start_us, end_us)`` (period-aligned) of ``build_features``."""
+    latest = store.latest()
     engine = settings.features_engine
     summary = FeatureRunSummary(_iso(start_us), _iso(end_us), backend.name if engine == "local" else
                                 f"dask/{settings.frame_backend}")
-    if start_us >= end_us:
-        summary.message = "empty window: nothing to build"
-        return summary
-
     base = store.at_or_before(start_us)
     since_us = base.as_of_us if base else None
     new_state = latest is None or end_us > latest.as_of_us
@@ -182,11 +264,11 @@ def build_features(
         return summary
 
     summary.rows = computed.training.num_rows
-    written = _write_hours(layout.training, computed.training, "_ts_us", start_us, end_us)
+    written = _write_periods(layout.training, computed.training, "_ts_us", start_us, end_us, period_us)
     for prefix, entity_states in computed.states.items():
         table = entity_table(backend, entity_states, getattr(spec, _role(prefix)), start_us, end_us)
         summary.entity_rows[prefix] = table.num_rows
-        _write_hours(layout.entity_table(prefix), table, "_ts_us", start_us, end_us)
+        _write_periods(layout.entity_table(prefix), table, "_ts_us", start_us, end_us, period_us)
     summary.hours_written = written
 
     if new_state:
@@ -198,7 +280,6 @@ def build_features(
     summary.state_version = saved.version
     summary.vocabulary_sizes = {c: v.size for c, v in computed.vocabularies.items()}
     _write_schema(layout, config, spec, computed.vocabularies, saved.version)
-    summary.seconds = round(time.perf_counter() - began, 3)
     return summary
 
 
@@ -221,7 +302,7 @@ def compute_window(backend: FrameBackend, spec: DatasetSpec, config: FeatureConf
         new = events if plan.absorb_from_us is None else events.filter(
             pc.greater_equal(events["_ts_us"], plan.absorb_from_us))
         vocabularies = update_vocabularies(config, spec, latest, {
-            f.column: count_values(new[f.column]) for f in vocabulary_features(config)})
+            f.column: count_values(vocabulary_values(new, f.column)) for f in vocabulary_features(config)})
         stats = latest.stats if latest else initial_stats(config, spec, new)
     else:
         vocabularies, stats = latest.vocabularies, latest.stats
@@ -266,8 +347,16 @@ def _state_columns(spec: DatasetSpec) -> list[str]:
 
 
 def vocabulary_features(config: FeatureConfig) -> list:
-    """The categorical features that keep a vocabulary (the others are hashed)."""
-    return [f for f in config.categorical if not f.hash_buckets]
+    """The features that keep a vocabulary: categoricals (but the hashed ones) and multi-hot lists with their
+    own vocabulary (the ids inside the lists are counted)."""
+    own = [CategoricalFeature(m.column) for m in config.multi_hot if m.vocabulary == m.column]
+    return [f for f in config.categorical if not f.hash_buckets] + own
+
+
+def vocabulary_values(events: pa.Table, column: str) -> pa.ChunkedArray | pa.Array:
+    """The ids a vocabulary counts in ``column``: its values, or the elements of its lists."""
+    values = events[column]
+    return pc.list_flatten(values) if pa.types.is_list(values.type) else values
 
 
 def update_vocabularies(config: FeatureConfig, spec: DatasetSpec, latest: FeatureState | None,
@@ -280,7 +369,9 @@ def update_vocabularies(config: FeatureConfig, spec: DatasetSpec, latest: Featur
     for feature in vocabulary_features(config):
         current = latest.vocabularies.get(feature.column) if latest else None
         if current is None:
-            current = Vocabulary.empty(feature.column, feature.min_count, ARROW_TYPES[spec.column(feature.column).dtype])
+            value_type = ARROW_TYPES[spec.column(feature.column).dtype]
+            value_type = value_type.value_type if pa.types.is_list(value_type) else value_type
+            current = Vocabulary.empty(feature.column, feature.min_count, value_type)
         vocabularies[feature.column] = current.add_counts(counts[feature.column])
     return vocabularies
 
@@ -394,22 +485,30 @@ def _snapshot(backend: FrameBackend, states: ops.EntityStates, previous: pa.Tabl
     return pa.Table.from_pandas(frame, preserve_index=False)
 
 
-def _write_hours(folder: Path, table: pa.Table, ts_column: str, start_us: int, end_us: int) -> int:
-    """One file per hour of the window, staged beside the folder and renamed in; empty hours removed."""
+def _write_periods(folder: Path, table: pa.Table, ts_column: str, start_us: int, end_us: int,
+                   period_us: int) -> int:
+    """One file per period of the window that has rows, staged beside the folder and renamed in; the window's
+    other files (periods now empty) removed. Work follows the rows: empty periods cost nothing."""
     folder.mkdir(parents=True, exist_ok=True)
     staging = folder.parent / f".staging-{folder.name}"
     staging.mkdir(exist_ok=True)
-    hours = table[ts_column].to_numpy() // HOUR_US * HOUR_US if table.num_rows else np.empty(0, dtype=np.int64)
+    ts = table[ts_column].to_numpy() if table.num_rows else np.empty(0, dtype=np.int64)
+    periods = _period_start(ts, period_us)
+    first, last = _period_file(folder, start_us).stem, _period_file(folder, end_us).stem
+    stale = {p for p in folder.glob("*.parquet") if first <= p.stem < last}
+    order = np.argsort(periods, kind="stable")
+    bounds = np.flatnonzero(np.diff(periods[order])) + 1
     written = 0
-    for hour, path in _hour_files(folder, start_us, end_us):
-        part = table.filter(pa.array(hours == hour)).drop_columns([ts_column])
-        if part.num_rows == 0:
-            path.unlink(missing_ok=True)
-            continue
+    for rows in np.split(order, bounds) if len(order) else []:
+        path = _period_file(folder, int(periods[rows[0]]))
+        part = table.take(pa.array(np.sort(rows))).drop_columns([ts_column])
         tmp = staging / path.name
         pq.write_table(part, tmp)
         os.replace(tmp, path)
+        stale.discard(path)
         written += 1
+    for path in stale:
+        path.unlink(missing_ok=True)
     shutil.rmtree(staging, ignore_errors=True)
     return written
 
@@ -428,7 +527,8 @@ def _write_schema(layout: FeatureLayout, config: FeatureConfig, spec: DatasetSpe
     sample = sorted(layout.training.glob("*.parquet"))
     dense = [n for n in pq.read_schema(sample[-1]).names if n.startswith("d_")] if sample else []
     schema = {"label": "label", "event_id": spec.event_id, "timestamp": spec.timestamp, "dense": dense,
-              "categorical": categorical, "multi_hot": multi_hot, "state_version": version, "dataset": spec.name}
+              "categorical": categorical, "multi_hot": multi_hot, "state_version": version, "dataset": spec.name,
+              "user_key": spec.user_key, "item_key": spec.item_key}
     tmp = layout.schema.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(schema, indent=2) + "\n")
     os.replace(tmp, layout.schema)

@@ -21,18 +21,23 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import logging
 import os
 import sys
 import warnings
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import pandas as pd
 
 from recloop import endpoints
 from recloop.settings import Settings
+
+if TYPE_CHECKING:
+    from recloop.schema import DatasetSpec
 
 FEATURE_SERVICE = "ranking_v1"
 
@@ -116,22 +121,64 @@ def feature_store(settings: Settings):
     return FeatureStore(config=repo_config(settings), repo_path=str(_repo_path(settings)))
 
 
+FEAST_VALUE_TYPES = {"int64": "INT64", "int32": "INT32", "string": "STRING"}
+
+
+def entities_file(settings: Settings) -> Path:
+    """The entities the repo's definitions generate (``feature_repo/feature_definitions.py`` reads it)."""
+    return settings.home.resolve() / "feast" / "entities.json"
+
+
+def write_entities(settings: Settings, spec: DatasetSpec | None = None) -> dict:
+    """Write the spec's entities for the repo: per kind (``user``, ``item``) the join key and its value type.
+
+    Without a spec, the home's (``recloop.datasets``). Returns what was written.
+    """
+    from recloop import datasets
+    from recloop.features.job import ENTITY_PREFIXES
+
+    spec = spec or datasets.resolve(settings, None, remember=False)
+    entities = {}
+    for role, prefix in ENTITY_PREFIXES.items():
+        key = getattr(spec, role)
+        if key:
+            entities[prefix] = {"join_key": key, "value_type": FEAST_VALUE_TYPES[spec.column(key).dtype]}
+    target = entities_file(settings)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(entities, indent=2, sort_keys=True) + "\n"
+    if not target.is_file() or target.read_text() != text:
+        staged = target.with_name(".entities.json.tmp")
+        staged.write_text(text)
+        os.replace(staged, target)
+    return entities
+
+
+def join_keys(settings: Settings) -> dict[str, str]:
+    """``{"user": <join key>, "item": <join key>}`` as last applied (the home's spec before any apply)."""
+    path = entities_file(settings)
+    entities = json.loads(path.read_text()) if path.is_file() else write_entities(settings)
+    return {prefix: entry["join_key"] for prefix, entry in entities.items()}
+
+
 def _fingerprint(settings: Settings) -> str:
     repo = _repo_path(settings)
     digest = hashlib.sha256(str(settings.home.resolve()).encode())
+    digest.update(entities_file(settings).read_bytes() if entities_file(settings).is_file() else b"")
     digest.update(settings.feast_online_store.encode())
     for path in sorted(repo.glob("*.py")) + sorted(repo.glob("*.yaml")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()
 
 
-def apply_repo(settings: Settings, force: bool = False) -> bool:
-    """``feast apply`` for the repo, when it or the settings changed since the last apply.
+def apply_repo(settings: Settings, spec: DatasetSpec | None = None, force: bool = False) -> bool:
+    """``feast apply`` for the repo, when it, the spec's entities or the settings changed since the last apply.
 
+    The entities, join keys and views follow the spec (``write_entities``; without one, the home's).
     Returns whether it applied.
     """
     from feast.repo_operations import apply_total
 
+    write_entities(settings, spec)
     marker = settings.home.resolve() / "feast" / "applied.sha256"
     fingerprint = _fingerprint(settings)
     if not force and marker.exists() and marker.read_text() == fingerprint:

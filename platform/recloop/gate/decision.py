@@ -3,7 +3,9 @@
 Candidate and champion are scored on the same held-out window (newest data, never trained on). The
 candidate must pass, overall:
 
-- absolute floors: AUC at least ``min_auc`` and log loss at most ``max_logloss``, calibration (mean
+- floors: at least ``min_rows`` held-out rows (fewer cannot judge), AUC at least ``min_auc``, log loss at
+  most ``max_logloss_ratio`` × the log loss of predicting the window's base rate (relative: a 48% positive
+  rate and a 3% one get their own ceiling; ``max_logloss`` adds an absolute one), calibration (mean
   prediction / mean label) within ``calibration_range``, and no NaN or infinite prediction;
 - change against the champion: AUC may drop at most ``max_auc_drop_incremental`` for an incremental
   candidate; a full retrain may not be worse (``max_auc_drop_full``);
@@ -33,8 +35,17 @@ Mode = Literal["full", "incremental"]
 
 @dataclass(frozen=True)
 class GateThresholds:
+    """The gate's limits (a YAML/JSON file of these keys: ``recloop gate --thresholds``); see the module doc.
+
+    ``baseline_auc_margin``: the candidate's AUC must reach the best simple baseline's
+    (``gate.baselines``) minus this; None: the baselines are reported, not enforced.
+    """
+
     min_auc: float = 0.55
-    max_logloss: float = 0.6
+    max_logloss: float | None = None
+    max_logloss_ratio: float = 1.0
+    min_rows: int = 200
+    baseline_auc_margin: float | None = None
     calibration_range: tuple[float, float] = (0.9, 1.1)
     max_auc_drop_incremental: float = 0.002
     max_auc_drop_full: float = 0.0
@@ -68,6 +79,10 @@ def floor_failures(scores: ModelScores, thresholds: GateThresholds) -> list[str]
     """The absolute floors a model misses (AUC, log loss, calibration, finite predictions)."""
     overall = scores.overall
     failures = []
+    rows = overall.get("rows")
+    if rows is not None and rows < thresholds.min_rows:
+        failures.append(f"only {int(rows)} held-out rows: at least {thresholds.min_rows} are needed to judge "
+                        "(hold out a longer window)")
     nan_count = int(overall.get("nan_predictions", 0))
     if nan_count:
         failures.append(f"{nan_count} NaN or infinite predictions")
@@ -77,8 +92,14 @@ def floor_failures(scores: ModelScores, thresholds: GateThresholds) -> list[str]
             failures.append(f"{name} is {value}")
     if math.isfinite(auc) and auc < thresholds.min_auc:
         failures.append(f"auc {auc:.4f} below the floor {thresholds.min_auc}")
-    if math.isfinite(logloss) and logloss > thresholds.max_logloss:
+    if math.isfinite(logloss) and thresholds.max_logloss is not None and logloss > thresholds.max_logloss:
         failures.append(f"logloss {logloss:.4f} above the ceiling {thresholds.max_logloss}")
+    rate = overall.get("positive_rate", math.nan)
+    if math.isfinite(logloss) and math.isfinite(rate) and 0 < rate < 1:
+        ceiling = thresholds.max_logloss_ratio * -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+        if logloss > ceiling:
+            failures.append(f"logloss {logloss:.4f} above {ceiling:.4f} ({thresholds.max_logloss_ratio} × the log "
+                            f"loss of predicting the base rate {rate:.3f})")
     low, high = thresholds.calibration_range
     calibration = overall.get("calibration", math.nan)
     if math.isfinite(calibration) and not low <= calibration <= high:

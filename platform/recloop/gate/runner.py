@@ -13,11 +13,12 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from recloop.gate import baselines
 from recloop.gate.decision import GateDecision, GateThresholds, ModelScores, decide, report_markdown
 from recloop.gate.paired import HeldOut, PairedConfig, compare
 from recloop.settings import Settings
@@ -52,6 +53,7 @@ class GateOutcome:
     champion_scores: ModelScores | None
     figures: dict[str, dict[str, float | None]]
     report: str
+    baselines: dict[str, dict] = field(default_factory=dict)  # gate.baselines on the same held-out rows
 
     def to_dict(self) -> dict:
         """JSON-ready (CLI, flow results): overall figures of both models; the report left out."""
@@ -221,7 +223,11 @@ def _refuse_unloadable(settings: Settings, client, info, champion_version: str |
 def run_gate(settings: Settings, candidate_version: str | None = None, thresholds: GateThresholds | None = None,
              smoke_check: bool = True) -> GateOutcome:
     """Judge a registered version (default: the newest) against the champion and move the aliases:
-    pass → ``challenger`` (the first model ever → ``champion``); fail → tagged with the reasons."""
+    pass → ``challenger`` (the first model ever → ``champion``); fail → tagged with the reasons.
+
+    The baselines (``gate.baselines``) are scored on the same rows and reported; with the thresholds'
+    ``baseline_auc_margin`` the candidate must also reach the best baseline's AUC minus that margin.
+    """
     import pyarrow.parquet as pq
     from mlflow import MlflowClient
 
@@ -284,6 +290,9 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
             decision.figures["off-policy (explored requests)"] = figures
             if reason:
                 reasons.append(reason)
+    baseline_figures = _baselines(settings, files, schema)
+    reasons += baselines.failures(candidate.overall.get("auc", float("nan")), baseline_figures,
+                                  thresholds.baseline_auc_margin)
     if smoke_check:
         problem = serving_smoke_check(settings, candidate_version, str(files[0]))
         if problem:
@@ -291,10 +300,14 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     passed = not reasons
     decision = GateDecision(passed, tuple(reasons), decision.figures, decision.first_model)
     report = report_markdown(decision, candidate, champion, candidate_version, champion_version, mode)
+    report += baselines.report_markdown(candidate.overall, baseline_figures)
     client.log_text(info.run_id, report, f"gate_report_v{candidate_version}.md")
+    client.log_dict(info.run_id, baseline_figures, f"gate_baselines_v{candidate_version}.json")
     registry.describe(settings, candidate_version, report)
+    best_name, best_value = baselines.best_auc(baseline_figures)
     registry.tag(settings, candidate_version, {
         "gate": "passed" if passed else "failed", "gate.reasons": json.dumps(reasons),
+        "gate.best_baseline": f"{best_name}:{best_value:.4f}" if best_name else "",
         "gate.champion": champion_version or "", "gate.window": "..".join(info.validation_window or ()),
         "gate.auc": candidate.overall.get("auc"),
         "gate.champion_auc": champion.overall.get("auc") if champion else "",
@@ -307,4 +320,14 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
         registry.set_alias(settings, "challenger", candidate_version, who="gate", why="passed the gate")
         alias = "challenger"
     return GateOutcome(candidate_version, passed, tuple(reasons), alias, champion_version, mode,
-                       decision.first_model, candidate, champion, decision.figures, report)
+                       decision.first_model, candidate, champion, decision.figures, report, baseline_figures)
+
+
+def _baselines(settings: Settings, held_out: list[Path], schema) -> dict[str, dict]:
+    """``gate.baselines`` on the held-out files, learning from the training files before them."""
+    from recloop.features.job import FeatureLayout
+
+    layout = FeatureLayout.for_settings(settings)
+    before = sorted(p for p in layout.training.glob("*.parquet") if p.stem < held_out[0].stem)
+    user_key = json.loads(layout.schema.read_text()).get("user_key") if layout.schema.exists() else None
+    return baselines.score_baselines(before, held_out, schema, user_key)

@@ -2,7 +2,7 @@
 
 Layout under ``$RECLOOP_HOME``::
 
-    lake/events/date=2026-01-01/part-<sha16>.parquet    landed rows of one source file, for one date
+    lake/events/date=2026-01-01/part-<token>.parquet   landed rows of one source file, for one date
     lake/_ledger.sqlite                                 which source files are in (see ledger.py)
     quarantine/date=<ingest date>/<sha16>.parquet       rejected rows, original values as text + reason
 

@@ -174,6 +174,12 @@ class Ledger:
             "UPDATE files SET status = 'done', recorded_at = ? WHERE sha256 = ?", (_now(), sha256)
         )
 
+    def forget(self, sha256: str) -> bool:
+        """Remove a finished or rejected file's record (``recloop ingest --reingest``): the next run reads it
+        again. Its landed rows stay in the lake and its ids in the id set, so they come back as duplicates."""
+        cursor = self._db.execute("DELETE FROM files WHERE sha256 = ? AND status != 'committing'", (sha256,))
+        return cursor.rowcount > 0
+
     def record_rejected(self, *, sha256: str, path: str, size: int, spec: str, error: str) -> None:
         self._db.execute(
             "INSERT OR REPLACE INTO files (sha256, path, size, spec, status, error, recorded_at)"

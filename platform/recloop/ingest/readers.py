@@ -40,6 +40,7 @@ from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
@@ -137,6 +138,8 @@ def read_batches(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
     if os.fstat(handle.fileno()).st_size == 0:
         raise FileRejected("empty file (0 bytes)")
     lowered = name.lower()
+    if spec.format == "criteo_tsv" and lowered.endswith(PARQUET_SUFFIXES + CSV_SUFFIXES):
+        return _criteo_table_file(handle, name, spec, batch_rows)
     if spec.format == "criteo_tsv":
         return _read_criteo(handle, name, spec, digest, batch_rows)
     if lowered.endswith(PARQUET_SUFFIXES):
@@ -267,23 +270,64 @@ class _RowNumbers:
 # --- Criteo TSV ----------------------------------------------------------------------------------------------
 
 
+def criteo_event_ids(rows: list[str]) -> pa.Array:
+    """Criteo event ids from each row's content (its fields joined by tabs): the same row gives the same id
+    whichever file, name or position it arrives in, so a file sent again lands nothing twice."""
+    return pa.array([f"criteo-{hashlib.sha256(r.encode()).hexdigest()[:24]}" for r in rows], pa.string())
+
+
+def _criteo_day(name: str, spec: DatasetSpec, total_rows: int) -> tuple[int, int]:
+    """(first timestamp, step) in microseconds: a file's rows spread evenly over its day."""
+    assert spec.criteo is not None  # validated by the spec
+    match = re.search(spec.criteo.day_pattern, name)
+    day_start = spec.criteo.start + timedelta(days=int(match.group(1)) if match else 0)
+    return int(day_start.timestamp() * 1_000_000), 86_400_000_000 // max(total_rows, 1)
+
+
+def _criteo_table_file(handle: BinaryIO, name: str, spec: DatasetSpec, batch_rows: int) -> Iterator[SourceBatch]:
+    """Criteo fields in a CSV with a header or a parquet file (named columns: the spec's file fields); the
+    event id and timestamp derived as for TSV."""
+    lowered = name.lower()
+    try:
+        if lowered.endswith(PARQUET_SUFFIXES):
+            total = pq.ParquetFile(handle).metadata.num_rows
+        else:
+            total = max(_count_lines(_text_stream(handle, lowered.endswith(".gz"))) - 1, 0)
+        handle.seek(0)
+    except _READ_ERRORS as err:
+        raise FileRejected(f"not a readable file: {err}") from err
+    start_us, step_us = _criteo_day(name, spec, total)
+    inner = (_read_parquet(handle, batch_rows) if lowered.endswith(PARQUET_SUFFIXES)
+             else _read_csv(handle, lowered.endswith(".gz"), batch_rows))
+    fields = spec.file_fields
+
+    def batches() -> Iterator[SourceBatch]:
+        for batch in inner:
+            table = batch.table
+            present = [f for f in fields if f in table.column_names]
+            text = [pc.cast(table[f], pa.string()).fill_null("") for f in present] or [pa.array([""] * len(table))]
+            joined = pc.binary_join_element_wise(*text, "\t").to_pylist() if table.num_rows else []
+            table = table.append_column(spec.event_id, criteo_event_ids(joined)).append_column(
+                spec.timestamp, pa.array(start_us + batch.source_row * step_us, pa.timestamp("us", tz="UTC")))
+            yield SourceBatch(table=table, source_row=batch.source_row, unsplittable=batch.unsplittable,
+                              text=batch.text)
+
+    return batches()
+
+
 def _read_criteo(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
                  batch_rows: int) -> Iterator[SourceBatch]:
     """Criteo TSV: no header, fields = the spec's file fields; id and timestamp derived (see CriteoOptions).
 
     Rows are spread evenly over the file's day, so the lines are counted first (one extra pass).
     """
-    assert spec.criteo is not None  # validated by the spec
     compressed = name.lower().endswith(".gz")
     try:
         total_lines = _count_lines(_text_stream(handle, compressed))
         handle.seek(0)
     except _READ_ERRORS as err:
         raise FileRejected(f"cannot decompress: {err}") from err
-    match = re.search(spec.criteo.day_pattern, name)
-    day_start = spec.criteo.start + timedelta(days=int(match.group(1)) if match else 0)
-    start_us = int(day_start.timestamp() * 1_000_000)
-    step_us = 86_400_000_000 // max(total_lines, 1)
+    start_us, step_us = _criteo_day(name, spec, total_lines)
     fields = spec.file_fields
 
     def parse(first_line: int, raw_lines: list[bytes]) -> SourceBatch:
@@ -311,9 +355,9 @@ def _read_criteo(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
             )
         else:
             table = pa.table({n: pa.array([], pa.string()) for n in fields})
-        # Derived columns: rows spread evenly over the file's day; ids from content hash + line number.
+        # Derived columns: rows spread evenly over the file's day; ids from the row's content.
         source_row = np.asarray(good, dtype=np.int64)
-        ids = pa.array([f"criteo-{digest[:16]}-{i}" for i in good], pa.string())
+        ids = criteo_event_ids(body)
         table = table.append_column(spec.event_id, ids).append_column(
             spec.timestamp, pa.array(start_us + source_row * step_us, pa.timestamp("us", tz="UTC"))
         )

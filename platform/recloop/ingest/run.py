@@ -17,16 +17,17 @@ the lake is a duplicate (see the id set in ``ledger.py``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -63,6 +64,8 @@ class FileResult:
     reasons: dict[str, int] = field(default_factory=dict)
     partitions: list[str] = field(default_factory=list)
     error: str | None = None
+    ledger_key: str | None = None  # the file's record in the ledger: its content and the spec's version
+    hints: list[str] = field(default_factory=list)  # what the spec could say to accept quarantined rows
 
 
 @dataclass
@@ -173,6 +176,7 @@ def ingest(
     now: datetime | None = None,
     on_file: Callable[[FileResult], None] | None = None,
     batch_rows: int = DEFAULT_BATCH_ROWS,
+    reingest: bool = False,
 ) -> IngestSummary:
     """Ingest ``source`` (a file or a folder) into the lake under ``settings.home``.
 
@@ -183,6 +187,8 @@ def ingest(
         now: the ingest clock (timestamps beyond ``now + spec.max_future_seconds`` are quarantined).
         on_file: called after each file, e.g. to advance a progress bar.
         batch_rows: rows read, checked and written at a time: what bounds the memory a file takes.
+        reingest: read the files again even if the ledger has them under this spec (``--reingest``): rows
+            already in the lake come back as ``duplicate_event_id``, the others land.
 
     Example::
 
@@ -197,7 +203,7 @@ def ingest(
         summary.recovered = lake.recover(ledger, settings.home, [settings.lake_events_dir, settings.quarantine_dir])
         ledger.ensure_ids(lambda: _lake_ids(ledger, settings, spec))
         for candidate in candidates:
-            result = _ingest_candidate(candidate, spec, settings, ledger, now, batch_rows)
+            result = _ingest_candidate(candidate, spec, settings, ledger, now, batch_rows, reingest)
             summary.add(result)
             if on_file:
                 on_file(result)
@@ -212,8 +218,19 @@ def _lake_ids(ledger: Ledger, settings: Settings, spec: DatasetSpec) -> Iterator
             yield batch.column(0).to_pylist()
 
 
+def ledger_key(digest: str, spec: DatasetSpec) -> str:
+    """A file's key in the ledger: its content and the spec's version (a fixed spec reads it again)."""
+    return hashlib.sha256(f"{digest}:{spec.name}:{spec.version}".encode()).hexdigest()
+
+
+def _token(key: str, again: bool) -> str:
+    """The name of a source's outputs: its ledger key; a source read again (``--reingest``, a quarantine
+    replay) gets its own, so its outputs never replace the rows an earlier read landed."""
+    return hashlib.sha256(f"{key}:{time.time_ns()}".encode()).hexdigest()[:16] if again else key[:16]
+
+
 def _ingest_candidate(candidate: Candidate, spec: DatasetSpec, settings: Settings, ledger: Ledger, now: datetime,
-                      batch_rows: int) -> FileResult:
+                      batch_rows: int, reingest: bool = False) -> FileResult:
     path = str(candidate.path)
     if candidate.action == "ignore":
         return FileResult(path, "ignored", None, error=candidate.reason)
@@ -228,20 +245,27 @@ def _ingest_candidate(candidate: Candidate, spec: DatasetSpec, settings: Setting
             digest, size = file_digest(handle)
         except FileRejected as err:
             return FileResult(path, "rejected", None, error=str(err))
-        known = ledger.get(digest)
+        key = ledger_key(digest, spec)
+        if reingest:
+            ledger.forget(key)
+        known = ledger.get(key)
         if known is not None:
             note = f"already {known.status} as {known.path}" if known.path != path else f"already {known.status}"
-            return FileResult(path, "skipped", digest, error=None if known.status == "done" else note)
-        staging = _Staging(settings, digest[:16], now)
+            return FileResult(path, "skipped", digest, error=None if known.status == "done" else note, ledger_key=key)
+        staging = _Staging(settings, _token(key, reingest), now)
         ledger.begin_file()
         try:
-            return _land(handle, candidate.path, digest, size, spec, settings, ledger, staging, now, batch_rows)
+            batches = read_batches(handle, candidate.path.name, spec, digest, batch_rows)
+            result = _land(batches, candidate.path, key, spec, settings, ledger, staging, now,
+                           lambda: check_unchanged(handle, size), size)
+            result.sha256 = digest
+            return result
         except FileRejected as err:
             staging.discard()
             ledger.abandon_file()
             if err.permanent:
-                ledger.record_rejected(sha256=digest, path=path, size=size, spec=spec.name, error=str(err))
-            return FileResult(path, "rejected", digest, error=str(err))
+                ledger.record_rejected(sha256=key, path=path, size=size, spec=spec.name, error=str(err))
+            return FileResult(path, "rejected", digest, error=str(err), ledger_key=key)
         except BaseException:  # a write failed, or the run was interrupted: nothing of this file stays
             staging.discard()
             ledger.abandon_file()
@@ -277,13 +301,15 @@ class _Staging:
             output.discard()
 
 
-def _land(handle: BinaryIO, path: Path, digest: str, size: int, spec: DatasetSpec, settings: Settings,
-          ledger: Ledger, staging: _Staging, now: datetime, batch_rows: int) -> FileResult:
-    """Read, check and stage the file batch by batch, then commit it (ledger) and publish its outputs."""
-    result = FileResult(str(path), "ingested", digest)
+def _land(batches: Iterable[SourceBatch], path: Path, key: str, spec: DatasetSpec, settings: Settings,
+          ledger: Ledger, staging: _Staging, now: datetime, check_source: Callable[[], None], size: int
+          ) -> FileResult:
+    """Check and stage a source's batches, then commit it (ledger, under ``key``) and publish its outputs."""
+    result = FileResult(str(path), "ingested", key, ledger_key=key)
     reasons: Counter[str] = Counter()
-    for batch in read_batches(handle, path.name, spec, digest, batch_rows):
+    for batch in batches:
         typed, problems = _checked(batch, spec, now)
+        result.hints += [h for h in problems.hints if h not in result.hints]
         if typed is not None:
             _flag_duplicates(typed, spec, problems, ledger)
         bad = problems.bad_mask()
@@ -298,17 +324,17 @@ def _land(handle: BinaryIO, path: Path, digest: str, size: int, spec: DatasetSpe
             staging.quarantine_rows(quarantined)
             reasons.update(code for reason in quarantined["_reason"].to_pylist() for code in reason.split("; "))
         result.rows_in += batch.rows_in
-    check_unchanged(handle, size)
+    check_source()
     result.rows_quarantined = staging.quarantined
     result.partitions = sorted(staging.partitions)
     result.reasons = dict(sorted(reasons.items()))
     if result.rows_in != result.rows_landed + result.rows_quarantined:  # the contract; never expected to fire
         raise RuntimeError(f"row accounting broken for {path}: {result}")
     outputs = staging.close()
-    ledger.begin_commit(sha256=digest, path=str(path), size=size, spec=spec.name, rows_in=result.rows_in,
+    ledger.begin_commit(sha256=key, path=str(path), size=size, spec=spec.name, rows_in=result.rows_in,
                         rows_landed=result.rows_landed, rows_quarantined=result.rows_quarantined, outputs=outputs)
     lake.publish(outputs, settings.home)
-    ledger.finish_commit(digest)
+    ledger.finish_commit(key)
     return result
 
 
@@ -367,3 +393,77 @@ def _as_text(values: pa.Array) -> pa.Array:
         return values.cast(pa.string())
     except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
         return pa.array([None if v is None else json.dumps(v, default=str) for v in values.to_pylist()], pa.string())
+
+
+REPLAYED_DIR = "replayed"
+
+
+def replay_quarantine(settings: Settings, spec: DatasetSpec, *, now: datetime | None = None,
+                      on_file: Callable[[FileResult], None] | None = None) -> IngestSummary:
+    """Quarantined rows through ``spec`` again (``recloop quarantine replay``), after the spec was fixed.
+
+    Each quarantine file is one source: its rows that pass now land (an id already in the lake is still a
+    duplicate), the others go to a new quarantine file with their new reasons, and the file itself moves to
+    ``quarantine/replayed/`` once its replay is committed. The ledger records the replay under the file's
+    content and the spec's version, so an interrupted replay is finished, never landed twice. Rows that
+    could not even be split into fields are carried over as they were.
+    """
+    started = time.perf_counter()
+    now = now or datetime.now(UTC)
+    root = settings.quarantine_dir
+    files = sorted(p for p in root.glob("date=*/*.parquet") if not p.name.startswith((".", "_")))
+    summary = IngestSummary(source=str(root), spec=spec.name)
+    with exclusive_lock(settings.lake_dir / "_ingest.lock"), Ledger.open(settings.ledger_path) as ledger:
+        summary.recovered = lake.recover(ledger, settings.home, [settings.lake_events_dir, settings.quarantine_dir])
+        ledger.ensure_ids(lambda: _lake_ids(ledger, settings, spec))
+        for path in files:
+            result = _replay_file(path, spec, settings, ledger, now)
+            summary.add(result)
+            if result.status in ("ingested", "skipped"):
+                target = root / REPLAYED_DIR / path.parent.name / path.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
+            if on_file:
+                on_file(result)
+    summary.seconds = round(time.perf_counter() - started, 3)
+    return summary
+
+
+def _replay_file(path: Path, spec: DatasetSpec, settings: Settings, ledger: Ledger, now: datetime) -> FileResult:
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    key = ledger_key(digest, spec)
+    if ledger.get(key) is not None:
+        return FileResult(str(path), "skipped", digest, ledger_key=key)
+    table = pq.read_table(path)
+    split = ~np.asarray(table["_raw_line"].is_valid())
+    values = table.select([c for c in table.column_names if not c.startswith("_")])
+    for column in spec.by_role("multi_hot"):  # lists from a typed file were kept as JSON text
+        if column.name in values.column_names:
+            values = values.set_column(values.column_names.index(column.name), column.name,
+                                       pa.array([_list_text(v, column.separator) for v in
+                                                 values[column.name].to_pylist()], pa.string()))
+    rows = table["_source_row"].to_numpy()
+    unsplittable = [(int(r), line, reason) for r, line, reason, ok in zip(
+        rows, table["_raw_line"].to_pylist(), table["_reason"].to_pylist(), split, strict=True) if not ok]
+    batch = SourceBatch(table=values.filter(pa.array(split)), source_row=rows[split], unsplittable=unsplittable,
+                        text=True)
+    staging = _Staging(settings, _token(key, True), now)
+    ledger.begin_file()
+    try:
+        result = _land([batch], path, key, spec, settings, ledger, staging, now, lambda: None, len(data))
+    except BaseException:
+        staging.discard()
+        ledger.abandon_file()
+        raise
+    result.sha256 = digest
+    return result
+
+
+def _list_text(value: str | None, separator: str) -> str | None:
+    if value is None or not value.startswith("["):
+        return value
+    try:
+        return separator.join(str(v) for v in json.loads(value))
+    except (ValueError, TypeError):
+        return value

@@ -20,6 +20,7 @@ Reason codes (a row may have several, joined by ``"; "``)::
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -28,7 +29,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recloop.schema import FLOAT_DTYPES, ColumnSpec, DatasetSpec
+from recloop.schema import EPOCH_UNITS, FLOAT_DTYPES, ColumnSpec, DatasetSpec
 
 os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
 import pandera.pandas as pandera  # noqa: E402  (after the variable that silences its import warning)
@@ -60,6 +61,7 @@ class RowProblems:
 
     def __post_init__(self) -> None:
         self._found: list[tuple[np.ndarray, str]] = []  # (row positions, code)
+        self.hints: list[str] = []  # what the spec could say to accept rows quarantined here (one per column)
 
     def add(self, rows: np.ndarray, code: str) -> None:
         rows = np.asarray(rows)
@@ -111,8 +113,12 @@ def check_rows(table: pa.Table, spec: DatasetSpec, now: datetime) -> tuple[pa.Ta
 
     columns = {}
     for col in spec.columns:
-        typed, bad = coerce_column(col, table[col.name])
+        typed, bad = coerce_column(col, table[col.name], spec.accepts_integral_floats(col))
         problems.add(bad, f"invalid_type:{col.name}")
+        if bad.any():
+            hint = type_hint(col, table[col.name], bad)
+            if hint:
+                problems.hints.append(hint)
         if col.dtype in FLOAT_DTYPES and not col.allow_non_finite:
             typed, non_finite = _drop_non_finite(typed)
             problems.add(non_finite, f"non_finite:{col.name}")
@@ -125,13 +131,20 @@ def check_rows(table: pa.Table, spec: DatasetSpec, now: datetime) -> tuple[pa.Ta
 # --- coercion ------------------------------------------------------------------------------------------
 
 
-def coerce_column(col: ColumnSpec, values: pa.ChunkedArray | pa.Array) -> tuple[pa.Array, np.ndarray]:
-    """Convert one column to ``col.dtype``. Returns the typed array and a mask of unconvertible rows."""
+def coerce_column(col: ColumnSpec, values: pa.ChunkedArray | pa.Array, integral_floats: bool = False
+                  ) -> tuple[pa.Array, np.ndarray]:
+    """Convert one column to ``col.dtype``. Returns the typed array and a mask of unconvertible rows.
+
+    ``integral_floats``: an integer column accepts text such as ``2015.0`` (a typed float column with whole
+    values is always accepted: the conversion loses nothing).
+    """
     arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
     target = ARROW_TYPES[col.dtype]
     none_bad = np.zeros(len(arr), dtype=bool)
+    if col.dtype == "timestamp" and col.format in EPOCH_UNITS and not pa.types.is_timestamp(arr.type):
+        return _from_epoch(arr, EPOCH_UNITS[col.format], target)
     if arr.type == target:
         return arr, none_bad
     if pa.types.is_null(arr.type):
@@ -142,7 +155,7 @@ def coerce_column(col: ColumnSpec, values: pa.ChunkedArray | pa.Array) -> tuple[
             return arr.cast(pa.string()), none_bad
         return _all_bad(arr, target)
     if is_text:
-        return _parse_text(col, arr.cast(pa.string()), target)
+        return _parse_text(col, arr.cast(pa.string()), target, integral_floats)
     if col.dtype == "timestamp":
         if pa.types.is_timestamp(arr.type):  # naive timestamps are taken as UTC
             return arr.cast(target), none_bad
@@ -202,8 +215,51 @@ def _from_floats(
     return typed, present & ~ok
 
 
-def _parse_text(col: ColumnSpec, text: pa.Array, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+def _from_epoch(arr: pa.Array, unit_us: int, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+    """Numbers since the epoch (integers, floats or their text) in ``unit_us`` microseconds → timestamps."""
+    present = np.asarray(arr.is_valid())
+    if pa.types.is_integer(arr.type):
+        values = arr.cast(pa.int64()).to_numpy(zero_copy_only=False).astype(np.float64)
+    elif pa.types.is_floating(arr.type):
+        values = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    elif pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        text = pc.utf8_trim_whitespace(arr.cast(pa.string())).to_numpy(zero_copy_only=False)
+        values = pd.to_numeric(pd.Series(text, dtype=object), errors="coerce").to_numpy(np.float64, na_value=np.nan)
+    else:
+        return _all_bad(arr, target)
+    micros = values * unit_us
+    with np.errstate(invalid="ignore"):
+        ok = present & np.isfinite(micros) & (np.abs(micros) < 2**62)
+    typed = pa.array(np.where(ok, np.round(np.where(ok, micros, 0)), 0).astype(np.int64), mask=~ok)
+    return typed.cast(pa.timestamp("us", tz="UTC")).cast(target), present & ~ok
+
+
+def type_hint(col: ColumnSpec, values: pa.ChunkedArray | pa.Array, bad: np.ndarray) -> str | None:
+    """What the spec could say to accept the values of ``col`` that failed conversion, if it can tell."""
+    arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    sample = arr.filter(pa.array(bad)).slice(0, 100)
+    text = pc.utf8_trim_whitespace(sample.cast(pa.string())).drop_null().to_pylist()
+    if not text:
+        return None
+    if col.dtype == "timestamp" and col.format in (None, "iso"):
+        numbers = pd.to_numeric(pd.Series(text, dtype=object), errors="coerce").dropna()
+        if len(numbers) == len(text):
+            magnitude = float(np.median(np.abs(numbers)))
+            unit = ("epoch_s" if magnitude < 1e11 else "epoch_ms" if magnitude < 1e14 else "epoch_us")
+            return (f"column {col.name!r} holds numbers such as {text[0]}: if they are {unit.replace('_', ' ')}, "
+                    f"add `format: {unit}` to the column in the spec")
+    whole = [t for t in text if re.fullmatch(r"[+-]?\d+\.0*", t)]
+    if col.dtype in _INT_BOUNDS and whole:
+        return (f"column {col.name!r} holds whole numbers written as floats such as {whole[0]}: add "
+                "`integral_floats: true` to the column (or the spec) to accept them")
+    return None
+
+
+def _parse_text(col: ColumnSpec, text: pa.Array, target: pa.DataType, integral_floats: bool = False
+                ) -> tuple[pa.Array, np.ndarray]:
     stripped = pc.utf8_trim_whitespace(text)
+    if integral_floats and col.dtype in _INT_BOUNDS:  # "2015.0" → "2015"; "2015.5" stays and is refused
+        stripped = pc.replace_substring_regex(stripped, r"^([+-]?\d+)\.0*$", r"\1")
     present = np.asarray(stripped.is_valid())
     if col.dtype == "list<int64>":
         return _parse_int_lists(col, stripped, present)

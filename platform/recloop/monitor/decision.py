@@ -44,7 +44,7 @@ from typing import Literal
 
 import pandas as pd
 
-Outcome = Literal["ok", "drift", "kpi_decay", "data_quality"]
+Outcome = Literal["ok", "drift", "kpi_decay", "data_quality", "insufficient_data"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,8 @@ class MonitorConfig:
             the champion's calibration on served feedback (predicted / observed CTR), overall and per
             segment of at least ``min_segment_impressions``, off by more than this, significant at
             ``concept_alpha`` after Holm (user-cluster errors), is KPI decay: a retrain.
+        min_rows: events each window needs before drift is decided at all; below it the decision is
+            ``insufficient_data`` (never a retrain): two rows against three say nothing.
         per_column_method, per_column_threshold: Evidently's drift test and threshold for named columns
             (e.g. ``{"price": "psi"}``, ``{"price": 0.2}``); the others get Evidently's choice for their
             type and sample size.
@@ -90,6 +92,7 @@ class MonitorConfig:
     max_calibration_error: float = 0.2
     concept_alpha: float = 0.01
     min_segment_impressions: int = 1000
+    min_rows: int = 200
     seed: int = 0
     per_column_method: dict[str, str] = field(default_factory=dict)
     per_column_threshold: dict[str, float] = field(default_factory=dict)
@@ -202,6 +205,16 @@ def decide(quality: list[str], kpi: list[str], drift_share: float, drifted: list
         return MonitorDecision("drift", tuple(reasons), drift_share, drifted_columns, kpis, figures)
     return MonitorDecision("ok", ("no drift, no broken column, no KPI decay",), drift_share, drifted_columns, kpis,
                            figures)
+
+
+def insufficient(reference_rows: int, current_rows: int, config: MonitorConfig) -> MonitorDecision | None:
+    """``insufficient_data`` when either window has fewer than ``config.min_rows`` events, else None."""
+    if min(reference_rows, current_rows) >= config.min_rows:
+        return None
+    reason = (f"too few events to decide: {reference_rows} in the reference window and {current_rows} in the "
+              f"current one (at least {config.min_rows} each; choose longer windows)")
+    return MonitorDecision("insufficient_data", (reason,), 0.0, (), {},
+                           {"reference_rows": float(reference_rows), "current_rows": float(current_rows)})
 
 
 # --- the windows --------------------------------------------------------------------------------------------

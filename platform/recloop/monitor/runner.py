@@ -37,6 +37,7 @@ from recloop.monitor.decision import (
     Window,
     choose_windows,
     decide,
+    insufficient,
     kpi_findings,
     new_id_findings,
     quality_findings,
@@ -108,8 +109,11 @@ def champion(settings: Settings) -> Champion | None:
 
 def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days: int = 7,
           config: MonitorConfig | None = None, kpis: dict | None = None, baseline: dict | None = None,
-          log: bool = False) -> MonitorReport:
+          log: bool = False, windows: tuple[Window, Window] | None = None) -> MonitorReport:
     """The monitor over the newest ``hours`` of the lake against the champion's training window.
+
+    ``windows``: ``(reference, current)`` chosen by the caller (``recloop drift --reference/--current``)
+    instead of ``choose_windows``.
 
     KPIs default to the champion's online CTR and AUC over the same hours (from the serving journal),
     against the baseline recorded when it was promoted.
@@ -119,8 +123,9 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
     if bounds is None:
         raise MonitorError("the lake has no events yet: run `recloop ingest`")
     current_champion = champion(settings)
-    reference, current = choose_windows(datetime.fromtimestamp(bounds[1] / 1_000_000, tz=UTC), hours,
-                                        current_champion.trained if current_champion else None, reference_days)
+    reference, current = windows or choose_windows(datetime.fromtimestamp(bounds[1] / 1_000_000, tz=UTC), hours,
+                                                   current_champion.trained if current_champion else None,
+                                                   reference_days)
     concept = None
     if kpis is None:
         kpis = champion_kpis(settings, current_champion, current, config.min_impressions)
@@ -182,6 +187,9 @@ def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, cu
     if ref.empty or cur.empty:
         raise MonitorError(f"no events in the {'reference' if ref.empty else 'current'} window "
                            f"{(reference if ref.empty else current)[0]:%Y-%m-%dT%H}..")
+    too_few = insufficient(len(ref), len(cur), config)
+    if too_few is not None:
+        return too_few
     quality = quality_findings(ref, cur, monitored, config)
     healthy = [c for c in monitored if not any(f.startswith(f"{c}:") for f in quality)]
     share, drifted, scores, snapshot = evidently_drift(ref, cur, healthy, config, timestamp=current[1]) \

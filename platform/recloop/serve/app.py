@@ -45,7 +45,7 @@ from recloop import canary
 from recloop.endpoints import ServiceUnavailable
 from recloop.evidence import interleaving, offpolicy
 from recloop.features.config import FeatureConfig
-from recloop.schema import DatasetSpec, load_spec
+from recloop.schema import DatasetSpec
 from recloop.serve.body_limit import BodyLimit
 from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
 from recloop.serve.health import Readiness
@@ -424,12 +424,14 @@ async def invalid_request(request: Request, err: RequestValidationError) -> JSON
     return JSONResponse({"detail": errors}, status_code=422)
 
 
-def create_app(settings: Settings | None = None, spec: DatasetSpec | str = "synthetic", *,
+def create_app(settings: Settings | None = None, spec: DatasetSpec | str | None = None, *,
                online: OnlineReader | None = None, pool: ModelPool | None = None) -> FastAPI:
     """The serving app: the service starts with the app (models loaded, watcher and feedback threads) and
-    stops with it."""
+    stops with it. ``spec``: a spec, a name or a path; None: the home's (``recloop.datasets``)."""
+    from recloop import datasets
+
     settings = settings or Settings()
-    spec = load_spec(spec) if isinstance(spec, str) else spec
+    spec = datasets.resolve(settings, spec, remember=False)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -52,13 +52,14 @@ class FeastOnline:
     """The ``ranking_v1`` feature service of the Feast online store (SQLite or Redis per settings)."""
 
     def __init__(self, settings: Settings):
-        from recloop.features.store import FEATURE_SERVICE, feature_store
+        from recloop.features.store import FEATURE_SERVICE, feature_store, join_keys
 
         self.store = feature_store(settings)
         self.service = self.store.get_feature_service(FEATURE_SERVICE)
+        self.keys = join_keys(settings)  # the spec's key names (user_id/item_id, customer/product, ...)
 
     def read(self, user_id: int, item_ids: list[int]) -> dict[str, np.ndarray]:
-        entities = {"user_id": [user_id] * len(item_ids), "item_id": list(item_ids)}
+        entities = {self.keys["user"]: [user_id] * len(item_ids), self.keys["item"]: list(item_ids)}
         response = self.store.get_online_features(features=self.service, entity_rows=entities).proto
         vectors = dict(zip(response.metadata.feature_names.val, response.results, strict=True))
         out = {}
@@ -91,6 +92,10 @@ class RedisOnline:
             [join_key] = [column.name for column in view.entity_columns]
             features = [f.name for f in projection.features]
             self.views[join_key] = (entity_key_head(join_key), [_field_key(view.name, f) for f in features], features)
+            if view.name == "user_stats":
+                self.user_key = join_key
+            elif view.name == "item_stats":
+                self.item_key = join_key
 
     def _key(self, join_key: str, entity: int) -> bytes:
         return self.views[join_key][0] + int(entity).to_bytes(8, "little", signed=True) + self.project.encode()
@@ -100,12 +105,12 @@ class RedisOnline:
 
         items = list(dict.fromkeys(item_ids))
         pipe = self.client.pipeline(transaction=False)
-        pipe.hmget(self._key("user_id", user_id), self.views["user_id"][1])
+        pipe.hmget(self._key(self.user_key, user_id), self.views[self.user_key][1])
         for item in items:
-            pipe.hmget(self._key("item_id", item), self.views["item_id"][1])
+            pipe.hmget(self._key(self.item_key, item), self.views[self.item_key][1])
         answers = pipe.execute()
         out = {}
-        for join_key, rows in (("user_id", answers[:1]), ("item_id", answers[1:])):
+        for join_key, rows in ((self.user_key, answers[:1]), (self.item_key, answers[1:])):
             features = self.views[join_key][2]
             values = np.full((len(rows), len(features)), np.nan)
             for r, row in enumerate(rows):
@@ -115,7 +120,7 @@ class RedisOnline:
                         kind = value.WhichOneof("val")
                         if kind is not None and kind != "null_val":
                             values[r, f] = getattr(value, kind)
-            if join_key == "item_id" and len(items) != len(item_ids):
+            if join_key == self.item_key and len(items) != len(item_ids):
                 values = values[[items.index(i) for i in item_ids]]
             out.update({name: values[:, f] for f, name in enumerate(features)})
         return out

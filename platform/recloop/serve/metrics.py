@@ -11,8 +11,9 @@ LATENCY_BUCKETS = (0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0
 
 
 class LoopCollector:
-    """The loop's own metrics, read at scrape time from what the monitor and the trigger record under
-    ``$RECLOOP_HOME/loop``: last drift share, monitoring decisions, full retrains requested."""
+    """The loop's own metrics, read at scrape time from what the monitor, the trigger and the flows record
+    under ``$RECLOOP_HOME/loop``: last drift share, monitoring decisions, full retrains requested, and the
+    outcomes of retrain and canary runs (``flow_support.record_outcome``)."""
 
     def __init__(self, home: Path):
         self.folder = Path(home).resolve() / "loop"
@@ -34,6 +35,15 @@ class LoopCollector:
         retrains = CounterMetricFamily("recloop_retrains_triggered", "Full retrains requested by drift or KPI decay")
         retrains.add_metric([], len(triggers))
         yield retrains
+        outcomes_file = self.folder / "outcomes.json"
+        outcomes = json.loads(outcomes_file.read_text()) if outcomes_file.exists() else {}
+        runs = CounterMetricFamily("recloop_loop_outcomes", "Orchestrated runs by stage and outcome: retrain "
+                                   "(champion, challenger, refused, skipped, cancelled, failed), canary (start, "
+                                   "hold, step, promote, rollback...)", labels=["stage", "outcome"])
+        for stage, counts in sorted(outcomes.items()):
+            for outcome, count in sorted(counts.items()):
+                runs.add_metric([stage, outcome], count)
+        yield runs
         last = GaugeMetricFamily("recloop_last_retrain_request_timestamp_seconds", "When the last full retrain "
                                  "was requested (event time)")
         last.add_metric([], max((t["at"] for t in triggers), default=0.0))

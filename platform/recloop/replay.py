@@ -1,0 +1,359 @@
+"""``recloop replay``: the loop over a user's own timestamped log, replayed period by period.
+
+The log (parquet/CSV files under ``--data``, described by ``--spec``) is first read into a source lake under
+``$RECLOOP_HOME/replay/source`` (the same ingestion: bad rows are quarantined there, with reasons). Everything
+before the last ``periods`` periods bootstraps the first model (ingest → features → full train → gate →
+champion). Then each period, in time order, goes through the loop as if it had just happened:
+
+1. its events land in the landing zone and are **ingested**, their **features** built (Feast updated);
+2. the models trained before it are **scored on it** (it is held out from all of them): the champion, the
+   newest incremental candidate, the newest full retrain, and the simple **baselines** (base rate, user +
+   item CTR, logistic regression on the model's inputs; ``gate.baselines``): AUC, log loss, NDCG@10 per user;
+3. **drift**: the period against the one before (``insufficient_data`` below the monitor's minimum);
+4. **retrain**: an incremental candidate from the champion (registered, **gated**; a pass is promoted:
+   a replay has no live traffic for a canary) and a full retrain from scratch (scored on the next period;
+   registered, gated and promoted instead when the drift check asked for a full retrain).
+
+The period is a day, a week or 30 days: given, or the shortest in which every replayed period holds at
+least ``min_period_rows`` events. The result is a table per period and an HTML report
+(``$RECLOOP_HOME/reports/replay.html``).
+
+Example::
+
+    summary = run_replay(settings, load_spec("ratings.yaml"), Path("ratings/"), ReplayConfig(periods=4))
+    summary["periods"][0]["scores"]["model"]["auc"]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recloop.gate import GateThresholds
+from recloop.monitor.decision import MonitorConfig
+from recloop.schema import DatasetSpec
+from recloop.settings import Settings
+
+PERIODS = {"day": timedelta(days=1), "week": timedelta(days=7), "month": timedelta(days=30)}
+US = 1_000_000
+
+
+class ReplayError(ValueError):
+    """The log cannot be replayed as asked (too few events, too short)."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Args:
+    period: ``day``, ``week``, ``month`` (30 days) or ``auto`` (see the module docstring).
+    periods: periods replayed after the bootstrap.
+    min_period_rows: ``auto`` picks the shortest period in which every replayed period holds this many events.
+    min_bootstrap_rows: events the bootstrap needs before the first model is trained.
+    epochs: passes of each full retrain (an incremental run makes one).
+    batch_size: rows per step (None: the device's default).
+    device: ``auto``, ``cpu`` or ``cuda``.
+    materialize: publish each period's entity features through Feast (the online store serving reads).
+    smoke_check: load each gated version in a fresh process too, as the loop's gate does (seconds each).
+    gate, monitor: the gate's thresholds and the drift monitor's settings.
+    model: the ranking model's configuration (None: the default).
+    """
+
+    period: Literal["auto", "day", "week", "month"] = "auto"
+    periods: int = 6
+    min_period_rows: int = 500
+    min_bootstrap_rows: int = 1000
+    epochs: int = 3
+    batch_size: int | None = None
+    device: str = "auto"
+    materialize: bool = True
+    smoke_check: bool = False
+    gate: GateThresholds = field(default_factory=lambda: GateThresholds(
+        max_auc_drop_incremental=0.01, max_auc_drop_full=0.005, max_slice_auc_drop=0.03,
+        calibration_range=(0.75, 1.33)))
+    monitor: MonitorConfig = field(default_factory=lambda: MonitorConfig(sample_rows=20_000))
+    model: object | None = None
+
+
+@dataclass
+class PeriodRecord:
+    period: int
+    start: str
+    end: str
+    landed: int = 0
+    quarantined: int = 0
+    champion: str | None = None
+    scores: dict[str, dict] = field(default_factory=dict)
+    drift: str = "-"
+    drift_reasons: list[str] = field(default_factory=list)
+    incremental_version: str | None = None
+    gate: str = "-"
+    gate_reasons: list[str] = field(default_factory=list)
+    full_retrain: str = "-"
+    seconds: float = 0.0
+
+
+def choose_period(ts_us: np.ndarray, periods: int, min_rows: int) -> str:
+    """The shortest period whose last ``periods`` periods each hold at least ``min_rows`` events."""
+    end = int(ts_us.max()) + 1
+    for name, length in PERIODS.items():
+        step = int(length.total_seconds() * US)
+        edges = end - step * np.arange(periods, -1, -1)
+        counts = np.histogram(ts_us, bins=edges)[0]
+        if counts.min() >= min_rows:
+            return name
+    return "month"
+
+
+def run_replay(settings: Settings, spec: DatasetSpec, data: Path, config: ReplayConfig,
+               on_period: Callable[[PeriodRecord], None] | None = None) -> dict:
+    """Replay the log under ``data`` through the loop (see the module docstring); returns the summary."""
+    from recloop import datasets
+    from recloop.ingest import ingest
+    from recloop.ingest.lake import read_window
+
+    began = time.perf_counter()
+    datasets.keep(settings, spec)
+    source = Settings(**{**settings.model_dump(), "home": settings.home / "replay" / "source"})
+    loaded = ingest(data, spec, source)
+    events = read_window(source, spec, None, None)
+    if events.num_rows == 0:
+        raise ReplayError(f"no valid events under {data} (read {loaded.rows_in} rows, quarantined "
+                          f"{loaded.rows_quarantined}: see {source.quarantine_dir})")
+    events = events.sort_by(spec.timestamp)
+    ts_us = events[spec.timestamp].cast(pa.int64()).to_numpy()
+    period = config.period if config.period != "auto" else choose_period(ts_us, config.periods,
+                                                                             config.min_period_rows)
+    step = int(PERIODS[period].total_seconds() * US)
+    end = int(ts_us.max()) + 1
+    starts = [end - step * k for k in range(config.periods, 0, -1)]
+    bootstrap_rows = int((ts_us < starts[0]).sum())
+    if bootstrap_rows < config.min_bootstrap_rows:
+        raise ReplayError(f"only {bootstrap_rows} events before the {config.periods} replayed {period}s: the "
+                          f"first model needs {config.min_bootstrap_rows} (replay fewer periods, or a shorter "
+                          "period)")
+
+    landing = settings.landing_dir / "replay"
+    records: list[PeriodRecord] = []
+    lineage = _Lineage()
+    bootstrap = _land(events, ts_us, None, starts[0], spec, landing / "bootstrap.parquet")
+    _ingest_and_build(settings, spec, bootstrap, config)
+    lineage.full = _train(settings, config, "full")
+    first = _register_and_gate(settings, lineage.full, config)
+    if not first.passed:
+        raise ReplayError(f"the first model did not pass the gate: {'; '.join(first.reasons)}")
+    lineage.incremental = lineage.full
+    for index, start in enumerate(starts):
+        stop = start + step
+        began_period = time.perf_counter()
+        record = PeriodRecord(index, _iso(start), _iso(stop))
+        landed = _land(events, ts_us, start, stop, spec, landing / f"period-{index:03d}.parquet")
+        ingested = _ingest_and_build(settings, spec, landed, config)
+        record.landed, record.quarantined = ingested.rows_landed, ingested.rows_quarantined
+        record.champion = _champion(settings)
+        record.scores = _score_period(settings, lineage, start, stop)
+        if index > 0:
+            drift = _drift(settings, spec, (starts[index - 1], start), (start, stop), config)
+            record.drift, record.drift_reasons = drift.decision, list(drift.reasons)
+        incremental = _train(settings, config, "incremental")
+        outcome = _register_and_gate(settings, incremental, config)
+        lineage.incremental = incremental
+        record.incremental_version, record.gate, record.gate_reasons = outcome.version, (
+            "passed" if outcome.passed else "refused"), list(outcome.reasons)
+        if outcome.passed:
+            _promote(settings, outcome.version, "replay: passed the gate (no live traffic for a canary)")
+        lineage.full = _train(settings, config, "full")
+        if record.drift in ("drift", "kpi_decay"):
+            full = _register_and_gate(settings, lineage.full, config)
+            record.full_retrain = f"v{full.version} {'passed' if full.passed else 'refused'}"
+            if full.passed:
+                _promote(settings, full.version, f"replay: full retrain after {record.drift}")
+        record.seconds = round(time.perf_counter() - began_period, 1)
+        records.append(record)
+        if on_period:
+            on_period(record)
+    summary = {"spec": spec.name, "data": str(data), "period": period, "bootstrap_rows": bootstrap_rows,
+               "source": {"rows_in": loaded.rows_in, "rows_landed": loaded.rows_landed,
+                          "rows_quarantined": loaded.rows_quarantined},
+               "periods": [asdict(r) for r in records], "seconds": round(time.perf_counter() - began, 1)}
+    summary["report"] = str(write_report(settings, summary))
+    path = settings.home.resolve() / "reports" / "replay.json"
+    path.write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
+    return summary
+
+
+@dataclass
+class _Lineage:
+    """The newest checkpoints of each kind of training (scored on the next period before it is trained on)."""
+
+    incremental: object | None = None
+    full: object | None = None
+
+
+def _iso(t_us: int) -> str:
+    return datetime.fromtimestamp(t_us / US, tz=UTC).isoformat()
+
+
+def _json_default(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else str(value)
+
+
+def _land(events: pa.Table, ts_us: np.ndarray, start: int | None, stop: int, spec: DatasetSpec, path: Path) -> Path:
+    """The events of ``[start, stop)`` as one landing file in the spec's columns."""
+    keep = ts_us < stop if start is None else (ts_us >= start) & (ts_us < stop)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(events.filter(pa.array(keep)).select(spec.names), path)
+    return path
+
+
+def _ingest_and_build(settings: Settings, spec: DatasetSpec, path: Path, config: ReplayConfig):
+    from recloop import pipeline
+
+    ingested = pipeline.ingest_new(settings, spec, path)
+    pipeline.build_features(settings, spec, materialize=config.materialize)
+    return ingested
+
+
+def _train(settings: Settings, config: ReplayConfig, mode: str):
+    from recloop import pipeline
+    from recloop.train import TrainConfig, train
+
+    extra = {"model": config.model} if config.model is not None else {}
+    train_config = TrainConfig(mode=mode, days=100_000 if mode == "full" else 7,  # type: ignore[arg-type]
+                               epochs=config.epochs, batch_size=config.batch_size, device=config.device,
+                               baselines=False, **extra)
+    base = pipeline.warm_start_checkpoint(settings) if mode == "incremental" else None
+    return train(settings, train_config, warm_start=base)
+
+
+def _register_and_gate(settings: Settings, summary, config: ReplayConfig):
+    from recloop import pipeline
+    from recloop.gate import run_gate
+
+    logged = pipeline.register_training(settings, summary)
+    return run_gate(settings, logged.version, config.gate, smoke_check=config.smoke_check)
+
+
+def _champion(settings: Settings) -> str | None:
+    from recloop import registry
+
+    return registry.version_by_alias(settings, "champion")
+
+
+def _promote(settings: Settings, version: str, why: str) -> None:
+    from recloop import registry
+
+    registry.promote(settings, version, who="replay", why=why)
+
+
+def _score_period(settings: Settings, lineage: _Lineage, start: int, stop: int) -> dict[str, dict]:
+    """The champion, the newest incremental and full models, and the baselines on the period's feature rows."""
+    from recloop import checkpoint
+    from recloop.data import ChunkLoader, FeatureSchema
+    from recloop.evaluate import metrics, predict
+    from recloop.features.job import FeatureLayout
+    from recloop.gate import baselines
+    from recloop.train import user_groups
+
+    layout = FeatureLayout.for_settings(settings)
+    first, last = _stem(start), _stem(stop)
+    files = sorted(p for p in layout.training.glob("*.parquet") if first <= p.stem < last)
+    before = sorted(p for p in layout.training.glob("*.parquet") if p.stem < first)
+    if not files:
+        return {}
+    schema = FeatureSchema.load(layout.schema)
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    groups = user_groups(files, layout, rows)
+    out: dict[str, dict] = {}
+
+    def score(path) -> dict:
+        model, _ = checkpoint.load_model(path)
+        labels, scores, _ = predict(model, ChunkLoader(files, schema, 8192, shuffle=False).epoch(0))
+        return _figures(metrics(labels, scores), baselines.ndcg_by_group(labels, scores, groups))
+
+    champion = _champion(settings)
+    if champion:
+        out["model"] = score(checkpoint.resolve(settings, champion))
+    for name, summary in (("incremental", lineage.incremental), ("full", lineage.full)):
+        if summary is not None:
+            out[name] = score(summary.checkpoint)
+    user_key = json.loads(layout.schema.read_text()).get("user_key")
+    for name, figures in baselines.score_baselines(before, files, schema, user_key).items():
+        out[f"baseline:{name}"] = _figures(figures, figures.get("ndcg"))
+    return out
+
+
+def _figures(scores: dict, ndcg: float | None) -> dict:
+    return {"auc": scores.get("auc"), "logloss": scores.get("logloss"), "ndcg": ndcg if ndcg is not None else
+            scores.get("ndcg"), "rows": scores.get("rows")}
+
+
+def _stem(t_us: int) -> str:
+    return datetime.fromtimestamp(t_us / US, tz=UTC).strftime("%Y-%m-%dT%H")
+
+
+def _drift(settings: Settings, spec: DatasetSpec, reference: tuple[int, int], current: tuple[int, int],
+           config: ReplayConfig):
+    from recloop.monitor import runner
+
+    windows = tuple((datetime.fromtimestamp(a / US, tz=UTC), datetime.fromtimestamp(b / US, tz=UTC))
+                    for a, b in (reference, current))
+    report = runner.check(settings, spec, config=config.monitor, kpis={}, baseline={}, windows=windows)
+    return report.decision
+
+
+def write_report(settings: Settings, summary: dict) -> Path:
+    """An HTML page: per period, the models' and baselines' held-out AUC and NDCG, drift and gate."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    periods = summary["periods"]
+    names = sorted({name for p in periods for name in p["scores"]}, key=lambda n: (n.startswith("baseline"), n))
+    figure = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, subplot_titles=(
+        "AUC on each period before training on it", "NDCG@10 per user"))
+    x = [p["start"][:10] for p in periods]
+    for name in names:
+        dash = "dot" if name.startswith("baseline") else None
+        for row, metric in ((1, "auc"), (2, "ndcg")):
+            figure.add_trace(go.Scatter(x=x, y=[p["scores"].get(name, {}).get(metric) for p in periods], name=name,
+                                        legendgroup=name, showlegend=row == 1, mode="lines+markers",
+                                        line={"dash": dash}), row=row, col=1)
+    figure.update_layout(height=700, width=1100, title=f"recloop replay — {summary['spec']}, by {summary['period']}")
+    header = "".join(f"<th>{n} AUC</th><th>{n} NDCG</th>" for n in names)
+    rows = "".join(
+        f"<tr><td>{p['period']}</td><td>{p['start'][:16]}</td><td>{p['landed']:,}</td><td>{p['quarantined']}</td>"
+        + "".join(f"<td>{_f(p['scores'].get(n, {}).get('auc'))}</td><td>{_f(p['scores'].get(n, {}).get('ndcg'))}</td>"
+                  for n in names)
+        + f"<td>{p['drift']}</td><td>v{p['incremental_version']} {p['gate']}</td><td>{p['full_retrain']}</td>"
+          f"<td>{p['champion'] or '-'}</td></tr>" for p in periods)
+    html = f"""<!doctype html><html><head><meta charset="utf-8"><title>recloop replay</title>
+<style>body{{font-family:sans-serif;margin:24px}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style></head><body>
+<h1>recloop replay: {summary['spec']}</h1>
+<p>{summary['source']['rows_landed']:,} events ({summary['source']['rows_quarantined']} quarantined); the first
+model trained on the {summary['bootstrap_rows']:,} before the replayed {summary['period']}s. Each period is scored
+before any model trains on it.</p>
+<table><tr><th>period</th><th>start</th><th>landed</th><th>quarantined</th>{header}<th>drift</th>
+<th>incremental → gate</th><th>full retrain</th><th>champion</th></tr>{rows}</table>
+{figure.to_html(full_html=False, include_plotlyjs=True)}
+<p>Total {summary['seconds']} s.</p></body></html>"""
+    path = settings.home.resolve() / "reports" / "replay.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(html)
+    return path
+
+
+def _f(value) -> str:
+    return "-" if value is None or value != value else f"{value:.4f}"
+
+
+__all__ = ["PERIODS", "PeriodRecord", "ReplayConfig", "ReplayError", "choose_period", "run_replay", "write_report"]

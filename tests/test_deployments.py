@@ -1,0 +1,148 @@
+"""Operating the deployments: one slot for every run that trains or gates, an hourly retrain with nothing new
+skipped, run names and outcomes a reviewer can read, and a pull step that finds the code where the run is.
+
+Under a real Prefect server (``prefect_test_harness``); the retrain uses the session's champion."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import yaml
+
+from recloop.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINS_OR_GATES = {
+    "flows/retrain_flow.py:retrain_flow",
+    "flows/train_flow.py:train_flow",
+    "flows/gate_flow.py:gate_flow",
+}
+
+
+def test_deployments_that_train_or_gate_share_one_slot_and_no_per_deployment_limit():
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    trainers = [d for d in spec["deployments"] if d["entrypoint"] in TRAINS_OR_GATES]
+    assert {d["name"] for d in trainers} == {"incremental-retrain", "full-retrain", "train", "gate"}
+    for deployment in trainers:  # a per-deployment limit would let the hourly and the full retrain overlap
+        assert "concurrency_limit" not in deployment and "recloop-model" in deployment["tags"], deployment[
+            "name"
+        ]
+    text = (ROOT / "prefect.yaml").read_text()
+    assert "$PWD" not in text and "RECLOOP_CHECKOUT" not in text and "worker.yaml" not in text
+    for path in __import__("re").findall(r"infra/[\w./-]+", text):  # every file a comment names exists
+        assert (ROOT / path.rstrip(".")).exists(), path
+
+
+def test_the_pull_step_finds_the_installed_code_at_run_time(monkeypatch, tmp_path):
+    from prefect.deployments.steps.core import run_steps
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(
+        "PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    )  # the worker's
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    asyncio.run(run_steps(spec["pull"]))
+    for deployment in spec["deployments"]:
+        assert (Path.cwd() / deployment["entrypoint"].split(":")[0]).is_file(), deployment["entrypoint"]
+
+
+def _hold_slot(release: threading.Event, held: threading.Event) -> threading.Thread:
+    from recloop.flow_support import model_slot
+
+    def hold():
+        with model_slot(30):
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert held.wait(30)
+    return thread
+
+
+def test_one_run_at_a_time_trains_or_gates(prefect_server, tmp_path):
+    """While another run holds ``recloop-model``, train, gate and retrain wait, then end Cancelled having
+    done nothing; once it is free, the slot is taken at once."""
+    from prefect import get_client
+
+    from flows.gate_flow import gate_flow
+    from flows.retrain_flow import retrain_flow
+    from flows.train_flow import train_flow
+    from recloop.flow_support import MODEL_SLOT, model_slot, settings_parameter
+
+    settings = Settings(home=tmp_path / "home")
+    parameters = settings_parameter(settings)
+    release, held = threading.Event(), threading.Event()
+    holder = _hold_slot(release, held)
+    try:
+        states = [
+            train_flow(mode="full", slot_timeout_seconds=1, settings=parameters, return_state=True),
+            gate_flow(version="1", slot_timeout_seconds=1, settings=parameters, return_state=True),
+            retrain_flow(mode="full", slot_timeout_seconds=1, settings=parameters, return_state=True),
+        ]
+    finally:
+        release.set()
+        holder.join(30)
+    for state in states:
+        assert state.is_cancelled(), state
+        assert MODEL_SLOT in state.message and "nothing was done" in state.message
+    assert not (settings.home / "lake").exists() and not (settings.home / "checkpoints").exists()
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(MODEL_SLOT).limit == 1
+    # Released by the holder; nested in a run that holds it (the retrain's subflows), no wait for itself.
+    with model_slot(5), model_slot(0.5):
+        pass
+
+
+def test_an_incremental_retrain_with_no_new_hours_is_skipped(
+    prefect_server, champion_home, copy_home, tmp_path
+):
+    """The champion has trained on every hour but the held-out ones and nothing new landed: the hourly
+    retrain ends ``Skipped`` with the reason, trains nothing and registers no version."""
+    from prefect import get_client
+
+    from flows.retrain_flow import retrain_flow
+    from recloop import registry
+    from recloop.flow_support import settings_parameter
+
+    home = copy_home(champion_home, tmp_path / "home", feast=True)
+    home.landing_dir.mkdir(parents=True, exist_ok=True)
+    # The champion trained on all but the newest 12 of the first three days' hours; the retrain builds the
+    # fourth day's features, and with 36 hours held out every hour it could train on is one it has seen.
+    checkpoints = sorted(p.name for p in (home.home / "checkpoints").iterdir())
+    state = retrain_flow(
+        mode="incremental", validation_hours=36, settings=settings_parameter(home), return_state=True
+    )
+    assert state.is_completed() and state.name == "Skipped", state
+    assert "no new hours" in state.message and "no version registered" in state.message
+    result = state.result()
+    assert result["pending"]["hours"] == 0 and "train" not in result and "gate" not in result
+    assert registry.aliases(home)["champion"] == "1" and registry.version_info(home, "1")
+    from mlflow import MlflowClient
+
+    assert [
+        str(v.version) for v in MlflowClient().search_model_versions(f"name='{registry.MODEL_NAME}'")
+    ] == ["1"]
+    assert sorted(p.name for p in (home.home / "checkpoints").iterdir()) == checkpoints
+    outcomes = json.loads((home.home / "loop" / "outcomes.json").read_text())
+    assert outcomes["retrain"] == {"skipped": 1}  # counted for recloop_loop_outcomes_total
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(state.state_details.flow_run_id)
+        assert (
+            run.name.startswith("retrain-incremental-20")
+            and len(run.name) == len("retrain-incremental-") + 13
+        )
+        assert "retrain:skipped" in run.tags
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler().flush()
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+        messages = [log.message for log in logs]
+        assert any("Skipped: no new hours" in m for m in messages), messages
