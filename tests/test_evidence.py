@@ -191,7 +191,7 @@ def test_platt_scaling_fixes_the_level_fitted_on_training_rows():
     p = rng.uniform(0.01, 0.3, 50000)
     labels = rng.random(50000) < p
     overconfident = np.clip(p * 1.5, 0, 0.99)  # calibration 1.5
-    a, b = fit_platt(labels, overconfident)
+    a, b = fit_platt(labels, overconfident)  # slope and intercept
     fixed = apply_platt(overconfident, a, b)
     assert fixed.mean() / labels.mean() == pytest.approx(1.0, abs=0.03)
     assert auc(labels, fixed) == pytest.approx(auc(labels, overconfident), abs=1e-9)
@@ -222,3 +222,12 @@ def test_the_pooled_auc_bootstrap_matches_the_plain_auc_and_resamples_users():
     worse = scores + rng.normal(0, 2, 3000)
     result = paired_bootstrap(labels, worse, scores, users, users, metric="auc", rng=rng, resamples=200)
     assert result.high < 0 and result.p_worse < 0.001 and result.metric == "auc"
+
+
+def test_the_base_rate_correction_moves_only_the_level():
+    rng = np.random.default_rng(9)
+    p = rng.uniform(0.01, 0.3, 50000)
+    labels = rng.random(50000) < p
+    a, b = fit_platt(labels, np.clip(p * 0.8, 1e-4, 0.99), slope=False)
+    assert a == 1.0 and b > 0
+    assert apply_platt(np.clip(p * 0.8, 1e-4, 0.99), a, b).mean() / labels.mean() == pytest.approx(1.0, abs=0.02)

@@ -21,8 +21,12 @@ def _logit(p):
     return np.log(p / (1 - p))
 
 
-def fit_platt(labels, scores, max_rows: int = 500_000, seed: int = 0) -> tuple[float, float]:
-    """The (a, b) that minimise log loss of ``sigmoid(a * logit(scores) + b)`` on these rows."""
+def fit_platt(labels, scores, max_rows: int = 500_000, seed: int = 0, slope: bool = True) -> tuple[float, float]:
+    """The (a, b) that minimise log loss of ``sigmoid(a * logit(scores) + b)`` on these rows.
+
+    ``slope=False`` fits ``b`` only (a = 1): the base-rate correction. Fitted on rows the model was trained
+    on, a slope learns the model's confidence *on its own training data* and over-sharpens it on new data;
+    the intercept only moves the level to the training base rate."""
     y = np.asarray(labels, dtype=np.float64)
     x = _logit(scores)
     if len(y) > max_rows:
@@ -32,13 +36,15 @@ def fit_platt(labels, scores, max_rows: int = 500_000, seed: int = 0) -> tuple[f
         return 1.0, 0.0
 
     def loss(params):
-        z = params[0] * x + params[1]
+        a, b = (params[0], params[1]) if slope else (1.0, params[0])
+        z = a * x + b
         value = np.logaddexp(0, z) - y * z
         p = 1 / (1 + np.exp(-z))
-        return value.mean(), np.array([((p - y) * x).mean(), (p - y).mean()])
+        gradient = [((p - y) * x).mean(), (p - y).mean()] if slope else [(p - y).mean()]
+        return value.mean(), np.array(gradient)
 
-    done = optimize.minimize(loss, np.array([1.0, 0.0]), jac=True, method="L-BFGS-B")
-    return float(done.x[0]), float(done.x[1])
+    done = optimize.minimize(loss, np.array([1.0, 0.0] if slope else [0.0]), jac=True, method="L-BFGS-B")
+    return (float(done.x[0]), float(done.x[1])) if slope else (1.0, float(done.x[0]))
 
 
 def apply_platt(scores, a: float, b: float) -> np.ndarray:
