@@ -43,14 +43,22 @@ def main() -> None:
         spec_file.write_text(SPEC)
         settings = Settings(home=root / "home", frame_backend="pandas")
         spec = datasets.resolve(settings, str(spec_file))
-        data = write_log(root / "log", events=args.events, users=args.events // 25, items=args.events // 30,
-                         weeks=args.weeks)
-        config = ReplayConfig(period="week", periods=args.periods, epochs=args.epochs, device=args.device,
-                              materialize=False)
+        data = write_log(
+            root / "log",
+            events=args.events,
+            users=args.events // 25,
+            items=args.events // 30,
+            weeks=args.weeks,
+        )
+        config = ReplayConfig(
+            period="week", periods=args.periods, epochs=args.epochs, device=args.device, materialize=False
+        )
         summary = run_replay(settings, spec, data, config)
     names = ["model", "incremental", "full", "baseline:base_rate", "baseline:ctr", "baseline:logistic"]
-    print(f"{args.events:,} events over {args.weeks} weeks; first model on {summary['bootstrap_rows']:,}; "
-          f"{summary['seconds']} s")
+    print(
+        f"{args.events:,} events over {args.weeks} weeks; first model on {summary['bootstrap_rows']:,}; "
+        f"{summary['seconds']} s"
+    )
     print("| period | rows | " + " | ".join(f"{n} AUC / NDCG" for n in names) + " | gate | drift |")
     print("|" + " --- |" * (len(names) + 4))
     for period in summary["periods"]:
@@ -58,11 +66,19 @@ def main() -> None:
         for name in names:
             scores = period["scores"].get(name, {})
             auc, ndcg = scores.get("auc"), scores.get("ndcg")
-            cells.append("-" if auc is None else f"{auc:.4f} / {ndcg:.4f}" if ndcg == ndcg and ndcg is not None
-                         else f"{auc:.4f}")
+            cells.append(
+                "-"
+                if auc is None
+                else f"{auc:.4f} / {ndcg:.4f}"
+                if ndcg == ndcg and ndcg is not None
+                else f"{auc:.4f}"
+            )
         rows = period["scores"].get("model", {}).get("rows", 0)
-        print(f"| {period['period']} ({period['start'][:10]}) | {rows} | " + " | ".join(cells)
-              + f" | v{period['incremental_version']} {period['gate']} | {period['drift']} |")
+        print(
+            f"| {period['period']} ({period['start'][:10]}) | {rows} | "
+            + " | ".join(cells)
+            + f" | v{period['incremental_version']} {period['gate']} | {period['drift']} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
 

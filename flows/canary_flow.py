@@ -1,4 +1,7 @@
-"""The canary controller's check (every 10 minutes): start, hold, step the share, promote or roll back."""
+"""The canary controller's check (every 10 minutes): start, hold, step the share, promote or roll back.
+
+``model_name`` picks whose canary: the ranker's (default) or the retriever's (``recloop-retriever``).
+"""
 
 from prefect import flow, task
 
@@ -15,21 +18,27 @@ from recloop.flow_support import (
 
 
 @task(retries=2, retry_delay_seconds=10)
-def canary_task(config_path: str | None, start: bool, settings: dict | None) -> dict:
+def canary_task(config_path: str | None, start: bool, settings: dict | None, model_name: str) -> dict:
     resolved, config = settings_from(settings), controller.load_config(config_path)
-    return (controller.start(resolved, config) if start else controller.step(resolved, config)).to_dict()
+    if start:
+        return controller.start(resolved, config, model_name=model_name).to_dict()
+    return controller.step(resolved, config, model_name=model_name).to_dict()
 
 
 @flow(name="canary", flow_run_name=canary_run_name, log_prints=True)
-def canary_flow(config_path: str | None = None, start: bool = False, settings: dict | None = None) -> dict:
-    result = canary_task(config_path, start, settings)
+def canary_flow(config_path: str | None = None, start: bool = False, settings: dict | None = None,
+                model_name: str = "recloop-ranker") -> dict:
+    result = canary_task(config_path, start, settings, model_name)
     if result.get("challenger"):
-        tag_run(f"model-version:{result['challenger']}", f"canary:{result['action']}")
+        tag_run(f"model:{model_name}", f"model-version:{result['challenger']}", f"canary:{result['action']}")
     decision = result.get("decision") or {}
+    retriever = model_name != "recloop-ranker"
     if result.get("challenger"):
-        record_outcome(settings_from(settings), "canary", result["action"])
-    log("%s%s: %s", result["action"], f" v{result['challenger']}" if result.get("challenger") else "",
+        record_outcome(settings_from(settings), "retriever-canary" if retriever else "canary", result["action"])
+    log("%s%s%s: %s", "retriever " if retriever else "", result["action"],
+        f" v{result['challenger']}" if result.get("challenger") else "",
         "; ".join(decision.get("reasons", [])) or "no challenger")
-    publish("canary-decision", f"**{result['action']}** — " + "; ".join(decision.get("reasons", [])) + "\n\n"
+    publish("retriever-canary-decision" if retriever else "canary-decision",
+            f"**{result['action']}** — " + "; ".join(decision.get("reasons", [])) + "\n\n"
             + markdown_table([{"variant": k, **v} for k, v in result.get("stats", {}).items()]), "canary decision")
     return {k: v for k, v in result.items() if k != "stats"}

@@ -1,4 +1,5 @@
-"""The loop: ingest → features → train → gate → canary start. Hourly incremental; full on drift or by hand.
+"""The loop: ingest → features → train → gate → canary start, for the ranker and then the retriever (each
+its own registered model, gate and canary: ``retriever_flow``). Hourly incremental; full on drift or by hand.
 
 One retrain (or any training or gate) at a time: the run holds the ``recloop-model`` slot from ingest to
 the canary's start (``flow_support.model_slot``); its ``train`` and ``gate`` subflows run inside it. An
@@ -16,6 +17,7 @@ from flows.canary_flow import canary_flow
 from flows.features_flow import features_flow
 from flows.gate_flow import gate_flow
 from flows.ingest_flow import ingest_flow
+from flows.retriever_flow import retriever_flow
 from flows.train_flow import train_flow
 from recloop import datasets, pipeline
 from recloop.flow_support import (
@@ -44,11 +46,18 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
                  spec: str | None = None, days: int = 7, epochs: int = 1, batch_size: int | None = None,
                  validation_hours: int = 6, canary_config: str | None = None,
                  gate_thresholds: str | None = None, slot_timeout_seconds: float = 3600,
+                 retriever: bool = True, retriever_thresholds: str | None = None, retriever_epochs: int = 3,
                  settings: dict | None = None) -> dict:
+    retriever_step = None
+    if retriever:
+        def retriever_step(resolved_spec: str) -> dict:
+            return retriever_flow(mode=mode, spec=resolved_spec, days=days, epochs=retriever_epochs,
+                                  validation_hours=validation_hours, thresholds_path=retriever_thresholds,
+                                  canary_config=canary_config, settings=settings)
     try:
         with model_slot(slot_timeout_seconds):
             return _retrain(mode, reason, spec, days, epochs, batch_size, validation_hours, canary_config,
-                            gate_thresholds, settings)
+                            gate_thresholds, settings, retriever_step)
     except SlotBusy as busy:
         log("%s", busy)
         record_outcome(settings_from(settings), "retrain", "cancelled")
@@ -56,7 +65,8 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
 
 
 def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, batch_size: int | None,
-             validation_hours: int, canary_config: str | None, gate_thresholds: str | None, settings: dict | None):
+             validation_hours: int, canary_config: str | None, gate_thresholds: str | None, settings: dict | None,
+             retriever_step=None):
     spec = datasets.source(settings_from(settings), spec)  # resolved once, for every stage below
     result: dict = {"mode": mode, "reason": reason, "spec": spec}
     log("%s retrain (%s)", mode, reason)
@@ -69,7 +79,7 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             result["skipped"] = (f"no new hours: champion v{pending['champion']} has trained on every hour up to "
                                  f"{pending['trained_until']} (held-out hours excluded); nothing trained, no version "
                                  "registered")
-            return _finish(settings, "Skipped", result["skipped"], result)
+            return _finish(settings, "Skipped", result["skipped"], result)  # the retriever has nothing new either
         if pending["hours"]:
             log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs if mode == "full" else 1,
@@ -82,11 +92,20 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
     tag_run(f"model-version:{version}", f"mode:{mode}", f"gate:{verdict}")
     reasons = "; ".join(gate["reasons"])
     if not gate["passed"]:
-        return _finish(settings, "Refused", f"v{version} failed the gate, stays unserved: {reasons}", result)
+        return _finish(settings, "Refused", f"v{version} failed the gate, stays unserved: {reasons}", result,
+                       retriever_step)
     then = "; canary started" if "canary" in result else ""
-    return _finish(settings, gate["alias"].capitalize(), f"v{version} passed the gate → {gate['alias']}{then}", result)
+    return _finish(settings, gate["alias"].capitalize(), f"v{version} passed the gate → {gate['alias']}{then}", result,
+                   retriever_step)
 
 
-def _finish(settings: dict | None, name: str, message: str, result: dict):
+def _finish(settings: dict | None, name: str, message: str, result: dict, retriever_step=None):
+    """The run's outcome is the ranker's; the retriever's steps (run here, in the same slot) add to its message."""
+    if retriever_step is not None:
+        result["retriever"] = retriever = retriever_step(result["spec"])
+        gate = retriever.get("gate")
+        message += ("; retriever: " + retriever["train"]["skipped"] if gate is None else
+                    f"; retriever v{gate['version']} " + (f"passed its gate → {gate['alias']}" if gate["passed"]
+                                                           else "failed its gate"))
     record_outcome(settings_from(settings), "retrain", name.lower())
     return outcome_state(name, message, result)

@@ -30,8 +30,15 @@ columns:
 START = 1_420_070_400  # 2015-01-01T00:00:00Z
 
 
-def write_log(folder: Path, events: int = 6000, users: int = 300, items: int = 400, weeks: int = 8,
-              seed: int = 0, files: int = 2) -> Path:
+def write_log(
+    folder: Path,
+    events: int = 6000,
+    users: int = 300,
+    items: int = 400,
+    weeks: int = 8,
+    seed: int = 0,
+    files: int = 2,
+) -> Path:
     """Write the log as ``files`` CSV files under ``folder`` (time-ordered, split by time); returns the folder."""
     rng = np.random.default_rng(seed)
     taste = rng.normal(0, 1.2, (users, 20))
@@ -52,7 +59,10 @@ def write_log(folder: Path, events: int = 6000, users: int = 300, items: int = 4
     header = "rating_id,rated_at,customer,product,liked,genres,year\n"
     bounds = np.linspace(0, events, files + 1).astype(int)
     for part, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        lines = [f"r{n},{ts[n]},{who[n]},{what[n]},{liked[n]},{'|'.join(map(str, item_genres[what[n]]))},"
-                 f"{year[what[n]]}.0\n" for n in range(lo, hi)]
+        lines = [
+            f"r{n},{ts[n]},{who[n]},{what[n]},{liked[n]},{'|'.join(map(str, item_genres[what[n]]))},"
+            f"{year[what[n]]}.0\n"
+            for n in range(lo, hi)
+        ]
         (folder / f"ratings-{part}.csv").write_text(header + "".join(lines))
     return folder

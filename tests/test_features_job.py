@@ -154,5 +154,7 @@ def test_a_sparse_log_gets_day_or_week_files_and_only_periods_with_events():
     assert choose_period_hours(dense) == 1
     daily = np.arange(0, 400 * 24 * hour, 24 * hour // 20)  # 20 a day, over a year
     assert choose_period_hours(daily) == 24
+    decades = np.arange(0, 22 * 365 * 24 * hour, 24 * hour // 20)  # as many a day, over 22 years: 8,000 days
+    assert choose_period_hours(decades) == 168
     sparse = np.arange(0, 22 * 365 * 24 * hour, 24 * hour * 3)  # one every three days for 22 years
     assert choose_period_hours(sparse) == 168

@@ -46,6 +46,7 @@ def test_prefect_yaml_entrypoints_import_and_schedules_parse():
     assert by_name["incremental-retrain"]["schedules"][0]["cron"] == "5 * * * *"
     assert by_name["drift-monitor"]["schedules"][0]["cron"] == "*/30 * * * *"
     assert by_name["canary-check"]["schedules"][0]["cron"] == "*/10 * * * *"
+    assert by_name["retriever-canary-check"]["parameters"] == {"model_name": "recloop-retriever"}
     assert "triggers" in by_name["full-retrain"]
 
 
@@ -117,6 +118,12 @@ def test_flows_chain_and_the_drift_monitor_requests_exactly_one_retrain(prefect_
                          gate_thresholds=str(gate_file), settings=settings)
     assert first["ingest"]["rows_landed"] == 3000 and first["features"]["rows"] == 3000
     assert first["gate"]["alias"] == "champion"
+    retriever = first["retriever"]  # the same flow trained, registered and gated the retriever
+    assert retriever["train"]["mode"] == "full" and retriever["train"]["mlflow"]["version"] == "1"
+    assert retriever["gate"]["alias"] == "champion", retriever["gate"]["reasons"]
+    from recloop import registry
+
+    assert registry.aliases(loop_home, registry.RETRIEVER_NAME)["champion"] == "1"
     version = first["train"]["mlflow"]["version"]
     land(world, loop_home, "2026-01-02")  # the drift day arrives, and is ingested and built by the hourly runs
     from flows.features_flow import features_flow
@@ -157,17 +164,28 @@ def test_the_demo_runs_every_stage_each_day(prefect_server, tmp_path: Path):
     assert (days[1]["drift"], days[1]["retrain"]) == ("ok", "incremental")  # no false alarm before the drift
     assert (days[2]["drift"], days[2]["retrain"]) == ("drift", "full (drift)")
     assert summary["full_retrains"] == 1
+    assert days[0]["retriever_gate"] == "passed → champion" and days[0]["retriever_oracle_recall"] is not None
     for day in days[1:]:
-        assert day["requests"] == 120 and day["events"] == 4000
+        assert day["requests"] + day["recommend_requests"] == 120 and day["events"] == 4000
+        assert day["recommend_requests"] == 60 and day["recommend_clicks"] > 0 and day["recommend_vs_oracle"]
+        assert day["retriever_gate"] in ("refused", "passed → challenger")
         assert day["gate"] in ("refused", "passed → challenger")  # only the first model goes straight to champion
         assert day["vs_oracle"] is not None and day["online_ctr"]
         panel = day["panel"]  # the day's evaluation panel, scored against the ground truth
         assert panel["champion"]["low"] <= panel["champion"]["normalized_reward"] <= panel["champion"]["high"]
         assert -1 < panel["never_retrained"]["normalized_reward"] < 1
-    assert days[1]["canary"] == ([f"start v{days[1]['candidate_version']}"] if days[1]["gate"] != "refused" else [])
+    def ranker(canary: list[str]) -> list[str]:  # the ranker's canary entries (the retriever's say "retriever")
+        return [entry for entry in canary if "retriever" not in entry]
+
+    assert ranker(days[1]["canary"]) == (
+        [f"start v{days[1]['candidate_version']}"] if days[1]["gate"] != "refused" else [])
+    retriever_started = [f"start retriever v{days[1]['retriever_version']}"]
+    assert [c for c in days[1]["canary"] if "retriever" in c] == (
+        retriever_started if days[1]["retriever_gate"] != "refused" else [])
     if days[1]["gate"] != "refused":  # the day-1 challenger was judged on day 2's traffic
-        assert any(c.split()[0] in ("step", "promote", "rollback") for c in days[2]["canary"]), days[2]["canary"]
+        assert any(c.split()[0] in ("step", "promote", "rollback") for c in ranker(days[2]["canary"])), days[2][
+            "canary"]
     report = Path(summary["report"]).read_text()
-    assert "plotly" in report and "served / oracle" in report
+    assert "plotly" in report and "served / oracle" in report and "oracle recall@100" in report
     workspace, found = project(settings)
     assert len(workspace.list_runs(found.id)) >= 2  # a drift snapshot per monitoring run (and KPIs)

@@ -23,15 +23,26 @@ NOW = datetime(2026, 2, 1, tzinfo=UTC)
 
 
 def ratings_spec(ts_format: str | None = None, integral_floats: bool = False) -> DatasetSpec:
-    ts = {"name": "ts", "role": "timestamp", "dtype": "timestamp", **({"format": ts_format} if ts_format else {})}
-    return DatasetSpec.model_validate({
-        "name": "ratings", "integral_floats": integral_floats, "columns": [
-            {"name": "rating_id", "role": "event_id", "dtype": "string"}, ts,
-            {"name": "customer", "role": "user_key", "dtype": "int64", "min": 0},
-            {"name": "product", "role": "item_key", "dtype": "int64", "min": 0},
-            {"name": "liked", "role": "label", "dtype": "int8", "allowed": [0, 1]},
-            {"name": "year", "role": "numeric", "dtype": "int64", "min": 1900, "max": 2100},
-        ]})
+    ts = {
+        "name": "ts",
+        "role": "timestamp",
+        "dtype": "timestamp",
+        **({"format": ts_format} if ts_format else {}),
+    }
+    return DatasetSpec.model_validate(
+        {
+            "name": "ratings",
+            "integral_floats": integral_floats,
+            "columns": [
+                {"name": "rating_id", "role": "event_id", "dtype": "string"},
+                ts,
+                {"name": "customer", "role": "user_key", "dtype": "int64", "min": 0},
+                {"name": "product", "role": "item_key", "dtype": "int64", "min": 0},
+                {"name": "liked", "role": "label", "dtype": "int8", "allowed": [0, 1]},
+                {"name": "year", "role": "numeric", "dtype": "int64", "min": 1900, "max": 2100},
+            ],
+        }
+    )
 
 
 def read_window(settings, spec):
@@ -41,21 +52,28 @@ def read_window(settings, spec):
 def write_csv(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     header = list(rows[0])
-    path.write_text(",".join(header) + "\n" + "".join(",".join(str(r[h]) for h in header) + "\n" for r in rows))
+    path.write_text(
+        ",".join(header) + "\n" + "".join(",".join(str(r[h]) for h in header) + "\n" for r in rows)
+    )
     return path
 
 
 def rows_with(ts_values: list, years: list) -> list[dict]:
-    return [{"rating_id": f"r{i}", "ts": ts, "customer": i % 3, "product": i % 5, "liked": i % 2, "year": year}
-            for i, (ts, year) in enumerate(zip(ts_values, years, strict=True))]
+    return [
+        {"rating_id": f"r{i}", "ts": ts, "customer": i % 3, "product": i % 5, "liked": i % 2, "year": year}
+        for i, (ts, year) in enumerate(zip(ts_values, years, strict=True))
+    ]
 
 
-@pytest.mark.parametrize(("ts_format", "values"), [
-    ("epoch_s", [1420070400, 1420070401]),
-    ("epoch_ms", [1420070400000, 1420070401000]),
-    ("epoch_us", [1420070400000000, 1420070401000000]),
-    (None, ["2015-01-01T00:00:00Z", "2015-01-01 00:00:01+00:00"]),
-])
+@pytest.mark.parametrize(
+    ("ts_format", "values"),
+    [
+        ("epoch_s", [1420070400, 1420070401]),
+        ("epoch_ms", [1420070400000, 1420070401000]),
+        ("epoch_us", [1420070400000000, 1420070401000000]),
+        (None, ["2015-01-01T00:00:00Z", "2015-01-01 00:00:01+00:00"]),
+    ],
+)
 def test_timestamp_formats_declared_in_the_spec(settings, tmp_path, ts_format, values):
     spec = ratings_spec(ts_format)
     landing = write_csv(tmp_path / "in" / "r.csv", rows_with(values, [2015, 2016])).parent
@@ -72,12 +90,16 @@ def test_epoch_seconds_without_a_format_are_quarantined_with_a_hint(settings, tm
 
 
 def test_whole_floats_in_an_integer_column_are_accepted_when_the_spec_says_so(settings, tmp_path):
-    landing = write_csv(tmp_path / "in" / "r.csv", rows_with([1420070400] * 3, ["2015.0", "2015.5", "2016"])).parent
+    landing = write_csv(
+        tmp_path / "in" / "r.csv", rows_with([1420070400] * 3, ["2015.0", "2015.5", "2016"])
+    ).parent
     strict = ingest(landing, ratings_spec("epoch_s"), settings, now=NOW).results[0]
     assert strict.reasons == {"invalid_type:year": 2} and any("integral_floats" in h for h in strict.hints)
 
     lenient = ratings_spec("epoch_s", integral_floats=True)
-    [result] = ingest(landing, lenient, settings, now=NOW).results  # a new spec version: the file is read again
+    [result] = ingest(
+        landing, lenient, settings, now=NOW
+    ).results  # a new spec version: the file is read again
     # 2015.5 is not lossless; 2016 landed the first time, so it is a duplicate now.
     assert result.status == "ingested" and result.reasons == {"invalid_type:year": 1, "duplicate_event_id": 1}
     assert sorted(read_window(settings, lenient)["year"].to_pylist()) == [2015, 2016]
@@ -86,7 +108,10 @@ def test_whole_floats_in_an_integer_column_are_accepted_when_the_spec_says_so(se
 def test_reingest_and_quarantine_replay_from_the_cli(tmp_path, monkeypatch):
     monkeypatch.setenv("RECLOOP_HOME", str(tmp_path / "home"))
     runner = CliRunner()
-    bad_spec, good_spec = tmp_path / "strict.yaml", tmp_path / "fixed_spec.yaml"  # file names ≠ the spec's name
+    bad_spec, good_spec = (
+        tmp_path / "strict.yaml",
+        tmp_path / "fixed_spec.yaml",
+    )  # file names ≠ the spec's name
     bad_spec.write_text(json.dumps(ratings_spec().model_dump(mode="json")))
     good_spec.write_text(json.dumps(ratings_spec("epoch_s").model_dump(mode="json")))
     landing = write_csv(tmp_path / "in" / "r.csv", rows_with([1420070400, 1420070401], [2015, 2016])).parent
@@ -95,8 +120,9 @@ def test_reingest_and_quarantine_replay_from_the_cli(tmp_path, monkeypatch):
     assert first.exit_code == 0 and "format: epoch_s" in first.output and "quarantine replay" in first.output
     again = json.loads(runner.invoke(app, ["ingest", str(landing), "--spec", str(bad_spec), "--json"]).stdout)
     assert again["files_skipped"] == 1
-    forced = json.loads(runner.invoke(app, ["ingest", str(landing), "--spec", str(bad_spec), "--reingest",
-                                            "--json"]).stdout)
+    forced = json.loads(
+        runner.invoke(app, ["ingest", str(landing), "--spec", str(bad_spec), "--reingest", "--json"]).stdout
+    )
     assert forced["files_ingested"] == 1 and forced["rows_quarantined"] == 2
 
     replayed = runner.invoke(app, ["quarantine", "replay", "--spec", str(good_spec), "--json"])
@@ -106,8 +132,10 @@ def test_reingest_and_quarantine_replay_from_the_cli(tmp_path, monkeypatch):
     assert (summary["rows_in"], summary["rows_landed"], summary["rows_quarantined"]) == (4, 2, 2)
     home = tmp_path / "home"
     assert sorted(p.name for p in (home / "quarantine" / "replayed").rglob("*.parquet")) and not [
-        p for p in (home / "quarantine").glob("date=*/*.parquet")
-        if pq.read_table(p)["_reason"].to_pylist() != ["duplicate_event_id"] * 2]
+        p
+        for p in (home / "quarantine").glob("date=*/*.parquet")
+        if pq.read_table(p)["_reason"].to_pylist() != ["duplicate_event_id"] * 2
+    ]
     assert "epoch_s" in (home / "spec.yaml").read_text()  # the home now works with the fixed spec
 
     # `features --spec FILE` with a file named unlike its spec (once: "unknown spec 'ratings'").
@@ -122,18 +150,24 @@ def test_criteo_as_tsv_csv_with_header_and_parquet_with_ids_from_row_content(set
     criteo = load_spec("criteo")
     lines = criteo_lines(30, seed=3)
     fields = criteo.file_fields
-    table = pacsv.read_csv(pa.py_buffer(("\n".join(lines) + "\n").encode()),
-                           read_options=pacsv.ReadOptions(column_names=fields),
-                           parse_options=pacsv.ParseOptions(delimiter="\t"),
-                           convert_options=pacsv.ConvertOptions(column_types={f: pa.string() for f in fields},
-                                                                        strings_can_be_null=True, null_values=[""]))
+    table = pacsv.read_csv(
+        pa.py_buffer(("\n".join(lines) + "\n").encode()),
+        read_options=pacsv.ReadOptions(column_names=fields),
+        parse_options=pacsv.ParseOptions(delimiter="\t"),
+        convert_options=pacsv.ConvertOptions(
+            column_types={f: pa.string() for f in fields}, strings_can_be_null=True, null_values=[""]
+        ),
+    )
     (tmp_path / "tsv").mkdir()
     (tmp_path / "tsv" / "day_0").write_text("\n".join(lines) + "\n")
     (tmp_path / "csv").mkdir()
     numbers = {f"I{i}" for i in range(1, 14)}  # pandas-style export: integers written as 260.0
-    csv_rows = [",".join(fields)] + [",".join(
-        (f"{v}.0" if f in numbers and v else v) for f, v in zip(fields, line.split("\t"), strict=True))
-        for line in lines]
+    csv_rows = [",".join(fields)] + [
+        ",".join(
+            (f"{v}.0" if f in numbers and v else v) for f, v in zip(fields, line.split("\t"), strict=True)
+        )
+        for line in lines
+    ]
     (tmp_path / "csv" / "day_0.csv").write_text("\n".join(csv_rows) + "\n")
     (tmp_path / "pq").mkdir()
     pq.write_table(table, tmp_path / "pq" / "day_0.parquet")

@@ -4,6 +4,7 @@ port someone else holds (issue #20). The unreachable-service cases are in test_e
 from __future__ import annotations
 
 import http.server
+import re
 import threading
 from pathlib import Path
 
@@ -122,3 +123,77 @@ def test_libraries_deprecation_notices_stay_out_of_the_commands_output():
     """
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
     assert "a real problem" in err and "deprecated" not in err and "FutureWarning" not in err, err
+
+
+def test_the_exclusive_lock_admits_one_holder_across_processes(tmp_path: Path):
+    """``exclusive_lock`` (filelock): while this process holds it, another process cannot take it."""
+    import subprocess
+    import sys
+
+    from recloop.ingest.ledger import exclusive_lock
+
+    lock = tmp_path / "lake" / "_ingest.lock"
+    probe = (
+        "import sys; from filelock import FileLock, Timeout\n"
+        "try:\n    FileLock(sys.argv[1]).acquire(timeout=0.2)\nexcept Timeout:\n    sys.exit(7)\n"
+    )
+    with exclusive_lock(lock):
+        held = subprocess.run([sys.executable, "-c", probe, str(lock)], check=False)
+    free = subprocess.run([sys.executable, "-c", probe, str(lock)], check=False)
+    assert (held.returncode, free.returncode) == (7, 0)
+
+
+def test_the_demo_report_marks_each_day_once_rollbacks_included(tmp_path: Path):
+    from recloop.demo import DayRecord, DemoConfig, write_report
+
+    records = [
+        DayRecord(day=0, events=10, retrain="full (bootstrap)", gate="passed → champion", champion="1"),
+        DayRecord(
+            day=1,
+            events=10,
+            drift="drift",
+            retrain="full (drift)",
+            gate="passed → challenger",
+            canary=["start v2"],
+            champion="1",
+            online_ctr={"1": 0.1},
+        ),
+        DayRecord(
+            day=2,
+            events=10,
+            retrain="incremental",
+            canary=["step v2 → 50%", "rollback v2: challenger <b>CTR</b> fell"],
+            champion="1",
+        ),
+    ]
+    summary = {"freshness_seconds": [1.0], "seconds": 3.0}
+    page = write_report(
+        Settings(home=tmp_path), records, summary, DemoConfig(days=3, drift_day=1)
+    ).read_text()
+    labels = re.findall(r'"text":"([^"]*)"', page)
+    assert labels.count("drift\\u003cbr\\u003efull retrain (drift)") == 1  # day 1: one label for both events
+    assert labels.count("rolled back v2") == 1 and labels.count("full retrain (bootstrap)") == 1
+    assert "<b>CTR</b>" not in page and "&lt;b&gt;CTR&lt;/b&gt;" in page  # the template escapes what it shows
+    assert "v1: 0.100" in page
+
+
+def test_serving_with_a_dead_journal_database_is_one_line_naming_it(tmp_path: Path, monkeypatch):
+    import socket
+
+    from typer.testing import CliRunner
+
+    from recloop.cli import app
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dsn = f"postgresql://recloop@127.0.0.1:{probe.getsockname()[1]}/recloop"
+    monkeypatch.setenv("RECLOOP_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RECLOOP_JOURNAL", "postgres")
+    monkeypatch.setenv("RECLOOP_POSTGRES_DSN", dsn)
+    result = CliRunner().invoke(app, ["serve", "--port", "1"])
+    assert result.exit_code == 3 and "Traceback" not in result.output
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        line
+        for line in result.output.splitlines()
+        if line.startswith(f"error: PostgreSQL at {dsn} is unreachable")
+    ]

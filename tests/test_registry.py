@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import threading
 import uuid
@@ -74,13 +75,22 @@ def test_first_model_is_champion_and_a_better_incremental_becomes_challenger(hom
     assert outcome.passed, outcome.reasons
     assert outcome.alias == "challenger" and registry.aliases(home)["challenger"] == logged.version
     info = registry.version_info(home, logged.version)
-    assert info.tags["gate"] == "passed" and info.tags["gate.champion"] == "1" and info.mode == "incremental"
+    assert info.tags["gate"] == "passed" and json.loads(info.tags["gate.detail"])["champion"] == "1"
+    assert info.mode == "incremental"
+    assert set(info.tags) == {"gate", "gate.detail", "alias.challenger", checkpoint.MANIFEST_TAG}  # few, clear
+    assert "Thresholds: min_auc=" in outcome.report and "| judged |" in outcome.report
     assert outcome.champion_scores.overall["rows"] == outcome.candidate.overall["rows"]  # the same held-out rows
     from mlflow import MlflowClient
 
     run = MlflowClient().get_run(logged.run_id)
     assert run.data.params["train.mode"] == "incremental" and run.data.tags["recloop.state_version"] == "2"
     assert "slice_auc.device.mobile" in run.data.metrics and run.data.metrics["auc"] == incremental.auc
+    assert run.data.metrics["gate_passed"] == 1.0 and run.data.metrics["gate_auc"] == outcome.candidate.overall["auc"]
+    assert "gate_auc_delta" in run.data.metrics and "gate_slice_auc_delta.device.mobile" in run.data.metrics
+    inputs = {{t.key: t.value for t in i.tags}.get("mlflow.data.context"): i.dataset for i in run.inputs.dataset_inputs}
+    assert {"training", "validation"} <= set(inputs), inputs  # the windows as MLflow datasets
+    assert inputs["training"].name.startswith("training ") and inputs["training"].source_type == "local"
+    assert run.info.end_time - run.info.start_time >= incremental.seconds * 1000 * 0.9  # spans the training
     history = MlflowClient().get_metric_history(logged.run_id, "train_loss")
     assert len(history) == len(incremental.loss_curve) > 0
 
@@ -149,10 +159,10 @@ def test_promote_and_rollback_move_the_aliases(home: Settings):
     second = registry.register(home, info.source, info.run_id)
     state = registry.promote(home, second, who="alice", why="manual review")
     assert state == {"champion": second, "challenger": None, "previous": "1"}
-    assert registry.version_info(home, second).tags["alias.champion.by"] == "alice"
+    assert json.loads(registry.version_info(home, second).tags["alias.champion"])["by"] == "alice"
     state = registry.rollback(home, who="bob", why="bad online CTR")
     assert state == {"champion": "1", "challenger": None, "previous": None}
-    assert registry.version_info(home, second).tags["rolled_back.why"] == "bad online CTR"
+    assert json.loads(registry.version_info(home, second).tags["rolled_back"])["why"] == "bad online CTR"
     with pytest.raises(RuntimeError, match="nothing to roll back"):
         registry.rollback(home, why="again")
 

@@ -24,8 +24,15 @@ def replayed(tmp_path_factory) -> tuple[Settings, dict]:
     spec_file.write_text(SPEC)
     settings = Settings(home=root / "home", frame_backend="pandas", serve_poll_seconds=60, admin_token="t")
     spec = datasets.resolve(settings, str(spec_file))
-    config = ReplayConfig(period="week", periods=2, epochs=1, batch_size=512, device="cpu",
-                          model=ModelConfig(**SMALL_MODEL_DIMS), min_bootstrap_rows=500)
+    config = ReplayConfig(
+        period="week",
+        periods=2,
+        epochs=1,
+        batch_size=512,
+        device="cpu",
+        model=ModelConfig(**SMALL_MODEL_DIMS),
+        min_bootstrap_rows=500,
+    )
     return settings, run_replay(settings, spec, write_log(root / "log", events=5000), config)
 
 
@@ -36,8 +43,14 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
     for period in summary["periods"]:
         assert period["landed"] > 200 and period["quarantined"] == 0
         scores = period["scores"]
-        assert {"model", "incremental", "full", "baseline:base_rate", "baseline:ctr", "baseline:logistic"} <= set(
-            scores)
+        assert {
+            "model",
+            "incremental",
+            "full",
+            "baseline:base_rate",
+            "baseline:ctr",
+            "baseline:logistic",
+        } <= set(scores)
         assert scores["baseline:base_rate"]["auc"] == 0.5
         for name in ("model", "incremental", "full", "baseline:ctr", "baseline:logistic"):
             assert 0.5 < scores[name]["auc"] < 1.0 and 0.0 < scores[name]["ndcg"] <= 1.0, (name, scores[name])
@@ -59,8 +72,11 @@ def test_features_and_feast_follow_the_spec_keys_and_genre_vocabulary(replayed):
     schema = json.loads(FeatureLayout.for_settings(settings).schema.read_text())
     # The genre lists have a vocabulary of their own (20 genres + reserved rows), not the item vocabulary's.
     assert schema["multi_hot"]["m_genres"]["vocabulary"] == "genres"
-    assert schema["multi_hot"]["m_genres"]["num_embeddings"] <= 22 < schema["categorical"]["c_product"][
-        "num_embeddings"]
+    assert (
+        schema["multi_hot"]["m_genres"]["num_embeddings"]
+        <= 22
+        < schema["categorical"]["c_product"]["num_embeddings"]
+    )
     assert (settings.home / "spec.yaml").read_text().count("customer") == 1  # the home remembers the spec
 
 
@@ -71,8 +87,14 @@ def test_the_replayed_champion_serves_requests_by_the_spec_keys(replayed):
 
     settings, _ = replayed
     with TestClient(create_app(settings)) as client:  # no spec given: the home's
-        answer = client.post("/rank", json={"user_id": 1, "item_ids": [3, 4, 5],
-                                            "context": {"genres": [[1, 2], [3], [4, 5]], "year": 1999}})
+        answer = client.post(
+            "/rank",
+            json={
+                "user_id": 1,
+                "item_ids": [3, 4, 5],
+                "context": {"genres": [[1, 2], [3], [4, 5]], "year": 1999},
+            },
+        )
         assert answer.status_code == 200, answer.text
         assert sorted(i["item_id"] for i in answer.json()["items"]) == [3, 4, 5]
 
@@ -91,7 +113,11 @@ def test_the_example_spec_in_the_readme_loads():
     from recloop.schema import load_spec
 
     spec = load_spec(Path(__file__).parents[1] / "examples" / "ratings.yaml")
-    assert (spec.user_key, spec.item_key, spec.column("rated_at").format) == ("customer", "product", "epoch_s")
+    assert (spec.user_key, spec.item_key, spec.column("rated_at").format) == (
+        "customer",
+        "product",
+        "epoch_s",
+    )
 
 
 def test_replay_refuses_bad_options_clearly(tmp_path, monkeypatch):
@@ -104,3 +130,35 @@ def test_replay_refuses_bad_options_clearly(tmp_path, monkeypatch):
     assert missing.exit_code == 2 and "does not exist" in missing.output
     fortnight = CliRunner().invoke(app, ["replay", "--data", str(tmp_path), "--period", "fortnight"])
     assert fortnight.exit_code == 2 and "fortnight" in fortnight.output
+
+
+def test_every_flow_and_the_drift_triggered_retrain_take_the_spec():
+    import inspect
+
+    import yaml
+
+    from flows.drift_flow import drift_flow
+    from flows.features_flow import features_flow
+    from flows.ingest_flow import ingest_flow
+    from flows.retrain_flow import retrain_flow
+
+    for flow in (drift_flow, features_flow, ingest_flow, retrain_flow):
+        assert inspect.signature(flow.fn).parameters["spec"].default is None, (
+            flow.name
+        )  # None: the home's spec
+    deployments = yaml.safe_load((Path(__file__).parents[1] / "prefect.yaml").read_text())["deployments"]
+    [full] = [d for d in deployments if d["name"] == "full-retrain"]
+    assert full["triggers"][0]["parameters"]["spec"] == "{{ event.payload.spec }}"
+
+
+def test_a_spec_is_resolved_once_the_same_way_everywhere(tmp_path, monkeypatch):
+    settings = Settings(home=tmp_path / "home")
+    assert datasets.source(settings) == "synthetic"
+    spec_file = tmp_path / "odd name.yml"
+    spec_file.write_text(SPEC)
+    assert datasets.resolve(settings, str(spec_file)).name == "ratings"
+    assert datasets.source(settings) == str(settings.home.resolve() / "spec.yaml")  # remembered by the home
+    assert datasets.resolve(settings).user_key == "customer"
+    assert datasets.source(Settings(home=tmp_path / "home", spec="criteo")) == "criteo"  # RECLOOP_SPEC wins
+    monkeypatch.chdir(tmp_path)
+    assert datasets.source(settings, "odd name.yml") == str(spec_file.resolve())  # paths made absolute

@@ -455,9 +455,14 @@ def serve_command(
 
     from recloop.serve.app import create_app
 
-    dataset = _load_spec(Settings(), spec)
-    console.print(f"serving on http://{host}:{port} (models from {Settings().resolved_mlflow_tracking_uri()})")
-    uvicorn.run(create_app(Settings(), dataset), host=host, port=port, log_level="warning")
+    settings = Settings()
+    dataset = _load_spec(settings, spec)
+    if settings.journal == "postgres":  # the journal is needed to serve at all: a dead one is one line, exit 3
+        from recloop import endpoints
+
+        endpoints.require_postgres(settings.postgres_dsn, endpoints.limits_for(settings))
+    console.print(f"serving on http://{host}:{port} (models from {settings.resolved_mlflow_tracking_uri()})")
+    uvicorn.run(create_app(settings, dataset), host=host, port=port, log_level="warning")
 
 
 @app.command("canary")
@@ -468,6 +473,7 @@ def canary_command(
     reason: Annotated[str, typer.Option(help="Why (promote, rollback): recorded in MLflow.")] = "by an operator",
     shadow: Annotated[bool, typer.Option(help="start: score with the challenger in shadow instead (default: the "
                                               "config's mode, interleave).")] = False,
+    model: Annotated[str, typer.Option(help="Whose canary: recloop-ranker or recloop-retriever.")] = "recloop-ranker",
     json_out: JsonOption = False,
 ) -> None:
     """The canary controller: show the state, judge and act (step), or promote / roll back by hand."""
@@ -476,15 +482,17 @@ def canary_command(
     action = CanaryAction(action).value
     settings = Settings()
     try:
+        name = controller.check_model(model)
         canary_config = controller.load_config(config)
         if action == "status":
-            result = controller.status(settings, canary_config).to_dict()
+            result = controller.status(settings, canary_config, model_name=name).to_dict()
         elif action == "step":
-            result = controller.step(settings, canary_config).to_dict()
+            result = controller.step(settings, canary_config, model_name=name).to_dict()
         elif action == "start":
-            result = controller.start(settings, canary_config, mode="shadow" if shadow else None).to_dict()
+            result = controller.start(settings, canary_config, mode="shadow" if shadow else None,
+                                      model_name=name).to_dict()
         else:
-            result = controller.manual(settings, action, reason).to_dict()  # type: ignore[arg-type]
+            result = controller.manual(settings, action, reason, model_name=name).to_dict()  # type: ignore[arg-type]
     except (controller.NoCanary, ValueError, FileNotFoundError) as err:
         raise _fail(str(err)) from err
     if json_out:
@@ -595,10 +603,21 @@ def retrain_command(
             result = {"mode": mode, "spec": spec_source, "version": outcome["train"]["mlflow"]["version"],
                       "ingest": ingested, "gate": {k: outcome["gate"][k] for k in ("passed", "alias", "reasons")},
                       "canary": outcome.get("canary")}
+            result["retriever"] = _retriever_outcome(outcome.get("retriever") or {})
     if json_out:
         _emit(result)
     else:
         console.print(result)
+
+
+def _retriever_outcome(outcome: dict) -> dict:
+    """The retrain's retriever part in a few fields: its version and gate, or why it was not trained."""
+    if "skipped" in outcome.get("train", {}):
+        return {"skipped": outcome["train"]["skipped"]}
+    if "gate" not in outcome:
+        return {}
+    return {"version": outcome["gate"]["version"], **{k: outcome["gate"][k] for k in ("passed", "alias", "reasons")},
+            "canary": (outcome.get("canary") or {}).get("action")}
 
 
 @app.command("up")
@@ -657,7 +676,9 @@ def demo_command(
         if not json_out:
             live.done(f"day {record.day}: {record.events:,} events, {record.requests} requests, drift "
                       f"{record.drift}, {record.retrain} → v{record.candidate_version} {record.gate}; canary "
-                      f"{', '.join(record.canary) or '-'} ({record.seconds} s)")
+                      f"{', '.join(record.canary) or '-'}; retriever v{record.retriever_version or '-'} "
+                      f"{record.retriever_gate} (oracle recall {_fmt(record.retriever_oracle_recall)}), "
+                      f"/recommend {record.recommend_clicks} clicks ({record.seconds} s)")
 
     import os
 
@@ -699,7 +720,8 @@ def demo_table(summary: dict) -> Table:
 
     table = Table(title="recloop demo", box=box.SIMPLE_HEAD, padding=(0, 0),
                   caption="vs oracle: the served ranking's clicks as a share of the oracle's; frozen: the same for "
-                  "the day-0 model never retrained. AUCs and reasons: --json and the report.")
+                  "the day-0 model never retrained. AUCs, reasons and the recommendation path (each day's line above): "
+                  "--json and the report.")
     for column in ("day", "events", "drift", "retrain", "gate", "canary", "champion", "online CTR", "vs oracle",
                    "frozen"):
         table.add_column(column, justify="right" if column in ("day", "events", "vs oracle", "frozen") else "left")
@@ -707,7 +729,7 @@ def demo_table(summary: dict) -> Table:
         verdict = day["gate"].replace("passed → ", "→ ")
         table.add_row(str(day["day"]), f"{day['events']:,}", day["drift"], day["retrain"],
                       f"v{day['candidate_version']} {verdict}" if day.get("candidate_version") else verdict,
-                      "\n".join(day["canary"]) or "-", f"v{day['champion']}" if day["champion"] else "-",
+                      "\n".join(c.split(":")[0] for c in day["canary"]) or "-", f"v{day['champion']}" if day["champion"] else "-",
                       "\n".join(f"v{v}: {c:.3f}" for v, c in day["online_ctr"].items()) or "-",
                       _fmt(day["vs_oracle"]), _fmt(day["baseline_vs_oracle"]))
     return table

@@ -3,21 +3,26 @@
 Day 0 bootstraps: the world's first day lands, the ``retrain`` flow trains a full model and the gate makes
 it champion. The serving API starts (in this process). Then each simulated day:
 
-1. **morning to evening**: simulated users call ``/rank`` and click by the ground truth, in rounds; after
-   each round the ``canary`` flow judges a challenger if there is one (hold, step, promote, roll back);
-   their feedback is written to the landing zone;
+1. **morning to evening**: simulated users call ``/rank`` (a candidate list) and ``/recommend`` (a user
+   id alone: retrieve from the whole catalog → filter → rank → order) and click by the ground truth, in
+   rounds; after each round the ``canary`` flow judges each model's challenger if there is one (the
+   ranker's and the retriever's, independently: hold, step, promote, roll back); their feedback is
+   written to the landing zone;
 2. **night**: the world's own events for the day land too and are ingested, their features built; the
    ``drift`` flow compares the day with the champion's training window (events and the champion's
    scores) — drift or KPI decay starts a full ``retrain`` (debounced by a cool-down in simulated time);
    otherwise the hourly schedule's work runs as one incremental ``retrain``
-   (ingest → features → train → gate → canary start).
+   (ingest → features → train → gate → canary start, for the ranker and then the retriever).
 
 Every flow is a Prefect flow run (state under ``$RECLOOP_HOME/prefect``), every model an MLflow run and
 version, so ``recloop up`` shows the same history in the Prefect and MLflow UIs.
 
 Alongside, the same requests are ranked offline by the day-0 model, never retrained: the baseline
 the loop must beat after a drift. Both are measured as expected clicks relative to the oracle that
-ranks by the true click probability (``vs_oracle``).
+ranks by the true click probability (``vs_oracle``). The whole path (``/recommend``) is measured by its
+clicks per day and its expected clicks relative to the oracle that shows each user the catalog's best
+items; each retriever candidate by its oracle recall@K (the share of each user's K truly best catalog
+items it retrieves) beside the popularity baseline's, on its held-out hours.
 
 Each day also scores an **evaluation panel** (``recloop.panel``): requests drawn independently of serving,
 ranked by the live champion and the never-retrained model, as normalized reward (0: random, 1: the oracle)
@@ -39,9 +44,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+from jinja2 import Environment
+from markupsafe import Markup
 
 from recloop.canary import CanaryConfig
 from recloop.gate import GateThresholds
+from recloop.retrieval.evaluate import WorldOracle
+from recloop.retrieval.gate import RetrievalThresholds
 from recloop.settings import Settings
 from recloop.simulate import World, WorldConfig
 
@@ -71,6 +80,13 @@ class DemoConfig:
     shown: int = 10
     panel_requests: int = 300
     twin: bool = False
+    # The recommendation path: this share of each round's requests goes to /recommend, which retrieves
+    # ``retrieve_k`` of the catalog (a few hundred items in this small world) for the ranker.
+    # Items shown to a user within ``seen_hours`` (simulated) are not recommended again: a few hours, as
+    # this small world's catalog would be exhausted by its most active users within a day.
+    recommend_share: float = 0.5
+    retrieve_k: int = 100
+    seen_hours: float = 3.0
     # A small world judged on a few hundred requests per step, in one process with everything else: the
     # interleaved CTR comparison decides, with a minimum effect of 30 % (what a few hundred interleaved
     # requests can show); p99 of ~100 scoring times is their maximum (a pause anywhere in the process), and
@@ -97,6 +113,15 @@ class DayRecord:
     champion_auc: float | None = None
     oracle_auc: float | None = None
     gate: str = "-"
+    retriever_version: str | None = None
+    retriever_gate: str = "-"
+    retriever_oracle_recall: float | None = None
+    popularity_oracle_recall: float | None = None
+    retriever_champion: str | None = None
+    recommend_requests: int = 0
+    recommend_clicks: int = 0
+    recommend_vs_oracle: float | None = None
+    popularity_answers: int = 0
     canary: list[str] = field(default_factory=list)
     champion: str | None = None
     online_ctr: dict[str, float] = field(default_factory=dict)
@@ -120,18 +145,27 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                                drift=config.drift, drift_day=config.drift_day)  # type: ignore[arg-type]
     world = World(world_config)
     batch_size = config.batch_size or max(128, min(2048, config.events_per_day // 32))
+    retriever_gate = RetrievalThresholds(k=config.retrieve_k)
     train_args = {"batch_size": batch_size, "validation_hours": 6, "canary_config": str(canary_path),
-                  "gate_thresholds": str(_write_json(settings, "gate.json", asdict(config.gate)))}
+                  "gate_thresholds": str(_write_json(settings, "gate.json", asdict(config.gate))),
+                  "retriever_thresholds": str(_write_json(settings, "retriever_gate.json", asdict(retriever_gate))),
+                  "retriever_epochs": config.full_epochs}
+    oracle = WorldOracle(World(world_config))  # its own copy: the oracle reads tastes, never the histories
 
     bootstrap = DayRecord(day=0)
     stage(0, "landing the first day's events")
     bootstrap.events = _land_day(world, 0, settings)
-    stage(0, "full retrain (bootstrap): ingest, features, train, gate")
+    stage(0, "full retrain (bootstrap): ingest, features, train, gate (ranker, then retriever)")
     first = flows["retrain"](mode="full", reason="bootstrap", days=1, epochs=config.full_epochs, **train_args)
     _record_training(bootstrap, first, "full (bootstrap)")
+    _record_retriever(bootstrap, first, settings, oracle, config.retrieve_k)
     if first["gate"]["alias"] != "champion":
         raise RuntimeError("the first model did not pass the gate's floors, so nothing can be served: "
                            + "; ".join(first["gate"]["reasons"]) + " (more --events-per-day helps)")
+    if (first["retriever"].get("gate") or {}).get("alias") != "champion":
+        raise RuntimeError("the first retriever did not pass its gate's floors, so /recommend cannot serve: "
+                           + "; ".join((first["retriever"].get("gate") or {}).get("reasons", [])
+                                       or [first["retriever"]["train"].get("skipped", "")]))
     records = [bootstrap]
     bootstrap.seconds = round(time.perf_counter() - started, 1)
     if on_day:
@@ -142,7 +176,8 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     from recloop import registry
     from recloop.serve.app import ServerThread, create_app
 
-    serving = Settings(**{**settings.model_dump(), "serve_poll_seconds": 0.2, "feedback_flush_seconds": 3600})
+    serving = Settings(**{**settings.model_dump(), "serve_poll_seconds": 0.2, "feedback_flush_seconds": 3600,
+                          "recommend_candidates": config.retrieve_k, "recommend_seen_hours": config.seen_hours})
     app = create_app(serving)
     freshness: list[float] = []
     panels: dict[int, dict] = {}
@@ -156,6 +191,9 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
             record.vs_oracle, record.baseline_vs_oracle = served["vs_oracle"], baseline
             panels[day] = frozen.panel(world, day, config, registry.version_by_alias(settings, "champion"))
             record.panel = panels[day]["figures"]
+            path = served["recommend"]
+            record.recommend_requests, record.recommend_clicks = path["requests"], sum(path["clicks"].values())
+            record.recommend_vs_oracle, record.popularity_answers = path["vs_oracle"], path["popularity"]
             app.state.service.land_feedback()
             stage(day, "landing the day's events and feedback")
             record.events = _land_day(world, day, settings)
@@ -175,14 +213,16 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                 outcome, kind = drift["retrain"], f"full ({drift['decision']})"
                 last_full_day = day
             else:
-                stage(day, "incremental retrain: train, gate")
+                stage(day, "incremental retrain: train, gate (ranker, then retriever)")
                 outcome = flows["retrain"](mode="incremental", reason="scheduled", days=day + 1, **train_args)
                 kind = "incremental"
             _record_training(record, outcome, kind)
+            _record_retriever(record, outcome, settings, oracle, config.retrieve_k)
             if outcome.get("gate", {}).get("alias") == "challenger":
                 freshness.append(_until_serving(server.url, outcome["gate"]["version"]) + time.perf_counter()
                                  - landed_at)
             record.champion = registry.version_by_alias(settings, "champion")
+            record.retriever_champion = registry.version_by_alias(settings, "champion", registry.RETRIEVER_NAME)
             record.seconds = round(time.perf_counter() - began, 1)
             records.append(record)
             if on_day:
@@ -280,6 +320,31 @@ def _twin_recovery(panels: dict[int, dict], twin: dict, config: DemoConfig) -> d
             "met": bool(headline and headline["champion"]["low"] >= 0.95)}
 
 
+def _record_retriever(record: DayRecord, outcome: dict, settings: Settings, oracle: WorldOracle, k: int) -> None:
+    """The retrain's retriever: its version, gate, canary start, and its oracle recall@k on its held-out
+    hours beside the popularity baseline's (scored here: only the demo knows the world)."""
+    retriever = outcome.get("retriever") or {}
+    if "gate" not in retriever:
+        record.retriever_gate = "not trained: " + retriever.get("train", {}).get("skipped", "-")
+        return
+    gate = retriever["gate"]
+    record.retriever_version = gate["version"]
+    record.retriever_gate = ("passed → " + gate["alias"]) if gate["passed"] else "refused"
+    if "canary" in retriever:
+        record.canary.append(f"start retriever v{gate['version']}")
+    from recloop.features.job import FeatureLayout
+    from recloop.retrieval.publish import retriever_folder
+    from recloop.retrieval.retriever import Retriever, score_window
+
+    hours = retriever["train"]["validation_hours"]
+    first, last = hours[0], hours[-1]
+    held_out = [p for p in sorted(FeatureLayout.for_settings(settings).training.glob("*.parquet"))
+                if first <= p.stem <= last]
+    scores = score_window(Retriever.load(retriever_folder(settings, gate["version"])), held_out, (k,), oracle)
+    record.retriever_oracle_recall = scores.overall.get(f"oracle_recall@{k}")
+    record.popularity_oracle_recall = (scores.popularity or {}).get(f"oracle_recall@{k}")
+
+
 class _FrozenRanker:
     """The day-0 model ranking the day's requests offline with the same online features (the baseline),
     and the day's evaluation panel scored by it and by the live champion."""
@@ -335,50 +400,70 @@ class _FrozenRanker:
 
 def _serve_day(url: str, app, world: World, day: int, config: DemoConfig, flows: dict, canary_path: Path,
                record: DayRecord, frozen: _FrozenRanker) -> tuple[dict, float]:
+    from recloop.registry import RETRIEVER_NAME
     from recloop.serve.traffic import SimulatedUsers, TrafficSummary, drive
 
-    total = TrafficSummary()
+    total, path = TrafficSummary(), TrafficSummary()
     baseline_clicks = oracle_clicks = 0.0
     per_round = max(1, config.requests_per_day // config.rounds)
+    recommended = round(per_round * config.recommend_share)
     for round_index in range(config.rounds):
         users = SimulatedUsers(world, day=day + (round_index + 0.5) / config.rounds, candidates=config.candidates,
                                shown=config.shown, seed=config.seed * 1000 + day * 10 + round_index)
-        pairs = [users.request() for _ in range(per_round)]
-        summary = asyncio.run(drive(url, users, pairs, concurrency=4))
+        pairs = [users.request() for _ in range(per_round - recommended)]
+        asks = [users.recommend_request() for _ in range(recommended)]
+        for summary, into in ((asyncio.run(drive(url, users, pairs, concurrency=4)), total),
+                              (asyncio.run(drive(url, users, asks, concurrency=4)), path)):
+            into.requests += summary.requests
+            into.failed += summary.failed
+            for counter in ("errors", "versions", "retrievers", "sources", "impressions", "clicks", "expected_clicks",
+                            "oracle_clicks"):
+                getattr(into, counter).update(getattr(summary, counter))
         for body, who in pairs:
             baseline_clicks += users.expected(frozen.rank(body), who)
             oracle_clicks += users.oracle_expected(body, who)
-        total.requests += summary.requests
-        total.failed += summary.failed
-        for counter in ("errors", "versions", "impressions", "clicks", "expected_clicks", "oracle_clicks"):
-            getattr(total, counter).update(getattr(summary, counter))
-        step = flows["canary"](config_path=str(canary_path))
-        if step["action"] not in ("none", "hold"):
-            record.canary.append(f"{step['action']} v{step['challenger']}" + (
-                f" → {step['share']:.0%}" if step["action"] == "step" else ""))
-            if step["action"] == "rollback":
-                record.canary[-1] += ": " + "; ".join(step["decision"]["reasons"])
+        moved = False
+        for model_name, label in (("recloop-ranker", ""), (RETRIEVER_NAME, "retriever ")):
+            step = flows["canary"](config_path=str(canary_path), model_name=model_name)
+            if step["action"] not in ("none", "hold"):
+                record.canary.append(f"{step['action']} {label}v{step['challenger']}" + (
+                    f" → {step['share']:.0%}" if step["action"] == "step" else ""))
+                if step["action"] == "rollback":
+                    record.canary[-1] += ": " + "; ".join(step["decision"]["reasons"])
+                moved = True
+        if moved:
             _wait_for_deployment(url, app.state.service.settings)
     served = total.to_dict()
     expected = sum(total.expected_clicks.values())
     served["vs_oracle"] = expected / sum(total.oracle_clicks.values()) if total.oracle_clicks else None
-    if total.failed:
-        raise RuntimeError(f"{total.failed} requests failed on day {day}: {dict(total.errors)}")
+    served["recommend"] = {**path.to_dict(), "popularity": path.sources["popularity"],
+                           "vs_oracle": sum(path.expected_clicks.values()) / sum(path.oracle_clicks.values())
+                           if path.oracle_clicks else None}
+    if total.failed or path.failed:
+        raise RuntimeError(f"{total.failed + path.failed} requests failed on day {day}: "
+                           f"{dict(total.errors + path.errors)}")
     return served, baseline_clicks / oracle_clicks if oracle_clicks else None
+
+
 
 
 def _wait_for_deployment(url: str, settings: Settings, timeout: float = 30.0) -> None:
     """Let the server pick up moved aliases and shares before the next round (it polls every 0.2 s)."""
     import httpx
 
+    from recloop.registry import RETRIEVER_NAME
     from recloop.serve.models import registry_wanted
 
-    wanted = registry_wanted(settings)
-    target = (wanted.champion, wanted.challenger, wanted.share if wanted.challenger else 0.0)
+    def deployed(wanted) -> tuple:
+        return wanted.champion, wanted.challenger, wanted.share if wanted.challenger else 0.0
+
+    target = (deployed(registry_wanted(settings)), deployed(registry_wanted(settings, RETRIEVER_NAME)))
     deadline = time.time() + timeout
     while time.time() < deadline:
         health = httpx.get(f"{url}/healthz").json()
-        if (health["versions"]["champion"], health["versions"]["challenger"], health["share"]) == target:
+        retriever = health["retriever"]
+        if ((health["versions"]["champion"], health["versions"]["challenger"], health["share"]),
+                (retriever["versions"]["champion"], retriever["versions"]["challenger"], retriever["share"])) == target:
             return
         time.sleep(0.05)
     raise RuntimeError(f"the serving API did not pick up {target} within {timeout:.0f} s")
@@ -402,6 +487,12 @@ def _summarize(records: list[DayRecord], config: DemoConfig, freshness: list[flo
     summary: dict = {"days": days, "config": asdict(config),
                      "full_retrains": sum(r.retrain in ("full (drift)", "full (kpi_decay)") for r in records),
                      "freshness_seconds": [round(f, 1) for f in freshness]}
+    summary["recommend"] = {"clicks_per_day": {r.day: r.recommend_clicks for r in records if r.recommend_requests},
+                            "vs_oracle": {r.day: r.recommend_vs_oracle for r in records if r.recommend_requests},
+                            "retriever_oracle_recall": {r.day: r.retriever_oracle_recall for r in records
+                                                        if r.retriever_oracle_recall is not None},
+                            "popularity_oracle_recall": {r.day: r.popularity_oracle_recall for r in records
+                                                         if r.popularity_oracle_recall is not None}}
     served = {r.day: r.vs_oracle for r in records if r.vs_oracle is not None}
     baseline = {r.day: r.baseline_vs_oracle for r in records if r.baseline_vs_oracle is not None}
     before = [served[d] for d in served if d < config.drift_day]
@@ -424,8 +515,9 @@ def write_report(settings: Settings, records: list[DayRecord], summary: dict, co
     from plotly.subplots import make_subplots
 
     days = [r.day for r in records]
-    figure = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, subplot_titles=(
-        "Served ranking vs the oracle (expected clicks)", "Offline AUC on each day's held-out hours"))
+    figure = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.08, subplot_titles=(
+        "Served ranking vs the oracle (expected clicks)", "Offline AUC on each day's held-out hours",
+        "The recommendation path: retrieval's oracle recall and /recommend vs the catalog oracle"))
     figure.add_trace(go.Scatter(x=days, y=[r.vs_oracle for r in records], name="recloop (served)",
                                 mode="lines+markers"), row=1, col=1)
     figure.add_trace(go.Scatter(x=days, y=[r.baseline_vs_oracle for r in records], name="never retrained",
@@ -433,47 +525,79 @@ def write_report(settings: Settings, records: list[DayRecord], summary: dict, co
     for name, values in (("candidate", [r.candidate_auc for r in records]), ("champion", [r.champion_auc for r in records]),
                          ("oracle", [r.oracle_auc for r in records])):
         figure.add_trace(go.Scatter(x=days, y=values, name=f"{name} AUC", mode="lines+markers"), row=2, col=1)
-    for r in records:
-        if r.drift not in ("-", "ok"):
-            figure.add_vline(x=r.day, line={"color": "red", "dash": "dash"}, annotation_text=r.drift)
-        if r.retrain.startswith("full"):
-            figure.add_vline(x=r.day + 0.1, line={"color": "purple"}, annotation_text="full retrain",
-                             annotation_position="bottom right")
-        if any(c.startswith("promote") for c in r.canary):
-            figure.add_vline(x=r.day - 0.1, line={"color": "green"}, annotation_text="promoted",
-                             annotation_position="top left")
+    for name, values in (("retriever oracle recall", [r.retriever_oracle_recall for r in records]),
+                         ("popularity oracle recall", [r.popularity_oracle_recall for r in records]),
+                         ("/recommend vs catalog oracle", [r.recommend_vs_oracle for r in records])):
+        figure.add_trace(go.Scatter(x=days, y=values, name=name, mode="lines+markers"), row=3, col=1)
+    for r in records:  # one marker per day, its events in one label: markers never overlap
+        events = _day_events(r)
+        if events:
+            color = "red" if any(e.startswith(("rolled back", "drift", "kpi")) for e in events) else "purple"
+            figure.add_vline(x=r.day, line={"color": color, "dash": "dash"}, annotation_text="<br>".join(events),
+                             annotation_position="top right", annotation_font_size=11, row=1, col=1)
+            for row in (2, 3):  # labelled once, on the first plot
+                figure.add_vline(x=r.day, line={"color": color, "dash": "dash"}, row=row, col=1)
     if config.drift != "none":
         figure.add_vrect(x0=config.drift_day - 0.5, x1=config.days - 0.5, fillcolor="red", opacity=0.05,
                          line_width=0)
     figure.update_yaxes(title_text="expected clicks / oracle's", row=1, col=1)
     figure.update_yaxes(title_text="AUC", row=2, col=1)
-    figure.update_layout(height=760, width=1100, title=f"recloop demo — {config.days} days, drift "
-                         f"'{config.drift}' from day {config.drift_day}", xaxis2_title="simulated day")
-    rows = "".join(
-        f"<tr><td>{r.day}</td><td>{r.events:,}</td><td>{r.requests}</td><td>{r.drift}</td><td>{r.retrain}</td>"
-        f"<td>{_f(r.candidate_auc)}</td><td>{_f(r.champion_auc)}</td><td>{_f(r.oracle_auc)}</td><td>{r.gate}</td>"
-        f"<td>{'<br>'.join(r.canary) or '-'}</td><td>{r.champion or '-'}</td>"
-        f"<td>{', '.join(f'v{v}: {c:.3f}' for v, c in r.online_ctr.items()) or '-'}</td>"
-        f"<td>{_f(r.vs_oracle)}</td><td>{_f(r.baseline_vs_oracle)}</td></tr>" for r in records)
-    efficacy = summary.get("efficacy")
-    verdict = "" if not efficacy else (
-        f"<p><b>Loop efficacy</b>: two cycles after the drift the served ranking earns {efficacy['recovery']:.1%} of "
-        f"its pre-drift share of the oracle's clicks (never retrained: {efficacy['never_retrain_recovery']:.1%}); "
-        f"target ≥ 95%: {'met' if efficacy['met'] else 'not met'}.</p>")
-    html = f"""<!doctype html><html><head><meta charset="utf-8"><title>recloop demo</title>
-<style>body{{font-family:sans-serif;margin:24px}}table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style></head><body>
-<h1>recloop demo</h1>{verdict}
-<table><tr><th>day</th><th>events</th><th>requests</th><th>drift</th><th>retrain</th><th>candidate AUC</th>
-<th>champion AUC</th><th>oracle AUC</th><th>gate</th><th>canary</th><th>champion</th><th>online CTR</th>
-<th>served / oracle</th><th>never retrained / oracle</th></tr>{rows}</table>
-{figure.to_html(full_html=False, include_plotlyjs=True)}
-<p>Freshness (events landed → challenger serving canary traffic): {summary['freshness_seconds']} s.
-Total {summary.get('seconds', '')} s.</p></body></html>"""
+    figure.update_yaxes(title_text="share", row=3, col=1)
+    figure.update_layout(height=1050, width=1100, title=f"recloop demo — {config.days} days, drift "
+                         f"'{config.drift}' from day {config.drift_day}", xaxis3_title="simulated day")
+    html = _REPORT.render(records=records, summary=summary, efficacy=summary.get("efficacy"), fmt=_f, config=config,
+                          plot=Markup(figure.to_html(full_html=False, include_plotlyjs=True)))
     path = settings.home.resolve() / "reports" / "demo.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(html)
     return path
+
+
+def _day_events(record: DayRecord) -> list[str]:
+    """What happened to the models on a day, for its marker: drift, retrains, promotions, rollbacks."""
+    events = [record.drift] if record.drift not in ("-", "ok") else []
+    if record.retrain.startswith("full"):
+        events.append(record.retrain.replace(" (", " retrain (", 1) if "(" in record.retrain else "full retrain")
+    for action in record.canary:
+        verb, _, version = action.split(":")[0].partition(" ")
+        label = {"promote": "promoted", "rollback": "rolled back"}.get(verb)
+        if label:
+            events.append(f"{label} {version}".strip())
+    return events
+
+
+_REPORT = Environment(autoescape=True).from_string("""<!doctype html>
+<html><head><meta charset="utf-8"><title>recloop demo</title>
+<style>body{font-family:sans-serif;margin:24px}table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style></head><body>
+<h1>recloop demo</h1>
+{% if efficacy %}<p><b>Loop efficacy</b>: two cycles after the drift the served ranking earns
+{{ "%.1f%%" % (efficacy.recovery * 100) }} of its pre-drift share of the oracle's clicks (never retrained:
+{{ "%.1f%%" % (efficacy.never_retrain_recovery * 100) }}); target ≥ 95%:
+{{ "met" if efficacy.met else "not met" }}.</p>{% endif %}
+<table><tr><th>day</th><th>events</th><th>requests</th><th>drift</th><th>retrain</th><th>candidate AUC</th>
+<th>champion AUC</th><th>oracle AUC</th><th>gate</th><th>canary</th><th>champion</th><th>online CTR</th>
+<th>served / oracle</th><th>never retrained / oracle</th></tr>
+{% for r in records %}<tr><td>{{ r.day }}</td><td>{{ "{:,}".format(r.events) }}</td><td>{{ r.requests }}</td>
+<td>{{ r.drift }}</td><td>{{ r.retrain }}</td><td>{{ fmt(r.candidate_auc) }}</td><td>{{ fmt(r.champion_auc) }}</td>
+<td>{{ fmt(r.oracle_auc) }}</td><td>{{ r.gate }}</td><td>{{ r.canary | join(", ") or "-" }}</td>
+<td>{{ r.champion or "-" }}</td>
+<td>{% for v, c in r.online_ctr.items() %}v{{ v }}: {{ "%.3f" % c }}{% if not loop.last %}, {% endif %}{% else %}-{% endfor %}</td>
+<td>{{ fmt(r.vs_oracle) }}</td><td>{{ fmt(r.baseline_vs_oracle) }}</td></tr>
+{% endfor %}</table>
+<h2>The recommendation path (/recommend: retrieve {{ config.retrieve_k }} → filter → rank → order → top {{ config.shown }})</h2>
+<table><tr><th>day</th><th>retriever candidate</th><th>retriever gate</th>
+<th>oracle recall@{{ config.retrieve_k }}</th><th>popularity's</th><th>retriever champion</th><th>requests</th>
+<th>popularity answers</th><th>clicks</th><th>expected clicks / catalog oracle's</th></tr>
+{% for r in records %}<tr><td>{{ r.day }}</td><td>{{ r.retriever_version or "-" }}</td><td>{{ r.retriever_gate }}</td>
+<td>{{ fmt(r.retriever_oracle_recall) }}</td><td>{{ fmt(r.popularity_oracle_recall) }}</td>
+<td>{{ r.retriever_champion or "-" }}</td><td>{{ r.recommend_requests }}</td><td>{{ r.popularity_answers }}</td>
+<td>{{ r.recommend_clicks }}</td><td>{{ fmt(r.recommend_vs_oracle) }}</td></tr>
+{% endfor %}</table>
+{{ plot }}
+<p>Freshness (events landed → challenger serving canary traffic): {{ summary.freshness_seconds }} s.
+Total {{ summary.seconds }} s.</p></body></html>
+""")
 
 
 def _f(value) -> str:

@@ -16,23 +16,21 @@ import torch
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Area under the ROC curve, ties counted half (the Mann–Whitney statistic). NaN if one class only."""
+    """Area under the ROC curve (scikit-learn's; ties count half). NaN if one class only."""
+    from sklearn.metrics import roc_auc_score
+
     labels = np.asarray(labels).astype(bool)
-    positives = int(labels.sum())
-    negatives = len(labels) - positives
-    if positives == 0 or negatives == 0:
+    if labels.all() or not labels.any():
         return float("nan")
-    _, inverse, counts = np.unique(np.asarray(scores, dtype=np.float64), return_inverse=True, return_counts=True)
-    ends = np.cumsum(counts)
-    average_rank = ends - (counts - 1) / 2.0  # 1-based average rank of each distinct score
-    rank_sum = average_rank[inverse][labels].sum()
-    return float((rank_sum - positives * (positives + 1) / 2) / (positives * negatives))
+    return float(roc_auc_score(labels, np.asarray(scores, dtype=np.float64)))
 
 
 def log_loss(labels: np.ndarray, probabilities: np.ndarray, eps: float = 1e-7) -> float:
+    """Mean binary cross-entropy (scikit-learn's), predictions clipped to ``[eps, 1 - eps]`` first."""
+    from sklearn.metrics import log_loss as sklearn_log_loss
+
     p = np.clip(np.asarray(probabilities, dtype=np.float64), eps, 1 - eps)
-    y = np.asarray(labels, dtype=np.float64)
-    return float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean())
+    return float(sklearn_log_loss(np.asarray(labels, dtype=np.float64), p, labels=[0.0, 1.0]))
 
 
 def metrics(labels: np.ndarray, probabilities: np.ndarray, oracle: np.ndarray | None = None) -> dict[str, float]:

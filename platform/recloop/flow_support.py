@@ -185,7 +185,10 @@ def gate_run_name() -> str:
 
 
 def canary_run_name() -> str:
-    return ("canary-start-" if _parameters().get("start") else "canary-check-") + _scheduled_hour()
+    """``canary-check-<hour>``, ``canary-start-<hour>``; ``retriever-canary-…`` for the retriever's."""
+    parameters = _parameters()
+    prefix = "retriever-canary-" if parameters.get("model_name") == "recloop-retriever" else "canary-"
+    return prefix + ("start-" if parameters.get("start") else "check-") + _scheduled_hour()
 
 
 def log(message: str, *args) -> None:

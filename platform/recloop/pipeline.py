@@ -9,6 +9,8 @@ Example::
     build_features(settings)                               # lake → features, Feast online store
     trained = train_and_register(settings, TrainConfig(mode="incremental"))
     gate(settings, trained.version)
+    retriever = train_and_register_retriever(settings, RetrievalTrainConfig(mode="incremental"))
+    gate_retriever(settings, retriever.version)
     check_drift(settings, hours=24)
 """
 
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
     from recloop.monitor.decision import MonitorConfig
     from recloop.monitor.runner import MonitorReport
     from recloop.registry import LoggedModel
+    from recloop.retrieval.gate import RetrievalThresholds
+    from recloop.retrieval.train import RetrievalSummary, RetrievalTrainConfig
     from recloop.train import TrainConfig, TrainSummary
 
 
@@ -169,3 +173,56 @@ def check_drift(settings: Settings, spec: SpecArg = None, hours: int = 24, refer
 
     return runner.check(settings, datasets.resolve(settings, spec), hours=hours, reference_days=reference_days,
                         config=config, log=log, windows=windows)
+
+
+# --- the retriever: trained, registered and gated beside the ranker ------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainedRetriever:
+    """A retriever training run and the ``recloop-retriever`` version it registered."""
+
+    summary: RetrievalSummary
+    logged: LoggedModel
+
+    @property
+    def version(self) -> str:
+        return self.logged.version
+
+    def to_dict(self) -> dict:
+        return {**self.summary.to_dict(), "mlflow": {"run_id": self.logged.run_id, "version": self.logged.version,
+                                                     "model_uri": self.logged.model_uri}}
+
+
+def retriever_warm_start(settings: Settings, source: str | Path | None = None) -> Path | None:
+    """Where an incremental retriever run starts: ``source`` (a registered version number or a folder), else
+    the retriever champion's folder, fetched through the registry; None when there is no champion yet."""
+    from recloop import checkpoint, registry
+
+    if source is not None and str(source).isdigit():
+        return checkpoint.resolve(settings, str(source), registry.RETRIEVER_NAME)
+    if source is not None:
+        return Path(source)
+    champion = registry.version_by_alias(settings, "champion", registry.RETRIEVER_NAME)
+    return None if champion is None else checkpoint.resolve(settings, champion, registry.RETRIEVER_NAME)
+
+
+def train_and_register_retriever(settings: Settings, config: RetrievalTrainConfig,
+                                 warm_start: str | Path | None = None) -> TrainedRetriever:
+    """Train the retriever (incremental from ``retriever_warm_start``; full while there is no retriever
+    champion to start from), build its index and register it as a ``recloop-retriever`` version."""
+    from recloop.retrieval.publish import log_retriever
+    from recloop.retrieval.train import train_retriever
+
+    base = retriever_warm_start(settings, warm_start) if config.mode == "incremental" else None
+    if config.mode == "incremental" and base is None:
+        config = replace(config, mode="full")  # the first retriever: nothing to warm-start from
+    summary = train_retriever(settings, config, warm_start=base)
+    return TrainedRetriever(summary, log_retriever(settings, summary))
+
+
+def gate_retriever(settings: Settings, version: str, thresholds: RetrievalThresholds | None = None) -> dict:
+    """The retriever's gate on its held-out hours against the retriever champion (pass → challenger)."""
+    from recloop.retrieval.publish import run_retrieval_gate
+
+    return run_retrieval_gate(settings, version, thresholds)

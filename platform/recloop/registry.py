@@ -6,7 +6,8 @@ aliases.
 
 Aliases: ``champion`` (serving), ``challenger`` (passed the gate, in canary), ``previous`` (the last
 champion, for rollback). A version that fails the gate keeps its number, tagged ``gate=failed`` with
-the reasons. Tracking runs on SQLite under ``RECLOOP_HOME`` unless ``RECLOOP_MLFLOW_TRACKING_URI`` names
+the reasons. Tags: one per concern, JSON where it has parts (``gate`` the verdict and ``gate.detail``,
+``alias.<name>``: who moved it, why and when, ``rolled_back``). Tracking runs on SQLite under ``RECLOOP_HOME`` unless ``RECLOOP_MLFLOW_TRACKING_URI`` names
 a server or database; artifacts go under ``RECLOOP_HOME/mlartifacts`` unless
 ``RECLOOP_MLFLOW_ARTIFACT_URI`` names an object store.
 
@@ -133,7 +134,11 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
         if versions:  # this training run is logged and registered already (a rerun of the same command)
             first = min(versions, key=lambda v: int(v.version))
             return LoggedModel(earlier.info.run_id, first.source, str(first.version))
-    with mlflow.start_run(experiment_id=experiment, run_name=summary.run_id) as run:
+    # The run spans the training: it starts when the training did (the summary's duration before now).
+    began = int((time.time() - float(summary.seconds or 0.0)) * 1000)
+    created = client.create_run(experiment, start_time=began, run_name=summary.run_id)
+    with mlflow.start_run(run_id=created.info.run_id) as run:
+        _log_datasets(settings, summary, example)
         mlflow.log_params(_flatten("", {"train": state["train"], "model": state["model"]}, {}))
         figures = {"auc": summary.auc, "logloss": summary.logloss, "calibration": summary.calibration,
                    "samples": summary.samples, "samples_per_s": summary.samples_per_s, "seconds": summary.seconds,
@@ -175,6 +180,31 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
     files = json.dumps(checkpoint.manifest(state["path"]), separators=(",", ":"))
     version = register(settings, info.model_uri, run.info.run_id, tags={checkpoint.MANIFEST_TAG: files})
     return LoggedModel(run.info.run_id, info.model_uri, version)
+
+
+def _log_datasets(settings: Settings, summary, example: pd.DataFrame) -> None:
+    """The training and validation windows as MLflow datasets (the run's Datasets column and inputs): the
+    feature folder as source, the hours and row count as tags, a digest of the hours trained on; the
+    profile is the schema with a few example rows."""
+    import hashlib
+
+    import mlflow
+
+    from recloop.features.job import FeatureLayout
+
+    source = str(FeatureLayout.for_settings(settings).training)
+    for context, hours, rows in (("training", summary.train_hours, summary.samples),
+                                 ("validation", summary.validation_hours, summary.validation_rows)):
+        if not hours:
+            continue
+        digest = hashlib.sha256("\n".join(hours).encode()).hexdigest()[:16]
+        with warnings.catch_warnings():  # its hints: a local folder is a local folder; ids are integers
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
+            dataset = mlflow.data.from_pandas(example, source=source, name=f"{context} {hours[0]}..{hours[-1]}",
+                                              targets="label" if "label" in example.columns else None,
+                                              digest=digest)
+            mlflow.log_input(dataset, context=context, tags={"hours": str(len(hours)), "rows": str(rows)})
 
 
 def register(settings: Settings, model_uri: str, run_id: str | None = None, attempts: int = 8,
@@ -222,8 +252,9 @@ def set_alias(settings: Settings, alias: str, version: str, *, who: str | None =
               model_name: str = MODEL_NAME) -> None:
     client = _client(settings)
     client.set_registered_model_alias(model_name, alias, version)
-    tag(settings, version, {f"alias.{alias}.by": who or getpass.getuser(), f"alias.{alias}.why": why,
-                            f"alias.{alias}.at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, model_name)
+    tag(settings, version, {f"alias.{alias}": json.dumps({  # one tag per alias: who moved it, why, when
+        "by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
+        model_name)
 
 
 def remove_alias(settings: Settings, alias: str, model_name: str = MODEL_NAME) -> None:
@@ -311,7 +342,9 @@ def rollback(settings: Settings, *, who: str | None = None, why: str = "",
         raise RuntimeError("nothing to roll back to: no version has the 'previous' alias")
     current = version_by_alias(settings, "champion", model_name)
     if current is not None:
-        tag(settings, current, {"rolled_back.by": who or getpass.getuser(), "rolled_back.why": why}, model_name)
+        tag(settings, current, {"rolled_back": json.dumps({
+            "by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
+            model_name)
     set_alias(settings, "champion", previous, who=who, why=f"rollback: {why}", model_name=model_name)
     remove_alias(settings, "previous", model_name)
     return aliases(settings, model_name)

@@ -77,9 +77,14 @@ class ReplayConfig:
     device: str = "auto"
     materialize: bool = True
     smoke_check: bool = False
-    gate: GateThresholds = field(default_factory=lambda: GateThresholds(
-        max_auc_drop_incremental=0.01, max_auc_drop_full=0.005, max_slice_auc_drop=0.03,
-        calibration_range=(0.75, 1.33)))
+    gate: GateThresholds = field(
+        default_factory=lambda: GateThresholds(
+            max_auc_drop_incremental=0.01,
+            max_auc_drop_full=0.005,
+            max_slice_auc_drop=0.03,
+            calibration_range=(0.75, 1.33),
+        )
+    )
     monitor: MonitorConfig = field(default_factory=lambda: MonitorConfig(sample_rows=20_000))
     model: object | None = None
 
@@ -114,8 +119,13 @@ def choose_period(ts_us: np.ndarray, periods: int, min_rows: int) -> str:
     return "month"
 
 
-def run_replay(settings: Settings, spec: DatasetSpec, data: Path, config: ReplayConfig,
-               on_period: Callable[[PeriodRecord], None] | None = None) -> dict:
+def run_replay(
+    settings: Settings,
+    spec: DatasetSpec,
+    data: Path,
+    config: ReplayConfig,
+    on_period: Callable[[PeriodRecord], None] | None = None,
+) -> dict:
     """Replay the log under ``data`` through the loop (see the module docstring); returns the summary."""
     from recloop import datasets
     from recloop.ingest import ingest
@@ -127,20 +137,27 @@ def run_replay(settings: Settings, spec: DatasetSpec, data: Path, config: Replay
     loaded = ingest(data, spec, source)
     events = read_window(source, spec, None, None)
     if events.num_rows == 0:
-        raise ReplayError(f"no valid events under {data} (read {loaded.rows_in} rows, quarantined "
-                          f"{loaded.rows_quarantined}: see {source.quarantine_dir})")
+        raise ReplayError(
+            f"no valid events under {data} (read {loaded.rows_in} rows, quarantined "
+            f"{loaded.rows_quarantined}: see {source.quarantine_dir})"
+        )
     events = events.sort_by(spec.timestamp)
     ts_us = events[spec.timestamp].cast(pa.int64()).to_numpy()
-    period = config.period if config.period != "auto" else choose_period(ts_us, config.periods,
-                                                                             config.min_period_rows)
+    period = (
+        config.period
+        if config.period != "auto"
+        else choose_period(ts_us, config.periods, config.min_period_rows)
+    )
     step = int(PERIODS[period].total_seconds() * US)
     end = int(ts_us.max()) + 1
     starts = [end - step * k for k in range(config.periods, 0, -1)]
     bootstrap_rows = int((ts_us < starts[0]).sum())
     if bootstrap_rows < config.min_bootstrap_rows:
-        raise ReplayError(f"only {bootstrap_rows} events before the {config.periods} replayed {period}s: the "
-                          f"first model needs {config.min_bootstrap_rows} (replay fewer periods, or a shorter "
-                          "period)")
+        raise ReplayError(
+            f"only {bootstrap_rows} events before the {config.periods} replayed {period}s: the "
+            f"first model needs {config.min_bootstrap_rows} (replay fewer periods, or a shorter "
+            "period)"
+        )
 
     landing = settings.landing_dir / "replay"
     records: list[PeriodRecord] = []
@@ -167,8 +184,11 @@ def run_replay(settings: Settings, spec: DatasetSpec, data: Path, config: Replay
         incremental = _train(settings, config, "incremental")
         outcome = _register_and_gate(settings, incremental, config)
         lineage.incremental = incremental
-        record.incremental_version, record.gate, record.gate_reasons = outcome.version, (
-            "passed" if outcome.passed else "refused"), list(outcome.reasons)
+        record.incremental_version, record.gate, record.gate_reasons = (
+            outcome.version,
+            ("passed" if outcome.passed else "refused"),
+            list(outcome.reasons),
+        )
         if outcome.passed:
             _promote(settings, outcome.version, "replay: passed the gate (no live traffic for a canary)")
         lineage.full = _train(settings, config, "full")
@@ -181,10 +201,19 @@ def run_replay(settings: Settings, spec: DatasetSpec, data: Path, config: Replay
         records.append(record)
         if on_period:
             on_period(record)
-    summary = {"spec": spec.name, "data": str(data), "period": period, "bootstrap_rows": bootstrap_rows,
-               "source": {"rows_in": loaded.rows_in, "rows_landed": loaded.rows_landed,
-                          "rows_quarantined": loaded.rows_quarantined},
-               "periods": [asdict(r) for r in records], "seconds": round(time.perf_counter() - began, 1)}
+    summary = {
+        "spec": spec.name,
+        "data": str(data),
+        "period": period,
+        "bootstrap_rows": bootstrap_rows,
+        "source": {
+            "rows_in": loaded.rows_in,
+            "rows_landed": loaded.rows_landed,
+            "rows_quarantined": loaded.rows_quarantined,
+        },
+        "periods": [asdict(r) for r in records],
+        "seconds": round(time.perf_counter() - began, 1),
+    }
     summary["report"] = str(write_report(settings, summary))
     path = settings.home.resolve() / "reports" / "replay.json"
     path.write_text(json.dumps(summary, indent=2, default=_json_default) + "\n")
@@ -207,7 +236,9 @@ def _json_default(value):
     return None if isinstance(value, float) and not math.isfinite(value) else str(value)
 
 
-def _land(events: pa.Table, ts_us: np.ndarray, start: int | None, stop: int, spec: DatasetSpec, path: Path) -> Path:
+def _land(
+    events: pa.Table, ts_us: np.ndarray, start: int | None, stop: int, spec: DatasetSpec, path: Path
+) -> Path:
     """The events of ``[start, stop)`` as one landing file in the spec's columns."""
     keep = ts_us < stop if start is None else (ts_us >= start) & (ts_us < stop)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -228,9 +259,15 @@ def _train(settings: Settings, config: ReplayConfig, mode: str):
     from recloop.train import TrainConfig, train
 
     extra = {"model": config.model} if config.model is not None else {}
-    train_config = TrainConfig(mode=mode, days=100_000 if mode == "full" else 7,  # type: ignore[arg-type]
-                               epochs=config.epochs, batch_size=config.batch_size, device=config.device,
-                               baselines=False, **extra)
+    train_config = TrainConfig(
+        mode=mode,
+        days=100_000 if mode == "full" else 7,  # type: ignore[arg-type]
+        epochs=config.epochs,
+        batch_size=config.batch_size,
+        device=config.device,
+        baselines=False,
+        **extra,
+    )
     base = pipeline.warm_start_checkpoint(settings) if mode == "incremental" else None
     return train(settings, train_config, warm_start=base)
 
@@ -293,20 +330,31 @@ def _score_period(settings: Settings, lineage: _Lineage, start: int, stop: int) 
 
 
 def _figures(scores: dict, ndcg: float | None) -> dict:
-    return {"auc": scores.get("auc"), "logloss": scores.get("logloss"), "ndcg": ndcg if ndcg is not None else
-            scores.get("ndcg"), "rows": scores.get("rows")}
+    return {
+        "auc": scores.get("auc"),
+        "logloss": scores.get("logloss"),
+        "ndcg": ndcg if ndcg is not None else scores.get("ndcg"),
+        "rows": scores.get("rows"),
+    }
 
 
 def _stem(t_us: int) -> str:
     return datetime.fromtimestamp(t_us / US, tz=UTC).strftime("%Y-%m-%dT%H")
 
 
-def _drift(settings: Settings, spec: DatasetSpec, reference: tuple[int, int], current: tuple[int, int],
-           config: ReplayConfig):
+def _drift(
+    settings: Settings,
+    spec: DatasetSpec,
+    reference: tuple[int, int],
+    current: tuple[int, int],
+    config: ReplayConfig,
+):
     from recloop.monitor import runner
 
-    windows = tuple((datetime.fromtimestamp(a / US, tz=UTC), datetime.fromtimestamp(b / US, tz=UTC))
-                    for a, b in (reference, current))
+    windows = tuple(
+        (datetime.fromtimestamp(a / US, tz=UTC), datetime.fromtimestamp(b / US, tz=UTC))
+        for a, b in (reference, current)
+    )
     report = runner.check(settings, spec, config=config.monitor, kpis={}, baseline={}, windows=windows)
     return report.decision
 
@@ -317,35 +365,58 @@ def write_report(settings: Settings, summary: dict) -> Path:
     from plotly.subplots import make_subplots
 
     periods = summary["periods"]
-    names = sorted({name for p in periods for name in p["scores"]}, key=lambda n: (n.startswith("baseline"), n))
-    figure = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, subplot_titles=(
-        "AUC on each period before training on it", "NDCG@10 per user"))
+    names = sorted(
+        {name for p in periods for name in p["scores"]}, key=lambda n: (n.startswith("baseline"), n)
+    )
+    figure = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.12,
+        subplot_titles=("AUC on each period before training on it", "NDCG@10 per user"),
+    )
     x = [p["start"][:10] for p in periods]
     for name in names:
         dash = "dot" if name.startswith("baseline") else None
         for row, metric in ((1, "auc"), (2, "ndcg")):
-            figure.add_trace(go.Scatter(x=x, y=[p["scores"].get(name, {}).get(metric) for p in periods], name=name,
-                                        legendgroup=name, showlegend=row == 1, mode="lines+markers",
-                                        line={"dash": dash}), row=row, col=1)
-    figure.update_layout(height=700, width=1100, title=f"recloop replay — {summary['spec']}, by {summary['period']}")
+            figure.add_trace(
+                go.Scatter(
+                    x=x,
+                    y=[p["scores"].get(name, {}).get(metric) for p in periods],
+                    name=name,
+                    legendgroup=name,
+                    showlegend=row == 1,
+                    mode="lines+markers",
+                    line={"dash": dash},
+                ),
+                row=row,
+                col=1,
+            )
+    figure.update_layout(
+        height=700, width=1100, title=f"recloop replay — {summary['spec']}, by {summary['period']}"
+    )
     header = "".join(f"<th>{n} AUC</th><th>{n} NDCG</th>" for n in names)
     rows = "".join(
         f"<tr><td>{p['period']}</td><td>{p['start'][:16]}</td><td>{p['landed']:,}</td><td>{p['quarantined']}</td>"
-        + "".join(f"<td>{_f(p['scores'].get(n, {}).get('auc'))}</td><td>{_f(p['scores'].get(n, {}).get('ndcg'))}</td>"
-                  for n in names)
+        + "".join(
+            f"<td>{_f(p['scores'].get(n, {}).get('auc'))}</td><td>{_f(p['scores'].get(n, {}).get('ndcg'))}</td>"
+            for n in names
+        )
         + f"<td>{p['drift']}</td><td>v{p['incremental_version']} {p['gate']}</td><td>{p['full_retrain']}</td>"
-          f"<td>{p['champion'] or '-'}</td></tr>" for p in periods)
+        f"<td>{p['champion'] or '-'}</td></tr>"
+        for p in periods
+    )
     html = f"""<!doctype html><html><head><meta charset="utf-8"><title>recloop replay</title>
 <style>body{{font-family:sans-serif;margin:24px}}table{{border-collapse:collapse;font-size:13px}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style></head><body>
-<h1>recloop replay: {summary['spec']}</h1>
-<p>{summary['source']['rows_landed']:,} events ({summary['source']['rows_quarantined']} quarantined); the first
-model trained on the {summary['bootstrap_rows']:,} before the replayed {summary['period']}s. Each period is scored
+<h1>recloop replay: {summary["spec"]}</h1>
+<p>{summary["source"]["rows_landed"]:,} events ({summary["source"]["rows_quarantined"]} quarantined); the first
+model trained on the {summary["bootstrap_rows"]:,} before the replayed {summary["period"]}s. Each period is scored
 before any model trains on it.</p>
 <table><tr><th>period</th><th>start</th><th>landed</th><th>quarantined</th>{header}<th>drift</th>
 <th>incremental → gate</th><th>full retrain</th><th>champion</th></tr>{rows}</table>
 {figure.to_html(full_html=False, include_plotlyjs=True)}
-<p>Total {summary['seconds']} s.</p></body></html>"""
+<p>Total {summary["seconds"]} s.</p></body></html>"""
     path = settings.home.resolve() / "reports" / "replay.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(html)
@@ -356,4 +427,12 @@ def _f(value) -> str:
     return "-" if value is None or value != value else f"{value:.4f}"
 
 
-__all__ = ["PERIODS", "PeriodRecord", "ReplayConfig", "ReplayError", "choose_period", "run_replay", "write_report"]
+__all__ = [
+    "PERIODS",
+    "PeriodRecord",
+    "ReplayConfig",
+    "ReplayError",
+    "choose_period",
+    "run_replay",
+    "write_report",
+]

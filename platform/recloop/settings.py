@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -63,6 +63,12 @@ class Settings(BaseSettings):
             ``postgres`` (at ``postgres_dsn``, shared by every replica).
         spec: the dataset spec every command and flow uses when none is given (a shipped name or a YAML
             path); empty means the spec this home last worked with, else ``synthetic`` (``recloop.datasets``).
+        recommend_candidates: items ``/recommend`` retrieves before filtering and ranking.
+        recommend_seen_hours: ``/recommend`` leaves out items the user was shown or clicked within this
+            many hours (event time; 0 turns the rule off).
+        recommend_category_cap: most items of one category in a ``/recommend`` answer (0: no cap).
+        recommend_boosts: category → multiplier of the ranker's score when ``/recommend`` orders
+            (``RECLOOP_RECOMMEND_BOOSTS='{"5": 1.2}'``).
     """
 
     model_config = SettingsConfigDict(env_prefix="RECLOOP_", env_file=".env", extra="ignore", frozen=True)
@@ -97,6 +103,10 @@ class Settings(BaseSettings):
     explore_share: float = 0.0
     explore_temperature: float = 1.0
     spec: str = ""
+    recommend_candidates: int = Field(default=500, ge=1, le=5000)
+    recommend_seen_hours: float = Field(default=24.0, ge=0.0)
+    recommend_category_cap: int = Field(default=3, ge=0)
+    recommend_boosts: dict[int, float] = Field(default_factory=dict)
 
     @property
     def landing_dir(self) -> Path:
@@ -126,6 +136,11 @@ class Settings(BaseSettings):
     def serving_dir(self) -> Path:
         """The serving API's journal (requests, feedback) and its cache of downloaded models."""
         return self.home / "serving"
+
+    @property
+    def unavailable_items_path(self) -> Path:
+        """The catalog's unavailable items (a JSON list of item ids): ``/recommend`` never returns them."""
+        return self.home / "catalog" / "unavailable.json"
 
     def resolved_mlflow_tracking_uri(self) -> str:
         """The tracking URI to use: the configured one, or SQLite under ``home``."""

@@ -1,9 +1,11 @@
 """Full and incremental training with checkpoints that resume, on the chunked loader and fused kernels.
 
-Windows come from the hourly training files of ``recloop features``:
+Windows come from the training files of ``recloop features`` (one per period with events), by time and rows:
 
-- the newest ``validation_hours`` hours are held out (never trained on) and score the model;
-- ``full``: from scratch over the ``days`` before them, ``epochs`` passes;
+- the newest ``validation_hours`` of time are held out (never trained on) and score the model, grown back
+  until they hold ``validation_rows`` rows; fewer than ``min_validation_rows`` is refused;
+- ``full``: from scratch over the ``days`` before them (grown back to ``train_rows`` rows), ``epochs`` passes;
+  without a set batch size, batch and epochs fit the window (``fit_to_data``);
 - ``incremental``: warm start from a checkpoint (weights, sparse and dense optimizer state), grow the
   embedding tables for ids that are new since, one pass over the hours it has not seen (plus an
   optional replay sample of older hours).
@@ -74,6 +76,8 @@ class TrainConfig:
         validation_hours: the newest hours of time held out for validation (whole feature files).
         validation_rows: the held-out window grows back in time, a file at a time, until it holds this many
             rows (a sparse log's newest 6 hours may hold a handful).
+        max_validation_share: ... but never beyond this share of all the rows (a small log keeps most of its
+            rows to train on).
         min_validation_rows: fewer held-out rows than this: training is refused (a version validated on 13
             rows says nothing; the gate's ``min_rows`` refuses it too).
         replay_fraction: incremental only: older hours replayed, as a fraction of the new hours.
@@ -113,6 +117,7 @@ class TrainConfig:
     warmup_steps: int = 20
     validation_hours: int = 6
     validation_rows: int = 2000
+    max_validation_share: float = 0.25
     min_validation_rows: int = 200
     replay_fraction: float = 0.0
     checkpoint_every: int = 200
@@ -195,13 +200,15 @@ def _rows(path: Path) -> int:
 
 def held_out_from(files: list[Path], config: TrainConfig) -> int:
     """Where the held-out files start: the newest ``validation_hours`` of time, grown back a file at a time
-    until they hold ``validation_rows`` rows (at least one file stays to train on)."""
+    until they hold ``validation_rows`` rows or ``max_validation_share`` of all rows (at least one file stays
+    to train on)."""
     newest = _stem_time(files[-1])
     cut = len(files) - 1
     while cut > 0 and _stem_time(files[cut - 1]) > newest - timedelta(hours=config.validation_hours):
         cut -= 1
     held = sum(_rows(f) for f in files[cut:])
-    while held < config.validation_rows and cut > 1:
+    cap = config.max_validation_share * sum(_rows(f) for f in files)
+    while held < config.validation_rows and cut > 1 and held + _rows(files[cut - 1]) <= cap:
         cut -= 1
         held += _rows(files[cut])
     return cut

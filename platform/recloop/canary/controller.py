@@ -12,6 +12,12 @@ Example::
     status(settings)                           # what the controller sees and would decide now
     step(settings, CanaryConfig(bake_seconds=0, min_requests=100, min_feedback=50))
     manual(settings, "rollback", "bad reviews")
+    step(settings, model_name="recloop-retriever")   # the retriever's canary, independent of the ranker's
+
+Every function takes ``model_name``: the ranker (``recloop-ranker``, the default) and the retriever
+(``recloop-retriever``) each have their own challenger, tags, share and canary run. The retriever is
+judged on its own journal rows (``Journal.retriever_stats``: its retrievals' errors and latency, the
+clicks of the answers it retrieved for); the guardrails are the same ``decide``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from recloop.canary.decision import (
     experiment_salt,
 )
 from recloop.canary.decision import start as first_step
+from recloop.registry import MODEL_NAME, RETRIEVER_NAME
 from recloop.serve.journal import open_journal
 from recloop.settings import Settings
 
@@ -76,9 +83,10 @@ class CanaryStatus:
     stats: dict[str, VariantStats] = field(default_factory=dict)
     decision: CanaryDecision | None = None
     evidence: dict | None = None
+    model: str = MODEL_NAME
 
     def to_dict(self) -> dict:
-        return {"active": self.active, "aliases": self.aliases, "message": self.message,
+        return {"model": self.model, "active": self.active, "aliases": self.aliases, "message": self.message,
                 "challenger": self.challenger, "champion": self.champion, "share": self.share, "mode": self.mode,
                 "step_started_at": self.step_started_at, "started": self.started,
                 "stats": {name: stats.to_dict() for name, stats in self.stats.items()},
@@ -115,45 +123,65 @@ def _json_ready(value):
     return value
 
 
-def _challenger(settings: Settings) -> tuple[str, str, dict]:
-    challenger = registry.version_by_alias(settings, "challenger")
-    champion = registry.version_by_alias(settings, "champion")
+def check_model(model_name: str) -> str:
+    """``model_name`` if the canary knows it (the ranker or the retriever), else a ValueError."""
+    if model_name not in (MODEL_NAME, RETRIEVER_NAME):
+        raise ValueError(f"no canary for {model_name!r}: choose {MODEL_NAME} or {RETRIEVER_NAME}")
+    return model_name
+
+
+def _challenger(settings: Settings, model_name: str = MODEL_NAME) -> tuple[str, str, dict]:
+    challenger = registry.version_by_alias(settings, "challenger", model_name)
+    champion = registry.version_by_alias(settings, "champion", model_name)
     if challenger is None or champion is None:
-        raise NoCanary("no canary in progress: there is no 'challenger' (or no 'champion') alias")
-    return challenger, champion, registry.version_info(settings, challenger).tags
+        raise NoCanary(f"no canary of {model_name} in progress: there is no 'challenger' (or no 'champion') alias")
+    return challenger, champion, registry.version_info(settings, challenger, model_name).tags
 
 
-def start(settings: Settings, config: CanaryConfig, *, mode: Mode | None = None, now: float | None = None
-          ) -> CanaryStep:
+def start(settings: Settings, config: CanaryConfig, *, mode: Mode | None = None, now: float | None = None,
+          model_name: str = MODEL_NAME) -> CanaryStep:
     """Put the challenger at the first step (the retrain flow does it after a passed gate), with a new
     salt for this experiment's split of users; ``mode`` defaults to the config's (interleave)."""
-    challenger, champion, _ = _challenger(settings)
+    challenger, champion, _ = _challenger(settings, check_model(model_name))
     now = time.time() if now is None else now
     mode = mode or config.mode
+    if mode == "interleave" and model_name != MODEL_NAME:  # interleaving merges two rankings: the ranker's
+        mode = "canary"
     decision = first_step(config, mode)
     registry.tag(settings, challenger, {SHARE_TAG: decision.share, MODE_TAG: mode, STARTED_TAG: now,
-                                        CANARY_STARTED_TAG: now, SALT_TAG: experiment_salt(challenger, now)})
-    started = CanaryStatus(True, registry.aliases(settings), "", challenger, champion, decision.share, mode, now, True)
+                                        CANARY_STARTED_TAG: now, SALT_TAG: experiment_salt(challenger, now)},
+                 model_name)
+    started = CanaryStatus(True, registry.aliases(settings, model_name), "", challenger, champion, decision.share,
+                           mode, now, True, model=model_name)
     return CanaryStep(started, decision)
 
 
-def set_share(settings: Settings, share: float, mode: Mode | None = None, who: str = "operator") -> dict:
-    challenger, _, tags = _challenger(settings)
+def set_share(settings: Settings, share: float, mode: Mode | None = None, who: str = "operator",
+              model_name: str = MODEL_NAME) -> dict:
+    challenger, _, tags = _challenger(settings, check_model(model_name))
     mode = mode or _mode(tags)
     registry.tag(settings, challenger, {SHARE_TAG: share, MODE_TAG: mode, STARTED_TAG: time.time(),
-                                        "canary.share_set_by": who})
+                                        "canary.share_set_by": who}, model_name)
     return {"version": challenger, "share": share, "mode": mode}
 
 
-def status(settings: Settings, config: CanaryConfig | None = None, now: float | None = None) -> CanaryStatus:
+def _variant_stats(journal, model_name: str, version: str, since: float) -> VariantStats:
+    """A version's traffic: the ranker's by the versions that scored, the retriever's by its own rows."""
+    if model_name == RETRIEVER_NAME:
+        return journal.retriever_stats(version, since=since)
+    return journal.stats(version, since=since)
+
+
+def status(settings: Settings, config: CanaryConfig | None = None, now: float | None = None,
+           model_name: str = MODEL_NAME) -> CanaryStatus:
     """Versions, share, traffic per variant and the decision the controller would make now (nothing moves)."""
     config = config or CanaryConfig()
     now = time.time() if now is None else now
-    aliases = registry.aliases(settings)
+    aliases = registry.aliases(settings, check_model(model_name))
     try:
-        challenger, champion, tags = _challenger(settings)
+        challenger, champion, tags = _challenger(settings, model_name)
     except NoCanary as err:
-        return CanaryStatus(active=False, aliases=aliases, message=str(err))
+        return CanaryStatus(active=False, aliases=aliases, message=str(err), model=model_name)
     started = float(tags.get(STARTED_TAG, now))
     state = CanaryState(float(tags.get(SHARE_TAG, config.steps[0])), started)
     mode = _mode(tags)
@@ -161,12 +189,12 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
     journal = open_journal(settings)  # every replica's traffic when the journal is PostgreSQL
     evidence = None
     try:
-        stats = {"champion": journal.stats(champion, since=started),
-                 "challenger": journal.stats(challenger, since=started)}
+        stats = {"champion": _variant_stats(journal, model_name, champion, started),
+                 "challenger": _variant_stats(journal, model_name, challenger, started)}
         if stats["champion"].requests < config.min_requests:
             # At 100 % the champion serves nobody: compare with what it did since the canary began.
-            stats["champion"] = journal.stats(champion, since=canary_started)
-        if mode != "shadow":  # the CTR comparison accumulates over the whole experiment (always-valid)
+            stats["champion"] = _variant_stats(journal, model_name, champion, canary_started)
+        if mode != "shadow" and model_name == MODEL_NAME:  # accumulates over the whole experiment (always-valid)
             evidence = paired_evidence(journal, mode, champion, challenger, canary_started, config)
     finally:
         journal.close()
@@ -175,7 +203,7 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
     decision = decide(stats["champion"], stats["challenger"], state, config, now, load_error=tags.get(LOAD_FAILED_TAG),
                       evidence=evidence)
     return CanaryStatus(True, aliases, "", challenger, champion, state.share, mode, started, STARTED_TAG in tags,
-                        stats, decision, evidence.to_dict() if evidence else None)
+                        stats, decision, evidence.to_dict() if evidence else None, model=model_name)
 
 
 def _mode(tags: dict) -> Mode:
@@ -210,17 +238,18 @@ def _shadowed(challenger: VariantStats, champion: VariantStats) -> VariantStats:
                         impressions=champion.impressions, clicks=champion.clicks, online_auc=challenger.online_auc)
 
 
-def step(settings: Settings, config: CanaryConfig | None = None, now: float | None = None) -> CanaryStep:
+def step(settings: Settings, config: CanaryConfig | None = None, now: float | None = None,
+         model_name: str = MODEL_NAME) -> CanaryStep:
     """Judge the challenger and act: start, hold, step the share up, promote, or roll back. Logged to MLflow."""
     config = config or CanaryConfig()
     now = time.time() if now is None else now
-    current = status(settings, config, now)
+    current = status(settings, config, now, model_name)
     if not current.active:
         return CanaryStep(current, None)
     if not current.started:
-        return start(settings, config, mode=current.mode, now=now)
+        return start(settings, config, mode=current.mode, now=now, model_name=model_name)
     assert current.decision is not None
-    _apply(settings, current.challenger, current.decision, who="canary-controller", now=now)
+    _apply(settings, current.challenger, current.decision, who="canary-controller", now=now, model_name=model_name)
     _log(settings, current, current.decision)
     return CanaryStep(current, current.decision)
 
@@ -238,39 +267,42 @@ class ManualResult:
         return {"action": self.action, "target": self.target, "version": self.version, "aliases": self.aliases}
 
 
-def manual(settings: Settings, action: Literal["promote", "rollback"], reason: str, who: str = "operator"
-           ) -> ManualResult:
+def manual(settings: Settings, action: Literal["promote", "rollback"], reason: str, who: str = "operator",
+           model_name: str = MODEL_NAME) -> ManualResult:
     """An operator's promote or roll back of the challenger (or, with no challenger, of the champion)."""
-    challenger = registry.version_by_alias(settings, "challenger")
+    challenger = registry.version_by_alias(settings, "challenger", check_model(model_name))
     if challenger is None:
-        if action == "rollback" and registry.version_by_alias(settings, "previous"):
-            champion = registry.version_by_alias(settings, "champion")
-            return ManualResult("rollback", "champion", champion, registry.rollback(settings, who=who, why=reason))
-        raise NoCanary(f"nothing to {action}: no challenger" + (" and no previous champion" if action == "rollback"
-                                                               else ""))
-    current = status(settings)
+        if action == "rollback" and registry.version_by_alias(settings, "previous", model_name):
+            champion = registry.version_by_alias(settings, "champion", model_name)
+            return ManualResult("rollback", "champion", champion, registry.rollback(
+                settings, who=who, why=reason, model_name=model_name))
+        raise NoCanary(f"nothing to {action} of {model_name}: no challenger" + (
+            " and no previous champion" if action == "rollback" else ""))
+    current = status(settings, model_name=model_name)
     figures = current.decision.figures if current.decision else {}
     decision = CanaryDecision(action, 1.0 if action == "promote" else 0.0, (f"manual {action} by {who}: {reason}",),
                               figures)
-    _apply(settings, challenger, decision, who=who, now=time.time())
+    _apply(settings, challenger, decision, who=who, now=time.time(), model_name=model_name)
     _log(settings, current, decision)
-    return ManualResult(action, "challenger", challenger, registry.aliases(settings))
+    return ManualResult(action, "challenger", challenger, registry.aliases(settings, model_name))
 
 
-def _apply(settings: Settings, challenger: str, decision: CanaryDecision, who: str, now: float) -> None:
+def _apply(settings: Settings, challenger: str, decision: CanaryDecision, who: str, now: float,
+           model_name: str = MODEL_NAME) -> None:
     reasons = json.dumps(list(decision.reasons))
     if decision.action == "step":
-        registry.tag(settings, challenger, {SHARE_TAG: decision.share, STARTED_TAG: now})
+        registry.tag(settings, challenger, {SHARE_TAG: decision.share, STARTED_TAG: now}, model_name)
     elif decision.action == "promote":
         # The KPIs it earned in the canary are its baseline: the drift monitor judges decay against them.
         baseline = {f"kpi.baseline_{k}": decision.figures.get(f"challenger_{k}") for k in ("ctr", "auc", "impressions")}
         registry.tag(settings, challenger, {"canary.outcome": "promoted", "canary.reasons": reasons,
-                                            **{k: v for k, v in baseline.items() if v is not None and v == v}})
-        registry.promote(settings, challenger, who=who, why="; ".join(decision.reasons))
+                                            **{k: v for k, v in baseline.items() if v is not None and v == v}},
+                     model_name)
+        registry.promote(settings, challenger, who=who, why="; ".join(decision.reasons), model_name=model_name)
     elif decision.action == "rollback":
         registry.tag(settings, challenger, {"canary.outcome": "rolled_back", "canary.reasons": reasons,
-                                            SHARE_TAG: 0.0})
-        registry.remove_alias(settings, "challenger")
+                                            SHARE_TAG: 0.0}, model_name)
+        registry.remove_alias(settings, "challenger", model_name)
 
 
 def _log(settings: Settings, current: CanaryStatus, decision: CanaryDecision) -> None:
@@ -281,14 +313,16 @@ def _log(settings: Settings, current: CanaryStatus, decision: CanaryDecision) ->
     registry.configure(settings)
     experiment = registry.experiment(settings, EXPERIMENT)
     client = MlflowClient()
-    version = current.challenger
+    version, model_name = current.challenger, current.model
     assert version is not None
-    run_id = registry.version_info(settings, version).tags.get(RUN_TAG)
+    run_id = registry.version_info(settings, version, model_name).tags.get(RUN_TAG)
     if run_id is None:
-        run = client.create_run(experiment, run_name=f"canary-v{version}", tags={
-            "recloop.kind": "canary", "recloop.version": version, "recloop.champion": current.champion or ""})
+        prefix = "canary" if model_name == MODEL_NAME else "canary-retriever"
+        run = client.create_run(experiment, run_name=f"{prefix}-v{version}", tags={
+            "recloop.kind": "canary", "recloop.model": model_name, "recloop.version": version,
+            "recloop.champion": current.champion or ""})
         run_id = run.info.run_id
-        registry.tag(settings, version, {RUN_TAG: run_id})
+        registry.tag(settings, version, {RUN_TAG: run_id}, model_name)
     index = len(client.get_metric_history(run_id, "share"))
     metrics = {"share": decision.share, "action_code": {"hold": 0, "step": 1, "promote": 2, "rollback": -1}.get(
         decision.action, 0)}
@@ -300,6 +334,6 @@ def _log(settings: Settings, current: CanaryStatus, decision: CanaryDecision) ->
                          "at": time.time()}, f"canary/decision-{index:03d}.json")
         mlflow.set_tags({"canary.last_action": decision.action, "canary.last_reasons": "; ".join(decision.reasons)})
     registry.tag(settings, version, {"canary.last_action": decision.action,
-                                     "canary.last_reasons": "; ".join(decision.reasons)[:4000]})
+                                     "canary.last_reasons": "; ".join(decision.reasons)[:4000]}, model_name)
     if decision.action in ("promote", "rollback"):
         client.set_terminated(run_id, "FINISHED")

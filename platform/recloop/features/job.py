@@ -113,6 +113,7 @@ def _iso(t_us: int) -> str:
 
 
 PERIOD_HOURS = (1, 24, 168)
+MAX_PERIODS = 2_000  # nor more files than this for the first window (a sparse log over decades: weeks)
 MIN_ROWS_PER_PERIOD = 10  # the period is the shortest whose average period with events holds this many
 MAX_WINDOW_ROWS = 2_000_000
 
@@ -129,10 +130,11 @@ def _period_start(t_us, period_us: int):
 
 def choose_period_hours(ts_us: np.ndarray) -> int:
     """The shortest period (hour, day, week) whose periods with events hold ``MIN_ROWS_PER_PERIOD`` events on
-    average: a dense log keeps hourly files, a sparse one (ratings over years) gets fewer, fuller files."""
+    average and number at most ``MAX_PERIODS``: a dense log keeps hourly files, a sparse or long one (ratings
+    over years) gets fewer, fuller files."""
     for hours in PERIOD_HOURS:
         occupied = len(np.unique(_period_start(ts_us, hours * HOUR_US)))
-        if occupied and len(ts_us) / occupied >= MIN_ROWS_PER_PERIOD:
+        if occupied and len(ts_us) / occupied >= MIN_ROWS_PER_PERIOD and occupied <= MAX_PERIODS:
             return hours
     return PERIOD_HOURS[-1]
 

@@ -35,7 +35,9 @@ MAX_TRAIN_ROWS = 200_000
 NDCG_K = 10
 
 
-def ndcg_by_group(labels: np.ndarray, scores: np.ndarray, groups: np.ndarray | None, k: int = NDCG_K) -> float:
+def ndcg_by_group(
+    labels: np.ndarray, scores: np.ndarray, groups: np.ndarray | None, k: int = NDCG_K
+) -> float:
     """Mean NDCG@k over groups (users) with at least one positive and two rows; NaN when there are none."""
     if groups is None or len(labels) == 0:
         return math.nan
@@ -51,13 +53,17 @@ def ndcg_by_group(labels: np.ndarray, scores: np.ndarray, groups: np.ndarray | N
             continue
         top = gains[:k]
         ideal = np.sort(gains)[::-1][:k]
-        values.append(float((top * discounts[:len(top)]).sum() / (ideal * discounts[:len(ideal)]).sum()))
+        values.append(float((top * discounts[: len(top)]).sum() / (ideal * discounts[: len(ideal)]).sum()))
     return float(np.mean(values)) if values else math.nan
 
 
 def figures(labels: np.ndarray, scores: np.ndarray, groups: np.ndarray | None, probabilities: bool) -> dict:
     """AUC, log loss (for probabilities), NDCG@10 per group and the row count of one set of scores."""
-    out = {"auc": auc(labels, scores), "ndcg": ndcg_by_group(labels, scores, groups), "rows": int(len(labels))}
+    out = {
+        "auc": auc(labels, scores),
+        "ndcg": ndcg_by_group(labels, scores, groups),
+        "rows": int(len(labels)),
+    }
     out["logloss"] = log_loss(labels, scores) if probabilities else None
     return out
 
@@ -87,8 +93,9 @@ def _design(table: pa.Table, schema) -> tuple:
     n = table.num_rows
     blocks = []
     if schema.dense:
-        dense = np.column_stack([np.nan_to_num(table[c].to_numpy(zero_copy_only=False).astype(np.float64))
-                                 for c in schema.dense])
+        dense = np.column_stack(
+            [np.nan_to_num(table[c].to_numpy(zero_copy_only=False).astype(np.float64)) for c in schema.dense]
+        )
         blocks.append(sparse.csr_matrix(np.clip(dense, -10, 10)))
     for name, size in schema.categorical.items():
         ids = np.clip(table[name].to_numpy(zero_copy_only=False).astype(np.int64), 0, size - 1)
@@ -102,8 +109,13 @@ def _design(table: pa.Table, schema) -> tuple:
     return sparse.hstack(blocks, format="csr") if blocks else sparse.csr_matrix((n, 0))
 
 
-def score_baselines(train_files: Sequence[Path], held_out: Sequence[Path], schema, user_key: str | None = None,
-                    max_train_rows: int = MAX_TRAIN_ROWS) -> dict[str, dict]:
+def score_baselines(
+    train_files: Sequence[Path],
+    held_out: Sequence[Path],
+    schema,
+    user_key: str | None = None,
+    max_train_rows: int = MAX_TRAIN_ROWS,
+) -> dict[str, dict]:
     """The baselines' figures on ``held_out`` (see the module docstring); the logistic regression and the base
     rate learn from the newest ``max_train_rows`` rows of ``train_files``."""
     from sklearn.linear_model import LogisticRegression
@@ -113,18 +125,31 @@ def score_baselines(train_files: Sequence[Path], held_out: Sequence[Path], schem
     test = _read(held_out, inputs + extra)
     train = _read(train_files, inputs, max_train_rows)
     y_test = test[schema.label].to_numpy(zero_copy_only=False).astype(np.float64)
-    y_train = train[schema.label].to_numpy(zero_copy_only=False).astype(np.float64) if train.num_rows else y_test
-    groups = test[user_key].to_numpy(zero_copy_only=False) if user_key and user_key in test.column_names else None
+    y_train = (
+        train[schema.label].to_numpy(zero_copy_only=False).astype(np.float64) if train.num_rows else y_test
+    )
+    groups = (
+        test[user_key].to_numpy(zero_copy_only=False) if user_key and user_key in test.column_names else None
+    )
     rate = float(y_train.mean()) if len(y_train) else 0.5
     out = {"base_rate": {**figures(y_test, np.full(len(y_test), rate), groups, True), "rate": rate}}
 
     names = set(test.column_names)
     if {"d_user_ctr", "d_item_ctr"} <= names:
-        ctr = test["d_user_ctr"].to_numpy(zero_copy_only=False) + test["d_item_ctr"].to_numpy(zero_copy_only=False)
-        out["ctr"] = {**figures(y_test, ctr.astype(np.float64), groups, False), "inputs": "d_user_ctr + d_item_ctr"}
+        ctr = test["d_user_ctr"].to_numpy(zero_copy_only=False) + test["d_item_ctr"].to_numpy(
+            zero_copy_only=False
+        )
+        out["ctr"] = {
+            **figures(y_test, ctr.astype(np.float64), groups, False),
+            "inputs": "d_user_ctr + d_item_ctr",
+        }
     elif "d_item_ctr" in names:
-        out["ctr"] = {**figures(y_test, test["d_item_ctr"].to_numpy(zero_copy_only=False).astype(np.float64),
-                                groups, False), "inputs": "d_item_ctr"}
+        out["ctr"] = {
+            **figures(
+                y_test, test["d_item_ctr"].to_numpy(zero_copy_only=False).astype(np.float64), groups, False
+            ),
+            "inputs": "d_item_ctr",
+        }
 
     if train.num_rows >= 20 and 0 < y_train.sum() < len(y_train):
         model = LogisticRegression(C=1.0, solver="liblinear")  # 6x faster than lbfgs here, converged
@@ -138,7 +163,9 @@ def score_baselines(train_files: Sequence[Path], held_out: Sequence[Path], schem
 
 def best_auc(baselines: dict[str, dict]) -> tuple[str | None, float]:
     """The baseline with the highest AUC, and that AUC (NaN when none scored)."""
-    scored = [(v["auc"], k) for k, v in baselines.items() if v.get("auc") is not None and math.isfinite(v["auc"])]
+    scored = [
+        (v["auc"], k) for k, v in baselines.items() if v.get("auc") is not None and math.isfinite(v["auc"])
+    ]
     if not scored:
         return None, math.nan
     value, name = max(scored)
@@ -156,14 +183,26 @@ def failures(model_auc: float, baselines: dict[str, dict], margin: float | None)
 
 def report_markdown(model_figures: dict, baselines: dict[str, dict]) -> str:
     """The model next to the baselines, one row each (for the gate report, the training run, the replay)."""
-    def cell(value) -> str:
-        return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.4f}"
 
-    lines = ["", "## Baselines on the same held-out rows", "", "| model | AUC | log loss | NDCG@10 |",
-             "| --- | --- | --- | --- |",
-             f"| **model** | {cell(model_figures.get('auc'))} | {cell(model_figures.get('logloss'))} | "
-             f"{cell(model_figures.get('ndcg'))} |"]
+    def cell(value) -> str:
+        return (
+            "-"
+            if value is None or (isinstance(value, float) and not math.isfinite(value))
+            else f"{value:.4f}"
+        )
+
+    lines = [
+        "",
+        "## Baselines on the same held-out rows",
+        "",
+        "| model | AUC | log loss | NDCG@10 |",
+        "| --- | --- | --- | --- |",
+        f"| **model** | {cell(model_figures.get('auc'))} | {cell(model_figures.get('logloss'))} | "
+        f"{cell(model_figures.get('ndcg'))} |",
+    ]
     for name, scores in baselines.items():
-        lines.append(f"| {name} | {cell(scores.get('auc'))} | {cell(scores.get('logloss'))} | "
-                     f"{cell(scores.get('ndcg'))} |")
+        lines.append(
+            f"| {name} | {cell(scores.get('auc'))} | {cell(scores.get('logloss'))} | "
+            f"{cell(scores.get('ndcg'))} |"
+        )
     return "\n".join(lines) + "\n"

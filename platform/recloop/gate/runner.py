@@ -13,13 +13,21 @@ Example::
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from recloop.gate import baselines
-from recloop.gate.decision import GateDecision, GateThresholds, ModelScores, decide, report_markdown
+from recloop.gate.decision import (
+    GateDecision,
+    GateThresholds,
+    ModelScores,
+    decide,
+    report_markdown,
+    skipped_slices,
+)
 from recloop.gate.paired import HeldOut, PairedConfig, compare
 from recloop.settings import Settings
 
@@ -213,11 +221,34 @@ def _refuse_unloadable(settings: Settings, client, info, champion_version: str |
     report = report_markdown(decision, empty, None, version, champion_version, mode)
     client.log_text(info.run_id, report, f"gate_report_v{version}.md")
     registry.describe(settings, version, report)
-    registry.tag(settings, version, {"gate": "failed", "gate.reasons": json.dumps(reasons),
-                                     "gate.champion": champion_version or "",
-                                     "gate.window": "..".join(info.validation_window or ())})
+    registry.tag(settings, version, {"gate": "failed", "gate.detail": json.dumps({
+        "champion": champion_version, "window": list(info.validation_window or ()), "reasons": reasons})})
     return GateOutcome(version, False, tuple(reasons), None, champion_version, mode, champion_version is None,
                        empty, None, {}, report)
+
+
+def _log_gate_metrics(client, run_id: str, passed: bool, candidate: ModelScores, champion: ModelScores | None) -> None:
+    """The gate's figures as metrics on the candidate's training run (charted and compared in MLflow's UI):
+    ``gate_passed``, ``gate_auc``, ``gate_logloss``, ``gate_calibration``, the champion's on the same rows,
+    ``gate_auc_delta`` and ``gate_slice_auc_delta.<slice>`` (candidate minus champion)."""
+    import math
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    figures = {"gate_passed": 1.0 if passed else 0.0}
+    for name in ("auc", "logloss", "calibration"):
+        figures[f"gate_{name}"] = candidate.overall.get(name)
+        if champion is not None:
+            figures[f"gate_champion_{name}"] = champion.overall.get(name)
+    if champion is not None:
+        figures["gate_auc_delta"] = candidate.overall.get("auc", math.nan) - champion.overall.get("auc", math.nan)
+        for name, scores in candidate.slices.items():
+            if name in champion.slices:
+                key = "gate_slice_auc_delta." + name.replace("=", ".").replace(" ", "_")
+                figures[key] = scores.get("auc", math.nan) - champion.slices[name].get("auc", math.nan)
+    metrics = [Metric(k, float(v), now, 0) for k, v in figures.items() if v is not None and math.isfinite(float(v))]
+    client.log_batch(run_id, metrics=metrics)
 
 
 def run_gate(settings: Settings, candidate_version: str | None = None, thresholds: GateThresholds | None = None,
@@ -299,18 +330,21 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
             reasons.append(problem)
     passed = not reasons
     decision = GateDecision(passed, tuple(reasons), decision.figures, decision.first_model)
-    report = report_markdown(decision, candidate, champion, candidate_version, champion_version, mode)
+    report = report_markdown(decision, candidate, champion, candidate_version, champion_version, mode, thresholds)
     report += baselines.report_markdown(candidate.overall, baseline_figures)
     client.log_text(info.run_id, report, f"gate_report_v{candidate_version}.md")
     client.log_dict(info.run_id, baseline_figures, f"gate_baselines_v{candidate_version}.json")
+    _log_gate_metrics(client, info.run_id, passed, candidate, champion)
     registry.describe(settings, candidate_version, report)
     best_name, best_value = baselines.best_auc(baseline_figures)
     registry.tag(settings, candidate_version, {
-        "gate": "passed" if passed else "failed", "gate.reasons": json.dumps(reasons),
-        "gate.best_baseline": f"{best_name}:{best_value:.4f}" if best_name else "",
-        "gate.champion": champion_version or "", "gate.window": "..".join(info.validation_window or ()),
-        "gate.auc": candidate.overall.get("auc"),
-        "gate.champion_auc": champion.overall.get("auc") if champion else "",
+        "gate": "passed" if passed else "failed",
+        "gate.detail": json.dumps({
+            "champion": champion_version, "window": list(info.validation_window or ()), "reasons": reasons,
+            "auc": candidate.overall.get("auc"), "champion_auc": champion.overall.get("auc") if champion else None,
+            "best_baseline": {"name": best_name, "auc": best_value} if best_name else None,
+            "skipped_slices": skipped_slices(candidate, champion, thresholds), "thresholds": asdict(thresholds),
+        }, default=str),
     })
     alias = None
     if passed and champion_version is None:

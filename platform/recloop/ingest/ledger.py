@@ -17,7 +17,6 @@ A ledger written before the id set existed is filled from the lake once (``ensur
 
 from __future__ import annotations
 
-import fcntl
 import json
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator
@@ -190,14 +189,14 @@ class Ledger:
 
 @contextmanager
 def exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive advisory lock on ``path`` for the block: one ingest run at a time per lake."""
+    """Hold an exclusive lock on the lock file ``path`` for the block (``filelock``: one holder across
+    processes and threads), e.g. one ingest run at a time per lake. ``path`` is a file of its own: taking
+    the lock may truncate it."""
+    from filelock import FileLock
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    with FileLock(str(path)):
+        yield
 
 
 def _entry(row: tuple) -> LedgerEntry:

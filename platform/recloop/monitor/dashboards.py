@@ -1,8 +1,9 @@
 """The monitoring history as an Evidently workspace under ``$RECLOOP_HOME/evidently`` (``evidently ui``).
 
 One project, ``recloop``, with panels for the drift share over time, each monitored column's drift
-score, and the online KPIs of the serving model; every monitoring run adds a snapshot (the drift report,
-plus the KPIs of the served feedback in the same window). ``recloop up`` starts ``evidently ui`` on it.
+score, the unseen-id shares and the drift share against their thresholds, the decisions as markers, and
+the online KPIs of the serving model; every monitoring run adds snapshots (the drift report, the
+decision's figures, and the KPIs of the served feedback in the same window). ``recloop up`` starts ``evidently ui`` on it.
 
 Example::
 
@@ -27,9 +28,9 @@ def workspace_path(settings: Settings) -> Path:
     return path
 
 
-def project(settings: Settings, columns: tuple[str, ...] = ()):
+def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, ...] = ("user_id", "item_id")):
     """The workspace and its ``recloop`` project, created with its panels the first time (a per-column drift
-    bar for each of ``columns``: the dataset spec's monitored columns)."""
+    bar for each of ``columns``: the dataset spec's monitored columns; an unseen-id line per entity key)."""
     from evidently.sdk.models import PanelMetric
     from evidently.sdk.panels import bar_plot_panel, line_plot_panel
     from evidently.ui.workspace import Workspace
@@ -48,6 +49,24 @@ def project(settings: Settings, columns: tuple[str, ...] = ()):
                                    for column in columns],
         description="drift test statistic per column (higher = more different)"), tab="Drift")
     created.dashboard.add_panel(line_plot_panel(
+        "Unseen-id share vs its threshold", [
+            *(PanelMetric(legend=f"{key} unseen", metric="MeanValue",
+                          metric_labels={"column": f"{key}_unseen_share"}) for key in keys),
+            PanelMetric(legend="threshold", metric="MeanValue",
+                        metric_labels={"column": "new_id_share_threshold"})],
+        description="share of recent events on user or item ids unseen in the reference; drift at or above the "
+        "threshold (new_id_share): the figure that most often asks for a full retrain"), tab="Drift")
+    created.dashboard.add_panel(line_plot_panel(
+        "Drift share vs its threshold", [
+            PanelMetric(legend="drift share", metric="MeanValue", metric_labels={"column": "drift_share"}),
+            PanelMetric(legend="threshold", metric="MeanValue",
+                        metric_labels={"column": "drift_share_threshold"})],
+        description="share of drifted columns; drift at or above the threshold (drift_share)"), tab="Drift")
+    created.dashboard.add_panel(bar_plot_panel(
+        "Decisions: 1 = drift or KPI decay (a full retrain is requested unless cooling down), -1 = broken data",
+        [PanelMetric(legend="decision", metric="MeanValue", metric_labels={"column": "decision_code"})],
+        description="one bar per monitoring check: the retrain markers"), tab="Drift")
+    created.dashboard.add_panel(line_plot_panel(
         "Online CTR of the serving model", [PanelMetric(legend="online CTR", metric="MeanValue",
                                                         metric_labels={"column": "clicked"})],
         description="clicks / impressions from /feedback in the monitored window; the version is the run's tag"),
@@ -59,16 +78,33 @@ def project(settings: Settings, columns: tuple[str, ...] = ()):
     return workspace, created
 
 
+DECISION_CODES = {"ok": 0.0, "drift": 1.0, "kpi_decay": 1.0, "data_quality": -1.0}
+
+
 def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: str | None, when: datetime,
-               decision: str, columns: tuple[str, ...] = ()) -> str:
-    """Add one monitoring run: the drift report's snapshot, and (when there was feedback) a KPI snapshot."""
+               decision: str, columns: tuple[str, ...] = (), figures: dict | None = None, config=None) -> str:
+    """Add one monitoring run: the drift report's snapshot; the decision's own figures with the thresholds
+    they were held to (unseen-id shares, drift share, the decision as a marker); and (when there was
+    feedback) a KPI snapshot."""
     from evidently import DataDefinition, Dataset, Report
     from evidently.metrics import MeanValue
 
-    workspace, found = project(settings, columns)
+    from recloop.monitor.decision import MonitorConfig
+
+    config, figures = config or MonitorConfig(), figures or {}
+    keys = tuple(k.removesuffix("_unseen_share") for k in figures if k.endswith("_unseen_share"))
+    workspace, found = project(settings, columns, keys or ("user_id", "item_id"))
     tags = [f"decision:{decision}"] + ([f"model-version:{version}"] if version else [])
     drift_snapshot._tags = [*(drift_snapshot._tags or []), *tags]
     reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M}")
+    loop = {**{f"{key}_unseen_share": float(figures[f"{key}_unseen_share"]) for key in keys},
+            "new_id_share_threshold": float(config.new_id_share), "drift_share_threshold": float(config.drift_share),
+            "drift_share": float(figures.get("drift_share", drift_share_of(drift_snapshot))),
+            "decision_code": DECISION_CODES.get(decision, 0.0)}
+    data = Dataset.from_pandas(pd.DataFrame({k: [v] for k, v in loop.items()}),
+                               data_definition=DataDefinition(numerical_columns=list(loop)))
+    workspace.add_run(found.id, Report([MeanValue(column=c) for c in loop]).run(
+        current_data=data, tags=tags, timestamp=when.replace(tzinfo=None)), name=f"decision {when:%Y-%m-%d %H:%M}")
     if kpis and kpis.get("ctr") is not None:
         frame = pd.DataFrame({"clicked": [float(kpis["ctr"])],
                               "online_auc": [float(kpis["auc"]) if kpis.get("auc") is not None else float("nan")]})
@@ -77,3 +113,11 @@ def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: s
             current_data=data, tags=tags, timestamp=when.replace(tzinfo=None))
         workspace.add_run(found.id, snapshot, name=f"KPIs {when:%Y-%m-%d %H:%M}")
     return str(reference.id)
+
+
+def drift_share_of(snapshot) -> float:
+    """The share of drifted columns in a drift report's snapshot (its typed ``DriftedColumnsCount``)."""
+    for metric in snapshot.dict()["metrics"]:
+        if str(metric.get("metric_name") or metric.get("metric_id")).startswith("DriftedColumnsCount"):
+            return float(metric["value"]["share"])
+    return float("nan")

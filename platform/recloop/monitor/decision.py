@@ -158,16 +158,21 @@ def kpi_findings(kpis: dict[str, float | None], baseline: dict[str, float | None
 
 
 def _significant_drop(ctr: float, n: float | None, base: float, base_n: float | None, z: float) -> bool:
-    """A two-proportion z-test of the drop, when both sides' impression counts are known (else: assume it is).
+    """A two-proportion z-test of the drop (statsmodels', pooled variance), when both sides' impression counts
+    are known (else: assume it is).
 
     The baseline is measured on a canary step's few thousand impressions and the window on a day's: a 10 %
     difference between two such CTRs is often noise.
     """
     if not n or not base_n:
         return True
+    from statsmodels.stats.proportion import proportions_ztest
+
     pooled = (ctr * n + base * base_n) / (n + base_n)
-    spread = (pooled * (1 - pooled) * (1 / n + 1 / base_n)) ** 0.5
-    return spread == 0 or (base - ctr) / spread >= z
+    if pooled in (0.0, 1.0):  # no spread: any drop is real
+        return base > ctr
+    statistic, _ = proportions_ztest([base * base_n, ctr * n], [base_n, n], alternative="larger")
+    return statistic >= z
 
 
 def _auc_se(auc: float, positives: float, negatives: float) -> float:

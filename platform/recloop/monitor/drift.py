@@ -8,6 +8,7 @@ more than a few tens of thousands.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime
 
 import numpy as np
@@ -21,13 +22,18 @@ def sample(frame: pd.DataFrame, rows: int, seed: int) -> pd.DataFrame:
 
 
 def evidently_drift(reference: pd.DataFrame, current: pd.DataFrame, columns: list[str],
-                    config: MonitorConfig, timestamp: datetime | None = None
+                    config: MonitorConfig, timestamp: datetime | None = None, categorical: Collection[str] = ()
                     ) -> tuple[float, list[str], dict[str, float], object]:
-    """Share of drifted columns, the drifted ones, each column's drift score, and Evidently's snapshot."""
+    """Share of drifted columns, the drifted ones, each column's drift score, and Evidently's snapshot.
+
+    ``categorical``: columns typed categorical whatever their dtype (the dataset spec's categorical
+    columns: an integer id is a category, not a quantity); the rest are numeric when they are numbers with
+    more than 20 distinct values."""
     from evidently import DataDefinition, Dataset, Report
     from evidently.presets import DataDriftPreset
 
-    numeric = [c for c in columns if pd.api.types.is_numeric_dtype(reference[c]) and reference[c].nunique() > 20]
+    numeric = [c for c in columns if c not in categorical and pd.api.types.is_numeric_dtype(reference[c])
+               and reference[c].nunique() > 20]
     categorical = [c for c in columns if c not in numeric]
     definition = DataDefinition(numerical_columns=numeric, categorical_columns=categorical)
 

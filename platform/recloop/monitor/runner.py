@@ -158,7 +158,8 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
         monitored = tuple(c.name for c in spec.columns if c.role in ("categorical", "numeric"))
         snapshot_id = dashboards.record_run(settings, snapshots[0], kpis=decision.kpi or None,
                                             version=report.champion, when=current[1], decision=decision.decision,
-                                            columns=monitored)
+                                            columns=monitored, config=config,
+                                            figures={**decision.figures, "drift_share": decision.drift_share})
     return replace(report, mlflow_run_id=run_id, evidently_snapshot=snapshot_id)
 
 
@@ -192,6 +193,10 @@ def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, cu
         return too_few
     quality = quality_findings(ref, cur, monitored, config)
     healthy = [c for c in monitored if not any(f.startswith(f"{c}:") for f in quality)]
+    # The spec's integer categorical columns (``category``) are still typed by their values here: tested as
+    # categories (chi-square), a day's natural shift in category shares raised false drift alarms in the demo
+    # (tests/test_flows.py, day 1); ``evidently_drift(categorical=...)`` is ready once a test and threshold
+    # for them is chosen.
     share, drifted, scores, snapshot = evidently_drift(ref, cur, healthy, config, timestamp=current[1]) \
         if healthy else (0.0, [], {}, None)
     if snapshot is not None and on_snapshot is not None:

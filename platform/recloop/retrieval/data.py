@@ -50,6 +50,10 @@ class RetrievalFeatures:
         item_dense: float item attributes.
         raw_user, raw_item: the raw entity keys (int64), as requests name them.
         item_vocabulary: the vocabulary (column) whose admitted ids are the catalog.
+        item_attributes: the dataset's raw item columns (as requests name them) kept per catalog item: the
+            ranker is asked about retrieved items with these as their per-candidate context, and the
+            ordering rules read the category from them.
+        category: the attribute the per-category cap and boosts apply to ("" for none).
     """
 
     user_id: str = "c_user_id"
@@ -61,6 +65,8 @@ class RetrievalFeatures:
     raw_user: str = "user_id"
     raw_item: str = "item_id"
     item_vocabulary: str = "item_id"
+    item_attributes: tuple[str, ...] = ("category", "price")
+    category: str = "category"
 
     @property
     def user_tables(self) -> tuple[str, ...]:
@@ -225,3 +231,24 @@ def log_sampling_probability(counts: np.ndarray, smoothing: float = 1.0) -> np.n
     """log q per item: its share of the training clicks, smoothed so an unclicked item is not −inf."""
     counts = counts.astype(np.float64) + smoothing
     return np.log(counts / counts.sum()).astype(np.float32)
+
+
+def newest_attributes(events: pa.Table, item_key: str, timestamp: str, columns: tuple[str, ...],
+                      raw_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Each item's newest value of each raw attribute column in ``events`` (lake rows), aligned with
+    ``raw_ids``: float64, NaN where the item has no row or the value is null."""
+    out = {c: np.full(len(raw_ids), np.nan) for c in columns}
+    present = [c for c in columns if c in events.column_names]
+    if events.num_rows == 0 or not present:
+        return out
+    order = np.argsort(events[timestamp].cast(pa.int64()).to_numpy(), kind="stable")
+    items = events[item_key].combine_chunks().to_numpy(zero_copy_only=False)[order]
+    last = np.unique(items[::-1], return_index=True)  # (sorted ids, their newest row counted from the end)
+    ids, newest = last[0], len(items) - 1 - last[1]
+    position = np.searchsorted(ids, raw_ids)
+    found = (position < len(ids)) & (ids[np.minimum(position, len(ids) - 1)] == raw_ids)
+    rows = order[newest[position[found]]]
+    for column in present:
+        values = events[column].cast(pa.float64()).combine_chunks().to_numpy(zero_copy_only=False)
+        out[column][found] = values[rows]
+    return out

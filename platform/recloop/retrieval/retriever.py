@@ -44,13 +44,31 @@ class Retriever:
         catalog: the indexed items (vocabulary indices, raw ids, attributes).
         index: the catalog's vectors, searchable.
         item_clicks: (N,) training clicks per catalog item: the popularity fallback and baseline.
+        attributes: raw item attributes per catalog item, (N,) float64 each (NaN: unknown): what the
+            ranker is told about a retrieved item, and the category the ordering rules cap.
     """
 
     def __init__(self, model: TwoTowerModel, features: RetrievalFeatures, catalog: ItemCatalog, index: ItemIndex,
-                 item_clicks: np.ndarray):
+                 item_clicks: np.ndarray, attributes: dict[str, np.ndarray] | None = None):
         self.model, self.features, self.catalog, self.index = model, features, catalog, index
         self.item_clicks = np.asarray(item_clicks, dtype=np.int64)
+        self.attributes = {k: np.asarray(v, dtype=np.float64) for k, v in (attributes or {}).items()}
         self._popular = popularity_ranking(self.item_clicks, catalog.raw_ids, len(catalog))
+        self._by_id = np.argsort(catalog.raw_ids, kind="stable")
+        self._sorted_ids = catalog.raw_ids[self._by_id]
+
+    @property
+    def user_table_rows(self) -> int:
+        """Rows of the user-id table: a user index at or beyond it was admitted after this model trained."""
+        return self.model.user_tower.embeddings.layout.rows[0]
+
+    def positions(self, item_ids: np.ndarray) -> np.ndarray:
+        """Catalog positions of raw item ids (-1 for ids not in the catalog)."""
+        item_ids = np.asarray(item_ids, dtype=np.int64)
+        if len(self._sorted_ids) == 0:
+            return np.full(len(item_ids), -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(self._sorted_ids, item_ids), len(self._sorted_ids) - 1)
+        return np.where(self._sorted_ids[at] == item_ids, self._by_id[at], -1)
 
     @torch.no_grad()
     def user_vectors(self, rows: Rows, batch_size: int = 8192) -> torch.Tensor:
@@ -77,7 +95,8 @@ class Retriever:
     def save_items(self, folder: Path) -> None:
         catalog = self.catalog
         tensors = {"item_index": catalog.item_index, "raw_ids": catalog.raw_ids, "dense": catalog.dense,
-                   "clicks": self.item_clicks, **{f"categorical.{k}": v for k, v in catalog.categorical.items()}}
+                   "clicks": self.item_clicks, **{f"categorical.{k}": v for k, v in catalog.categorical.items()},
+                   **{f"attribute.{k}": v for k, v in self.attributes.items()}}
         save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()},
                   Path(folder) / "items.safetensors")
 
@@ -97,7 +116,8 @@ class Retriever:
         catalog = ItemCatalog(items["item_index"], items["raw_ids"],
                               {k.split(".", 1)[1]: v for k, v in items.items() if k.startswith("categorical.")},
                               items["dense"])
-        return cls(model, features, catalog, ItemIndex.load(folder, index_config), items["clicks"])
+        attributes = {k.split(".", 1)[1]: v for k, v in items.items() if k.startswith("attribute.")}
+        return cls(model, features, catalog, ItemIndex.load(folder, index_config), items["clicks"], attributes)
 
 
 def score_window(retriever: Retriever, files: list[Path], ks: tuple[int, ...] = (100, 500),

@@ -52,6 +52,7 @@ from recloop.retrieval.data import (
     click_counts,
     item_bags,
     log_sampling_probability,
+    newest_attributes,
     read_rows,
     user_bags,
 )
@@ -76,6 +77,8 @@ class RetrievalTrainConfig:
         eval_ks: the K of recall@K and NDCG@K in the summary (the largest is retrieved).
         seed, device: reproducibility and placement (``auto``: CUDA when present).
         model, features, index: the towers, which columns feed them, the ANN index.
+        spec: the dataset spec of the lake, a shipped name or a YAML path (the catalog's raw item attributes
+            are read from it).
     """
 
     mode: Literal["full", "incremental"] = "full"
@@ -90,6 +93,7 @@ class RetrievalTrainConfig:
     model: RetrievalConfig = field(default_factory=RetrievalConfig)
     features: RetrievalFeatures = field(default_factory=RetrievalFeatures)
     index: IndexConfig = field(default_factory=IndexConfig)
+    spec: str = "synthetic"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -202,7 +206,8 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
     vectors = item_vectors(model, catalog, features, device)
     index = ItemIndex.build(vectors.numpy(), catalog.raw_ids, config.index)
     item_clicks = counts[catalog.item_index]
-    retriever = Retriever(model, features, catalog, index, item_clicks)
+    retriever = Retriever(model, features, catalog, index, item_clicks,
+                          catalog_attributes(settings, config, catalog.raw_ids))
     scores = score_window(retriever, validation, config.eval_ks, oracle)
 
     summary = RetrievalSummary(
@@ -213,6 +218,18 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
         state_version=state.version, warm_start=base["path"] if base else None, grown_tables=grown)
     _save(run_dir, retriever, config, user_tables, item_tables, summary)
     return summary
+
+
+def catalog_attributes(settings: Settings, config: RetrievalTrainConfig, raw_ids: np.ndarray
+                       ) -> dict[str, np.ndarray]:
+    """The catalog items' newest raw attributes in the lake (``features.item_attributes``)."""
+    from recloop import datasets
+    from recloop.ingest.lake import read_window
+
+    spec = datasets.resolve(settings, config.spec, remember=False)
+    wanted = [c.name for c in spec.columns if c.name in config.features.item_attributes]
+    events = read_window(settings, spec, None, None, columns=[spec.item_key, spec.timestamp, *wanted])
+    return newest_attributes(events, spec.item_key, spec.timestamp, tuple(wanted), raw_ids)
 
 
 def fit(model: TwoTowerModel, clicks: Rows, features: RetrievalFeatures, log_q: torch.Tensor | None,

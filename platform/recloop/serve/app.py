@@ -1,4 +1,5 @@
-"""The serving API (FastAPI under uvicorn): ``/rank``, ``/feedback``, ``/healthz``, ``/metrics``, ``/admin/*``.
+"""The serving API (FastAPI under uvicorn): ``/rank``, ``/recommend``, ``/feedback``, ``/healthz``, ``/metrics``,
+``/admin/*``.
 
 - ``POST /rank`` scores up to 1000 candidates for a user with the live deployment: the champion, or the
   challenger for the sticky canary share of users (``canary.route``). A challenger that errors or
@@ -8,6 +9,8 @@
   team-draft interleaving; the journal keeps which model (team) put each shown item there, so a click
   is credited to it. ``RECLOOP_EXPLORE_SHARE`` of the other requests are served in a Plackett-Luce
   draw over the scores, with each position's propensity in the journal (off-policy estimates).
+- ``POST /recommend`` answers a user id alone with a catalog-wide recommendation: retrieve (the
+  retriever's champion or challenger), filter, rank (the ranker's), order (``recloop.serve.recommend``).
 - ``POST /feedback`` records impressions and clicks of a request (each event once) and, every
   ``RECLOOP_FEEDBACK_FLUSH_SECONDS``, the serving process writes new events to the landing zone as a
   parquet file in the dataset spec's columns: served traffic feeds the next retrain.
@@ -51,7 +54,7 @@ from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, 
 from recloop.serve.health import Readiness
 from recloop.serve.journal import FeedbackError, UnknownRequest, open_journal
 from recloop.serve.metrics import ServingMetrics
-from recloop.serve.models import Deployment, LoadFailure, ModelPool, score
+from recloop.serve.models import Deployment, LoadFailure, ModelPool, load_retriever, registry_wanted, score
 from recloop.settings import Settings
 
 log = logging.getLogger("recloop.serve")
@@ -127,22 +130,32 @@ class FeedbackRequest(BaseModel):
     clicks: list[Id] = Field(default_factory=list, max_length=MAX_CANDIDATES)
 
 
+ModelName = Literal["recloop-ranker", "recloop-retriever"]
+
+
 class CanaryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     share: float = Field(ge=0.0, le=1.0)
     mode: Literal["interleave", "canary", "shadow"] | None = None
+    model: ModelName = "recloop-ranker"
 
 
 class ReasonRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: str = Field(default="by an operator", max_length=500)
+    model: ModelName = "recloop-ranker"
 
 
 class Service:
     """Everything a request touches, built once per process."""
 
     def __init__(self, settings: Settings, spec: DatasetSpec, online: OnlineReader | None = None,
-                 pool: ModelPool | None = None):
+                 pool: ModelPool | None = None, retrievers: ModelPool | None = None):
+        from functools import partial
+
+        from recloop.registry import RETRIEVER_NAME
+        from recloop.serve.recommend import UnavailableItems
+
         self.settings, self.spec = settings, spec
         self.metrics = ServingMetrics(settings.home)
         self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec),
@@ -150,6 +163,13 @@ class Service:
         self.pool = pool or ModelPool(settings)
         self.pool.on_swap = lambda old, new: self._deployed(new)
         self.pool.on_load_failure = self._load_failed
+        # The retriever of /recommend: its own registered model, aliases, canary split (its own salt) and watcher.
+        self.retrievers = retrievers or ModelPool(settings, loader=load_retriever, salt="recloop-retriever-canary",
+                                                  source=partial(registry_wanted, model_name=RETRIEVER_NAME),
+                                                  name="retriever")
+        self.retrievers.on_swap = lambda old, new: self._retriever_deployed(new)
+        self.retrievers.on_load_failure = partial(self._load_failed, model_name=RETRIEVER_NAME)
+        self.unavailable = UnavailableItems(settings.unavailable_items_path)
         self.readiness = Readiness(self.pool, self.features)
         self.journal = open_journal(settings, spec)  # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas
         self._stop = threading.Event()
@@ -160,14 +180,19 @@ class Service:
         self.metrics.swaps.inc()
         self.metrics.deployment(live.versions, live.share, live.mode == "shadow")
 
-    def _load_failed(self, failure: LoadFailure) -> None:
+    def _retriever_deployed(self, live: Deployment) -> None:
+        self.metrics.retriever_swaps.inc()
+        self.metrics.retriever_deployment(live.versions, live.share)
+
+    def _load_failed(self, failure: LoadFailure, model_name: str | None = None) -> None:
         """Mark the version in the registry: the canary controller rolls back a challenger so marked."""
         from recloop import registry
         from recloop.canary.controller import LOAD_FAILED_TAG
 
         try:
             registry.tag(self.settings, failure.version, {LOAD_FAILED_TAG: failure.reason[:4000],
-                                                          f"{LOAD_FAILED_TAG}_at": failure.at})
+                                                          f"{LOAD_FAILED_TAG}_at": failure.at},
+                         model_name or registry.MODEL_NAME)
         except Exception as err:  # noqa: BLE001 - the registry may be what is down; the watcher retries
             log.warning("could not mark v%s as failing to load: %s", failure.version, err)
 
@@ -175,11 +200,15 @@ class Service:
         torch.set_num_threads(max(1, self.settings.serve_torch_threads))
         self.pool.try_sync()  # a registry that does not answer costs seconds; the watcher retries it
         self._deployed(self.pool.live)
+        self.retrievers.try_sync()
+        self._retriever_deployed(self.retrievers.live)
+        _single_threaded_faiss()
         # Everything loaded so far (MLflow, Feast, torch, the models) lives as long as the process: move it
         # out of the collector's reach, so a full collection does not pause requests for hundreds of ms.
         gc.collect()
         gc.freeze()
         self.pool.start()
+        self.retrievers.start()
 
         def flush_feedback() -> None:
             while not self._stop.wait(self.settings.feedback_flush_seconds):
@@ -193,6 +222,7 @@ class Service:
         gc.unfreeze()  # frozen objects are never finalized: native modules would report them as leaked at exit
         self._stop.set()
         self.pool.stop()
+        self.retrievers.stop()
         if self._flusher:
             self._flusher.join(timeout=10)
         self.land_feedback()
@@ -301,6 +331,16 @@ class Service:
         return values, status
 
 
+def _single_threaded_faiss() -> None:
+    """One FAISS thread per search: requests already run in parallel (``serve_threads``), and OpenMP
+    threads on top of them fight over the same cores."""
+    try:
+        import faiss
+    except ImportError:  # no retriever can load either; /recommend says so
+        return
+    faiss.omp_set_num_threads(1)
+
+
 # --- routes: every handler reads the process's Service from the app's state -----------------------------------
 
 public = APIRouter()
@@ -356,8 +396,16 @@ def healthz(svc: ServiceDep) -> JSONResponse:
     body = {"ready": verdict.ready, "reasons": list(verdict.reasons), "versions": live.versions,
             "share": live.share, "mode": live.mode, "feature_state": svc.features.state_version,
             "swaps": svc.pool.swaps, "watcher_error": svc.pool.last_error,
-            "load_failures": {v: f.reason for v, f in svc.pool.failures.items()}}
+            "load_failures": {v: f.reason for v, f in svc.pool.failures.items()},
+            "retriever": _retriever_health(svc)}
     return JSONResponse(body, status_code=200 if verdict.ready else 503)
+
+
+def _retriever_health(svc: Service) -> dict:
+    """The retriever's deployment (``/recommend``; ``/rank`` does not need one, so readiness does not either)."""
+    pool = svc.retrievers
+    return {"versions": pool.live.versions, "share": pool.live.share, "mode": pool.live.mode, "swaps": pool.swaps,
+            "watcher_error": pool.last_error, "load_failures": {v: f.reason for v, f in pool.failures.items()}}
 
 
 @public.get("/metrics")
@@ -369,12 +417,14 @@ def metrics(svc: ServiceDep) -> Response:
 def reload(svc: ServiceDep) -> dict:
     try:
         swapped = svc.pool.sync(force=True)  # versions that failed to load are tried (and fetched) again
+        retriever_swapped = svc.retrievers.sync(force=True)
     except ServiceUnavailable as err:
         raise HTTPException(503, str(err)) from err
     svc.features.refresh()
     return {"swapped": swapped, "versions": svc.pool.live.versions, "share": svc.pool.live.share,
             "feature_state": svc.features.state_version,
-            "load_failures": {v: f.reason for v, f in svc.pool.failures.items()}}
+            "load_failures": {v: f.reason for v, f in svc.pool.failures.items()},
+            "retriever": {**_retriever_health(svc), "swapped": retriever_swapped}}
 
 
 @admin.post("/canary", dependencies=[Depends(require_admin)])
@@ -382,33 +432,38 @@ def set_canary(body: CanaryRequest, svc: ServiceDep) -> dict:
     from recloop.canary import controller
 
     try:
-        state = controller.set_share(svc.settings, body.share, body.mode, who="admin-api")
+        state = controller.set_share(svc.settings, body.share, body.mode, who="admin-api", model_name=body.model)
     except controller.NoCanary as err:
         raise HTTPException(409, str(err)) from err
-    live = svc.pool.set_share(state["share"], state["mode"])
-    svc.metrics.deployment(live.versions, live.share, live.mode == "shadow")
+    if body.model == "recloop-retriever":
+        live = svc.retrievers.set_share(state["share"], state["mode"])
+        svc.metrics.retriever_deployment(live.versions, live.share)
+    else:
+        live = svc.pool.set_share(state["share"], state["mode"])
+        svc.metrics.deployment(live.versions, live.share, live.mode == "shadow")
     return state
 
 
-def _manual(action: Literal["promote", "rollback"], reason: str, svc: Service) -> dict:
+def _manual(action: Literal["promote", "rollback"], body: ReasonRequest, svc: Service) -> dict:
     from recloop.canary import controller
 
     try:
-        result = controller.manual(svc.settings, action, reason, who="admin-api")
+        result = controller.manual(svc.settings, action, body.reason, who="admin-api", model_name=body.model)
     except controller.NoCanary as err:
         raise HTTPException(409, str(err)) from err
-    svc.pool.try_sync()  # the aliases moved; a version that does not load is reported by /healthz
+    # the aliases moved; a version that does not load is reported by /healthz
+    (svc.retrievers if body.model == "recloop-retriever" else svc.pool).try_sync()
     return result.to_dict()
 
 
 @admin.post("/promote", dependencies=[Depends(require_admin)])
 def promote(body: ReasonRequest, svc: ServiceDep) -> dict:
-    return _manual("promote", body.reason, svc)
+    return _manual("promote", body, svc)
 
 
 @admin.post("/rollback", dependencies=[Depends(require_admin)])
 def rollback(body: ReasonRequest, svc: ServiceDep) -> dict:
-    return _manual("rollback", body.reason, svc)
+    return _manual("rollback", body, svc)
 
 
 @admin.post("/flush", dependencies=[Depends(require_admin)])
@@ -425,7 +480,8 @@ async def invalid_request(request: Request, err: RequestValidationError) -> JSON
 
 
 def create_app(settings: Settings | None = None, spec: DatasetSpec | str | None = None, *,
-               online: OnlineReader | None = None, pool: ModelPool | None = None) -> FastAPI:
+               online: OnlineReader | None = None, pool: ModelPool | None = None,
+               retrievers: ModelPool | None = None) -> FastAPI:
     """The serving app: the service starts with the app (models loaded, watcher and feedback threads) and
     stops with it. ``spec``: a spec, a name or a path; None: the home's (``recloop.datasets``)."""
     from recloop import datasets
@@ -440,7 +496,7 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str | None 
         # Requests beyond this many wait in the event loop instead of adding threads that fight over the GIL:
         # past capacity, dozens of threads make every request slower and the throughput collapse.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.serve_threads
-        service = Service(settings, spec, online, pool)
+        service = Service(settings, spec, online, pool, retrievers)
         service.start()
         app.state.service = service
         yield
@@ -449,7 +505,10 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str | None 
     app = FastAPI(title="recloop serving", version="1", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.serve_max_body_bytes)
     app.add_exception_handler(RequestValidationError, invalid_request)
+    from recloop.serve.recommend import router as recommend  # it imports this module's request types
+
     app.include_router(public)
+    app.include_router(recommend)
     app.include_router(admin)
     return app
 

@@ -60,14 +60,17 @@ CREATE TABLE IF NOT EXISTS requests (
     variant TEXT NOT NULL, served_version TEXT NOT NULL, latency_ms REAL NOT NULL, payload TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS requests_by_time ON requests (at);
 CREATE INDEX IF NOT EXISTS requests_by_event_time ON requests (ts_us);
+CREATE INDEX IF NOT EXISTS requests_by_user ON requests (user_id, ts_us);
 CREATE TABLE IF NOT EXISTS evaluations (
     request_id TEXT NOT NULL, version TEXT NOT NULL, role TEXT NOT NULL, status TEXT NOT NULL,
     latency_ms REAL NOT NULL, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS evaluations_by_version ON evaluations (version, at);
+CREATE INDEX IF NOT EXISTS evaluations_by_request ON evaluations (request_id);
 CREATE TABLE IF NOT EXISTS feedback (
     event_id TEXT PRIMARY KEY, request_id TEXT NOT NULL, item_id INTEGER NOT NULL, label INTEGER NOT NULL,
     at REAL NOT NULL, served_version TEXT NOT NULL, scores TEXT NOT NULL, landed_file TEXT);
 CREATE INDEX IF NOT EXISTS feedback_by_time ON feedback (at);
+CREATE INDEX IF NOT EXISTS feedback_by_request ON feedback (request_id);
 CREATE INDEX IF NOT EXISTS feedback_unlanded ON feedback (landed_file) WHERE landed_file IS NULL;
 """
 
@@ -373,6 +376,42 @@ class Journal:
             f"WHERE {' AND '.join(where)} GROUP BY r.user_id", params)
         table = np.array(rows, dtype=np.float64).reshape(-1, 3)
         return table[:, 0].astype(np.int64), table[:, 1], table[:, 2]
+
+
+    # --- what the recommendation path reads ------------------------------------------------------------
+
+    def recent_items(self, user_id: int, since_us: int) -> dict[int, tuple[float, bool]]:
+        """Items shown to ``user_id`` in requests whose event time is at or after ``since_us``, with feedback
+        recorded: item → (last event time in seconds, clicked?). Over every replica (with PostgreSQL)."""
+        rows = self._query(
+            "SELECT f.item_id, MAX(r.ts_us), MAX(f.label) FROM feedback f JOIN requests r USING (request_id) "
+            "WHERE r.user_id = ? AND r.ts_us >= ? GROUP BY f.item_id", [int(user_id), int(since_us)])
+        return {int(item): (ts_us / 1e6, bool(clicked)) for item, ts_us, clicked in rows}
+
+    def retriever_stats(self, version: str, since: float | None = None) -> VariantStats:
+        """What retriever ``version`` did (its journal name, ``retriever_key``): requests, errors and p99 of
+        its retrievals (served and shadow), and the impressions and clicks of the requests it served.
+        The ranker's scores say nothing about a retriever, so there is no online AUC."""
+        self.flush()
+        key = retriever_key(version)
+        since_sql, params = ("AND r.at >= ?", [since]) if since is not None else ("", [])
+        evaluations = self._query(
+            f"SELECT e.status, e.latency_ms FROM evaluations e JOIN requests r USING (request_id) "
+            f"WHERE e.version = ? {since_sql}", [key, *params])
+        feedback = self._query(
+            f"SELECT f.label FROM feedback f JOIN requests r USING (request_id) JOIN evaluations e "
+            f"ON e.request_id = f.request_id WHERE e.version = ? AND e.role = 'served' {since_sql}", [key, *params])
+        latencies = np.array([ms for _, ms in evaluations], dtype=np.float64)
+        return VariantStats(
+            requests=len(evaluations), errors=sum(s == "error" for s, _ in evaluations),
+            nan_responses=sum(s == "nan" for s, _ in evaluations),
+            p99_ms=float(np.percentile(latencies, 99)) if len(latencies) else 0.0,
+            impressions=len(feedback), clicks=int(sum(label for (label,) in feedback)), online_auc=None)
+
+
+def retriever_key(version: str) -> str:
+    """How a retriever version is named in the journal's evaluations (ranker versions are bare numbers)."""
+    return f"retriever:{version}"
 
 
 class SqliteJournal(Journal):

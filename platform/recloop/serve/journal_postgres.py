@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS requests (
     payload TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS requests_by_time ON requests (at);
 CREATE INDEX IF NOT EXISTS requests_by_event_time ON requests (ts_us);
+CREATE INDEX IF NOT EXISTS requests_by_user ON requests (user_id, ts_us);
 CREATE TABLE IF NOT EXISTS evaluations (
     request_id TEXT NOT NULL, version TEXT NOT NULL, role TEXT NOT NULL, status TEXT NOT NULL,
     latency_ms DOUBLE PRECISION NOT NULL, at DOUBLE PRECISION NOT NULL);

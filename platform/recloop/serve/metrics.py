@@ -82,6 +82,19 @@ class ServingMetrics:
         self.model_info = Gauge("recloop_model_info", "The version serving under each alias (value 1)",
                                 ["alias", "version"], registry=r)
         self.swaps = Counter("recloop_model_swaps", "Deployments swapped in", registry=r)
+        # The recommendation path (/recommend): its stages, its answers, the retriever's deployment.
+        self.stage_latency = Histogram("recloop_recommend_stage_seconds", "Time of each stage of /recommend "
+                                       "(retrieve, filter, rank, order; total: the whole request)", ["stage"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.recommendations = Counter("recloop_recommendations", "/recommend answers by routed retriever "
+                                       "variant, retriever version and source (retrieval, popularity)",
+                                       ["variant", "version", "source"], registry=r)
+        self.retriever_info = Gauge("recloop_retriever_info", "The retriever version serving under each alias "
+                                    "(value 1)", ["alias", "version"], registry=r)
+        self.retriever_share = Gauge("recloop_retriever_canary_share", "Share of users routed to the challenger "
+                                     "retriever", registry=r)
+        self.retriever_swaps = Counter("recloop_retriever_swaps", "Retriever deployments swapped in", registry=r)
+        self._retriever_labels: list[tuple[str, str]] = []
         self._counts: dict[str, list[int]] = {}
         self._info_labels: list[tuple[str, str]] = []
 
@@ -102,3 +115,11 @@ class ServingMetrics:
             self.model_info.labels(*labels).set(1)
         self.canary_share.set(share)
         self.shadow.set(1 if shadow else 0)
+
+    def retriever_deployment(self, versions: dict[str, str | None], share: float) -> None:
+        for labels in self._retriever_labels:
+            self.retriever_info.labels(*labels).set(0)
+        self._retriever_labels = [(alias, version) for alias, version in versions.items() if version is not None]
+        for labels in self._retriever_labels:
+            self.retriever_info.labels(*labels).set(1)
+        self.retriever_share.set(share)

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import pyarrow as pa
 import torch
@@ -29,6 +29,9 @@ from recloop.data.loader import rows_to_batch
 from recloop.endpoints import ServiceUnavailable
 from recloop.model import RankingModel
 from recloop.settings import Settings
+
+if TYPE_CHECKING:
+    from recloop.retrieval.retriever import Retriever
 
 log = logging.getLogger("recloop.serve")
 
@@ -72,23 +75,24 @@ class Wanted:
     challenger: str | None
     share: float
     mode: CanaryMode
-    salt: str = "recloop-canary"
+    salt: str | None = None  # the experiment's salt (tag ``canary.salt``); None: the pool's own
 
 
-def registry_wanted(settings: Settings) -> Wanted:
-    """Aliases and the challenger's canary tags, from the MLflow registry."""
+def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted:
+    """Aliases and the challenger's canary tags of a registered model (default: the ranker), from MLflow."""
     from mlflow import MlflowClient
 
     from recloop import registry
     from recloop.canary.controller import MODE_TAG, SALT_TAG, SHARE_TAG
 
+    model_name = model_name or registry.MODEL_NAME
     registry.configure(settings)
     client = MlflowClient()
-    champion = registry.version_by_alias(settings, "champion")
-    challenger = registry.version_by_alias(settings, "challenger")
-    share, mode, salt = 0.0, "canary", "recloop-canary"
+    champion = registry.version_by_alias(settings, "champion", model_name)
+    challenger = registry.version_by_alias(settings, "challenger", model_name)
+    share, mode, salt = 0.0, "canary", None
     if challenger is not None:
-        tags = client.get_model_version(registry.MODEL_NAME, challenger).tags
+        tags = client.get_model_version(model_name, challenger).tags
         share = float(tags.get(SHARE_TAG, 0.0))
         mode = tags.get(MODE_TAG) if tags.get(MODE_TAG) in ("interleave", "shadow") else "canary"
         salt = tags.get(SALT_TAG, salt)  # each experiment's own split of users
@@ -115,6 +119,31 @@ def load_version(settings: Settings, version: str) -> LoadedModel:
 
 
 @dataclass(frozen=True)
+class LoadedRetriever:
+    """A registered retriever version: towers, catalog with its raw attributes, and the item index."""
+
+    version: str
+    retriever: Retriever
+
+
+def load_retriever(settings: Settings, version: str) -> LoadedRetriever:
+    """A registered ``recloop-retriever`` version, downloaded and verified (``checkpoint.resolve``), on the CPU;
+    fetched once more when a verified copy still does not load (as ``load_version``)."""
+    from recloop import checkpoint
+    from recloop.registry import RETRIEVER_NAME
+    from recloop.retrieval.retriever import Retriever
+
+    try:
+        return LoadedRetriever(version, Retriever.load(checkpoint.resolve(settings, version, RETRIEVER_NAME)))
+    except (checkpoint.CheckpointError, ServiceUnavailable):
+        raise
+    except Exception as err:  # noqa: BLE001 - the bytes are bad, not the caller
+        log.warning("retriever v%s does not load (%s): fetching it again", version, err)
+        folder = checkpoint.resolve(settings, version, RETRIEVER_NAME, refetch=True)
+        return LoadedRetriever(version, Retriever.load(folder))
+
+
+@dataclass(frozen=True)
 class LoadFailure:
     """A version that could not be loaded: why, when, and when the watcher tries it again."""
 
@@ -135,9 +164,10 @@ class ModelPool:
 
     def __init__(self, settings: Settings, loader: Callable[[Settings, str], LoadedModel] = load_version,
                  source: Callable[[Settings], Wanted] = registry_wanted, cache_size: int = 4,
-                 retry_seconds: float = 60.0):
+                 retry_seconds: float = 60.0, salt: str = "recloop-canary", name: str = "model"):
         self.settings = settings
-        self.live = Deployment()
+        self.salt, self.name = salt, name
+        self.live = Deployment(salt=salt)
         self.swaps = 0
         self.last_error: str | None = None
         self.failures: dict[str, LoadFailure] = {}
@@ -195,16 +225,18 @@ class ModelPool:
             if challenger is not None and champion is not None and challenger.version == champion.version:
                 challenger = None
             share = wanted.share if challenger else 0.0
-            new = Deployment(champion, challenger, share, wanted.mode, wanted.salt)
+            salt = wanted.salt or self.salt  # the experiment's own salt (set at its start), else the pool's
+            new = Deployment(champion, challenger, share, wanted.mode, salt)
             if new.versions == current.versions:
-                if (share, wanted.mode, wanted.salt) != (current.share, current.mode, current.salt):
-                    self.live = replace(current, share=share, mode=wanted.mode, salt=wanted.salt)
+                if (share, wanted.mode, salt) != (current.share, current.mode, current.salt):
+                    self.live = replace(current, share=share, mode=wanted.mode, salt=salt)
                 return False
             self.live = new  # the swap: one reference assignment
             self.swaps += 1
             if self.on_swap:
                 self.on_swap(current, new)
-            log.info("serving champion v%s, challenger v%s at %.0f%%", *new.versions.values(), new.share * 100)
+            log.info("serving %s champion v%s, challenger v%s at %.0f%%", self.name, *new.versions.values(),
+                     new.share * 100)
             return True
 
     def set_share(self, share: float, mode: CanaryMode | None = None) -> Deployment:
@@ -230,7 +262,7 @@ class ModelPool:
                 self.try_sync()
                 self._stop.wait(self.settings.serve_poll_seconds)
 
-        self._thread = threading.Thread(target=watch, name="recloop-model-watcher", daemon=True)
+        self._thread = threading.Thread(target=watch, name=f"recloop-{self.name}-watcher", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

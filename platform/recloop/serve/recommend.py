@@ -1,0 +1,377 @@
+"""``POST /recommend``: a catalog-wide recommendation for a user, through the four stages of the path.
+
+::
+
+    {user_id, context, k, exclude}
+      │ retrieve  the retriever champion (or challenger, for its sticky canary share of users) embeds the
+      │           user (id, context, history) and takes the ``RECLOOP_RECOMMEND_CANDIDATES`` (500) nearest
+      │           catalog items from its index; a user its user table has no row for gets the catalog's
+      │           most clicked items instead (``source: popularity``, with the reason)
+      │ filter    drops the request's exclusions, items the catalog marks unavailable
+      │           (``$RECLOOP_HOME/catalog/unavailable.json``) and items the user was shown or clicked within
+      │           ``RECLOOP_RECOMMEND_SEEN_HOURS`` (what ``/feedback`` recorded in the journal, every replica's)
+      │ rank      the ranker champion (or challenger, by its own split) scores what is left, each item with
+      │           its catalog attributes as per-candidate context (the answering path of ``/rank``: a failing
+      │           challenger is never what the user gets)
+      │ order     boosted scores under the per-category cap (``retrieval.rules.order_items``) → top k
+      ▼
+    {request_id, items, retriever: {version, variant}, ranker: {version, variant}, source, candidates}
+
+The two canaries are independent: the retriever's split hashes the user with its own salt, so its
+challenger and the ranker's challenger see unrelated shares of users. Each stage's time goes to
+``recloop_recommend_stage_seconds{stage}``; the request is journaled like a ``/rank`` request (the top k
+with their context and scores, so ``/feedback`` works and lands the same events), with one evaluation row
+for the retriever (``retriever:<version>``) that its canary controller judges on.
+
+Example::
+
+    httpx.post(f"{url}/recommend", json={"user_id": 17, "context": {"device": "ios", "country": "DE"}, "k": 10})
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from fastapi import APIRouter, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+from recloop import canary
+from recloop.features.vocab import FIRST_INDEX
+from recloop.retrieval.data import Rows
+from recloop.retrieval.rules import FilterConfig, OrderConfig, filter_candidates, order_items
+from recloop.serve.app import ContextValue, Id, Service, ServiceDep
+from recloop.serve.features import RequestError
+from recloop.serve.health import PROBE_ENTITY
+from recloop.serve.journal import retriever_key
+
+log = logging.getLogger("recloop.serve")
+
+MAX_K = 100  # items one answer may hold
+MAX_EXCLUDE = 1000
+
+
+class RecommendRequest(BaseModel):
+    """A recommendation request: the user, the request's context (one value per column, a list only for a
+    list column such as the click history), how many items, and ids never to return."""
+
+    model_config = ConfigDict(extra="forbid")
+    user_id: Id
+    context: dict[str, ContextValue] = Field(default_factory=dict, max_length=64)
+    k: int = Field(default=10, ge=1, le=MAX_K)
+    exclude: list[Id] = Field(default_factory=list, max_length=MAX_EXCLUDE)
+    ts: datetime | None = None
+
+
+class RecommendedItem(BaseModel):
+    item_id: int
+    score: float
+
+
+class ModelUsed(BaseModel):
+    version: str
+    variant: Literal["champion", "challenger"]
+
+
+class RecommendResponse(BaseModel):
+    request_id: str
+    items: list[RecommendedItem]
+    retriever: ModelUsed
+    ranker: ModelUsed
+    source: Literal["retrieval", "popularity"]
+    fallback_reason: str | None = None
+    candidates: dict[str, int]
+
+
+class UnavailableItems:
+    """The catalog's unavailable items, re-read when the file changes (checked at most once a second).
+
+    The file is a JSON list of item ids; a missing file means every item is available. A file that does
+    not parse keeps the previous list (and says so in the log) rather than returning withdrawn items.
+    """
+
+    def __init__(self, path: Path, check_seconds: float = 1.0):
+        self.path, self.check_seconds = Path(path), check_seconds
+        self._ids: frozenset[int] = frozenset()
+        self._mtime: float | None = None
+        self._checked = 0.0
+        self._lock = threading.Lock()
+
+    def ids(self) -> frozenset[int]:
+        now = time.monotonic()
+        if now - self._checked < self.check_seconds:
+            return self._ids
+        with self._lock:
+            self._checked = now
+            try:
+                mtime = self.path.stat().st_mtime
+            except FileNotFoundError:
+                self._ids, self._mtime = frozenset(), None
+                return self._ids
+            if mtime != self._mtime:
+                try:
+                    raw = json.loads(self.path.read_text())
+                    self._ids = frozenset(int(i) for i in raw)
+                    self._mtime = mtime
+                except (ValueError, TypeError, OSError) as err:
+                    log.error(
+                        "%s is not a JSON list of item ids (%s): keeping the previous list", self.path, err
+                    )
+        return self._ids
+
+
+def write_unavailable(path: Path, item_ids: list[int]) -> None:
+    """Replace the catalog's unavailable items (written aside and renamed: a reader sees all or nothing)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(sorted({int(i) for i in item_ids})) + "\n")
+    tmp.replace(path)
+
+
+def user_rows(table, features) -> Rows:
+    """The retriever's user row from a request's feature rows (their first row)."""
+    columns = {c: table[c].to_numpy()[:1].astype(np.int64) for c in (features.user_id, *features.context)}
+    lists = {}
+    for name in features.history:
+        values = table[name][0].as_py() or []
+        lists[name] = (np.array([0, len(values)], dtype=np.int64), np.asarray(values, dtype=np.int64))
+    return Rows(columns, lists)
+
+
+def _candidate_context(retriever, positions: np.ndarray, spec) -> dict[str, list]:
+    """Each candidate's raw attributes, as a per-candidate context (ints for integer columns, None when unknown)."""
+    out = {}
+    dtypes = {c.name: c.dtype for c in spec.columns}
+    for name, values in retriever.attributes.items():
+        picked = values[positions]
+        integer = dtypes.get(name, "float64").startswith("int")
+        out[name] = [None if math.isnan(v) else (int(v) if integer else float(v)) for v in picked.tolist()]
+    return out
+
+
+def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
+    started = time.perf_counter()
+    metrics, settings = svc.metrics, svc.settings
+    live, retrievers = svc.pool.live, svc.retrievers.live  # this request's models, whatever swaps meanwhile
+    if live.champion is None:
+        raise HTTPException(503, svc.readiness.check().reasons[0])
+    if retrievers.champion is None:
+        raise HTTPException(503, _no_retriever(svc))
+    attributes = set(retrievers.champion.retriever.attributes)
+    given = sorted(attributes & set(body.context))
+    if given:
+        raise HTTPException(422, f"context {given}: item attributes come from the catalog, not the request")
+    ts = body.ts or datetime.now(UTC)
+    ts_us = int((ts if ts.tzinfo else ts.replace(tzinfo=UTC)).timestamp() * 1_000_000)
+
+    try:
+        per_candidate = sorted(k for k, v in svc.features.per_candidate(body.context).items() if v)
+    except KeyError:
+        per_candidate = []  # an unknown column: building the features says which
+    if per_candidate:
+        raise HTTPException(
+            422,
+            f"context {per_candidate}: /recommend takes one value per column (a list only "
+            "for a list column), not one per candidate",
+        )
+
+    # --- retrieve --------------------------------------------------------------------------------------
+    began = time.perf_counter()
+    try:
+        table, _ = svc.features.rows(body.user_id, [PROBE_ENTITY], body.context, ts_us)
+    except RequestError as err:
+        raise HTTPException(422, str(err)) from err
+    except Exception as err:  # noqa: BLE001 - no feature state, online store gone: unavailable, and why
+        log.error("features for a recommendation failed: %s: %s", type(err).__name__, err)
+        raise HTTPException(503, f"features unavailable: {type(err).__name__}: {err}") from err
+    canary_on = retrievers.challenger is not None and retrievers.mode == "canary"
+    retriever_variant = (
+        canary.route(body.user_id, retrievers.share, retrievers.salt) if canary_on else "champion"
+    )
+    routed = retrievers.challenger if retriever_variant == "challenger" else retrievers.champion
+    evaluations: list[tuple] = []
+    n = settings.recommend_candidates
+    found, source, reason, served_retriever = _retrieve(routed, table, n, evaluations, "served", metrics)
+    if found is None and routed is retrievers.challenger:  # never hand the user a broken answer
+        found, source, reason, served_retriever = _retrieve(
+            retrievers.champion, table, n, evaluations, "served", metrics
+        )
+    if found is None:
+        raise HTTPException(500, f"retriever v{served_retriever.version} could not retrieve for this request")
+    if retrievers.challenger is not None and retrievers.mode == "shadow":
+        _retrieve(retrievers.challenger, table, n, evaluations, "shadow", metrics)
+    retrieved = len(found)
+    metrics.stage_latency.labels("retrieve").observe(time.perf_counter() - began)
+
+    # --- filter ----------------------------------------------------------------------------------------
+    began = time.perf_counter()
+    recent = None
+    if settings.recommend_seen_hours > 0:
+        recent = svc.journal.recent_items(body.user_id, ts_us - int(settings.recommend_seen_hours * 3600e6))
+    kept, dropped = filter_candidates(
+        found,
+        FilterConfig(seen_hours=settings.recommend_seen_hours),
+        now_s=ts_us / 1e6,
+        recent=recent,
+        unavailable=svc.unavailable.ids(),
+        excluded=set(body.exclude),
+    )
+    retriever = served_retriever.retriever
+    positions = retriever.positions(kept)
+    kept, positions = kept[positions >= 0], positions[positions >= 0]
+    metrics.stage_latency.labels("filter").observe(time.perf_counter() - began)
+    counts = {
+        "retrieved": retrieved,
+        "excluded": dropped.excluded,
+        "unavailable": dropped.unavailable,
+        "seen": dropped.seen,
+        "ranked": len(kept),
+    }
+
+    # --- rank ------------------------------------------------------------------------------------------
+    began = time.perf_counter()
+    ranker_on = live.challenger is not None and live.mode == "canary"
+    ranker_variant = canary.route(body.user_id, live.share, live.salt) if ranker_on else "champion"
+    ranker = live.challenger if ranker_variant == "challenger" else live.champion
+    all_scores: dict[str, list[float]] = {}
+    per_item = _candidate_context(retriever, positions, svc.spec)
+    scores = np.zeros(0)
+    if len(kept):
+        context = {**body.context, **per_item}
+        try:
+            rows, fallbacks = svc.features.rows(body.user_id, kept.tolist(), context, ts_us)
+        except RequestError as err:
+            raise HTTPException(422, str(err)) from err
+        except Exception as err:  # noqa: BLE001
+            log.error("features for ranking recommendations failed: %s: %s", type(err).__name__, err)
+            raise HTTPException(503, f"features unavailable: {type(err).__name__}: {err}") from err
+        metrics.fallbacks.labels("user").inc(fallbacks.user)
+        metrics.fallbacks.labels("item").inc(fallbacks.items)
+        scores, status = svc._evaluate(ranker, rows, "served", evaluations, all_scores)
+        if status != "ok" and ranker is live.challenger:
+            ranker = live.champion
+            scores, status = svc._evaluate(ranker, rows, "served", evaluations, all_scores)
+            status = "fallback" if status == "ok" else status
+        if status not in ("ok", "fallback"):
+            metrics.requests.labels(ranker_variant, ranker.version, "error").inc()
+            raise HTTPException(500, f"model v{ranker.version} could not score this request ({status})")
+        if live.challenger is not None and live.mode == "shadow":
+            svc._evaluate(live.challenger, rows, "shadow", evaluations, all_scores)
+        metrics.requests.labels(ranker_variant, ranker.version, status).inc()
+    metrics.stage_latency.labels("rank").observe(time.perf_counter() - began)
+
+    # --- order -----------------------------------------------------------------------------------------
+    began = time.perf_counter()
+    category = retriever.features.category
+    categories = retriever.attributes.get(category, np.full(len(retriever.catalog), np.nan))[positions]
+    categories = np.where(np.isnan(categories), -1, categories).astype(np.int64)
+    order_config = OrderConfig(
+        category_cap=settings.recommend_category_cap or None, boosts=settings.recommend_boosts
+    )
+    top, boosted = order_items(kept, scores, categories, order_config, body.k)
+    metrics.stage_latency.labels("order").observe(time.perf_counter() - began)
+
+    request_id = uuid.uuid4().hex
+    latency_ms = (time.perf_counter() - started) * 1000
+    chosen = [int(np.flatnonzero(kept == item)[0]) for item in top.tolist()]
+    payload = {
+        "item_ids": top.tolist(),
+        "context": {**body.context, **{k: [v[i] for i in chosen] for k, v in per_item.items()}},
+        "per_candidate": {**svc.features.per_candidate(body.context), **{k: True for k in per_item}},
+        "scores": {v: [s[i] for i in chosen] for v, s in all_scores.items()},
+        "ranked": top.tolist(),
+        "route": "recommend",
+        "retriever": served_retriever.version,
+        "source": source,
+    }
+    now = time.time()
+    svc.journal.record(
+        (
+            request_id,
+            now,
+            ts_us,
+            body.user_id,
+            ranker_variant,
+            ranker.version,
+            latency_ms,
+            json.dumps(payload),
+        ),
+        [(request_id, *e, now) for e in evaluations],
+    )
+    metrics.recommendations.labels(retriever_variant, served_retriever.version, source).inc()
+    metrics.stage_latency.labels("total").observe(latency_ms / 1000)
+    return RecommendResponse(
+        request_id=request_id,
+        items=[RecommendedItem(item_id=int(i), score=float(s)) for i, s in zip(top, boosted, strict=True)],
+        retriever=ModelUsed(version=served_retriever.version, variant=retriever_variant),
+        ranker=ModelUsed(version=ranker.version, variant=ranker_variant),
+        source=source,
+        fallback_reason=reason,
+        candidates=counts,
+    )
+
+
+def _retrieve(loaded, table, n: int, evaluations: list, role: str, metrics):
+    """``loaded``'s candidates for the request's user row: (ids, source, reason, loaded), ids None on failure.
+
+    A user whose index the retriever's user table has no row for (unknown to the vocabularies, or admitted
+    after the retriever was trained) gets the catalog's most clicked items.
+    """
+    retriever = loaded.retriever
+    began = time.perf_counter()
+    user_index = int(table[retriever.features.user_id][0].as_py())
+    try:
+        if FIRST_INDEX <= user_index < retriever.user_table_rows:
+            found, _ = retriever.retrieve(user_rows(table, retriever.features), n)
+            ids, source, reason = found[0], "retrieval", None
+        else:
+            ids, source = retriever.popular(n), "popularity"
+            reason = (
+                f"the user is unknown to retriever v{loaded.version} (no row in its user table): the "
+                "catalog's most clicked items were ranked instead"
+            )
+        status = "ok"
+    except Exception as err:  # noqa: BLE001 - a failing retriever is data for its canary, not a crash
+        log.error("retriever v%s failed: %s: %s", loaded.version, type(err).__name__, err)
+        ids, source, reason, status = None, "retrieval", None, "error"
+    evaluations.append((retriever_key(loaded.version), role, status, (time.perf_counter() - began) * 1000))
+    metrics.evaluations.labels(retriever_key(loaded.version), role, status).inc()
+    return ids, source, reason, loaded
+
+
+def _no_retriever(svc: Service) -> str:
+    pool = svc.retrievers
+    if pool.last_error:
+        return f"no retriever is deployed: {pool.last_error}"
+    wanted = pool.wanted
+    if wanted is None or wanted.champion is None:
+        return (
+            "no retriever is deployed: the registry has no 'champion' alias of recloop-retriever (train and "
+            "gate a retriever first)"
+        )
+    failure = pool.failures.get(wanted.champion)
+    return f"no retriever is deployed: v{wanted.champion} does not load ({failure.reason if failure else 'not yet'})"
+
+
+# --- the route ----------------------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+@router.post("/recommend", response_model=RecommendResponse)
+def recommend_route(body: RecommendRequest, svc: ServiceDep) -> RecommendResponse:
+    try:
+        return recommend(svc, body)
+    except HTTPException as err:
+        if err.status_code < 500:
+            svc.metrics.invalid.labels("/recommend", str(err.status_code)).inc()
+        raise

@@ -1,0 +1,337 @@
+"""``/recommend`` end to end: a real server, the shared champion ranker, a retriever trained on the same
+lake and registered as ``recloop-retriever``; the filtering rules through the journal and the catalog
+file; bad input; and the retriever's canary (sticky split, promote, roll back) beside the ranker's."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from recloop import registry
+from recloop.canary import CanaryConfig, controller
+from recloop.registry import RETRIEVER_NAME
+from recloop.retrieval.data import read_rows
+from recloop.retrieval.gate import RetrievalThresholds
+from recloop.retrieval.publish import log_retriever, run_retrieval_gate
+from recloop.retrieval.retriever import Retriever
+from recloop.retrieval.train import RetrievalTrainConfig, train_retriever
+from recloop.serve.app import ServerThread, create_app
+from recloop.serve.recommend import write_unavailable
+from recloop.settings import Settings
+
+TOKEN = "s3cret-admin-token"
+TS = datetime(2026, 1, 3, 20, tzinfo=UTC).isoformat()  # inside the featurized days of the shared champion
+CONTEXT = {"device": "ios", "country": "DE"}
+
+
+@pytest.fixture(scope="module")
+def home(champion_home: Settings, tmp_path_factory, copy_home) -> Settings:
+    """The shared champion's home with a retriever trained on its lake, gated champion of recloop-retriever."""
+    settings = copy_home(
+        champion_home,
+        tmp_path_factory.mktemp("recommend") / "home",
+        feast=True,
+        admin_token=TOKEN,
+        serve_poll_seconds=0.1,
+        feedback_flush_seconds=3600,
+        recommend_candidates=200,
+    )
+    summary = train_retriever(
+        settings,
+        RetrievalTrainConfig(
+            days=3, epochs=1, batch_size=256, validation_hours=12, eval_ks=(100,), device="cpu"
+        ),
+    )
+    logged = log_retriever(settings, summary)
+    outcome = run_retrieval_gate(
+        settings, logged.version, RetrievalThresholds(k=100, min_recall=0.0, min_lift_over_popularity=0.0)
+    )
+    assert outcome["alias"] == "champion", outcome["reasons"]
+    return settings
+
+
+@pytest.fixture(scope="module")
+def app(home: Settings):
+    application = create_app(home)
+    with ServerThread(application) as server:
+        application.state.url = server.url
+        application.state.service.unavailable.check_seconds = 0.0  # read the catalog file on every request
+        yield application
+
+
+@pytest.fixture
+def http(app, home: Settings):
+    """A client, with the retriever deployment reset to champion v1 and no challenger."""
+    if registry.version_by_alias(home, "challenger", RETRIEVER_NAME):
+        registry.remove_alias(home, "challenger", RETRIEVER_NAME)
+    if registry.version_by_alias(home, "champion", RETRIEVER_NAME) != "1":
+        registry.set_alias(home, "champion", "1", model_name=RETRIEVER_NAME)
+    write_unavailable(home.unavailable_items_path, [])
+    with httpx.Client(base_url=app.state.url, timeout=30) as client:
+        wait_for(client, lambda h: h["retriever"]["versions"] == {"champion": "1", "challenger": None})
+        yield client
+
+
+def wait_for(client: httpx.Client, condition, timeout: float = 20.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        health = client.get("/healthz").json()
+        if condition(health):
+            return health
+        if time.time() > deadline:
+            raise AssertionError(f"the server never reached the expected state: {health}")
+        time.sleep(0.05)
+
+
+def known_users(home: Settings, count: int) -> list[int]:
+    training = sorted((home.home / "features" / "training").glob("*.parquet"))
+    users = read_rows(training[-24:], RetrievalTrainConfig().features).columns["user_id"]
+    return [int(u) for u in dict.fromkeys(users.tolist())][:count]
+
+
+def catalog(home: Settings) -> Retriever:
+    from recloop.retrieval.publish import retriever_folder
+
+    return Retriever.load(retriever_folder(home, "1"))
+
+
+def test_a_known_user_gets_k_items_from_the_catalog_named_by_both_models(http: httpx.Client, home: Settings):
+    user = known_users(home, 1)[0]
+    answer = http.post(
+        "/recommend", json={"user_id": user, "context": {**CONTEXT, "history": [3, 5]}, "k": 10, "ts": TS}
+    )
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    ids = [item["item_id"] for item in body["items"]]
+    assert len(ids) == 10 == len(set(ids))
+    assert body["retriever"] == {"version": "1", "variant": "champion"}
+    assert body["ranker"] == {"version": "1", "variant": "champion"}
+    assert body["source"] == "retrieval" and body["fallback_reason"] is None
+    assert body["candidates"]["retrieved"] == 200 and body["candidates"]["ranked"] <= 200
+    retriever = catalog(home)
+    positions = retriever.positions(np.array(ids))
+    assert (positions >= 0).all()  # every answer is a catalog item
+    categories = retriever.attributes["category"][positions]
+    assert np.unique(categories, return_counts=True)[1].max() <= home.recommend_category_cap
+    scores = [item["score"] for item in body["items"]]
+    assert (
+        scores == sorted(scores, reverse=True) or len(set(categories)) < 10
+    )  # best first (a cap can reorder)
+    metrics = http.get("/metrics").text
+    for stage in ("retrieve", "filter", "rank", "order", "total"):
+        assert f'recloop_recommend_stage_seconds_count{{stage="{stage}"}}' in metrics
+    assert 'recloop_recommendations_total{source="retrieval",variant="champion",version="1"}' in metrics
+    assert 'recloop_retriever_info{alias="champion",version="1"} 1.0' in metrics
+    assert 'recloop_model_evaluations_total{role="served",status="ok",version="retriever:1"}' in metrics
+
+
+def test_seen_excluded_and_unavailable_items_are_filtered(http: httpx.Client, home: Settings):
+    user = known_users(home, 2)[1]
+    request = {"user_id": user, "context": CONTEXT, "k": 10, "ts": TS}
+    first = http.post("/recommend", json=request).json()
+    shown = [item["item_id"] for item in first["items"]]
+    feedback = http.post(
+        "/feedback", json={"request_id": first["request_id"], "impressions": shown, "clicks": shown[:1]}
+    )
+    assert feedback.status_code == 200 and feedback.json()["accepted"] == 10
+    second = http.post("/recommend", json=request).json()
+    again = [item["item_id"] for item in second["items"]]
+    assert not set(again) & set(shown) and second["candidates"]["seen"] == 10  # shown within 24 h: left out
+    excluded, withdrawn = again[:3], again[3:5]
+    write_unavailable(home.unavailable_items_path, withdrawn)
+    third = http.post("/recommend", json={**request, "exclude": excluded}).json()
+    final = {item["item_id"] for item in third["items"]}
+    assert not final & (set(excluded) | set(withdrawn) | set(shown))
+    assert third["candidates"]["excluded"] == 3 and third["candidates"]["unavailable"] == 2
+    later = http.post(
+        "/recommend", json={**request, "ts": datetime(2026, 1, 5, tzinfo=UTC).isoformat()}
+    ).json()
+    assert later["candidates"]["seen"] == 0  # more than 24 h later the shown items may come back
+
+
+def test_an_unknown_user_gets_the_popular_items_and_is_told_so(http: httpx.Client, home: Settings):
+    answer = http.post("/recommend", json={"user_id": 10**12, "context": CONTEXT, "k": 5, "ts": TS})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["source"] == "popularity" and "unknown" in body["fallback_reason"]
+    popular = set(catalog(home).popular(200).tolist())
+    assert len(body["items"]) == 5 and {item["item_id"] for item in body["items"]} <= popular
+    assert body["retriever"]["version"] == "1" and body["ranker"]["version"] == "1"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"k": 0},
+        {"k": 101},
+        {"k": "ten"},
+        {"user_id": -1},
+        {"extra": 1},
+        {"context": {"category": 3}},
+        {"context": {"device": ["ios", "web"]}},
+        {"context": {"colour": "red"}},
+        {"exclude": list(range(1001))},
+    ],
+)
+def test_bad_requests_are_refused_with_422(http: httpx.Client, change: dict):
+    answer = http.post("/recommend", json={"user_id": 3, "context": CONTEXT, "k": 10, **change})
+    assert answer.status_code == 422, answer.text
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(http: httpx.Client, home: Settings):
+    answer = http.post(
+        "/recommend",
+        content=b'{"user_id": 1, "context": {"x": "' + b"a" * home.serve_max_body_bytes + b'"}}',
+        headers={"content-type": "application/json"},
+    )
+    assert answer.status_code == 413
+
+
+def twin(home: Settings, broken: bool = False) -> str:
+    """A new recloop-retriever version: the champion's folder registered again (its weights garbled if broken)."""
+    from recloop.retrieval.publish import retriever_folder
+    from recloop.retrieval.train import RetrievalSummary, read_state
+
+    source = retriever_folder(home, "1")
+    target = home.home / "retrieval" / f"twin-{time.time_ns()}"
+    shutil.copytree(source, target)
+    if broken:
+        (target / "model.safetensors").write_bytes(b"not a safetensors file")
+    else:
+        assert load_file(target / "model.safetensors")
+    summary = RetrievalSummary(**read_state(target)["summary"])
+    return log_retriever(
+        home, replace(summary, checkpoint=str(target), run_id=f"{summary.run_id}-{target.name}")
+    ).version
+
+
+def test_the_retriever_canary_splits_users_on_its_own_and_promotes(http: httpx.Client, home: Settings):
+    challenger = twin(home)
+    registry.set_alias(home, "challenger", challenger, who="test", model_name=RETRIEVER_NAME)
+    config = CanaryConfig(
+        steps=(0.5, 1.0),
+        bake_seconds=0,
+        min_requests=5,
+        min_feedback=15,
+        max_ctr_drop=1.0,
+        max_p99_ratio=100.0,
+    )
+    started = controller.step(home, config, model_name=RETRIEVER_NAME)  # not started yet: the step starts it
+    assert started.action == "start" and started.status.model == RETRIEVER_NAME
+    assert registry.aliases(home)["challenger"] is None  # the ranker's canary is untouched
+    wait_for(
+        http,
+        lambda h: h["retriever"]["versions"]["challenger"] == challenger and h["retriever"]["share"] == 0.5,
+    )
+    users = known_users(home, 20)
+    seen = {}
+    for user in users * 2:
+        body = http.post("/recommend", json={"user_id": user, "context": CONTEXT, "k": 5, "ts": TS}).json()
+        assert body["ranker"] == {"version": "1", "variant": "champion"}
+        if user in seen:
+            assert body["retriever"] == seen[user]  # sticky: a user stays with one retriever
+        seen[user] = body["retriever"]
+        shown = [item["item_id"] for item in body["items"]]
+        http.post(
+            "/feedback", json={"request_id": body["request_id"], "impressions": shown, "clicks": shown[:1]}
+        )
+    variants = {v["variant"] for v in seen.values()}
+    assert variants == {"champion", "challenger"}
+    assert {v["version"] for v in seen.values() if v["variant"] == "challenger"} == {challenger}
+    status = controller.status(home, config, model_name=RETRIEVER_NAME)
+    assert status.stats["challenger"].requests >= 5 and status.stats["challenger"].impressions >= 15
+    assert status.stats["challenger"].online_auc is None  # a retriever has no scores of its own to judge
+    stepped = controller.step(home, config, model_name=RETRIEVER_NAME)
+    assert stepped.action == "step" and stepped.decision.share == 1.0, stepped.decision
+    wait_for(http, lambda h: h["retriever"]["share"] == 1.0)
+    for user in users[:10]:
+        body = http.post("/recommend", json={"user_id": user, "context": CONTEXT, "k": 5, "ts": TS}).json()
+        shown = [item["item_id"] for item in body["items"]]
+        http.post(
+            "/feedback", json={"request_id": body["request_id"], "impressions": shown, "clicks": shown[:1]}
+        )
+    promoted = controller.step(home, config, model_name=RETRIEVER_NAME)
+    assert promoted.action == "promote", promoted.decision
+    assert registry.aliases(home, RETRIEVER_NAME) == {
+        "champion": challenger,
+        "challenger": None,
+        "previous": "1",
+    }
+    assert registry.aliases(home)["champion"] == "1"
+    import mlflow
+
+    runs = mlflow.search_runs(
+        experiment_names=["recloop-canary"], filter_string=f"tags.`recloop.model` = '{RETRIEVER_NAME}'"
+    )
+    assert f"canary-retriever-v{challenger}" in set(runs["tags.mlflow.runName"])
+    wait_for(http, lambda h: h["retriever"]["versions"]["champion"] == challenger)
+
+
+def test_a_retriever_that_does_not_load_is_rolled_back_while_the_champion_serves(
+    http: httpx.Client, home: Settings
+):
+    broken = twin(home, broken=True)
+    registry.set_alias(home, "challenger", broken, who="test", model_name=RETRIEVER_NAME)
+    controller.start(home, CanaryConfig(), model_name=RETRIEVER_NAME)
+    health = wait_for(http, lambda h: broken in h["retriever"]["load_failures"])
+    assert health["retriever"]["versions"]["challenger"] is None
+    answer = http.post(
+        "/recommend", json={"user_id": known_users(home, 1)[0], "context": CONTEXT, "k": 5, "ts": TS}
+    )
+    assert answer.status_code == 200 and answer.json()["retriever"]["version"] == "1"
+    deadline = (
+        time.time() + 10
+    )  # the server tags the version as failing to load; the controller reads the tag
+    while controller.LOAD_FAILED_TAG not in registry.version_info(home, broken, RETRIEVER_NAME).tags:
+        assert time.time() < deadline, "the load failure was never recorded on the version"
+        time.sleep(0.05)
+    step = controller.step(home, CanaryConfig(), model_name=RETRIEVER_NAME)
+    assert step.action == "rollback" and "does not load" in step.decision.reasons[0]
+    assert registry.aliases(home, RETRIEVER_NAME)["challenger"] is None
+
+
+def test_admin_routes_act_on_the_model_they_name(http: httpx.Client, home: Settings):
+    challenger = twin(home)
+    registry.set_alias(home, "challenger", challenger, who="test", model_name=RETRIEVER_NAME)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    answer = http.post("/admin/canary", json={"share": 0.3, "model": RETRIEVER_NAME}, headers=auth)
+    assert answer.status_code == 200 and answer.json()["version"] == challenger
+    assert http.get("/healthz").json()["retriever"]["share"] == 0.3
+    assert (
+        http.post("/admin/canary", json={"share": 0.3}, headers=auth).status_code == 409
+    )  # the ranker has none
+    answer = http.post("/admin/rollback", json={"reason": "test", "model": RETRIEVER_NAME}, headers=auth)
+    assert answer.status_code == 200 and answer.json()["aliases"]["challenger"] is None
+
+
+def test_no_retriever_answers_503_with_the_reason(champion_home: Settings, tmp_path: Path, copy_home):
+    settings = copy_home(champion_home, tmp_path / "home", feast=True)
+    with ServerThread(create_app(settings)) as server:
+        answer = httpx.post(f"{server.url}/recommend", json={"user_id": 3, "k": 5}, timeout=30)
+        assert answer.status_code == 503 and "recloop-retriever" in answer.json()["detail"]
+        assert httpx.get(f"{server.url}/healthz", timeout=30).status_code == 200  # /rank does not need one
+
+
+def test_an_incremental_retriever_starts_from_the_retriever_champion(home: Settings):
+    """The retrain flow's retriever step: warm start from the registered champion (through the registry, not
+    a path on the trainer's disk); with no hour the champion has not seen, nothing is trained."""
+    from recloop import checkpoint, pipeline
+    from recloop.retrieval.train import RetrievalTrainError
+
+    champion = registry.version_by_alias(home, "champion", RETRIEVER_NAME)
+    base = pipeline.retriever_warm_start(home)
+    assert base == checkpoint.resolve(home, champion, RETRIEVER_NAME) and (base / "state.json").exists()
+    versions = registry.aliases(home, RETRIEVER_NAME)
+    with pytest.raises(RetrievalTrainError, match="nothing new to train on"):
+        pipeline.train_and_register_retriever(
+            home, RetrievalTrainConfig(mode="incremental", validation_hours=12, device="cpu")
+        )
+    assert registry.aliases(home, RETRIEVER_NAME) == versions
