@@ -48,4 +48,9 @@ def drift_flow(spec: str | None = None, hours: int = 24, now: float | None = Non
         if retrain_inline:
             result["retrain"] = retrain_flow(mode="full", reason=verdict["reason"], spec=spec,
                                              settings=settings, **(retrain_parameters or {}))
+            gate = result["retrain"].get("gate") or {}
+            # the cool-down starts only when a retrain is deployed; a refused one is asked for again next check
+            runner.record_retrain_outcome(settings_from(settings), deployed=bool(gate.get("passed")),
+                                          now=time.time() if now is None else now,
+                                          gate_reasons=gate.get("reasons", []))
     return result

@@ -171,6 +171,9 @@ def test_the_demo_runs_every_stage_each_day(prefect_server, tmp_path: Path):
         assert day["retriever_gate"] in ("refused", "passed → challenger")
         assert day["gate"] in ("refused", "passed → challenger")  # only the first model goes straight to champion
         assert day["vs_oracle"] is not None and day["online_ctr"]
+        panel = day["panel"]  # the day's evaluation panel, scored against the ground truth
+        assert panel["champion"]["low"] <= panel["champion"]["normalized_reward"] <= panel["champion"]["high"]
+        assert -1 < panel["never_retrained"]["normalized_reward"] < 1
     def ranker(canary: list[str]) -> list[str]:  # the ranker's canary entries (the retriever's say "retriever")
         return [entry for entry in canary if "retriever" not in entry]
 

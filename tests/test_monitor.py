@@ -188,6 +188,50 @@ def test_choose_windows(newest, trained, reference, current):
     assert (got_reference, got_current) == (reference, current)
 
 
+def test_the_cool_down_starts_when_a_retrain_is_deployed_and_a_refused_one_is_retried(tmp_path):
+    from recloop.monitor import MonitorDecision, TriggerConfig
+    from recloop.monitor.runner import record_retrain_outcome, retrain_requests
+    from recloop.settings import Settings
+
+    home = Settings(home=tmp_path)
+    config = TriggerConfig(cooldown_seconds=3600)
+    drift = MonitorDecision("drift", ("item_id: 63% unseen",), 0.5, ("item_id",))
+    assert request_retrain(home, drift, now=0.0, config=config).retrain
+    assert not request_retrain(home, drift, now=600.0, config=config).retrain  # in flight: wait
+    record_retrain_outcome(home, deployed=False, now=900.0, gate_reasons=["auc dropped 0.004"])
+    retry = request_retrain(home, drift, now=1200.0, config=config)  # refused: asked again at once
+    assert retry.retrain and "refused by the gate (auc dropped 0.004)" in retry.reason
+    record_retrain_outcome(home, deployed=True, now=5000.0)
+    later = request_retrain(home, drift, now=5000.0 + 1800, config=config)
+    assert not later.retrain and "deployed 1800 s ago" in later.reason  # counted from the deployment
+    assert request_retrain(home, drift, now=5000.0 + 3700, config=config).retrain
+    past = retrain_requests(home)
+    assert [t["outcome"] for t in past] == ["refused", "deployed", None] and past[1]["retry_of_refused"]
+
+
+def test_concept_drift_is_the_champions_calibration_on_served_feedback():
+    import numpy as np
+
+    from recloop.monitor import MonitorConfig
+    from recloop.monitor.concept import concept_findings
+
+    rng = np.random.default_rng(0)
+    n = 20000
+    users = rng.integers(0, 2000, n)
+    device = np.where(rng.random(n) < 0.3, "desktop", "mobile")
+    predicted = rng.uniform(0.05, 0.4, n)
+    same = (rng.random(n) < predicted).astype(float)
+    config = MonitorConfig()
+    found, figures = concept_findings(same, predicted, users, {"device": device}, config)
+    assert found == [] and abs(figures["served_calibration.all"] - 1) < 0.05
+    # tastes moved: desktop users click half as often as the champion predicts
+    moved = same.copy()
+    moved[device == "desktop"] = (rng.random((device == "desktop").sum()) < predicted[device == "desktop"] / 2)
+    found, figures = concept_findings(moved, predicted, users, {"device": device}, config)
+    assert any("device=desktop" in f for f in found) and not any("device=mobile" in f for f in found), found
+    assert concept_findings(moved[:500], predicted[:500], users[:500], {"device": device[:500]}, config)[0] == []
+
+
 def test_drift_refuses_to_decide_on_too_few_rows():
     from recloop.monitor.decision import MonitorConfig, insufficient
 

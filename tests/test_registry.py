@@ -143,7 +143,7 @@ def test_a_model_trained_on_shuffled_labels_is_refused(home: Settings):
     outcome = run_gate(home, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False)
     assert not outcome.passed and outcome.alias is None
     assert any("below the floor 0.55" in r for r in outcome.reasons), outcome.reasons
-    assert any("auc dropped" in r for r in outcome.reasons), outcome.reasons
+    assert any("worse by more than" in r for r in outcome.reasons), outcome.reasons  # the paired test
     assert registry.version_info(home, logged.version).tags["gate"] == "failed"
     assert registry.aliases(home)["challenger"] is None
 
@@ -161,7 +161,11 @@ def test_a_model_that_emits_nan_is_refused(home: Settings):
     assert any("serving check" in r for r in outcome.reasons), outcome.reasons
 
 
-def test_a_model_worse_on_one_slice_only_is_refused(home: Settings):
+def test_a_slice_too_small_for_its_tolerance_is_reported_not_judged(home: Settings):
+    """A model scrambled on tablets (a ~300-row slice of the held-out hours): a drop of 0.01 cannot be told
+    from noise on so few rows (the power calculation asks for thousands), so the slice is named as too small
+    instead of refusing on it; the paired test does refuse such a slice when it has the rows
+    (tests/test_gate.py)."""
     state = checkpoint.read(first_run(home))
     base = TrainSummary(**state["summary"])
     tablet = StateStore(FeatureLayout.for_settings(home).state).latest().vocabularies["device"]
@@ -178,10 +182,10 @@ def test_a_model_worse_on_one_slice_only_is_refused(home: Settings):
     # The scrambled rows' log loss is far above the base rate's: only the slice rule is under test here.
     thresholds = dataclasses.replace(LENIENT, max_auc_drop_full=0.05, max_slice_auc_drop=0.01, max_logloss_ratio=100.0)
     outcome = run_gate(home, logged.version, thresholds, smoke_check=False)
-    assert not outcome.passed
-    assert [r for r in outcome.reasons if "slice" in r] == list(outcome.reasons), outcome.reasons
-    assert any("slice device=tablet" in r for r in outcome.reasons), outcome.reasons
-    assert "slice device=tablet" in registry.version_info(home, logged.version).tags["gate.detail"]
+    too_small = outcome.figures["slices too small to judge"]
+    assert any(name.startswith("device=tablet (") and "needed)" in name for name in too_small), too_small
+    assert not any("slice device=tablet" in r for r in outcome.reasons), outcome.reasons
+    assert outcome.candidate.slices["device=tablet"]["auc"] < outcome.champion_scores.slices["device=tablet"]["auc"]
     assert "| device=tablet |" in outcome.report
 
 

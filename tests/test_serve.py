@@ -42,8 +42,10 @@ DAY3 = datetime(2026, 1, 4, tzinfo=UTC)  # the end of its featurized days (the o
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # Small traffic per step: judged on wide guardrails, except the one each bad challenger breaks.
+# A/B by user, no holdout, and a minimum effect of 100 %: 200 requests cannot show a 5 % one (the
+# interleaving test below and benchmarks/loop.py measure the default configuration).
 CANARY = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=60, min_feedback=300, max_ctr_drop=0.25,
-                      max_p99_ratio=4.0, max_auc_drop=0.2)
+                      max_p99_ratio=4.0, max_auc_drop=0.2, mode="canary", holdout=0.0, min_effect=1.0)
 
 
 def replayed_world() -> World:
@@ -405,6 +407,40 @@ def test_a_bad_challenger_is_rolled_back(client: httpx.Client, home: Settings, s
     tags = registry.version_info(home, version).tags
     assert tags["canary.outcome"] == "rolled_back" and reason in tags["canary.reasons"]
     wait_for(client, lambda h: h["versions"]["challenger"] is None)
+
+
+def test_interleaving_serves_both_rankings_and_credits_each_click_to_its_team(client: httpx.Client,
+                                                                              home: Settings, server):
+    from recloop.serve.journal import open_journal
+
+    version = variant(home, inverted)
+    registry.set_alias(home, "challenger", version, who="test", why="interleaving")
+    step = controller.start(home, CanaryConfig(steps=(1.0,), holdout=0.0))  # interleave is the default mode
+    tags = registry.version_info(home, version).tags
+    assert step.status.mode == "interleave" and tags["canary.salt"].startswith(f"recloop-canary-v{version}-")
+    wait_for(client, lambda h: h["versions"]["challenger"] == version and h["mode"] == "interleave")
+    users = SimulatedUsers(replayed_world(), day=3.6, seed=19)
+    summary = asyncio.run(drive(server.url, users, 60, concurrency=4))
+    assert summary.failed == 0 and set(summary.versions) == {version}
+    journal = open_journal(home)
+    try:
+        rows = journal._query("SELECT payload FROM requests WHERE variant = 'interleave' AND served_version = ?",
+                              [version])
+        users_, champion_clicks, challenger_clicks = journal.interleaving_credits(version)
+        clicks = journal._query("SELECT SUM(f.label) FROM feedback f JOIN requests r USING (request_id) "
+                                "WHERE r.variant = 'interleave' AND r.served_version = ?", [version])[0][0]
+    finally:
+        journal.close()
+    assert len(rows) == 60
+    payload = json.loads(rows[0][0])
+    assert payload["interleaving"]["champion"] == "1" and set(payload["scores"]) == {"1", version}
+    assert len(payload["interleaving"]["teams"]) == len(payload["ranked"])
+    assert champion_clicks.sum() + challenger_clicks.sum() == clicks  # every click credited to one team
+    assert champion_clicks.sum() > challenger_clicks.sum()  # the inverted model's picks are clicked less
+    judged = controller.status(home, CanaryConfig(steps=(1.0,), holdout=0.0, bake_seconds=0, min_requests=10,
+                                                  min_feedback=10))
+    assert judged.evidence is not None and judged.evidence["method"].startswith("interleaving")
+    controller.manual(home, "rollback", "test over")
 
 
 def test_shadow_mode_serves_the_champion_and_scores_both(client: httpx.Client, home: Settings, server):

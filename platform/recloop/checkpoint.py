@@ -150,6 +150,8 @@ def load_model(path: Path | str, device: str | torch.device = "cpu") -> tuple[Ra
     model.load_state_dict(load_file(Path(state["path"]) / "model.safetensors", device=str(torch.device(device))))
     model.eval()
     model.map_unknown_ids = True
+    if state.get("calibration"):
+        model.calibration = (float(state["calibration"][0]), float(state["calibration"][1]))
     return model, state
 
 

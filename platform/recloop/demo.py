@@ -23,6 +23,13 @@ ranks by the true click probability (``vs_oracle``). The whole path (``/recommen
 clicks per day and its expected clicks relative to the oracle that shows each user the catalog's best
 items; each retriever candidate by its oracle recall@K (the share of each user's K truly best catalog
 items it retrieves) beside the popularity baseline's, on its held-out hours.
+
+Each day also scores an **evaluation panel** (``recloop.panel``): requests drawn independently of serving,
+ranked by the live champion and the never-retrained model, as normalized reward (0: random, 1: the oracle)
+with a user-cluster bootstrap interval. With ``twin`` the same loop runs again on the world's no-drift twin
+(same seed, identical until the drift day) under ``home/twin``, and the summary's efficacy figure is the
+**twin-world recovery**: the champion's normalized reward with the drift over the twin's, two cycles after
+the drift, with its interval.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class DemoConfig:
     batch_size: int | None = None  # default: about 32 steps per day of events
     candidates: int = 100
     shown: int = 10
+    panel_requests: int = 300
+    twin: bool = False
     # The recommendation path: this share of each round's requests goes to /recommend, which retrieves
     # ``retrieve_k`` of the catalog (a few hundred items in this small world) for the ranker.
     # Items shown to a user within ``seen_hours`` (simulated) are not recommended again: a few hours, as
@@ -78,12 +87,13 @@ class DemoConfig:
     recommend_share: float = 0.5
     retrieve_k: int = 100
     seen_hours: float = 3.0
-    # A small world judged on a few hundred requests per step, in one process with everything else:
-    # the online CTR guardrail decides; p99 of ~100 scoring times is their maximum (a pause anywhere in the
-    # process), and AUC pooled over two different halves of the users is not comparable at this size.
+    # A small world judged on a few hundred requests per step, in one process with everything else: the
+    # interleaved CTR comparison decides, with a minimum effect of 30 % (what a few hundred interleaved
+    # requests can show); p99 of ~100 scoring times is their maximum (a pause anywhere in the process), and
+    # AUC pooled over two different halves of the users is not comparable at this size.
     canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(
         steps=(0.25, 0.5, 1.0), bake_seconds=0, min_requests=15, min_feedback=100, max_ctr_drop=0.3,
-        max_p99_ratio=10.0, max_auc_drop=1.0))
+        max_p99_ratio=10.0, max_auc_drop=1.0, min_effect=0.3))
     # Held-out windows of a few thousand rows: an incremental model may lose up to 0.01 AUC, and calibration
     # is measured within ±25 % (noise at this size; the defaults suit production windows).
     gate: GateThresholds = field(default_factory=lambda: GateThresholds(
@@ -117,6 +127,7 @@ class DayRecord:
     online_ctr: dict[str, float] = field(default_factory=dict)
     vs_oracle: float | None = None
     baseline_vs_oracle: float | None = None
+    panel: dict[str, dict[str, float]] = field(default_factory=dict)
     seconds: float = 0.0
 
 
@@ -169,6 +180,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                           "recommend_candidates": config.retrieve_k, "recommend_seen_hours": config.seen_hours})
     app = create_app(serving)
     freshness: list[float] = []
+    panels: dict[int, dict] = {}
     with ServerThread(app) as server:
         for day in range(1, config.days):
             began = time.perf_counter()
@@ -177,6 +189,8 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
             served, baseline = _serve_day(server.url, app, world, day, config, flows, canary_path, record, frozen)
             record.requests, record.online_ctr = served["requests"], served["ctr"]
             record.vs_oracle, record.baseline_vs_oracle = served["vs_oracle"], baseline
+            panels[day] = frozen.panel(world, day, config, registry.version_by_alias(settings, "champion"))
+            record.panel = panels[day]["figures"]
             path = served["recommend"]
             record.recommend_requests, record.recommend_clicks = path["requests"], sum(path["clicks"].values())
             record.recommend_vs_oracle, record.popularity_answers = path["vs_oracle"], path["popularity"]
@@ -214,6 +228,15 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
             if on_day:
                 on_day(record)
     summary = _summarize(records, config, freshness, last_full_day)
+    summary["panels"] = {day: {k: v.tolist() for k, v in panel["rewards"].items()} | {"users": panel["users"].tolist()}
+                         for day, panel in panels.items()}
+    if config.twin and config.drift != "none":
+        from dataclasses import replace
+
+        twin_settings = Settings(**{**settings.model_dump(), "home": settings.home / "twin"})
+        twin = run_demo(twin_settings, replace(config, drift="none", twin=False))
+        summary["twin"] = {"report": twin["report"], "days": twin["days"]}
+        summary["recovery"] = _twin_recovery(panels, twin["panels"], config)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     summary["report"] = str(write_report(settings, records, summary, config))
     return summary
@@ -275,6 +298,28 @@ def _record_training(record: DayRecord, outcome: dict, kind: str) -> None:
         record.canary.append(f"start v{gate['version']}")
 
 
+def _twin_recovery(panels: dict[int, dict], twin: dict, config: DemoConfig) -> dict:
+    """Per day from the drift on: the champion's normalized reward with the drift over its twin's, with a
+    user-cluster interval; the headline is two cycles after the drift."""
+    from recloop.panel import twin_recovery
+
+    per_day = {}
+    for day, panel in panels.items():
+        other = twin.get(day) or twin.get(str(day))
+        if day < config.drift_day or other is None:
+            continue
+        mine = panel["rewards"]
+        theirs = {k: np.asarray(v) for k, v in other.items() if k != "users"}
+        per_day[day] = {"champion": twin_recovery(mine, theirs, panel["users"], "champion"),
+                        "never_retrained": twin_recovery(mine, theirs, panel["users"], "never_retrained")}
+    headline = per_day.get(config.drift_day + 2) or (per_day[max(per_day)] if per_day else None)
+    return {"per_day": per_day, "day": config.drift_day + 2 if config.drift_day + 2 in per_day else
+            (max(per_day) if per_day else None), "headline": headline,
+            "target": "champion's normalized reward >= 0.95 of the no-drift twin within two cycles (95 % CI "
+                      "lower bound stated)",
+            "met": bool(headline and headline["champion"]["low"] >= 0.95)}
+
+
 def _record_retriever(record: DayRecord, outcome: dict, settings: Settings, oracle: WorldOracle, k: int) -> None:
     """The retrain's retriever: its version, gate, canary start, and its oracle recall@k on its held-out
     hours beside the popularity baseline's (scored here: only the demo knows the world)."""
@@ -301,7 +346,8 @@ def _record_retriever(record: DayRecord, outcome: dict, settings: Settings, orac
 
 
 class _FrozenRanker:
-    """The day-0 model ranking the day's requests offline with the same online features (the baseline)."""
+    """The day-0 model ranking the day's requests offline with the same online features (the baseline),
+    and the day's evaluation panel scored by it and by the live champion."""
 
     def __init__(self, settings: Settings, version: str):
         from recloop.features.config import FeatureConfig
@@ -310,8 +356,35 @@ class _FrozenRanker:
         from recloop.serve.models import load_version
 
         spec = load_spec("synthetic")
+        self.settings = settings
         self.model = load_version(settings, version)
         self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), online_reader(settings))
+        self._models = {version: self.model}
+
+    def panel(self, world: World, day: int, config: DemoConfig, champion: str | None) -> dict:
+        """The day's panel (drawn on its own stream): per-request expected clicks of the oracle, a random
+        ranking, the never-retrained model and the live champion; normalized rewards with intervals."""
+        from datetime import datetime
+
+        from recloop.panel import draw_panel, per_request, request_bodies, score_panel
+        from recloop.serve.models import load_version, score
+
+        panel = draw_panel(world, day + 0.5, config.panel_requests, min(config.candidates, 50), seed=config.seed)
+        if champion is not None and champion not in self._models:
+            self._models[champion] = load_version(self.settings, champion)
+        scores: dict[str, list] = {"never_retrained": [], "champion": []}
+        self.features.refresh_if_published()
+        for body in request_bodies(world, panel):
+            ts_us = int(datetime.fromisoformat(body["ts"]).timestamp() * 1_000_000)
+            rows, _ = self.features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)
+            scores["never_retrained"].append(score(self.model, rows).numpy())
+            scores["champion"].append(score(self._models.get(champion, self.model), rows).numpy())
+        stacked = {k: np.stack(v) for k, v in scores.items()}
+        rows = per_request(world, panel, stacked, k=config.shown, seed=config.seed)
+        figures = score_panel(world, panel, stacked, k=config.shown, seed=config.seed)
+        return {"rewards": {k: v["reward"] for k, v in rows.items()}, "users": panel.users,
+                "figures": {k: {m: round(x, 4) for m, x in v.items()} for k, v in figures.items()
+                            if k in ("champion", "never_retrained")}}
 
     def rank(self, body: dict) -> list[int]:
         from datetime import datetime

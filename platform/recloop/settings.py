@@ -55,6 +55,10 @@ class Settings(BaseSettings):
         dask_scheduler: a Dask scheduler address (``tcp://scheduler:8786``); empty starts a local cluster.
         dask_workers: worker processes of that local cluster.
         dask_partitions: hash partitions of the entity keys (0: two per worker).
+        explore_share: the share of (champion-served) requests ranked by a Plackett-Luce draw over the
+            model's logits instead of by score, each position's propensity logged in the journal, so a
+            candidate's online CTR can be estimated off-policy (IPS / SNIPS / DR) before its canary. 0: off.
+        explore_temperature: the draw's temperature (lower: closer to the model's own order).
         journal: where serving replicas keep their journal: ``sqlite`` (a file under ``home``, one host) or
             ``postgres`` (at ``postgres_dsn``, shared by every replica).
         spec: the dataset spec every command and flow uses when none is given (a shipped name or a YAML
@@ -96,6 +100,8 @@ class Settings(BaseSettings):
     dask_workers: int = 2
     dask_partitions: int = 0
     journal: Literal["sqlite", "postgres"] = "sqlite"
+    explore_share: float = 0.0
+    explore_temperature: float = 1.0
     spec: str = ""
     recommend_candidates: int = Field(default=500, ge=1, le=5000)
     recommend_seen_hours: float = Field(default=24.0, ge=0.0)

@@ -141,20 +141,29 @@ class World:
         n_items = config.items
         n_wave = int(round(n_items * SUDDEN_WAVE_FRACTION)) if config.drift == "sudden" else 0
         self.num_original_items = n_items
-        total_items = n_items + n_wave
 
         centroids = rng.normal(0.0, 1.0, (config.num_categories, k)) / np.sqrt(k)
-        self.item_category = rng.integers(0, config.num_categories, total_items)
-        self.item_vector = centroids[self.item_category] + rng.normal(0.0, 0.5, (total_items, k)) / np.sqrt(k)
-        self.item_quality = rng.normal(0.0, 0.4, total_items)
+        category = rng.integers(0, config.num_categories, n_items)
+        vector = centroids[category] + rng.normal(0.0, 0.5, (n_items, k)) / np.sqrt(k)
+        quality = rng.normal(0.0, 0.4, n_items)
         category_price = rng.lognormal(3.0, 0.6, config.num_categories)
-        self.item_price = np.round(category_price[self.item_category] * rng.lognormal(0.0, 0.3, total_items), 2)
+        price = np.round(category_price[category] * rng.lognormal(0.0, 0.3, n_items), 2)
+        # The drift's new items come from their own stream: a world and its no-drift twin (same seed) agree
+        # on everything before the drift day.
+        wave_rng = np.random.default_rng(np.random.SeedSequence([config.seed, 2]))
+        wave_category = wave_rng.integers(0, config.num_categories, n_wave)
+        self.item_category = np.concatenate([category, wave_category])
+        self.item_vector = np.concatenate(
+            [vector, centroids[wave_category] + wave_rng.normal(0.0, 0.5, (n_wave, k)) / np.sqrt(k)])
+        self.item_quality = np.concatenate([quality, wave_rng.normal(0.0, 0.4, n_wave)])
+        self.item_price = np.concatenate(
+            [price, np.round(category_price[wave_category] * wave_rng.lognormal(0.0, 0.3, n_wave), 2)])
         self.mean_log_price = float(np.log(self.item_price[:n_items]).mean())
 
         # Zipf-like exposure; the wave items have none until the drift day.
         popularity = 1.0 / np.arange(1, n_items + 1) ** 0.9
         self.popularity_before = np.concatenate([rng.permutation(popularity), np.zeros(n_wave)])
-        reshuffled = rng.permutation(self.popularity_before[:n_items])
+        reshuffled = rng.permutation(self.popularity_before[:n_items])  # drawn in every scenario (twins agree)
         wave = 1.0 / np.arange(1, n_wave + 1) ** 0.9
         self.popularity_after = np.concatenate(
             [

@@ -29,8 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
 from recloop import registry
-from recloop.canary.decision import CanaryConfig, CanaryDecision, CanaryState, VariantStats, decide
+from recloop.canary.decision import (
+    CanaryConfig,
+    CanaryDecision,
+    CanaryState,
+    VariantStats,
+    decide,
+    experiment_salt,
+)
 from recloop.canary.decision import start as first_step
 from recloop.registry import MODEL_NAME, RETRIEVER_NAME
 from recloop.serve.journal import open_journal
@@ -38,10 +47,12 @@ from recloop.settings import Settings
 
 EXPERIMENT = "recloop-canary"
 SHARE_TAG, MODE_TAG, STARTED_TAG = "canary.share", "canary.mode", "canary.step_started_at"
+SALT_TAG = "canary.salt"  # each experiment's own hash salt, set at its start
 RUN_TAG = "canary.run_id"
 LOAD_FAILED_TAG = "serving.load_failed"  # set by a serving process that could not load the version
 CANARY_STARTED_TAG = "canary.started_at"
-Mode = Literal["canary", "shadow"]
+Mode = Literal["interleave", "canary", "shadow"]
+PRE_PERIOD_SECONDS = 7 * 86400  # CUPED's covariate: each user's clicks in this long before the canary
 
 
 class NoCanary(RuntimeError):
@@ -71,6 +82,7 @@ class CanaryStatus:
     started: bool = False
     stats: dict[str, VariantStats] = field(default_factory=dict)
     decision: CanaryDecision | None = None
+    evidence: dict | None = None
     model: str = MODEL_NAME
 
     def to_dict(self) -> dict:
@@ -78,6 +90,7 @@ class CanaryStatus:
                 "challenger": self.challenger, "champion": self.champion, "share": self.share, "mode": self.mode,
                 "step_started_at": self.step_started_at, "started": self.started,
                 "stats": {name: stats.to_dict() for name, stats in self.stats.items()},
+                "evidence": _json_ready(self.evidence),
                 "decision": _json_ready(self.decision.to_dict()) if self.decision else None}
 
 
@@ -125,14 +138,19 @@ def _challenger(settings: Settings, model_name: str = MODEL_NAME) -> tuple[str, 
     return challenger, champion, registry.version_info(settings, challenger, model_name).tags
 
 
-def start(settings: Settings, config: CanaryConfig, *, mode: Mode = "canary", now: float | None = None,
+def start(settings: Settings, config: CanaryConfig, *, mode: Mode | None = None, now: float | None = None,
           model_name: str = MODEL_NAME) -> CanaryStep:
-    """Put the challenger at the first step (the retrain flow does it after a passed gate)."""
+    """Put the challenger at the first step (the retrain flow does it after a passed gate), with a new
+    salt for this experiment's split of users; ``mode`` defaults to the config's (interleave)."""
     challenger, champion, _ = _challenger(settings, check_model(model_name))
     now = time.time() if now is None else now
+    mode = mode or config.mode
+    if mode == "interleave" and model_name != MODEL_NAME:  # interleaving merges two rankings: the ranker's
+        mode = "canary"
     decision = first_step(config, mode)
     registry.tag(settings, challenger, {SHARE_TAG: decision.share, MODE_TAG: mode, STARTED_TAG: now,
-                                        CANARY_STARTED_TAG: now}, model_name)
+                                        CANARY_STARTED_TAG: now, SALT_TAG: experiment_salt(challenger, now)},
+                 model_name)
     started = CanaryStatus(True, registry.aliases(settings, model_name), "", challenger, champion, decision.share,
                            mode, now, True, model=model_name)
     return CanaryStep(started, decision)
@@ -141,7 +159,7 @@ def start(settings: Settings, config: CanaryConfig, *, mode: Mode = "canary", no
 def set_share(settings: Settings, share: float, mode: Mode | None = None, who: str = "operator",
               model_name: str = MODEL_NAME) -> dict:
     challenger, _, tags = _challenger(settings, check_model(model_name))
-    mode = mode or ("shadow" if tags.get(MODE_TAG) == "shadow" else "canary")
+    mode = mode or _mode(tags)
     registry.tag(settings, challenger, {SHARE_TAG: share, MODE_TAG: mode, STARTED_TAG: time.time(),
                                         "canary.share_set_by": who}, model_name)
     return {"version": challenger, "share": share, "mode": mode}
@@ -166,22 +184,51 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
         return CanaryStatus(active=False, aliases=aliases, message=str(err), model=model_name)
     started = float(tags.get(STARTED_TAG, now))
     state = CanaryState(float(tags.get(SHARE_TAG, config.steps[0])), started)
-    mode: Mode = "shadow" if tags.get(MODE_TAG) == "shadow" else "canary"
+    mode = _mode(tags)
+    canary_started = float(tags.get(CANARY_STARTED_TAG, started))
     journal = open_journal(settings)  # every replica's traffic when the journal is PostgreSQL
+    evidence = None
     try:
         stats = {"champion": _variant_stats(journal, model_name, champion, started),
                  "challenger": _variant_stats(journal, model_name, challenger, started)}
         if stats["champion"].requests < config.min_requests:
             # At 100 % the champion serves nobody: compare with what it did since the canary began.
-            stats["champion"] = _variant_stats(journal, model_name, champion,
-                                               float(tags.get(CANARY_STARTED_TAG, started)))
+            stats["champion"] = _variant_stats(journal, model_name, champion, canary_started)
+        if mode != "shadow" and model_name == MODEL_NAME:  # accumulates over the whole experiment (always-valid)
+            evidence = paired_evidence(journal, mode, champion, challenger, canary_started, config)
     finally:
         journal.close()
     if mode == "shadow":  # the challenger answered nobody: judge its CTR by the champion's
         stats["challenger"] = _shadowed(stats["challenger"], stats["champion"])
-    decision = decide(stats["champion"], stats["challenger"], state, config, now, load_error=tags.get(LOAD_FAILED_TAG))
+    decision = decide(stats["champion"], stats["challenger"], state, config, now, load_error=tags.get(LOAD_FAILED_TAG),
+                      evidence=evidence)
     return CanaryStatus(True, aliases, "", challenger, champion, state.share, mode, started, STARTED_TAG in tags,
-                        stats, decision, model=model_name)
+                        stats, decision, evidence.to_dict() if evidence else None, model=model_name)
+
+
+def _mode(tags: dict) -> Mode:
+    mode = tags.get(MODE_TAG)
+    return mode if mode in ("interleave", "shadow") else "canary"
+
+
+def paired_evidence(journal, mode: Mode, champion: str, challenger: str, since: float, config: CanaryConfig):
+    """The challenger − champion relative CTR difference since the canary began, with its always-valid
+    interval: from interleaved requests (credit per team), or A/B per user with CUPED (each user's clicks
+    per impression in the week before the canary as the covariate)."""
+    from recloop.evidence.sequential import ab_difference, interleaving_difference
+
+    if mode == "interleave":
+        users, champion_clicks, challenger_clicks = journal.interleaving_credits(challenger, since)
+        return interleaving_difference(champion_clicks, challenger_clicks, users, tau=config.min_effect,
+                                       alpha=config.alpha)
+    arms = [journal.user_clicks(version, since) for version in (champion, challenger)]
+    pre_users, pre_clicks, pre_impressions = journal.user_clicks(None, since - PRE_PERIOD_SECONDS, since)
+    before = dict(zip(pre_users.tolist(), (pre_clicks / np.maximum(pre_impressions, 1)).tolist(), strict=True))
+    covariates = [np.array([before.get(u, 0.0) for u in np.unique(users)]) for users, _, _ in arms]
+    (users_a, clicks_a, shown_a), (users_b, clicks_b, shown_b) = arms
+    return ab_difference(clicks_a, shown_a, users_a, clicks_b, shown_b, users_b, tau=config.min_effect,
+                         alpha=config.alpha, pre_a=covariates[0] if before else None,
+                         pre_b=covariates[1] if before else None)
 
 
 def _shadowed(challenger: VariantStats, champion: VariantStats) -> VariantStats:

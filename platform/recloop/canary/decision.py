@@ -9,6 +9,17 @@ The controller compares the challenger with the champion over the same period, a
 enough requests and feedback, on guardrails: error rate, p99 latency, online CTR and online AUC. Any
 NaN answer from the challenger rolls it back at once.
 
+Online CTR is judged on paired evidence (``evidence``, a ``recloop.evidence.sequential.Difference``) when
+the controller has it: by default the canary *interleaves* (team-draft) the two rankings for the share of
+requests, so each such request compares both models on the same user; in ``canary`` (A/B) mode the
+per-user CTRs are compared with CUPED and user-cluster errors. Either way the interval is always-valid
+(mSPRT), so looking at every step does not inflate the error: the challenger is rolled back when it is
+significantly worse (the interval's top below 0) at any step, and is promoted from the last step only
+when it is non-inferior (the interval's bottom above ``-min_effect``); held there otherwise, until
+``max_users`` without an answer rolls it back as inconclusive. Earlier steps ride on the guardrails and
+on "not significantly worse", so traffic grows while the evidence accumulates. Each experiment hashes users with its own salt (``experiment_salt``), and the last step
+keeps a champion holdout of ``holdout`` users.
+
 Example::
 
     route(user_id=42, share=0.05)                      # 'champion' or 'challenger', always the same
@@ -19,11 +30,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 Variant = Literal["champion", "challenger"]
 Action = Literal["start", "hold", "step", "promote", "rollback"]
+Mode = Literal["interleave", "canary", "shadow"]
+
+
+def experiment_salt(challenger: str, started_at: float) -> str:
+    """A new salt per experiment: which users a canary gets is independent of every earlier canary's
+    split (a fixed salt put the same heavy user in the champion group every time)."""
+    return f"recloop-canary-v{challenger}-{int(started_at * 1000)}-{uuid.uuid4().hex[:8]}"
 
 
 def position(user_id: int | str, salt: str = "recloop-canary") -> float:
@@ -50,6 +69,13 @@ class CanaryConfig:
             multiple of the champion's.
         max_ctr_drop: relative drop of online CTR allowed (0.05 = 5 %).
         max_auc_drop: absolute drop of online AUC allowed (when both have one).
+        mode: ``interleave`` (default for rankers: team-draft interleaving of both rankings for the share
+            of requests), ``canary`` (A/B by user) or ``shadow``.
+        min_effect: the smallest relative CTR difference that matters: the always-valid test is tuned to
+            it, and a challenger whose interval's bottom is above ``-min_effect`` is non-inferior.
+        alpha: the sequential test's error rate over every look of the experiment.
+        max_users: users with evidence after which an undecided challenger is rolled back as inconclusive.
+        holdout: the share of users the champion keeps at the last step (promotion is judged against them).
     """
 
     steps: tuple[float, ...] = (0.05, 0.25, 0.5, 1.0)
@@ -60,6 +86,16 @@ class CanaryConfig:
     max_p99_ratio: float = 1.5
     max_ctr_drop: float = 0.05
     max_auc_drop: float = 0.02
+    mode: Mode = "interleave"
+    min_effect: float = 0.05
+    alpha: float = 0.05
+    max_users: int = 200_000
+    holdout: float = 0.05
+
+    def schedule(self) -> tuple[float, ...]:
+        """The shares step by step: the last one (100 %) keeps the champion holdout."""
+        last = self.steps[-1]
+        return (*self.steps[:-1], last - self.holdout) if last >= 1.0 and self.holdout > 0 else self.steps
 
 
 @dataclass(frozen=True)
@@ -109,17 +145,20 @@ class CanaryDecision:
         return out
 
 
-def start(config: CanaryConfig, mode: Literal["canary", "shadow"] = "canary") -> CanaryDecision:
+def start(config: CanaryConfig, mode: Mode | None = None) -> CanaryDecision:
     """Put a new challenger at the first step (in shadow mode it serves nobody and scores everyone)."""
+    mode = mode or config.mode
     share = 0.0 if mode == "shadow" else config.steps[0]
     return CanaryDecision("start", share, (f"{mode} started at {share:.0%} of users",), {})
 
 
 def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState, config: CanaryConfig,
-           now: float, load_error: str | None = None) -> CanaryDecision:
+           now: float, load_error: str | None = None, evidence=None) -> CanaryDecision:
     """Hold, step the share up, promote (after the last step) or roll back; with reasons and figures.
 
     ``load_error``: why a serving process could not load the challenger; it is rolled back at once.
+    ``evidence``: the paired CTR comparison (a ``Difference``: relative challenger − champion with its
+    always-valid interval); when given it replaces the raw CTR ratio (see the module docstring).
     """
     figures = {
         "share": state.share, "challenger_requests": challenger.requests, "champion_requests": champion.requests,
@@ -145,6 +184,21 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
         waiting.append(f"{challenger.requests}/{config.min_requests} challenger requests")
     if challenger.impressions < config.min_feedback:
         waiting.append(f"{challenger.impressions}/{config.min_feedback} challenger feedback events")
+    if evidence is not None:
+        figures.update({"ctr_effect": evidence.estimate, "ctr_effect_low": evidence.low,
+                        "ctr_effect_high": evidence.high, "evidence_users": evidence.units})
+        if evidence.high < 0 and not waiting:
+            return verdict("rollback", [f"online CTR significantly worse ({evidence.method}): "
+                                        f"{evidence.estimate:+.1%} [{evidence.low:+.1%}, {evidence.high:+.1%}], "
+                                        f"always-valid at alpha {config.alpha}"], 0.0)
+        last_step = not [s for s in config.schedule() if s > state.share + 1e-9]
+        if last_step and not evidence.low > -config.min_effect:  # steps ride on the guardrails; promotion
+            if evidence.units >= config.max_users:                # needs non-inferiority shown
+                return verdict("rollback", [f"inconclusive after {evidence.units} users: online CTR "
+                                            f"{evidence.estimate:+.1%} [{evidence.low:+.1%}, {evidence.high:+.1%}] "
+                                            f"not shown within {config.min_effect:.0%} of the champion"], 0.0)
+            waiting.append(f"online CTR {evidence.estimate:+.1%} [{evidence.low:+.1%}, {evidence.high:+.1%}]: "
+                           f"not yet shown within {config.min_effect:.0%} of the champion")
     if waiting:
         return verdict("hold", waiting)
 
@@ -154,7 +208,7 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
     if champion.p99_ms > 0 and challenger.p99_ms > config.max_p99_ratio * champion.p99_ms:
         failures.append(f"p99 latency {challenger.p99_ms:.1f} ms vs champion {champion.p99_ms:.1f} ms "
                         f"(at most {config.max_p99_ratio}x)")
-    if champion.ctr > 0 and challenger.ctr < champion.ctr * (1 - config.max_ctr_drop):
+    if evidence is None and champion.ctr > 0 and challenger.ctr < champion.ctr * (1 - config.max_ctr_drop):
         failures.append(f"online CTR {challenger.ctr:.4f} vs champion {champion.ctr:.4f} "
                         f"(at most {config.max_ctr_drop:.0%} lower)")
     if challenger.online_auc is not None and champion.online_auc is not None and \
@@ -162,7 +216,7 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
         failures.append(f"online AUC {challenger.online_auc:.4f} vs champion {champion.online_auc:.4f}")
     if failures:
         return verdict("rollback", failures, 0.0)
-    later = [s for s in config.steps if s > state.share]
+    later = [s for s in config.schedule() if s > state.share + 1e-9]
     if not later:
         return verdict("promote", [f"held every guardrail up to {state.share:.0%} of users"], 1.0)
     return verdict("step", [f"held every guardrail at {state.share:.0%}: next {later[0]:.0%}"], later[0])

@@ -63,6 +63,29 @@ class StateStore:
     def __init__(self, root: Path):
         self.root = Path(root)
 
+    MARKER = "LATEST"  # the newest version's number, rewritten (atomically) each time one is published
+
+    @property
+    def marker(self) -> Path:
+        return self.root / self.MARKER
+
+    def publish(self, version: int) -> None:
+        """Announce ``version`` as the newest: readers (serving) check the marker's change cheaply per request."""
+        tmp = self.root / f".{self.MARKER}.tmp"
+        tmp.write_text(f"{version}\n")
+        os.replace(tmp, self.marker)
+
+    def marker_stamp(self) -> tuple[int, int] | None:
+        """A cheap fingerprint of the newest published version (one ``stat``): changes when one is published."""
+        try:
+            found = os.stat(self.marker)
+        except FileNotFoundError:
+            try:  # a state written before the marker existed: the folder changes when a version lands
+                found = os.stat(self.root)
+            except FileNotFoundError:
+                return None
+        return found.st_mtime_ns, found.st_ino
+
     def versions(self) -> list[int]:
         if not self.root.exists():
             return []
@@ -123,6 +146,7 @@ class StateStore:
                                              "sha256": _write(table, staging / name)}
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(staging, final)
+        self.publish(version)
         return FeatureState(state.as_of_us, state.vocabularies, state.stats, state.snapshots, version)
 
 

@@ -14,6 +14,10 @@ and per slice (new vs returning users, top item categories, device), each slice 
 ``min_slice_rows`` rows: AUC may drop at most ``max_slice_auc_drop`` against the champion's AUC on the
 same slice. The first model ever (no champion) only has to pass the floors.
 
+The runner passes the paired comparison (``gate.paired``): then the change against the champion is judged
+on grouped AUC with a paired bootstrap over users, Holm across slices, and slices sized by power, so
+noise alone does not refuse a better model; the fixed thresholds above become the allowed drops.
+
 Example::
 
     decision = decide(candidate, champion, GateThresholds(), mode="incremental")
@@ -107,15 +111,24 @@ def floor_failures(scores: ModelScores, thresholds: GateThresholds) -> list[str]
 
 
 def decide(candidate: ModelScores, champion: ModelScores | None, thresholds: GateThresholds,
-           mode: Mode) -> GateDecision:
-    """Pass or fail, with every reason and the figures compared (see the module docstring)."""
+           mode: Mode, paired=None) -> GateDecision:
+    """Pass or fail, with every reason and the figures compared (see the module docstring).
+
+    ``paired``: the paired comparison on the same rows (``gate.paired.compare``'s result); when given,
+    its tests replace the fixed-threshold AUC and slice checks against the champion.
+    """
     reasons = floor_failures(candidate, thresholds)
     overall = candidate.overall
     figures: dict[str, dict[str, float | None]] = {
         name: {"candidate": overall.get(name), "champion": champion.overall.get(name) if champion else None}
         for name in ("auc", "logloss", "calibration", "rows")
     }
-    if champion is not None:
+    if champion is not None and paired is not None:
+        reasons += list(paired.failures)
+        figures.update(paired.figures)
+        if paired.skipped_slices:
+            figures["slices too small to judge"] = {s: None for s in paired.skipped_slices}
+    elif champion is not None:
         allowed = thresholds.max_auc_drop_incremental if mode == "incremental" else thresholds.max_auc_drop_full
         drop = champion.overall.get("auc", math.nan) - overall.get("auc", math.nan)
         figures["auc"]["allowed_drop"] = allowed

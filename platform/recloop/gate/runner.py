@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from recloop.gate import baselines
 from recloop.gate.decision import (
     GateDecision,
@@ -26,6 +28,7 @@ from recloop.gate.decision import (
     report_markdown,
     skipped_slices,
 )
+from recloop.gate.paired import HeldOut, PairedConfig, compare
 from recloop.settings import Settings
 
 
@@ -70,8 +73,13 @@ class GateOutcome:
         return out
 
 
-def score_version(settings: Settings, version: str, files: list[Path], schema) -> ModelScores:
-    """A registered version's metrics on the given held-out files, overall and per slice."""
+def score_version(settings: Settings, version: str, files: list[Path], schema, keep: np.ndarray | None = None,
+                  arrays: dict | None = None) -> ModelScores:
+    """A registered version's metrics on the given held-out files, overall and per slice.
+
+    ``keep``: the rows to judge on (served feedback left out); ``arrays``: receives the labels, scores and
+    slice labels of those rows (for the paired comparison).
+    """
     from recloop import checkpoint
     from recloop.data import ChunkLoader
     from recloop.evaluate import metrics, predict, slice_metrics
@@ -81,8 +89,41 @@ def score_version(settings: Settings, version: str, files: list[Path], schema) -
     model, _ = checkpoint.load_model(checkpoint.resolve(settings, version))
     loader = ChunkLoader(files, schema, 16384, shuffle=False)
     labels, scores, extras = predict(model, loader.epoch(0))
-    return ModelScores(metrics(labels, scores, extras.get("p_click")),
-                       slice_metrics(labels, scores, slice_values(extras, FeatureLayout.for_settings(settings))))
+    if keep is not None and len(keep) == len(labels):
+        labels, scores, extras = labels[keep], scores[keep], {k: v[keep] for k, v in extras.items()}
+    slices = slice_values(extras, FeatureLayout.for_settings(settings))
+    if arrays is not None:
+        arrays.update(labels=labels, scores=scores, slices=slices)
+    return ModelScores(metrics(labels, scores, extras.get("p_click")), slice_metrics(labels, scores, slices))
+
+
+SERVED_EVENT_ID = r"^[0-9a-f]{32}-[0-9]+$"  # the journal's event ids: <request id>-<item id>
+
+
+def held_out_rows(files: list[Path], user_key: str | None, timestamp: str | None, event_id: str | None
+                  ) -> dict[str, np.ndarray]:
+    """Per held-out row, in the loader's order: whether it is served feedback (the journal's event ids),
+    its user and its group (the user's hour: the simulated world has no request ids)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    parts: dict[str, list] = {"served": [], "users": [], "groups": [], "labels": []}
+    for path in files:
+        present = set(pq.read_schema(path).names)
+        columns = [c for c in (event_id, user_key, timestamp, "label") if c and c in present]
+        table = pq.read_table(path, columns=columns)
+        n = table.num_rows
+        served = pc.match_substring_regex(table[event_id], SERVED_EVENT_ID).to_numpy(zero_copy_only=False) \
+            if event_id in present else np.zeros(n, dtype=bool)
+        users = table[user_key].to_numpy() if user_key in present else np.zeros(n, dtype=np.int64)
+        hours = (pc.cast(table[timestamp], "int64").to_numpy() // 3_600_000_000) if timestamp in present \
+            else np.zeros(n, dtype=np.int64)
+        parts["served"].append(np.asarray(served, dtype=bool))
+        parts["users"].append(np.asarray(users, dtype=np.int64))
+        del hours  # (a request id, where a dataset has one, is the better group)
+        parts["groups"].append(np.asarray(users, dtype=np.int64))
+        parts["labels"].append(table["label"].to_numpy() if "label" in present else np.zeros(n))
+    return {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
 
 
 def serving_smoke_check(settings: Settings, version: str, example_file: str, budget_ms: float = 500.0) -> str | None:
@@ -123,6 +164,49 @@ def held_out_files(settings: Settings, info) -> list[Path]:
     if not files:
         raise GateError(f"the held-out hours {first}..{last} of version {info.version} are no longer in {training}")
     return files
+
+
+def off_policy(settings: Settings, candidate: str, champion: str, window: tuple[str, str] | None,
+               limit: int = 5000) -> tuple[str | None, dict] | None:
+    """The off-policy check (``gate.offpolicy``) on the journal's explored requests with event time in the
+    candidate's held-out hours; None when serving logged none."""
+    from datetime import UTC, datetime, timedelta
+
+    from recloop.features.config import FeatureConfig
+    from recloop.features.job import FeatureLayout
+    from recloop.gate.offpolicy import check, policy_estimate
+    from recloop.schema import load_spec
+    from recloop.serve.features import RequestFeatures, online_reader
+    from recloop.serve.journal import open_journal
+    from recloop.serve.models import load_version, score
+
+    if window is None:
+        return None
+    first, last = (datetime.strptime(h, "%Y-%m-%dT%H").replace(tzinfo=UTC) for h in window)
+    bounds = (int(first.timestamp() * 1e6), int((last + timedelta(hours=1)).timestamp() * 1e6))
+    journal = open_journal(settings, create=False)
+    if journal is None:
+        return None
+    try:
+        logs = journal.exploration_requests(bounds, limit)
+    finally:
+        journal.close()
+    if len(logs) < 50:
+        return None
+    layout = FeatureLayout.for_settings(settings)
+    spec = load_spec(json.loads(layout.schema.read_text()).get("dataset", "synthetic"))
+    features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), online_reader(settings))
+    models = {v: load_version(settings, v) for v in (candidate, champion)}
+    scores: dict[str, list] = {candidate: [], champion: []}
+    for log in logs:
+        rows, _ = features.rows(log["user_id"], log["item_ids"], log["context"], log["ts_us"])
+        for version, model in models.items():
+            scores[version].append(score(model, rows).numpy())
+    labels = [log["label"] for log in logs]
+    logged = [log["propensity"] for log in logs]
+    shown = [log["item_ids"].index(log["top"]) for log in logs]
+    return check(policy_estimate(labels, logged, shown, scores[candidate]),
+                 policy_estimate(labels, logged, shown, scores[champion]))
 
 
 def _refuse_unloadable(settings: Settings, client, info, champion_version: str | None, mode: str,
@@ -185,6 +269,7 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
 
     thresholds = thresholds or GateThresholds()
     registry.configure(settings)
+
     client = MlflowClient()
     versions = client.search_model_versions(f"name='{registry.MODEL_NAME}'")
     if not versions:
@@ -201,16 +286,41 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
                                 extra=tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS) if c in present))
     mode = info.mode or "full"
     unloadable = _unloadable()
+    layout_schema = json.loads(FeatureLayout.for_settings(settings).schema.read_text())
+    rows = held_out_rows(files, "user_id" if "user_id" in present else None, layout_schema.get("timestamp"),
+                         layout_schema.get("event_id"))
+    # Served feedback is the champion's own top-k, logged without propensities: judged on, it favours the
+    # champion. Left out when the rest is enough to judge on.
+    keep = ~rows["served"] if rows["served"].any() and (~rows["served"]).sum() >= 1000 else None
+    mine: dict = {}
+    theirs: dict = {}
     try:
-        candidate = score_version(settings, candidate_version, files, schema)
+        candidate = score_version(settings, candidate_version, files, schema, keep, mine)
     except unloadable as err:  # the candidate's own files: a verdict on it, not a failure of the gate
         return _refuse_unloadable(settings, client, info, champion_version, mode, err)
     try:
-        champion = score_version(settings, champion_version, files, schema) if champion_version else None
+        champion = score_version(settings, champion_version, files, schema, keep, theirs) if champion_version \
+            else None
     except unloadable as err:
         raise GateError(f"the champion v{champion_version} cannot be loaded to compare with: {err}") from err
-    decision = decide(candidate, champion, thresholds, mode)  # type: ignore[arg-type]
+    paired = None
+    kept = (lambda a: a[keep]) if keep is not None else (lambda a: a)
+    if champion is not None and len(rows["labels"]) == len(rows["served"]) and \
+            np.array_equal(kept(rows["labels"]).astype(np.float32), mine["labels"].astype(np.float32)) and \
+            all(np.isfinite(m["scores"]).all() for m in (mine, theirs)):
+        held = HeldOut(mine["labels"], mine["scores"], theirs["scores"], kept(rows["groups"]), kept(rows["users"]),
+                       mine["slices"], int(rows["served"].sum()) if keep is not None else 0)
+        allowed = thresholds.max_auc_drop_incremental if mode == "incremental" else thresholds.max_auc_drop_full
+        paired = compare(held, allowed, thresholds.max_slice_auc_drop, PairedConfig())
+    decision = decide(candidate, champion, thresholds, mode, paired)  # type: ignore[arg-type]
     reasons = list(decision.reasons)
+    if champion_version is not None:
+        found = off_policy(settings, candidate_version, champion_version, info.validation_window)
+        if found is not None:
+            reason, figures = found
+            decision.figures["off-policy (explored requests)"] = figures
+            if reason:
+                reasons.append(reason)
     baseline_figures = _baselines(settings, files, schema)
     reasons += baselines.failures(candidate.overall.get("auc", float("nan")), baseline_figures,
                                   thresholds.baseline_auc_margin)

@@ -189,7 +189,14 @@ class RankingModel(nn.Module):
     def forward(self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if self.map_unknown_ids:
             values = self.known_ids(values, offsets)
-        return self.over_arch(self.interaction_arch(self.dense_arch(dense), self.sparse_arch(values, offsets)))
+        logits = self.over_arch(self.interaction_arch(self.dense_arch(dense), self.sparse_arch(values, offsets)))
+        if self.calibration is not None:  # Platt scaling fitted on training rows: the order is unchanged
+            logits = logits * self.calibration[0] + self.calibration[1]
+        return logits
+
+    # (a, b) of Platt scaling, set after training and kept with the checkpoint (``train._fit_calibration``);
+    # None while training.
+    calibration: tuple[float, float] | None = None
 
     # A served model meets ids admitted to the vocabularies after it was trained; for it they are
     # out of vocabulary, as they were in its training data. Training keeps the hard error instead.

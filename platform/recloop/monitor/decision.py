@@ -8,7 +8,9 @@ Findings, in the order they decide:
 1. **data quality** — a column that suddenly arrives null or constant is its own finding, not drift:
    retraining on broken data would teach the model the breakage, so it alerts and does not retrain;
 2. **KPI decay** — online CTR (and AUC) per model version against the baseline recorded when the
-   champion was promoted (fed by serving; none yet: the decision then rests on the data);
+   champion was promoted (fed by serving; none yet: the decision then rests on the data); and **concept
+   drift** (``monitor.concept``): the champion's calibration on served feedback, overall and per segment
+   (changed tastes move it while the inputs look the same);
 3. **drift** — Evidently's ``DataDriftPreset`` over the context and item columns (per-column methods and
    thresholds as Evidently chooses them for the sample size), judged by the share of drifted columns;
    and, for entity keys, the share of recent events on ids the reference never saw (a new catalog wave
@@ -19,9 +21,11 @@ Findings, in the order they decide:
 4. otherwise **ok**.
 
 Then the trigger (``should_retrain``): ``drift`` and ``kpi_decay`` request a full retrain, ``data_quality``
-alerts and does not retrain (training on a broken column teaches the model the breakage), and after a
-requested retrain further requests wait out a cool-down, so a drift that persists for hours (as it does
-until the new model is out) cannot start a storm of retrains.
+alerts and does not retrain (training on a broken column teaches the model the breakage). The cool-down
+starts when a retrain is *deployed* (passed the gate), so a drift that persists until the new model is
+out cannot start a storm of retrains; a retrain the gate *refused* blocks nothing: the next check asks
+again, with the gate's reasons attached. A request whose outcome is not known yet (in flight, or run
+elsewhere) holds further requests for the cool-down from the request.
 
 Everything here is pure; ``monitor.drift`` computes the Evidently figures and ``monitor.runner`` does the IO.
 
@@ -64,6 +68,10 @@ class MonitorConfig:
         max_auc_drop: absolute drop of online AUC (from feedback) against the baseline that counts as decay.
         kpi_z: and a CTR or AUC drop must be this many standard errors (both sides' impressions), when known.
         min_impressions: feedback impressions the window needs before its KPIs are judged.
+        max_calibration_error, concept_alpha, min_segment_impressions: concept drift (``monitor.concept``):
+            the champion's calibration on served feedback (predicted / observed CTR), overall and per
+            segment of at least ``min_segment_impressions``, off by more than this, significant at
+            ``concept_alpha`` after Holm (user-cluster errors), is KPI decay: a retrain.
         min_rows: events each window needs before drift is decided at all; below it the decision is
             ``insufficient_data`` (never a retrain): two rows against three say nothing.
         per_column_method, per_column_threshold: Evidently's drift test and threshold for named columns
@@ -81,6 +89,9 @@ class MonitorConfig:
     max_auc_drop: float = 0.03
     kpi_z: float = 3.0
     min_impressions: int = 2000
+    max_calibration_error: float = 0.2
+    concept_alpha: float = 0.01
+    min_segment_impressions: int = 1000
     min_rows: int = 200
     seed: int = 0
     per_column_method: dict[str, str] = field(default_factory=dict)
@@ -263,13 +274,30 @@ class TriggerVerdict:
 
 
 def should_retrain(decision: MonitorDecision, last_requested_at: float | None, now: float,
-                   config: TriggerConfig) -> TriggerVerdict:
-    """Whether a monitoring decision requests a full retrain now (see the module docstring)."""
+                   config: TriggerConfig, last_outcome: str | None = None, outcome_at: float | None = None,
+                   gate_reasons: tuple[str, ...] | list[str] = ()) -> TriggerVerdict:
+    """Whether a monitoring decision requests a full retrain now (see the module docstring).
+
+    Args:
+        last_requested_at: when the last retrain was requested.
+        last_outcome: what became of it: ``deployed`` (passed the gate), ``refused`` (the gate said no), or
+            None (not known yet); ``outcome_at``: when; ``gate_reasons``: the gate's reasons for a refusal.
+    """
     outcome, detail = decision.decision, "; ".join(decision.reasons)
     if outcome == "data_quality":
         return TriggerVerdict(False, True, f"data quality: alert, no retrain on broken data ({detail})", outcome)
     if outcome not in config.retrain_on:
         return TriggerVerdict(False, False, f"{outcome}: nothing to do", outcome)
+    if last_outcome == "refused":
+        why = "; ".join(gate_reasons) or "no reason recorded"
+        return TriggerVerdict(True, outcome == "kpi_decay", f"{outcome}: full retrain, retrying: the last retrain "
+                                                            f"was refused by the gate ({why}) ({detail})", outcome)
+    if last_outcome == "deployed" and outcome_at is not None:
+        if now - outcome_at < config.cooldown_seconds:
+            left = config.cooldown_seconds - (now - outcome_at)
+            return TriggerVerdict(False, False, f"{outcome}, but a retrain was deployed {now - outcome_at:.0f} s "
+                                                f"ago: cool-down, {left:.0f} s left", outcome)
+        return TriggerVerdict(True, outcome == "kpi_decay", f"{outcome}: full retrain ({detail})", outcome)
     if last_requested_at is not None and now - last_requested_at < config.cooldown_seconds:
         left = config.cooldown_seconds - (now - last_requested_at)
         return TriggerVerdict(False, False, f"{outcome}, but a retrain was requested {now - last_requested_at:.0f} s "

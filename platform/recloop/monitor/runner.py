@@ -126,15 +126,18 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
     reference, current = windows or choose_windows(datetime.fromtimestamp(bounds[1] / 1_000_000, tz=UTC), hours,
                                                    current_champion.trained if current_champion else None,
                                                    reference_days)
+    concept = None
     if kpis is None:
         kpis = champion_kpis(settings, current_champion, current, config.min_impressions)
+        concept = champion_concept(settings, current_champion, current, config)
     if baseline is None:
         baseline = current_champion.baseline if current_champion else {}
     inputs = served_inputs(settings, current_champion.version, reference, current, config.sample_rows) \
         if current_champion else None
     snapshots: list = []
     decision = compare_windows(settings, spec, reference, current, config, kpis, baseline, snapshots.append,
-                               None if inputs is None else tuple(frame["prediction"].to_numpy() for frame in inputs))
+                               None if inputs is None else tuple(frame["prediction"].to_numpy() for frame in inputs),
+                               concept)
     served = None
     if inputs is not None:
         # The model's inputs as served (entity state, recency, counts shift by nature as time passes):
@@ -162,13 +165,15 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
 
 def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, current: Window,
                     config: MonitorConfig | None = None, kpis: dict | None = None, baseline: dict | None = None,
-                    on_snapshot=None, predictions: tuple[np.ndarray, np.ndarray] | None = None) -> MonitorDecision:
+                    on_snapshot=None, predictions: tuple[np.ndarray, np.ndarray] | None = None,
+                    concept: tuple[list[str], dict] | None = None) -> MonitorDecision:
     """Compare the lake's events in ``current`` with those in ``reference`` (both ``[start, end)``).
 
     Args:
         kpis, baseline: online KPIs of the window and the champion's baseline (KPI decay).
         on_snapshot: receives Evidently's snapshot of the drift report (the workspace's history).
         predictions: the champion's scores on the reference and current windows (prediction drift).
+        concept: concept-drift findings and figures from served feedback (``champion_concept``): KPI decay.
     """
     config, kpis, baseline = config or MonitorConfig(), kpis or {}, baseline or {}
     keys = [k for k in (spec.user_key, spec.item_key) if k]
@@ -205,8 +210,10 @@ def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, cu
         prediction, prediction_figures = prediction_findings(*predictions, config)
         figures.update(prediction_figures)
     decisive = prediction if config.prediction_drift_decides else []
-    decision = decide(quality, kpi_findings(kpis, baseline, config), share, drifted, new_ids, config, kpis, figures,
-                      decisive)
+    concept_found, concept_figures = concept or ([], {})
+    figures.update(concept_figures)
+    decision = decide(quality, kpi_findings(kpis, baseline, config) + concept_found, share, drifted, new_ids, config,
+                      kpis, figures, decisive)
     return replace(decision, notes=tuple(prediction)) if prediction and not decisive else decision
 
 
@@ -227,6 +234,23 @@ def champion_kpis(settings: Settings, current_champion: Champion | None, window:
     if stats.impressions < min_impressions:
         return counts
     return {**counts, "ctr": stats.ctr, "auc": stats.online_auc, "version": current_champion.version}
+
+
+def champion_concept(settings: Settings, current_champion: Champion | None, window: Window,
+                     config: MonitorConfig) -> tuple[list[str], dict] | None:
+    """Concept drift (``monitor.concept``) from the champion's served feedback with event time in the window."""
+    from recloop.monitor.concept import concept_findings
+    from recloop.serve.journal import open_journal
+
+    journal = open_journal(settings, create=False) if current_champion is not None else None
+    if journal is None:
+        return None
+    try:
+        served = journal.served_predictions(current_champion.version, (lake.to_us(window[0]), lake.to_us(window[1])))
+    finally:
+        journal.close()
+    return concept_findings(served["labels"], served["predictions"], served["users"], {"device": served["device"]},
+                            config)
 
 
 def served_inputs(settings: Settings, version: str, reference: Window, current: Window, rows: int = 50_000
@@ -324,10 +348,35 @@ def request_retrain(settings: Settings, decision: MonitorDecision, now: float,
     path.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(path.with_suffix(".lock")):
         past = retrain_requests(settings)
-        verdict = should_retrain(decision, max((t["at"] for t in past), default=None), now, config)
+        last = max(past, key=lambda t: t["at"], default={})
+        deployed = [t["outcome_at"] for t in past if t.get("outcome") == "deployed" and t.get("outcome_at")]
+        verdict = should_retrain(decision, last.get("at"), now, config, last_outcome=last.get("outcome"),
+                                 outcome_at=max(deployed, default=None) if last.get("outcome") == "deployed" else None,
+                                 gate_reasons=last.get("gate_reasons", ()))
         if verdict.retrain:
-            past.append({"at": now, "decision": decision.decision, "reasons": list(decision.reasons)})
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(past, indent=2) + "\n")
-            os.replace(tmp, path)
+            past.append({"at": now, "decision": decision.decision, "reasons": list(decision.reasons),
+                         "outcome": None, "retry_of_refused": last.get("outcome") == "refused"})
+            _write_requests(path, past)
     return verdict
+
+
+def record_retrain_outcome(settings: Settings, deployed: bool, now: float, gate_reasons: list[str] | tuple = ()
+                           ) -> dict | None:
+    """Record what became of the last requested retrain: ``deployed`` (passed the gate: the cool-down starts
+    now) or ``refused`` (the next check asks again, with these reasons). Returns the updated request."""
+    path = _requests_path(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(path.with_suffix(".lock")):
+        past = retrain_requests(settings)
+        if not past:
+            return None
+        last = max(past, key=lambda t: t["at"])
+        last.update(outcome="deployed" if deployed else "refused", outcome_at=now, gate_reasons=list(gate_reasons))
+        _write_requests(path, past)
+    return last
+
+
+def _write_requests(path: Path, past: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(past, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -5,6 +5,10 @@
   challenger for the sticky canary share of users (``canary.route``). A challenger that errors or
   returns NaN is never what the user gets: the champion answers instead and the failure is counted
   against the challenger. In shadow mode the challenger scores every request and the champion answers.
+  In interleave mode (the canary's default) both score the share's requests and the answer is their
+  team-draft interleaving; the journal keeps which model (team) put each shown item there, so a click
+  is credited to it. ``RECLOOP_EXPLORE_SHARE`` of the other requests are served in a Plackett-Luce
+  draw over the scores, with each position's propensity in the journal (off-policy estimates).
 - ``POST /recommend`` answers a user id alone with a catalog-wide recommendation: retrieve (the
   retriever's champion or challenger), filter, rank (the ranker's), order (``recloop.serve.recommend``).
 - ``POST /feedback`` records impressions and clicks of a request (each event once) and, every
@@ -42,6 +46,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from recloop import canary
 from recloop.endpoints import ServiceUnavailable
+from recloop.evidence import interleaving, offpolicy
 from recloop.features.config import FeatureConfig
 from recloop.schema import DatasetSpec
 from recloop.serve.body_limit import BodyLimit
@@ -114,7 +119,7 @@ class RankedItem(BaseModel):
 class RankResponse(BaseModel):
     request_id: str
     model_version: str
-    variant: Literal["champion", "challenger"]
+    variant: Literal["champion", "challenger", "interleave"]
     items: list[RankedItem]
 
 
@@ -131,7 +136,7 @@ ModelName = Literal["recloop-ranker", "recloop-retriever"]
 class CanaryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     share: float = Field(ge=0.0, le=1.0)
-    mode: Literal["canary", "shadow"] | None = None
+    mode: Literal["interleave", "canary", "shadow"] | None = None
     model: ModelName = "recloop-ranker"
 
 
@@ -169,6 +174,7 @@ class Service:
         self.journal = open_journal(settings, spec)  # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._rng = np.random.default_rng()  # interleaving's coin and exploration's draws
 
     def _deployed(self, live: Deployment) -> None:
         self.metrics.swaps.inc()
@@ -238,7 +244,7 @@ class Service:
         live = self.pool.live  # this request's models, whatever the watcher swaps meanwhile
         if live.champion is None:
             raise HTTPException(503, self.readiness.check().reasons[0])
-        canary_on = live.challenger is not None and live.mode == "canary"
+        canary_on = live.challenger is not None and live.mode in ("canary", "interleave")
         variant = canary.route(body.user_id, live.share, live.salt) if canary_on else "champion"
         ts = body.ts or datetime.now(UTC)
         ts_us = int((ts if ts.tzinfo else ts.replace(tzinfo=UTC)).timestamp() * 1_000_000)
@@ -266,13 +272,39 @@ class Service:
         if live.challenger is not None and live.mode == "shadow":
             self._evaluate(live.challenger, rows, "shadow", evaluations, all_scores)
 
-        order = np.argsort(-served_scores, kind="stable")[: body.top_k or len(body.item_ids)]
-        items = [RankedItem(item_id=body.item_ids[i], score=float(served_scores[i])) for i in order]
+        k = body.top_k or len(body.item_ids)
+        extra: dict = {}
+        if variant == "challenger" and live.mode == "interleave" and status == "ok":
+            # both rankings, merged by team draft; a click is credited to the team that placed the item
+            champion_scores, champion_status = self._evaluate(live.champion, rows, "interleave", evaluations,
+                                                              all_scores)
+            if champion_status == "ok":
+                order, teams = interleaving.team_draft(np.argsort(-champion_scores, kind="stable"),
+                                                       np.argsort(-served_scores, kind="stable"), k, self._rng)
+                order = np.asarray(order)
+                item_scores = np.where(np.asarray(teams) == interleaving.CHALLENGER, served_scores[order],
+                                       champion_scores[order])
+                extra["interleaving"] = {"champion": live.champion.version, "challenger": served.version,
+                                         "teams": [int(t) for t in teams]}
+                variant = "interleave"
+        if not extra:
+            order = np.argsort(-served_scores, kind="stable")[:k]
+            if variant == "champion" and self.settings.explore_share > 0 and \
+                    self._rng.random() < self.settings.explore_share:
+                # exploration: a Plackett-Luce draw over the model's logits, each position's propensity logged
+                logits = np.log(np.clip(served_scores, 1e-7, 1.0)) - np.log(np.clip(1.0 - served_scores, 1e-7, 1.0))
+                order, propensity = offpolicy.plackett_luce(logits, k, self.settings.explore_temperature,
+                                                            self._rng)
+                extra["exploration"] = {"temperature": self.settings.explore_temperature,
+                                        "propensities": [round(float(p), 8) for p in propensity]}
+            item_scores = served_scores[order]
+        items = [RankedItem(item_id=body.item_ids[i], score=float(s)) for i, s in zip(order, item_scores,
+                                                                                     strict=True)]
         request_id = uuid.uuid4().hex
         latency_ms = (time.perf_counter() - started) * 1000
         payload = {"item_ids": body.item_ids, "context": body.context,
                    "per_candidate": self.features.per_candidate(body.context),
-                   "scores": all_scores, "ranked": [body.item_ids[i] for i in order]}
+                   "scores": all_scores, "ranked": [body.item_ids[i] for i in order], **extra}
         self.journal.record(
             (request_id, time.time(), ts_us, body.user_id, variant, served.version, latency_ms, json.dumps(payload)),
             [(request_id, *e, time.time()) for e in evaluations])

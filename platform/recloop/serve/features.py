@@ -181,7 +181,8 @@ class Fallbacks:
 
 
 class RequestFeatures:
-    """Builds model input rows for requests; reloads vocabularies and statistics when the job writes a new state."""
+    """Builds model input rows for requests; reloads vocabularies and statistics as soon as the feature job
+    publishes a new state (its version marker is checked per request), not on a timer."""
 
     def __init__(self, settings: Settings, spec: DatasetSpec, config: FeatureConfig, online: OnlineReader):
         self.spec, self.config, self.online = spec, config, online
@@ -189,6 +190,9 @@ class RequestFeatures:
         self._states = StateStore(FeatureLayout.for_settings(settings).state)
         self._state: FeatureState | None = None
         self._lock = threading.Lock()
+        self._loading = threading.Lock()
+        self._stamp: tuple[int, int] | None = None
+        self.reloads = 0
         self.refresh()
         self._context_columns = {c.name: c for role in CONTEXT_ROLES for c in spec.by_role(role)}
 
@@ -203,17 +207,32 @@ class RequestFeatures:
 
     def refresh(self) -> bool:
         """Load the newest feature state if the feature job wrote one since; returns whether it did."""
+        stamp = self._states.marker_stamp()
         versions = self._states.versions()
         if not versions or (self._state and self._state.version == versions[-1]):
+            self._stamp = stamp
             return False
         state = self._states.load(versions[-1])
         with self._lock:
             self._state = state
+            self._stamp = stamp
+            self.reloads += 1
         return True
+
+    def refresh_if_published(self) -> bool:
+        """Per request: one ``stat`` of the state's version marker; when the features flow published a new
+        version since, load it (one request pays; the others keep the current state meanwhile)."""
+        if self._states.marker_stamp() == self._stamp or not self._loading.acquire(blocking=False):
+            return False
+        try:
+            return self.refresh()
+        finally:
+            self._loading.release()
 
     def rows(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int
              ) -> tuple[pa.Table, Fallbacks]:
         """One row per candidate, with the training rows' ``d_*``, ``c_*`` and ``m_*`` columns."""
+        self.refresh_if_published()  # vocabularies and statistics as the features flow last published them
         state = self._state
         if state is None:
             raise RuntimeError("no feature state yet: run `recloop features` before serving")

@@ -279,6 +279,104 @@ class Journal:
             online_auc=None if online_auc != online_auc else float(online_auc),
         )
 
+    def interleaving_credits(self, challenger: str, since: float | None = None
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per interleaved request of ``challenger`` with feedback: the user, the clicks credited to the
+        champion's team and to the challenger's (the team that placed each clicked item)."""
+        self.flush()
+        rows = self._query(
+            "SELECT r.request_id, r.user_id, r.payload, f.item_id, f.label FROM feedback f "
+            "JOIN requests r USING (request_id) WHERE r.variant = 'interleave' AND r.served_version = ? "
+            "AND r.at >= ?", [challenger, since or 0.0])
+        requests: dict[str, list] = {}
+        teams_of: dict[str, dict[int, int]] = {}
+        for request_id, user_id, raw, item, label in rows:
+            if request_id not in teams_of:
+                payload = json.loads(raw)
+                teams = payload.get("interleaving", {}).get("teams", [])
+                teams_of[request_id] = dict(zip(payload["ranked"], teams, strict=False))
+                requests[request_id] = [user_id, 0, 0]
+            team = teams_of[request_id].get(item)
+            if label and team is not None:
+                requests[request_id][1 + int(team)] += 1
+        table = np.array(list(requests.values()), dtype=np.int64).reshape(-1, 3)
+        return table[:, 0], table[:, 1], table[:, 2]
+
+    def served_predictions(self, version: str, event_window: tuple[int, int] | None = None,
+                           segments: tuple[str, ...] = ("device",)) -> dict[str, np.ndarray]:
+        """Per impression ``version`` served (interleaved requests left out), with event time in the window:
+        the label, the version's own predicted probability, the user and each segment column's value (from
+        the request's context)."""
+        self.flush()
+        where, params = ["r.variant <> 'interleave'", "r.served_version = ?"], [version]
+        if event_window is not None:
+            where.append("r.ts_us >= ? AND r.ts_us < ?")
+            params += list(event_window)
+        rows = self._query(
+            f"SELECT f.label, f.scores, r.user_id, r.request_id, r.payload, f.item_id FROM feedback f "
+            f"JOIN requests r USING (request_id) WHERE {' AND '.join(where)}", params)
+        out: dict[str, list] = {"labels": [], "predictions": [], "users": [], **{c: [] for c in segments}}
+        payloads: dict[str, dict] = {}
+        for label, scores, user_id, request_id, raw, item in rows:
+            score = json.loads(scores).get(version)
+            if score is None:
+                continue
+            payload = payloads.setdefault(request_id, json.loads(raw))
+            out["labels"].append(label)
+            out["predictions"].append(score)
+            out["users"].append(user_id)
+            for column in segments:
+                value = payload["context"].get(column)
+                if payload.get("per_candidate", {}).get(column):
+                    value = value[payload["item_ids"].index(item)]
+                out[column].append("" if value is None else str(value))
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    def exploration_requests(self, event_window: tuple[int, int] | None = None, limit: int = 20_000) -> list[dict]:
+        """Explored requests (served by a Plackett-Luce draw, propensities logged) with feedback on their top
+        slot: user, event time, candidates, context, the shown top item, its propensity and whether it was
+        clicked (the off-policy estimators' logs)."""
+        self.flush()
+        where, params = ["r.payload LIKE ?"], ['%"exploration"%']
+        if event_window is not None:
+            where.append("r.ts_us >= ? AND r.ts_us < ?")
+            params += list(event_window)
+        rows = self._query(
+            f"SELECT r.request_id, r.user_id, r.ts_us, r.payload, f.item_id, f.label FROM feedback f "
+            f"JOIN requests r USING (request_id) WHERE {' AND '.join(where)} LIMIT {int(limit) * 10}", params)
+        out: dict[str, dict] = {}
+        for request_id, user_id, ts_us, raw, item, label in rows:
+            payload = json.loads(raw)
+            if not payload.get("ranked") or item != payload["ranked"][0] or request_id in out:
+                continue
+            out[request_id] = {"user_id": user_id, "ts_us": ts_us, "item_ids": payload["item_ids"],
+                               "context": payload["context"], "top": item, "label": int(label),
+                               "propensity": float(payload["exploration"]["propensities"][0])}
+            if len(out) >= limit:
+                break
+        return list(out.values())
+
+    def user_clicks(self, version: str | None, since: float | None = None, until: float | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per user: clicks and impressions of the requests ``version`` served (any version: None) with
+        wall-clock time in ``[since, until)`` (interleaved requests left out)."""
+        self.flush()
+        where, params = ["r.variant <> 'interleave'"], []
+        if version is not None:
+            where.append("r.served_version = ?")
+            params.append(version)
+        if since is not None:
+            where.append("r.at >= ?")
+            params.append(since)
+        if until is not None:
+            where.append("r.at < ?")
+            params.append(until)
+        rows = self._query(
+            f"SELECT r.user_id, SUM(f.label), COUNT(*) FROM feedback f JOIN requests r USING (request_id) "
+            f"WHERE {' AND '.join(where)} GROUP BY r.user_id", params)
+        table = np.array(rows, dtype=np.float64).reshape(-1, 3)
+        return table[:, 0].astype(np.int64), table[:, 1], table[:, 2]
+
 
     # --- what the recommendation path reads ------------------------------------------------------------
 

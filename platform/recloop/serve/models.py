@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("recloop.serve")
 
-CanaryMode = Literal["canary", "shadow"]
+CanaryMode = Literal["interleave", "canary", "shadow"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class Wanted:
     challenger: str | None
     share: float
     mode: CanaryMode
+    salt: str | None = None  # the experiment's salt (tag ``canary.salt``); None: the pool's own
 
 
 def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted:
@@ -82,19 +83,20 @@ def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted
     from mlflow import MlflowClient
 
     from recloop import registry
-    from recloop.canary.controller import MODE_TAG, SHARE_TAG
+    from recloop.canary.controller import MODE_TAG, SALT_TAG, SHARE_TAG
 
     model_name = model_name or registry.MODEL_NAME
     registry.configure(settings)
     client = MlflowClient()
     champion = registry.version_by_alias(settings, "champion", model_name)
     challenger = registry.version_by_alias(settings, "challenger", model_name)
-    share, mode = 0.0, "canary"
+    share, mode, salt = 0.0, "canary", None
     if challenger is not None:
         tags = client.get_model_version(model_name, challenger).tags
         share = float(tags.get(SHARE_TAG, 0.0))
-        mode = "shadow" if tags.get(MODE_TAG) == "shadow" else "canary"
-    return Wanted(champion, challenger, share, mode)
+        mode = tags.get(MODE_TAG) if tags.get(MODE_TAG) in ("interleave", "shadow") else "canary"
+        salt = tags.get(SALT_TAG, salt)  # each experiment's own split of users
+    return Wanted(champion, challenger, share, mode, salt)
 
 
 def load_version(settings: Settings, version: str) -> LoadedModel:
@@ -223,10 +225,11 @@ class ModelPool:
             if challenger is not None and champion is not None and challenger.version == champion.version:
                 challenger = None
             share = wanted.share if challenger else 0.0
-            new = Deployment(champion, challenger, share, wanted.mode, self.salt)
+            salt = wanted.salt or self.salt  # the experiment's own salt (set at its start), else the pool's
+            new = Deployment(champion, challenger, share, wanted.mode, salt)
             if new.versions == current.versions:
-                if (share, wanted.mode) != (current.share, current.mode):
-                    self.live = replace(current, share=share, mode=wanted.mode)
+                if (share, wanted.mode, salt) != (current.share, current.mode, current.salt):
+                    self.live = replace(current, share=share, mode=wanted.mode, salt=salt)
                 return False
             self.live = new  # the swap: one reference assignment
             self.swaps += 1

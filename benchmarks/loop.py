@@ -1,0 +1,614 @@
+"""The loop's decisions, measured on the synthetic world: canary and gate error rates, with intervals.
+
+    python benchmarks/loop.py [--seeds 10] [--canaries 50] [--gate-candidates 20] [--json out.json]
+
+Canaries are simulated directly on the world's requests (no servers): each look draws a batch of
+requests (users by their heavy-tailed activity, 30 candidates by exposure), routes them with the
+experiment's salt, serves champion / challenger / their team-draft interleaving, draws clicks from the
+true click probabilities at their positions, and hands the journal's figures to the real
+``canary.decision.decide`` (with the paired evidence of ``canary.controller.paired_evidence``'s
+statistics). Challengers are ``panel.SimulatedModel`` rankers whose expected clicks on the world's panel
+are 0 %, −20 % and +10 % against the champion's. Alongside, the rule this replaced (fixed salt, A/B,
+raw CTR ratio against ``max_ctr_drop``) on the same worlds.
+
+Gate: per world seed, candidates of random quality around the champion are judged on a logged day of
+the world's own events (grouped AUC per user, paired user bootstrap, Holm over device slices) and
+compared with the truth on the evaluation panel (normalized reward); the old rule (pooled AUC drop of at
+most 0.002, 0.01 per slice) on the same candidates.
+
+Targets (issue 14): identical challenger rolled back ≤ 5 %, 20 %-worse rolled back ≥ 90 %, 10 %-better
+promoted ≥ 80 % (≥ 50 canaries each); gate: ≤ 5 % of panel-better refused, ≤ 5 % of panel-worse passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from common import machine, use_source_tree
+
+use_source_tree()
+
+from recloop.canary.decision import CanaryConfig, CanaryState, VariantStats, decide, experiment_salt, position  # noqa: E402
+from recloop.evaluate import auc  # noqa: E402
+from recloop.evidence.interleaving import team_draft_batch  # noqa: E402
+from recloop.evidence.ranking import holm, paired_bootstrap  # noqa: E402
+from recloop.evidence.sequential import ab_difference, interleaving_difference  # noqa: E402
+from recloop.panel import SimulatedModel, draw_panel, expected_reward, score_panel, true_logits  # noqa: E402
+from recloop.simulate import DEVICES, World, WorldConfig  # noqa: E402
+
+K, CANDIDATES = 10, 30
+CHAMPION_NOISE = 1.5
+
+
+def proportion_ci(hits: int, n: int) -> tuple[float, float]:
+    from statsmodels.stats.proportion import proportion_confint
+
+    low, high = proportion_confint(hits, n, method="wilson") if n else (float("nan"), float("nan"))
+    return float(low), float(high)
+
+
+def mean_ci(values) -> tuple[float, float, float]:
+    from scipy import stats
+
+    values = np.asarray(values, dtype=np.float64)
+    if len(values) < 2:
+        return float(values.mean()) if len(values) else float("nan"), float("nan"), float("nan")
+    half = stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / np.sqrt(len(values))
+    return float(values.mean()), float(values.mean() - half), float(values.mean() + half)
+
+
+# --- challengers of known quality ------------------------------------------------------------------------------
+
+
+def relative_reward(world: World, champion: SimulatedModel, challenger: SimulatedModel, panel) -> float:
+    truth = true_logits(world, panel)
+    rewards = [
+        expected_reward(truth, np.argsort(-m.scores(world, panel.users, panel.items, truth), axis=1), K).sum()
+        for m in (champion, challenger)
+    ]
+    return rewards[1] / rewards[0] - 1.0
+
+
+def challenger_for(world: World, champion: SimulatedModel, target: float, panel, seed: int) -> SimulatedModel:
+    """A model whose expected clicks on the panel are ``target`` relative to the champion's (bisection on noise)."""
+    if target == 0.0:
+        return champion  # identical: the same model
+    low, high = 0.0, 12.0
+    for _ in range(18):
+        mid = (low + high) / 2
+        if relative_reward(world, champion, SimulatedModel(mid, seed), panel) > target:
+            low = mid
+        else:
+            high = mid
+    return SimulatedModel((low + high) / 2, seed)
+
+
+# --- one simulated canary ------------------------------------------------------------------------------------
+
+
+def run_canary(
+    world: World,
+    champion: SimulatedModel,
+    challenger: SimulatedModel,
+    config: CanaryConfig,
+    *,
+    rng: np.random.Generator,
+    legacy: bool,
+    requests_per_look: int,
+    max_looks: int,
+    day: float,
+    draw: int,
+) -> dict:
+    """Look after look until promote or roll back (an undecided canary at ``max_looks`` is rolled back as
+    inconclusive, as ``max_users`` does in the controller)."""
+    users_all = np.arange(len(world.user_taste))
+    salt = "recloop-canary" if legacy else experiment_salt("2", float(draw))
+    place = np.array([position(int(u), salt) for u in users_all])
+    share = config.steps[0]
+    log: dict[str, list] = {k: [] for k in ("user", "a", "b", "arm", "clicks")}
+    pre = None
+    if (
+        not legacy and config.mode == "canary"
+    ):  # CUPED covariate: each user's CTR on a pre-period under the champion
+        panel = draw_panel(world, day - 1, requests_per_look * 2, CANDIDATES, seed=10_000 + draw)
+        truth = true_logits(world, panel)
+        clicks = _clicks(
+            truth, np.argsort(-champion.scores(world, panel.users, panel.items, truth), axis=1)[:, :K], rng
+        )
+        users, index = np.unique(panel.users, return_inverse=True)
+        pre = dict(
+            zip(
+                users.tolist(),
+                (np.bincount(index, clicks.sum(axis=1)) / np.bincount(index) / K).tolist(),
+                strict=True,
+            )
+        )
+    exposed = 0
+    for look in range(max_looks):
+        panel = draw_panel(world, day, requests_per_look, CANDIDATES, seed=draw * 1000 + look)
+        truth = true_logits(world, panel)
+        a = np.argsort(-champion.scores(world, panel.users, panel.items, truth), axis=1, kind="stable")
+        b = np.argsort(-challenger.scores(world, panel.users, panel.items, truth), axis=1, kind="stable")
+        inside = place[panel.users] < share
+        exposed += int(inside.sum())
+        if config.mode == "interleave" and not legacy:
+            shown, teams = team_draft_batch(a[inside], b[inside], K, rng)
+            clicks = _clicks(truth[inside], shown, rng)
+            log["user"].append(panel.users[inside])
+            log["a"].append((clicks * (teams == 0)).sum(axis=1))
+            log["b"].append((clicks * (teams == 1)).sum(axis=1))
+            users = np.concatenate(log["user"])
+            credit_a, credit_b = np.concatenate(log["a"]), np.concatenate(log["b"])
+            evidence = interleaving_difference(
+                credit_a, credit_b, users, tau=config.min_effect, alpha=config.alpha
+            )
+            n = len(users)
+            stats_a = VariantStats(requests=n, impressions=n * K, clicks=int(credit_a.sum() * 2))
+            stats_b = VariantStats(requests=n, impressions=n * K, clicks=int(credit_b.sum() * 2))
+        else:
+            order = np.where(inside[:, None], b, a)[:, :K]
+            clicks = _clicks(truth, order, rng).sum(axis=1)
+            log["user"].append(panel.users)
+            log["arm"].append(inside)
+            log["clicks"].append(clicks)
+            users, arm, c = (np.concatenate(log[key]) for key in ("user", "arm", "clicks"))
+            stats_a = VariantStats(
+                requests=int((~arm).sum()), impressions=int((~arm).sum()) * K, clicks=int(c[~arm].sum())
+            )
+            stats_b = VariantStats(
+                requests=int(arm.sum()), impressions=int(arm.sum()) * K, clicks=int(c[arm].sum())
+            )
+            evidence = None
+            if not legacy:
+                covariates = None
+                if pre is not None:
+                    covariates = [
+                        np.array([pre.get(u, 0.0) for u in np.unique(users[side])]) for side in (~arm, arm)
+                    ]
+                evidence = ab_difference(
+                    c[~arm],
+                    np.full((~arm).sum(), K),
+                    users[~arm],
+                    c[arm],
+                    np.full(arm.sum(), K),
+                    users[arm],
+                    tau=config.min_effect,
+                    alpha=config.alpha,
+                    pre_a=covariates[0] if covariates else None,
+                    pre_b=covariates[1] if covariates else None,
+                )
+        decision = decide(stats_a, stats_b, CanaryState(share, 0.0), config, now=1e12, evidence=evidence)
+        if decision.action in ("promote", "rollback"):
+            return {
+                "outcome": decision.action,
+                "looks": look + 1,
+                "challenger_requests": exposed,
+                "reason": decision.reasons[0],
+            }
+        share = decision.share if decision.action == "step" else share
+        if decision.action == "step" and legacy:  # a new step judges only its own traffic in the legacy rule
+            log = {k: [] for k in log}
+    return {
+        "outcome": "rollback",
+        "looks": max_looks,
+        "challenger_requests": exposed,
+        "reason": "inconclusive",
+    }
+
+
+def _clicks(truth: np.ndarray, shown: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    logit = (
+        np.take_along_axis(truth, shown, axis=1) - 0.35 * np.log(np.arange(1, shown.shape[1] + 1))[None, :]
+    )
+    return (rng.random(logit.shape) < 1.0 / (1.0 + np.exp(-logit))).astype(np.int64)
+
+
+def canary_rates(
+    seeds: int,
+    canaries: int,
+    requests_per_look: int,
+    max_looks: int,
+    events_per_day: int,
+    modes: tuple[str, ...],
+) -> dict:
+    config_new = {
+        mode: CanaryConfig(
+            bake_seconds=0,
+            min_requests=200,
+            min_feedback=1000,
+            mode=mode,
+            min_effect=0.05,
+            steps=(0.05, 0.25, 0.5, 1.0),
+        )
+        for mode in modes
+    }
+    legacy = CanaryConfig(
+        bake_seconds=0,
+        min_requests=200,
+        min_feedback=1000,
+        mode="canary",
+        holdout=0.0,
+        steps=(0.05, 0.25, 0.5, 1.0),
+    )
+    results: dict[str, dict[str, list]] = {}
+    for seed in range(seeds):
+        world = World(WorldConfig(seed=seed, days=3, events_per_day=events_per_day))
+        champion = SimulatedModel(CHAMPION_NOISE, seed=1)
+        panel = draw_panel(world, 1.0, 3000, CANDIDATES, seed=99)
+        for label, target in (("identical", 0.0), ("20% worse", -0.20), ("10% better", 0.10)):
+            challenger = challenger_for(world, champion, target, panel, seed=2)
+            measured = relative_reward(
+                world, champion, challenger, draw_panel(world, 1.0, 3000, CANDIDATES, seed=98)
+            )
+            per_seed = max(1, canaries // seeds)
+            for name, config, is_legacy in [
+                *((m, config_new[m], False) for m in modes),
+                ("legacy A/B", legacy, True),
+            ]:
+                rng = np.random.default_rng([seed, len(label), len(name)])
+                for draw in range(per_seed):
+                    outcome = run_canary(
+                        world,
+                        champion,
+                        challenger,
+                        config,
+                        rng=rng,
+                        legacy=is_legacy,
+                        requests_per_look=requests_per_look,
+                        max_looks=max_looks,
+                        day=1.0,
+                        draw=seed * 10_000 + draw,
+                    )
+                    entry = results.setdefault(name, {}).setdefault(label, [])
+                    entry.append({**outcome, "true_effect": measured})
+                done = results[name][label][-per_seed:]
+                print(
+                    f"  seed {seed} {name} {label}: rolled back {sum(r['outcome'] == 'rollback' for r in done)}"
+                    f"/{len(done)}",
+                    flush=True,
+                )
+    summary = {}
+    for name, by_label in results.items():
+        summary[name] = {}
+        for label, runs in by_label.items():
+            n = len(runs)
+            rolled = sum(r["outcome"] == "rollback" for r in runs)
+            promoted = n - rolled
+            summary[name][label] = {
+                "canaries": n,
+                "rolled_back": rolled / n,
+                "rolled_back_ci": proportion_ci(rolled, n),
+                "promoted": promoted / n,
+                "promoted_ci": proportion_ci(promoted, n),
+                "inconclusive": sum(r["reason"] == "inconclusive" for r in runs) / n,
+                "mean_challenger_requests": float(np.mean([r["challenger_requests"] for r in runs])),
+                "mean_looks": float(np.mean([r["looks"] for r in runs])),
+                "true_effect": float(np.mean([r["true_effect"] for r in runs])),
+            }
+    return summary
+
+
+# --- the gate -------------------------------------------------------------------------------------------------
+
+
+def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int) -> dict:
+    counts = {
+        rule: {"better_refused": 0, "better": 0, "worse_passed": 0, "worse": 0}
+        for rule in ("paired", "legacy")
+    }
+    for seed in range(seeds):
+        world = World(WorldConfig(seed=seed, days=3, events_per_day=events_per_day))
+        for hour in range(24):  # warm the histories like a real day
+            world.hour_events(0, hour)
+        logged = [world.hour_events(1, hour) for hour in range(24)]
+        users = np.concatenate([t["user_id"].to_numpy() for t in logged])
+        items = np.concatenate([t["item_id"].to_numpy() for t in logged])
+        labels = np.concatenate([t["label"].to_numpy() for t in logged])
+        p = np.concatenate([t["p_click"].to_numpy() for t in logged])
+        device = np.concatenate([t["device"].to_numpy(zero_copy_only=False) for t in logged])
+        truth = np.log(p) - np.log1p(-p)
+        panel = draw_panel(world, 1.5, 3000, CANDIDATES, seed=5)
+        panel_truth = true_logits(world, panel)
+        champion = SimulatedModel(CHAMPION_NOISE, seed=1)
+        rng = np.random.default_rng(seed)
+        champ_scores = champion.scores(world, users, items, truth)
+        for c in range(candidates):
+            candidate = SimulatedModel(float(CHAMPION_NOISE * np.exp(rng.normal(0, 0.25))), seed=100 + c)
+            scored = score_panel(
+                world,
+                panel,
+                {
+                    "champion": champion.scores(world, panel.users, panel.items, panel_truth),
+                    "candidate": candidate.scores(world, panel.users, panel.items, panel_truth),
+                },
+                resamples=10,
+            )
+            better = scored["candidate"]["normalized_reward"] > scored["champion"]["normalized_reward"]
+            cand_scores = candidate.scores(world, users, items, truth)
+            # the new rule: paired user bootstrap of grouped AUC, overall and per device, Holm; refuse when
+            # significantly worse (a full retrain may not be worse: margin 0)
+            tests = [
+                paired_bootstrap(
+                    labels, cand_scores, champ_scores, users, users, resamples=resamples, rng=rng
+                )
+            ]
+            for name in DEVICES:
+                mask = device == name
+                tests.append(
+                    paired_bootstrap(
+                        labels[mask],
+                        cand_scores[mask],
+                        champ_scores[mask],
+                        users[mask],
+                        users[mask],
+                        resamples=resamples,
+                        rng=rng,
+                    )
+                )
+            refused_new = bool((holm([t.p_worse for t in tests]) < 0.05).any())
+            # the old rule: pooled AUC may drop 0.002 (incremental), 0.01 per slice of >= 200 rows
+            drop = auc(labels, champ_scores) - auc(labels, cand_scores)
+            slice_drop = max(
+                auc(labels[device == d], champ_scores[device == d])
+                - auc(labels[device == d], cand_scores[device == d])
+                for d in DEVICES
+            )
+            refused_old = drop > 0.002 or slice_drop > 0.01
+            for rule, refused in (("paired", refused_new), ("legacy", refused_old)):
+                key = "better" if better else "worse"
+                counts[rule][key] += 1
+                counts[rule]["better_refused" if better else "worse_passed"] += int(
+                    refused if better else not refused
+                )
+    out = {}
+    for rule, c in counts.items():
+        out[rule] = {
+            "better": c["better"],
+            "worse": c["worse"],
+            "better_refused": c["better_refused"] / max(c["better"], 1),
+            "better_refused_ci": proportion_ci(c["better_refused"], c["better"]),
+            "worse_passed": c["worse_passed"] / max(c["worse"], 1),
+            "worse_passed_ci": proportion_ci(c["worse_passed"], c["worse"]),
+        }
+    return out
+
+
+# --- concept drift: the monitor's served-feedback check on a stale champion ------------------------------------
+
+
+def concept_rates(seeds: int, scenarios: tuple[str, ...], requests_per_day: int, days_after: int = 3) -> dict:
+    """Per seed and scenario: a champion that knows the world as it was the day before the drift (its true
+    click probabilities then: perfectly calibrated until the drift) serves ``requests_per_day`` requests a
+    day (top 10 of 30 candidates); its predictions on the shown items and the clicks they got go to
+    ``monitor.concept.concept_findings`` each day. Detection delay (days after onset) and false alarms."""
+    from recloop.monitor import MonitorConfig
+    from recloop.monitor.concept import concept_findings
+
+    config = MonitorConfig()
+    drift_day = 2
+    out = {}
+    for scenario in scenarios:
+        delays, alarms, checks = [], 0, 0
+        for seed in range(seeds):
+            world = World(
+                WorldConfig(
+                    seed=seed,
+                    days=drift_day + days_after,
+                    events_per_day=20_000,
+                    drift=scenario,
+                    drift_day=drift_day,
+                )
+            )
+            rng = np.random.default_rng([seed, 3])
+            found_on = None
+            for day in range(drift_day - 1, drift_day + days_after):
+                panel = draw_panel(world, day + 0.5, requests_per_day, CANDIDATES, seed=500 + day)
+                n, m = panel.items.shape
+                stale = world.click_probability(
+                    drift_day - 0.5,
+                    np.repeat(panel.users, m),
+                    panel.items.ravel(),
+                    np.repeat(panel.devices, m),
+                    np.ones(n * m),
+                ).reshape(n, m)
+                order = np.argsort(-stale, axis=1)[:, :K]
+                items = np.take_along_axis(panel.items, order, axis=1)
+                positions = np.tile(np.arange(1, K + 1), (n, 1))
+                users = np.repeat(panel.users, K)
+                devices = np.repeat(panel.devices, K)
+                predicted = world.click_probability(
+                    drift_day - 0.5, users, items.ravel(), devices, positions.ravel()
+                )
+                actual = world.click_probability(day + 0.5, users, items.ravel(), devices, positions.ravel())
+                labels = (rng.random(len(actual)) < actual).astype(float)
+                findings, _ = concept_findings(
+                    labels, predicted, users, {"device": np.asarray(DEVICES)[devices]}, config
+                )
+                checks += 1
+                if findings and (scenario == "none" or day < drift_day):
+                    alarms += 1
+                if findings and day >= drift_day and found_on is None:
+                    found_on = day
+            delays.append(None if found_on is None else found_on - drift_day)
+        out[scenario] = {
+            "seeds": seeds,
+            "detected_within_2_days": sum(d is not None and d <= 2 for d in delays) / seeds,
+            "detected_ci": proportion_ci(sum(d is not None and d <= 2 for d in delays), seeds),
+            "delays": delays,
+            "false_alarms": alarms,
+            "checks_without_drift": checks if scenario == "none" else seeds,
+        }
+    return out
+
+
+# --- the loop itself: seeds × scenarios (the demo, twin worlds) -------------------------------------------------
+
+
+def loop_grid(
+    seeds: int, scenarios: tuple[str, ...], days: int, events_per_day: int, requests_per_day: int, root: str
+) -> dict:
+    """``recloop demo`` per world seed and scenario, each with its no-drift twin: the twin-world recovery
+    two cycles after the drift (mean and t interval across seeds, each run's own user-cluster interval),
+    the paired difference loop − never retrained on the same panel, the day drift was first acted on
+    (detection delay) and false alarms on ``none``."""
+    from pathlib import Path
+
+    from recloop.demo import DemoConfig, run_demo
+    from recloop.settings import Settings
+
+    runs: dict[str, list[dict]] = {}
+    for scenario in scenarios:
+        for seed in range(seeds):
+            home = Path(root) / f"{scenario}-{seed}" / "home"
+            config = DemoConfig(
+                days=days,
+                events_per_day=events_per_day,
+                requests_per_day=requests_per_day,
+                seed=seed,
+                drift=scenario,
+                drift_day=2,
+                twin=scenario != "none",
+            )
+            began = time.perf_counter()
+            summary = run_demo(Settings(home=home, frame_backend="pandas"), config)
+            decisions = [(d["day"], d["drift"]) for d in summary["days"] if d["day"] > 0]
+            acted = [day for day, decision in decisions if decision in ("drift", "kpi_decay") and day >= 2]
+            headline = (summary.get("recovery") or {}).get("headline") or {}
+            panel = {d["day"]: d["panel"] for d in summary["days"] if d.get("panel")}
+            day = config.drift_day + 2 if config.drift_day + 2 in panel else max(panel)
+            row = {
+                "seed": seed,
+                "seconds": time.perf_counter() - began,
+                "recovery": headline.get("champion", {}).get("recovery"),
+                "recovery_low": headline.get("champion", {}).get("low"),
+                "recovery_high": headline.get("champion", {}).get("high"),
+                "never_retrained_recovery": headline.get("never_retrained", {}).get("recovery"),
+                "loop_minus_frozen": panel[day]["champion"]["normalized_reward"]
+                - panel[day]["never_retrained"]["normalized_reward"],
+                "detection_delay_days": (min(acted) - config.drift_day) if acted else None,
+                "false_alarms": sum(decision in ("drift", "kpi_decay") for _, decision in decisions)
+                if scenario == "none"
+                else None,
+            }
+            runs.setdefault(scenario, []).append(row)
+            print(f"loop {scenario} seed {seed}: {json.dumps(row, default=float)}", flush=True)
+    out = {}
+    for scenario, rows in runs.items():
+        entry = {"runs": rows}
+        for key in ("recovery", "loop_minus_frozen"):
+            values = [r[key] for r in rows if r[key] is not None]
+            if values:
+                entry[key] = dict(zip(("mean", "low", "high"), mean_ci(values), strict=True))
+        delays = [r["detection_delay_days"] for r in rows]
+        entry["detected_within_2_days"] = sum(d is not None and d <= 2 for d in delays) / len(rows)
+        if scenario == "none":
+            entry["false_alarm_checks"] = sum(r["false_alarms"] for r in rows)
+            entry["checks"] = len(rows) * (days - 1)
+        out[scenario] = entry
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument(
+        "--canaries", type=int, default=50, help="simulated canaries per challenger and method"
+    )
+    parser.add_argument("--requests-per-look", type=int, default=4000)
+    parser.add_argument("--max-looks", type=int, default=40)
+    parser.add_argument("--events-per-day", type=int, default=50_000)
+    parser.add_argument("--gate-candidates", type=int, default=20, help="candidates per world seed")
+    parser.add_argument("--gate-seeds", type=int, default=None)
+    parser.add_argument("--resamples", type=int, default=300)
+    parser.add_argument("--modes", default="interleave,canary")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: canary, gate, concept")
+    parser.add_argument(
+        "--loop-seeds",
+        type=int,
+        default=0,
+        help="world seeds of the full-loop grid (0: skip it; each run is a `recloop demo` and its twin)",
+    )
+    parser.add_argument("--scenarios", default="sudden,gradual,covariate,none")
+    parser.add_argument(
+        "--concept-requests", type=int, default=400, help="served requests a day (concept drift)"
+    )
+    parser.add_argument("--loop-days", type=int, default=5)
+    parser.add_argument("--loop-events-per-day", type=int, default=20_000)
+    parser.add_argument("--loop-requests-per-day", type=int, default=400)
+    parser.add_argument(
+        "--loop-root", default=None, help="where the runs' homes go (default: a temporary folder)"
+    )
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    started = time.perf_counter()
+    result: dict = {"machine": machine(), "arguments": vars(args)}
+    if "canary" not in skip:
+        result["canary"] = canary_rates(
+            args.seeds,
+            args.canaries,
+            args.requests_per_look,
+            args.max_looks,
+            args.events_per_day,
+            tuple(args.modes.split(",")),
+        )
+        for name, rows in result["canary"].items():
+            for label, row in rows.items():
+                print(
+                    f"canary {name:>10} | {label:>10} (true {row['true_effect']:+.1%}): rolled back "
+                    f"{row['rolled_back']:.0%} [{row['rolled_back_ci'][0]:.0%}, {row['rolled_back_ci'][1]:.0%}], "
+                    f"promoted {row['promoted']:.0%}, inconclusive {row['inconclusive']:.0%}, "
+                    f"{row['mean_challenger_requests']:,.0f} challenger requests, n={row['canaries']}",
+                    flush=True,
+                )
+    if "gate" not in skip:
+        result["gate"] = gate_rates(
+            args.gate_seeds or args.seeds, args.gate_candidates, args.events_per_day, args.resamples
+        )
+        for rule, row in result["gate"].items():
+            print(
+                f"gate {rule:>7}: panel-better refused {row['better_refused']:.0%} "
+                f"[{row['better_refused_ci'][0]:.0%}, {row['better_refused_ci'][1]:.0%}] of {row['better']}, "
+                f"panel-worse passed {row['worse_passed']:.0%} [{row['worse_passed_ci'][0]:.0%}, "
+                f"{row['worse_passed_ci'][1]:.0%}] of {row['worse']}",
+                flush=True,
+            )
+    if "concept" not in skip:
+        result["concept"] = concept_rates(args.seeds, tuple(args.scenarios.split(",")), args.concept_requests)
+        for scenario, row in result["concept"].items():
+            print(
+                f"concept {scenario:>9}: detected within 2 days {row['detected_within_2_days']:.0%} "
+                f"[{row['detected_ci'][0]:.0%}, {row['detected_ci'][1]:.0%}], delays {row['delays']}, "
+                f"false alarms {row['false_alarms']} of {row['checks_without_drift']} checks",
+                flush=True,
+            )
+    if args.loop_seeds:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="recloop-loop-") as scratch:
+            result["loop"] = loop_grid(
+                args.loop_seeds,
+                tuple(args.scenarios.split(",")),
+                args.loop_days,
+                args.loop_events_per_day,
+                args.loop_requests_per_day,
+                args.loop_root or scratch,
+            )
+        for scenario, entry in result["loop"].items():
+            print(
+                f"loop {scenario}: recovery {entry.get('recovery')}, loop − frozen {entry.get('loop_minus_frozen')}, "
+                f"detected within 2 days {entry['detected_within_2_days']:.0%}",
+                flush=True,
+            )
+    result["seconds"] = time.perf_counter() - started
+    print(f"{result['seconds']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2, default=float)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The statistics behind the loop's decisions (recloop.evidence): small arrays, seconds in all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from recloop.evaluate import auc
+from recloop.evidence.calibration import apply_platt, fit_platt
+from recloop.evidence.interleaving import CHAMPION, credit, team_draft, team_draft_batch
+from recloop.evidence.offpolicy import epsilon_greedy, estimate, plackett_luce, softmax
+from recloop.evidence.ranking import (
+    grouped_auc,
+    holm,
+    min_rows_for_auc_difference,
+    ndcg_at_k,
+    paired_bootstrap,
+)
+from recloop.evidence.sequential import (
+    ab_difference,
+    always_valid_p,
+    cluster_mean,
+    confidence_sequence,
+    cuped,
+)
+
+
+def test_team_draft_takes_turns_and_credits_clicks_to_the_contributing_team():
+    rng = np.random.default_rng(0)
+    champion, challenger = [1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]
+    items, teams = team_draft(champion, challenger, k=4, rng=rng)
+    assert len(set(items)) == 4 and sorted(teams) == [0, 0, 1, 1]
+    for item, team in zip(items, teams, strict=True):  # each team placed its own best remaining item
+        assert item in (champion if team == CHAMPION else challenger)[:3]
+    clicked = [item == 6 for item in items]  # only the challenger's top item gets a click
+    assert credit(teams, clicked) == (0, 1)
+    assert credit(teams, [True] * 4) == (2, 2)
+    # identical rankings: the list is that ranking, the teams alternate in pairs
+    same, same_teams = team_draft([7, 8, 9, 10], [7, 8, 9, 10], k=4, rng=rng)
+    assert same == [7, 8, 9, 10] and sorted(same_teams[:2]) == [0, 1] and sorted(same_teams[2:]) == [0, 1]
+    with pytest.raises(ValueError):
+        credit([0, 1], [True])
+
+
+def test_team_draft_never_favours_a_team_for_the_top_slot():
+    rng = np.random.default_rng(1)
+    a = np.tile(np.arange(8), (4000, 1))
+    b = a[:, ::-1].copy()
+    items, teams = team_draft_batch(a, b, k=4, rng=rng)
+    assert abs(teams[:, 0].mean() - 0.5) < 0.03
+    assert (np.isin(items, [0, 1, 6, 7])).all()  # two picks each: the two best of each ranking
+    assert (teams.sum(axis=1) == 2).all()
+
+
+def test_the_sequential_test_keeps_its_error_rate_over_every_look():
+    """5,000 null A/A canaries looked at 100 times each, with clustered heavy-tailed users: the share whose
+    always-valid interval ever excludes 0 stays at most alpha (a naive z-test at each look would be ~40 %)."""
+    rng = np.random.default_rng(0)
+    runs, looks, per_look = 5000, 100, 20
+    effect = rng.normal(0, 1, (runs, looks * per_look)) * rng.pareto(3.0, (runs, looks * per_look)).clip(
+        0.2, 20
+    )
+    sums = effect.cumsum(axis=1)[:, per_look - 1 :: per_look]
+    squares = (effect**2).cumsum(axis=1)[:, per_look - 1 :: per_look]
+    n = np.arange(1, looks + 1) * per_look
+    mean = sums / n
+    variance = (squares / n - mean**2) / n
+    low, high = confidence_sequence(mean, variance, tau=0.1, alpha=0.05)
+    ever = ((low > 0) | (high < 0)).any(axis=1).mean()
+    naive = (np.abs(mean / np.sqrt(variance)) > 1.96).any(axis=1).mean()
+    assert ever <= 0.05, ever
+    assert naive > 0.2  # the reason the test exists
+    # and it finds a real effect of the size it is tuned to
+    shifted_low, _ = confidence_sequence(mean + 0.3, variance, tau=0.1, alpha=0.05)
+    assert (shifted_low > 0).any(axis=1).mean() > 0.9
+    assert always_valid_p(0.0, 1.0, tau=1.0) == 1.0
+
+
+def test_cluster_robust_variance_counts_users_not_requests():
+    rng = np.random.default_rng(2)
+    users = np.repeat(np.arange(50), 40)  # 50 users × 40 requests, each user's values moving together
+    values = np.repeat(rng.normal(0, 1, 50), 40) + rng.normal(0, 0.1, 2000)
+    _, clustered = cluster_mean(values, users)
+    _, naive = cluster_mean(values, np.arange(2000))
+    assert clustered > 20 * naive
+
+
+def test_cuped_shrinks_variance_and_keeps_the_effect():
+    rng = np.random.default_rng(3)
+    users = 4000
+    pre = rng.gamma(2.0, 1.0, 2 * users)
+    clicks = rng.poisson(pre * 3)
+    impressions = np.full(2 * users, 30)
+    clicks[users:] = rng.poisson(pre[users:] * 3 * 1.1)  # the challenger's users click 10 % more
+    ids = np.arange(2 * users)
+    plain = ab_difference(
+        clicks[:users],
+        impressions[:users],
+        ids[:users],
+        clicks[users:],
+        impressions[users:],
+        ids[users:],
+        tau=0.05,
+    )
+    adjusted = ab_difference(
+        clicks[:users],
+        impressions[:users],
+        ids[:users],
+        clicks[users:],
+        impressions[users:],
+        ids[users:],
+        tau=0.05,
+        pre_a=pre[:users],
+        pre_b=pre[users:],
+    )
+    assert adjusted.variance < 0.5 * plain.variance
+    assert adjusted.low > 0 and abs(adjusted.estimate - 0.1) < 0.05
+    _, theta = cuped(np.arange(10.0), np.arange(10.0))
+    assert theta == pytest.approx(1.0)
+
+
+def test_grouped_auc_and_ndcg():
+    labels = np.array([1, 0, 0, 1, 0, 1, 1])
+    scores = np.array([0.9, 0.1, 0.5, 0.2, 0.3, 0.4, 0.4])
+    groups = np.array([0, 0, 0, 1, 1, 2, 2])  # group 2 has one class: left out
+    expected = (3 * auc(labels[:3], scores[:3]) + 2 * auc(labels[3:5], scores[3:5])) / 5
+    assert grouped_auc(labels, scores, groups) == pytest.approx(expected)
+    gains = np.array([0.5, 0.1, 0.2])
+    assert ndcg_at_k(gains, np.array([3.0, 1.0, 2.0]), np.zeros(3), k=10) == pytest.approx(1.0)
+    assert ndcg_at_k(gains, np.array([1.0, 3.0, 2.0]), np.zeros(3), k=10) < 0.9
+
+
+def _requests(rng, users=400, per_user=5, size=10):
+    groups = np.repeat(np.arange(users * per_user), size)
+    user = groups // per_user
+    truth = rng.normal(0, 1, len(groups))
+    labels = (rng.random(len(groups)) < 1 / (1 + np.exp(-(truth - 1.5)))).astype(int)
+    return labels, truth, groups, user
+
+
+def test_the_paired_test_tells_noise_from_a_worse_model():
+    rng = np.random.default_rng(4)
+    labels, truth, groups, user = _requests(rng)
+    champion = truth + rng.normal(0, 0.5, len(truth))
+    same = truth + rng.normal(0, 0.5, len(truth))  # as good, different noise
+    worse = truth + rng.normal(0, 2.0, len(truth))
+    tie = paired_bootstrap(labels, same, champion, groups, user, rng=rng, resamples=400)
+    loss = paired_bootstrap(labels, worse, champion, groups, user, rng=rng, resamples=400)
+    assert tie.p_worse > 0.05 and tie.low < 0 < tie.high
+    assert loss.p_worse < 0.001 and loss.high < 0
+    tolerated = paired_bootstrap(labels, worse, champion, groups, user, rng=rng, resamples=400, margin=0.5)
+    assert tolerated.p_worse > 0.5  # a drop within the margin is not a failure
+    ndcg = paired_bootstrap(
+        truth.clip(0), worse, champion, groups, user, metric="ndcg", rng=rng, resamples=200
+    )
+    assert ndcg.difference < 0
+
+
+def test_holm_matches_statsmodels_and_slices_need_power():
+    from statsmodels.stats.multitest import multipletests
+
+    p = np.array([0.01, 0.04, 0.03, 0.2, 0.001])
+    np.testing.assert_allclose(holm(p), multipletests(p, method="holm")[1])
+    small, large = min_rows_for_auc_difference(0.05), min_rows_for_auc_difference(0.01)
+    assert 100 < small < large and large > 10 * small
+
+
+def test_off_policy_estimates_recover_a_candidates_ctr_from_exploration_logs():
+    rng = np.random.default_rng(5)
+    requests, m = 20000, 8
+    truth = rng.uniform(0.02, 0.4, (requests, m))
+    logging = softmax(rng.normal(0, 1, (requests, m)), 1.0)  # the logging policy's top-slot probabilities
+    shown = (logging.cumsum(axis=1) > rng.random((requests, 1))).argmax(axis=1)
+    rows = np.arange(requests)
+    rewards = (rng.random(requests) < truth[rows, shown]).astype(float)
+    target = epsilon_greedy(truth + rng.normal(0, 0.05, truth.shape), 0.1)  # the candidate's top-slot policy
+    true_ctr = (target * truth).sum(axis=1).mean()
+    q = truth + rng.normal(0, 0.05, truth.shape)  # a decent reward model
+    result = estimate(
+        rewards, logging[rows, shown], target[rows, shown], q[rows, shown], (target * q).sum(axis=1)
+    )
+    for value in (result.ips, result.snips, result.dr):
+        assert abs(value - true_ctr) < 0.03, (value, true_ctr)
+    assert abs(result.snips - true_ctr) < 4 * result.snips_se + 0.005
+    order, propensity = plackett_luce(np.array([2.0, 1.0, 0.0]), k=3, temperature=1.0, rng=rng)
+    assert sorted(order) == [0, 1, 2] and propensity[-1] == pytest.approx(1.0)
+
+
+def test_platt_scaling_fixes_the_level_fitted_on_training_rows():
+    rng = np.random.default_rng(6)
+    p = rng.uniform(0.01, 0.3, 50000)
+    labels = rng.random(50000) < p
+    overconfident = np.clip(p * 1.5, 0, 0.99)  # calibration 1.5
+    a, b = fit_platt(labels, overconfident)  # slope and intercept
+    fixed = apply_platt(overconfident, a, b)
+    assert fixed.mean() / labels.mean() == pytest.approx(1.0, abs=0.03)
+    assert auc(labels, fixed) == pytest.approx(auc(labels, overconfident), abs=1e-9)
+
+
+def test_no_evidence_yet_is_an_unbounded_interval_without_warnings():
+    import warnings
+
+    from recloop.evidence.sequential import interleaving_difference
+
+    empty = np.zeros(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nothing = interleaving_difference(empty, empty, empty, tau=0.05)
+        also = ab_difference(empty, empty, empty, empty, empty, empty, tau=0.05)
+    assert nothing.low == -np.inf and nothing.high == np.inf and also.high == np.inf
+
+
+def test_the_pooled_auc_bootstrap_matches_the_plain_auc_and_resamples_users():
+    from recloop.evidence.ranking import _pooled_auc_resamples
+
+    rng = np.random.default_rng(8)
+    labels = rng.random(3000) < 0.2
+    scores = np.round(rng.normal(0, 1, 3000) + labels, 1)  # with ties
+    ones = np.ones((2, 3000))
+    np.testing.assert_allclose(_pooled_auc_resamples(labels, scores, ones), auc(labels, scores))
+    users = rng.integers(0, 300, 3000)
+    worse = scores + rng.normal(0, 2, 3000)
+    result = paired_bootstrap(labels, worse, scores, users, users, metric="auc", rng=rng, resamples=200)
+    assert result.high < 0 and result.p_worse < 0.001 and result.metric == "auc"
+
+
+def test_the_base_rate_correction_moves_only_the_level():
+    rng = np.random.default_rng(9)
+    p = rng.uniform(0.01, 0.3, 50000)
+    labels = rng.random(50000) < p
+    a, b = fit_platt(labels, np.clip(p * 0.8, 1e-4, 0.99), slope=False)
+    assert a == 1.0 and b > 0
+    assert apply_platt(np.clip(p * 0.8, 1e-4, 0.99), a, b).mean() / labels.mean() == pytest.approx(1.0, abs=0.02)
