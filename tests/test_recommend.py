@@ -223,6 +223,7 @@ def test_the_retriever_canary_splits_users_on_its_own_and_promotes(http: httpx.C
         min_feedback=15,
         max_ctr_drop=1.0,
         max_p99_ratio=100.0,
+        holdout=0.0,  # straight to 100 % (the champion holdout at the last step is the ranker tests')
     )
     started = controller.step(home, config, model_name=RETRIEVER_NAME)  # not started yet: the step starts it
     assert started.action == "start" and started.status.model == RETRIEVER_NAME

@@ -32,7 +32,7 @@ TOKEN = "replica-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 CANARY = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=20, min_feedback=100, max_ctr_drop=0.5,
-                      max_p99_ratio=10.0, max_auc_drop=0.5)
+                      max_p99_ratio=10.0, max_auc_drop=0.5, mode="canary", holdout=0.0)  # A/B, straight to 100 %
 
 
 @pytest.fixture
