@@ -181,19 +181,10 @@ def check_drift(settings: Settings, spec: SpecArg = None, hours: int = 24, refer
 
 
 @dataclass(frozen=True)
-class TrainedRetriever:
+class TrainedRetriever(TrainedVersion):
     """A retriever training run and the ``recloop-retriever`` version it registered."""
 
     summary: RetrievalSummary
-    logged: LoggedModel
-
-    @property
-    def version(self) -> str:
-        return self.logged.version
-
-    def to_dict(self) -> dict:
-        return {**self.summary.to_dict(), "mlflow": {"run_id": self.logged.run_id, "version": self.logged.version,
-                                                     "model_uri": self.logged.model_uri}}
 
 
 def retriever_warm_start(settings: Settings, source: str | Path | None = None) -> Path | None:
