@@ -37,6 +37,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -82,7 +83,7 @@ class UnknownRequest(FeedbackError):
     pass
 
 
-class Journal:
+class Journal(ABC):
     """The journal's interface and everything that does not depend on the store (see the module docstring).
 
     A store implements five primitives: ``_write_requests`` (a batch of request and evaluation rows,
@@ -109,26 +110,32 @@ class Journal:
 
     # --- what a store implements --------------------------------------------------------------------------
 
+    @abstractmethod
     def _write_requests(self, requests: list[tuple], evaluations: list[tuple]) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _request(self, request_id: str) -> tuple[str, str] | None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _insert_new_feedback(self, rows: list[tuple]) -> list[tuple]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _unlanded(self, limit: int):
         """A context manager yielding ``(rows, mark)``: feedback rows joined with their request
         (``event_id, item_id, label, ts_us, user_id, payload``), and ``mark(file_name)`` to call once they
         are written. Rows claimed here are not handed to another caller until the block ends."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _query(self, sql: str, params: list) -> list[tuple]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _close_store(self) -> None:
-        raise NotImplementedError
+        ...
 
     # --- requests -------------------------------------------------------------------------------------
 
