@@ -253,3 +253,20 @@ def test_registry_on_postgresql(champion_home: Settings, tmp_path: Path):
         mlflow.set_tracking_uri(None)
         admin.cursor().execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
         admin.close()
+
+
+def test_slice_and_segment_figures_are_logged_under_names_mlflow_accepts(tmp_path: Path):
+    """Per-slice figures are named after their slices (``device=desktop``): MLflow refuses ``=`` in a metric
+    name, which stopped the demo's drift check once the concept-drift figures had one."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    settings = Settings(home=tmp_path / "home")
+    registry.configure(settings)
+    figures = {"served_calibration.device=desktop": 1.2, "kpi.ctr:all": 0.1, "gate_slice_auc_delta.user=new": -0.01}
+    mlflow.set_experiment(experiment_id=registry.experiment(settings, "recloop-monitor"))
+    with mlflow.start_run() as run:
+        mlflow.log_metrics({registry.metric_name(k): v for k, v in figures.items()})
+    logged = MlflowClient().get_run(run.info.run_id).data.metrics
+    assert logged == {"served_calibration.device.desktop": 1.2, "kpi.ctr.all": 0.1,
+                      "gate_slice_auc_delta.user.new": -0.01}

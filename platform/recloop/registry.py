@@ -24,6 +24,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -45,6 +46,15 @@ class LoggedModel:
     run_id: str
     model_uri: str
     version: str
+
+
+_METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def metric_name(name: str) -> str:
+    """``name`` as MLflow accepts a metric name: ``=`` and ``:`` (slice names such as ``device=mobile``)
+    become ``.``, anything else outside letters, digits, ``_ - . / `` and space becomes ``_``."""
+    return _METRIC_NAME.sub("_", name.replace("=", ".").replace(":", "."))
 
 
 def configure(settings: Settings) -> str:

@@ -235,6 +235,8 @@ def _log_gate_metrics(client, run_id: str, passed: bool, candidate: ModelScores,
 
     from mlflow.entities import Metric
 
+    from recloop import registry
+
     now = int(time.time() * 1000)
     figures = {"gate_passed": 1.0 if passed else 0.0}
     for name in ("auc", "logloss", "calibration"):
@@ -245,7 +247,7 @@ def _log_gate_metrics(client, run_id: str, passed: bool, candidate: ModelScores,
         figures["gate_auc_delta"] = candidate.overall.get("auc", math.nan) - champion.overall.get("auc", math.nan)
         for name, scores in candidate.slices.items():
             if name in champion.slices:
-                key = "gate_slice_auc_delta." + name.replace("=", ".").replace(" ", "_")
+                key = registry.metric_name("gate_slice_auc_delta." + name.replace(" ", "_"))
                 figures[key] = scores.get("auc", math.nan) - champion.slices[name].get("auc", math.nan)
     metrics = [Metric(k, float(v), now, 0) for k, v in figures.items() if v is not None and math.isfinite(float(v))]
     client.log_batch(run_id, metrics=metrics)

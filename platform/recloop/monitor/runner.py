@@ -304,7 +304,7 @@ def log_to_mlflow(settings: Settings, report: MonitorReport) -> str:
         figures = {"drift_share": result["drift_share"], **result["figures"],
                    **({"served_features_drift_share": served["drift_share"]} if served else {}),
                    **{f"kpi.{k}": v for k, v in result["kpi"].items() if isinstance(v, int | float)}}
-        mlflow.log_metrics({k.replace(":", "."): float(v) for k, v in figures.items()
+        mlflow.log_metrics({registry.metric_name(k): float(v) for k, v in figures.items()
                             if isinstance(v, int | float) and v == v})
         mlflow.log_dict(result, "monitor.json")
     return run.info.run_id
