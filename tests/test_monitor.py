@@ -232,6 +232,35 @@ def test_concept_drift_is_the_champions_calibration_on_served_feedback():
     assert concept_findings(moved[:500], predicted[:500], users[:500], {"device": device[:500]}, config)[0] == []
 
 
+def test_concept_drift_against_the_champions_own_served_calibration():
+    """A real ranker over-rates what it serves (1.5x here, in every window): against its own earlier served
+    traffic that is no finding; desktop users then clicking half as often is one."""
+    import numpy as np
+
+    from recloop.monitor import MonitorConfig
+    from recloop.monitor.concept import concept_findings
+
+    rng = np.random.default_rng(1)
+    n = 20000
+
+    def window(desktop_factor: float = 1.0):
+        users = rng.integers(0, 2000, n)
+        device = np.where(rng.random(n) < 0.3, "desktop", "mobile")
+        believed = rng.uniform(0.05, 0.3, n)  # what the champion learned; users click by the truth
+        truth = believed * np.where(device == "desktop", desktop_factor, 1.0)
+        return (rng.random(n) < truth).astype(float), believed * 1.5, users, {"device": device}
+
+    config = MonitorConfig()
+    before, same = window(), window()
+    assert concept_findings(*same[:3], same[3], config)[0]  # judged absolutely, the over-rating is "drift"
+    found, figures = concept_findings(*same[:3], same[3], config, baseline=before)
+    assert found == [] and abs(figures["served_calibration_baseline.all"] - 1.5) < 0.1
+    moved = window(desktop_factor=0.5)
+    found, _ = concept_findings(*moved[:3], moved[3], config, baseline=before)
+    assert any("device=desktop" in f for f in found) and not any("device=mobile" in f for f in found), found
+    empty = (np.array([]), np.array([]), np.array([]), {"device": np.array([])})
+    assert concept_findings(*moved[:3], moved[3], config, baseline=empty)[0] == []  # no baseline: no verdict
+
 def test_drift_refuses_to_decide_on_too_few_rows():
     from recloop.monitor.decision import MonitorConfig, insufficient
 

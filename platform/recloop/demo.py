@@ -236,7 +236,8 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
         from dataclasses import replace
 
         twin_settings = Settings(**{**settings.model_dump(), "home": settings.home / "twin"})
-        twin = run_demo(twin_settings, replace(config, drift="none", twin=False))
+        twin = run_demo(twin_settings, replace(config, drift="none", twin=False), on_stage=(
+            (lambda day, what: on_stage(day, f"no-drift twin: {what}")) if on_stage else None))
         summary["twin"] = {"report": twin["report"], "days": twin["days"]}
         summary["recovery"] = _twin_recovery(panels, twin["panels"], config)
     summary["seconds"] = round(time.perf_counter() - started, 1)

@@ -245,12 +245,17 @@ def champion_concept(settings: Settings, current_champion: Champion | None, wind
     journal = open_journal(settings, create=False) if current_champion is not None else None
     if journal is None:
         return None
+    start, end = lake.to_us(window[0]), lake.to_us(window[1])
     try:
-        served = journal.served_predictions(current_champion.version, (lake.to_us(window[0]), lake.to_us(window[1])))
+        served = journal.served_predictions(current_champion.version, (start, end))
+        # Its baseline: the same champion's served feedback over the window before (a real ranker is not
+        # calibrated on what it serves; only a move away from its own calibration is changed tastes).
+        before = journal.served_predictions(current_champion.version, (start - (end - start), start))
     finally:
         journal.close()
     return concept_findings(served["labels"], served["predictions"], served["users"], {"device": served["device"]},
-                            config)
+                            config, baseline=(before["labels"], before["predictions"], before["users"],
+                                              {"device": before["device"]}))
 
 
 def served_inputs(settings: Settings, version: str, reference: Window, current: Window, rows: int = 50_000
