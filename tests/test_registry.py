@@ -264,8 +264,7 @@ def test_slice_and_segment_figures_are_logged_under_names_mlflow_accepts(tmp_pat
     settings = Settings(home=tmp_path / "home")
     registry.configure(settings)
     figures = {"served_calibration.device=desktop": 1.2, "kpi.ctr:all": 0.1, "gate_slice_auc_delta.user=new": -0.01}
-    mlflow.set_experiment(experiment_id=registry.experiment(settings, "recloop-monitor"))
-    with mlflow.start_run() as run:
+    with mlflow.start_run(experiment_id=registry.experiment(settings, "recloop-monitor")) as run:
         mlflow.log_metrics({registry.metric_name(k): v for k, v in figures.items()})
     logged = MlflowClient().get_run(run.info.run_id).data.metrics
     assert logged == {"served_calibration.device.desktop": 1.2, "kpi.ctr.all": 0.1,
