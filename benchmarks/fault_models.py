@@ -134,10 +134,7 @@ def model_and_request_faults(root: Path, check: Callable[[bool, str], str], prin
     for name in ("mlflow", "recloop.serve", "recloop.checkpoint"):  # the faults are made on purpose: the
         logging.getLogger(name).setLevel(logging.CRITICAL)        # tables say what happened
     home = build_home(root)
-    world = World(WORLD)
-    for day in range(3):
-        for hour in range(24):
-            world.hour_events(day, hour)
+    world = World(WORLD).replay(3)
     users = SimulatedUsers(world, 3.5, candidates=50, seed=1, send_ts=False)
     rows = []
 

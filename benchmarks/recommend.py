@@ -177,10 +177,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="recloop-bench-recommend-") as tmp:
         world_config = WorldConfig(seed=21, days=4, events_per_day=args.events_per_day)
         settings, ranker_twin = setup(Path(tmp), world_config)
-        world = World(world_config)
-        for day in range(world_config.days):
-            for hour in range(24):
-                world.hour_events(day, hour)
+        world = World(world_config).replay()
         began = time.perf_counter()
         retriever_twin = catalog_retriever(settings, world, args.items)
         print(f"retriever over {args.items:,} items registered in {time.perf_counter() - began:.1f} s", flush=True)

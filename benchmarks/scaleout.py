@@ -211,10 +211,7 @@ def serving(args, work: Path) -> list[dict]:
 
     world_config = WorldConfig(seed=21, days=4, events_per_day=args.events_per_day)
     settings = _serving_setup(work, world_config, REDIS_URL)
-    world = World(world_config)
-    for day in range(world_config.days):
-        for hour in range(24):
-            world.hour_events(day, hour)
+    world = World(world_config).replay()
     users = SimulatedUsers(world, day=world_config.days + 0.1, candidates=100, seed=3)
     bodies = [users.request()[0] for _ in range(2000)]
     name = f"recloop_bench_{uuid.uuid4().hex[:8]}"

@@ -135,10 +135,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="recloop-bench-serve-") as tmp:
         world_config = WorldConfig(seed=21, days=4, events_per_day=args.events_per_day)
         settings, twin = setup(Path(tmp), world_config)
-        world = World(world_config)
-        for day in range(world_config.days):
-            for hour in range(24):
-                world.hour_events(day, hour)
+        world = World(world_config).replay()
         users = SimulatedUsers(world, day=world_config.days + 0.1, candidates=args.candidates, seed=3)
         bodies = [users.request()[0] for _ in range(2000)]
         env = {**os.environ, "RECLOOP_HOME": str(settings.home), "RECLOOP_FEAST_ONLINE_STORE": "redis",

@@ -213,6 +213,14 @@ class World:
 
     # --- drawing events ------------------------------------------------------------------------------------
 
+    def replay(self, days: int | None = None) -> World:
+        """Draw (and drop) the events of the first ``days`` (default: all of them), so the world is in the state
+        they leave it in, click histories included: what serving's simulated users meet next. Returns self."""
+        for day in range(self.config.days if days is None else days):
+            for hour in range(24):
+                self.hour_events(day, hour)
+        return self
+
     def hour_events(self, day: int, hour: int) -> pa.Table:
         """Draw the impressions of one simulated hour (and update users' histories with its clicks)."""
         cfg = self.config
