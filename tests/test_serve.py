@@ -50,11 +50,7 @@ CANARY = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=60, min_fee
 
 def replayed_world() -> World:
     """The world in the state it had after the simulated days (click histories included)."""
-    world = World(WORLD)
-    for day in range(3):
-        for hour in range(24):
-            world.hour_events(day, hour)
-    return world
+    return World(WORLD).replay(3)
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +121,11 @@ def nan_scores(weights) -> None:
     weights["over_arch.layers.0.bias"][:] = float("nan")
 
 
-SLOW_WIDTH = 1 << 17
+SLOW_WIDTH = 1 << 18
 
 
 def widened(weights) -> None:
-    """The same function computed 4000x wider: zero units added to the top MLP (ReLU(0) adds nothing)."""
+    """The same function computed 8000x wider: zero units added to the top MLP (ReLU(0) adds nothing)."""
     first, bias, last = (weights[k] for k in ("over_arch.layers.0.weight", "over_arch.layers.0.bias",
                                                "over_arch.layers.2.weight"))
     grow = SLOW_WIDTH - first.shape[0]
