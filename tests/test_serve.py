@@ -45,7 +45,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # A/B by user, no holdout, and a minimum effect of 100 %: 200 requests cannot show a 5 % one (the
 # interleaving test below and benchmarks/loop.py measure the default configuration).
 CANARY = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=60, min_feedback=300, max_ctr_drop=0.25,
-                      max_p99_ratio=4.0, max_auc_drop=0.2, mode="canary", holdout=0.0, min_effect=1.0)
+                      max_p99_ratio=4.0, max_auc_drop=0.2, mode="canary", holdout=0.0, min_effect=1.0,
+                      alpha=0.001)  # each canary draws a new split: at 0.05 an identical challenger failed ~1 run in 20
 
 
 def replayed_world() -> World:
