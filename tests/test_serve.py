@@ -511,6 +511,54 @@ def test_redis_reader_answers_as_feast_does(home: Settings, tmp_path: Path):
     redis.Redis.from_url(url).flushdb()
 
 
+@pytest.mark.services
+def test_redis_reader_keeps_item_state_until_the_writer_writes_again(home: Settings, tmp_path: Path):
+    """Items' state is remembered between requests (a change behind the writer's back is not read), the
+    user's is read every time, and a write through the writer (a new generation) is read at once."""
+    import redis
+    from feast.protos.feast.types.Value_pb2 import Value
+
+    from recloop.features.online_writer import write_to_redis
+    from recloop.serve.features import RedisOnline
+
+    url = "redis://127.0.0.1:6379/9"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    settings = Settings(home=tmp_path / "home", frame_backend="pandas", feast_online_store="redis", redis_url=url)
+    shutil.copytree(home.home, settings.home, ignore=shutil.ignore_patterns("serving", "registry.db"))
+    store.apply_repo(settings)
+    store.materialize(settings, DAY3, timedelta(days=7))
+    reader, feasts = RedisOnline(settings), FeastOnline(settings)
+    items = [0, 1, 2, 3, 5, 8, 10**12]
+    first = reader.read(7, items)
+    assert set(reader.items.rows) == set(items)  # the unknown id too: unknown until the next write
+    assert not np.isnan(first["item_events_total"][3]) and not np.isnan(first["user_events_total"][0])
+
+    def overwrite(join_key: str, entity: int, name: str, value: int) -> None:  # not through the writer
+        field = reader.views[join_key][1][reader.views[join_key][2].index(name)]
+        client.hset(reader._key(join_key, entity), field, Value(int64_val=value).SerializeToString())
+
+    overwrite(reader.item_key, 3, "item_events_total", 10**6)
+    overwrite(reader.user_key, 7, "user_events_total", 10**6)
+    assert feasts.read(7, [3])["item_events_total"][0] == 10**6  # the store has the new values
+    again = reader.read(7, items)
+    assert again["user_events_total"][0] == 10**6  # the user's state is read online
+    for name in (n for n in first if n.startswith("item_")):
+        np.testing.assert_array_equal(again[name], first[name], err_msg=name)  # the items' is remembered
+
+    features = reader.views[reader.item_key][2]
+    written = pa.table({"item_id": pa.array([3], pa.int64()),
+                        "event_timestamp": pa.array([DAY3], pa.timestamp("us", tz="UTC")),
+                        **{n: pa.array([DAY3.timestamp()] if n.endswith("last_seen") else [42]) for n in features}})
+    write_to_redis(client, project=reader.project, view="item_stats", join_key=reader.item_key, table=written,
+                   features=features)
+    fresh, theirs = reader.read(7, items), feasts.read(7, items)
+    assert fresh["item_events_total"][3] == 42
+    for name in fresh:
+        np.testing.assert_array_equal(fresh[name], theirs[name], err_msg=name)
+    client.flushdb()
+
+
 def test_admin_canary_share_and_rollback(client: httpx.Client, home: Settings):
     version = variant(home, unchanged)
     registry.set_alias(home, "challenger", version, who="test", why="admin endpoints")

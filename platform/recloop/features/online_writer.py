@@ -11,12 +11,15 @@ same Redis hashes (so ``FeatureStore.get_online_features`` reads them unchanged)
   serialized ``Timestamp``, exactly as Feast's Redis store writes them.
 
 Rows go to Redis in pipelines of ``batch`` commands without transactions; only the latest row per
-entity is written.
+entity is written. After the last row, the project's generation key (``generation_key``) gets a new
+random value: a reader that keeps entity state in memory (serving's item state) keeps it only while
+that value is the one it read before the state.
 """
 
 from __future__ import annotations
 
 import struct
+import uuid
 
 import numpy as np
 import pyarrow as pa
@@ -39,6 +42,11 @@ def redis_keys(join_key: str, project: str, ids: np.ndarray) -> list[bytes]:
     head, tail = entity_key_head(join_key), project.encode("utf-8")
     packed = np.asarray(ids, dtype="<i8").tobytes()
     return [head + packed[i:i + 8] + tail for i in range(0, len(packed), 8)]
+
+
+def generation_key(project: str) -> bytes:
+    """The key whose value changes after every write of the project's online state (not one of Feast's)."""
+    return f"recloop:{project}:online_generation".encode()
 
 
 def _field_key(view: str, feature: str) -> bytes:
@@ -96,4 +104,6 @@ def write_to_redis(client, *, project: str, view: str, join_key: str, table: pa.
                     mapping[field] = values[i]
                 pipe.hset(keys[i], mapping=mapping)
             written += len(pipe.execute())
+    # A new value rather than a counter: a flushed and rewritten store can never repeat one a reader holds.
+    client.set(generation_key(project), uuid.uuid4().hex)
     return written

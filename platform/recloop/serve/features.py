@@ -76,16 +76,27 @@ class RedisOnline:
     The keys and hash fields are Feast's (``features/online_writer.py`` writes them and a test checks
     them byte for byte); reading them without Feast's SDK skips its per-value Python conversions, a
     few milliseconds per request. ``tests/test_serve.py`` checks the answers against Feast's own read.
+
+    Items' state is kept in memory (``ItemStates``, up to ``cached_items`` items) for as long as the
+    store's generation key holds the value read before it: the item statistics change only when the
+    features flow materializes, and the writer gives that key a new value after every write. Each read
+    gets the key's value in the same pipeline, ahead of the state it reads, and uses remembered state
+    only when that value is still the one the state was read under. The user's state is read from Redis
+    on every request; a store without the key (written by Feast's own ``materialize``) is read whole
+    every time.
     """
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, cached_items: int | None = None):
         from recloop.endpoints import limits_for, redis_client
-        from recloop.features.online_writer import _field_key, entity_key_head
+        from recloop.features.online_writer import _field_key, entity_key_head, generation_key
         from recloop.features.store import FEATURE_SERVICE, feature_store
 
         store = feature_store(settings)
         self.project = store.project
         self.client = redis_client(settings.redis_url, limits_for(settings))
+        self.generation_key = generation_key(self.project)
+        self.cached_items = settings.serve_item_cache_items if cached_items is None else cached_items
+        self.items = ItemStates(None)
         self.views = {}
         for projection in store.get_feature_service(FEATURE_SERVICE).feature_view_projections:
             view = store.get_feature_view(projection.name)
@@ -101,29 +112,72 @@ class RedisOnline:
         return self.views[join_key][0] + int(entity).to_bytes(8, "little", signed=True) + self.project.encode()
 
     def read(self, user_id: int, item_ids: list[int]) -> dict[str, np.ndarray]:
-        from feast.protos.feast.types.Value_pb2 import Value
-
-        items = list(dict.fromkeys(item_ids))
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hmget(self._key(self.user_key, user_id), self.views[self.user_key][1])
-        for item in items:
-            pipe.hmget(self._key(self.item_key, item), self.views[self.item_key][1])
-        answers = pipe.execute()
-        out = {}
-        for join_key, rows in ((self.user_key, answers[:1]), (self.item_key, answers[1:])):
-            features = self.views[join_key][2]
-            values = np.full((len(rows), len(features)), np.nan)
-            for r, row in enumerate(rows):
-                for f, raw in enumerate(row):
-                    if raw:
-                        value = Value.FromString(raw)
-                        kind = value.WhichOneof("val")
-                        if kind is not None and kind != "null_val":
-                            values[r, f] = getattr(value, kind)
-            if join_key == self.item_key and len(items) != len(item_ids):
-                values = values[[items.index(i) for i in item_ids]]
-            out.update({name: values[:, f] for f, name in enumerate(features)})
+        items = list(dict.fromkeys(int(i) for i in item_ids))
+        user, found = None, {}
+        # The generation moved since the remembered state was read: that state is read again.
+        for attempt in range(3):
+            remembered = self.items
+            wanted = [i for i in items if i not in found]
+            cached = remembered.get(wanted) if attempt < 2 and self.cached_items else {}
+            missing = [i for i in wanted if i not in cached]
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(self.generation_key)  # first: the state read after it is at least this generation's
+            if user is None:
+                pipe.hmget(self._key(self.user_key, user_id), self.views[self.user_key][1])
+            for item in missing:
+                pipe.hmget(self._key(self.item_key, item), self.views[self.item_key][1])
+            generation, *answers = pipe.execute()
+            if user is None:
+                user, answers = _decode(answers[:1], len(self.views[self.user_key][1])), answers[1:]
+            fetched = dict(zip(missing, _decode(answers, len(self.views[self.item_key][1])), strict=True))
+            found.update(fetched)
+            current = generation is not None and generation == remembered.generation
+            if current:
+                found.update(cached)
+            else:  # another generation (or none: a store our writer did not write): forget what was kept
+                self.items = remembered = ItemStates(generation)
+            if generation is not None and self.cached_items:
+                remembered.add(fetched, self.cached_items)
+            if current or not cached:
+                break
+        out = {name: user[:, f] for f, name in enumerate(self.views[self.user_key][2])}
+        values = np.stack([found[int(i)] for i in item_ids]) if len(item_ids) else \
+            np.zeros((0, len(self.views[self.item_key][2])))
+        out.update({name: values[:, f] for f, name in enumerate(self.views[self.item_key][2])})
         return out
+
+
+class ItemStates:
+    """Items' decoded online state (a float64 row each, NaN where unknown) as of one value of the store's
+    generation key (see ``RedisOnline``). Unknown items are remembered too: unknown until the next write."""
+
+    def __init__(self, generation: bytes | None):
+        self.generation = generation
+        self.rows: dict[int, np.ndarray] = {}
+
+    def get(self, items: list[int]) -> dict[int, np.ndarray]:
+        rows = self.rows
+        return {i: rows[i] for i in items if i in rows}
+
+    def add(self, rows: dict[int, np.ndarray], limit: int) -> None:
+        if len(self.rows) + len(rows) > limit:  # a bound on memory: start over rather than track use
+            self.rows = {}
+        self.rows.update(list(rows.items())[:limit])
+
+
+def _decode(rows: list[list[bytes | None]], width: int) -> np.ndarray:
+    """HMGET answers (Feast's serialized ``ValueProto`` fields) as (rows, width) float64, NaN: missing."""
+    from feast.protos.feast.types.Value_pb2 import Value
+
+    values = np.full((len(rows), width), np.nan)
+    for r, row in enumerate(rows):
+        for f, raw in enumerate(row):
+            if raw:
+                value = Value.FromString(raw)
+                kind = value.WhichOneof("val")
+                if kind is not None and kind != "null_val":
+                    values[r, f] = getattr(value, kind)
+    return values
 
 
 def online_reader(settings: Settings) -> OnlineReader:
