@@ -19,8 +19,8 @@ Example::
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -36,6 +36,7 @@ from recloop.schema import ColumnSpec, DatasetSpec
 from recloop.settings import Settings
 
 CONTEXT_ROLES = ("categorical", "numeric", "multi_hot")
+PROBE_ENTITY = 2**62  # an id no real user or item has: the probe reads the store but finds nothing
 DEFAULT_POSITION = 1  # rank as if every candidate were shown first: the model's position effect is a constant
 
 
@@ -247,6 +248,7 @@ class RequestFeatures:
         self._loading = threading.Lock()
         self._stamp: tuple[int, int] | None = None
         self.reloads = 0
+        self._cuts: dict[frozenset[str], FeatureConfig] = {}
         self.refresh()
         self._context_columns = {c.name: c for role in CONTEXT_ROLES for c in spec.by_role(role)}
 
@@ -286,10 +288,7 @@ class RequestFeatures:
     def rows(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int
              ) -> tuple[pa.Table, Fallbacks]:
         """One row per candidate, with the training rows' ``d_*``, ``c_*`` and ``m_*`` columns."""
-        self.refresh_if_published()  # vocabularies and statistics as the features flow last published them
-        state = self._state
-        if state is None:
-            raise RuntimeError("no feature state yet: run `recloop features` before serving")
+        state = self._current_state()
         window = self._window(user_id, item_ids, context, ts_us)
         raw = self.online.read(user_id, item_ids)
         n = len(item_ids)
@@ -303,6 +302,48 @@ class RequestFeatures:
                               items=int(np.isnan(raw["item_events_total"]).sum()))
         return training_rows(self.backend, self.config, self.spec, window, state.vocabularies, state.stats,
                              befores), fallbacks
+
+    def request_rows(self, user_id: int, context: dict[str, Any], ts_us: int, columns: Collection[str]
+                     ) -> pa.Table:
+        """One row of the request's own ``c_*`` and ``m_*`` columns named in ``columns``: nothing is read
+        from the online store, and nothing is computed that they do not need.
+
+        For a consumer of the request alone (the retriever's user tower: the user id, the context, the
+        click history). The row comes from ``training_rows`` like every other, with the feature
+        configuration cut to those columns; the whole context is checked as ``rows`` checks it.
+        """
+        state = self._current_state()
+        window = self._window(user_id, [PROBE_ENTITY], context, ts_us)
+        return training_rows(self.backend, self._cut(columns), self.spec, window, state.vocabularies,
+                             state.stats, befores={})
+
+    def _cut(self, columns: Collection[str]) -> FeatureConfig:
+        """The feature configuration cut to what makes ``columns`` (kept per set of columns)."""
+        wanted = frozenset(columns)
+        config = self._cuts.get(wanted)
+        if config is not None:
+            return config
+        full = self.config
+        crosses = tuple(c for c in full.crosses if f"c_{c.name}" in wanted)
+        multi_hot = tuple(m for m in full.multi_hot if f"m_{m.column}" in wanted)
+        needed = {f"c_{c}" for cross in crosses for c in cross.columns} | {f"c_{m.vocabulary}" for m in multi_hot}
+        categorical = tuple(c for c in full.categorical if f"c_{c.column}" in wanted | needed)
+        made = {f"c_{c.column}" for c in categorical} | {f"c_{c.name}" for c in crosses} | \
+            {f"m_{m.column}" for m in multi_hot}
+        if wanted - made:
+            raise KeyError(f"no categorical or multi-hot feature makes {sorted(wanted - made)}")
+        config = replace(full, categorical=categorical, crosses=crosses, numeric=(), multi_hot=multi_hot,
+                         cyclic_time=False)
+        self._cuts[wanted] = config
+        return config
+
+    def _current_state(self) -> FeatureState:
+        """The feature state as the features flow last published it (vocabularies and statistics)."""
+        self.refresh_if_published()
+        state = self._state
+        if state is None:
+            raise RuntimeError("no feature state yet: run `recloop features` before serving")
+        return state
 
     def _window(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int) -> pa.Table:
         """The request as a table of events, in the spec's columns (what ingestion would have landed)."""

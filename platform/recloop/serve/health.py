@@ -22,10 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recloop.serve.features import RequestFeatures
+from recloop.serve.features import PROBE_ENTITY, RequestFeatures
 from recloop.serve.models import ModelPool, score
-
-PROBE_ENTITY = 2**62  # an id no real user or item has: the probe reads the store but finds nothing
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,6 @@ from recloop.retrieval.data import Rows
 from recloop.retrieval.rules import FilterConfig, OrderConfig, filter_candidates, order_items
 from recloop.serve.app import ContextValue, Id, Service, ServiceDep
 from recloop.serve.features import RequestError
-from recloop.serve.health import PROBE_ENTITY
 from recloop.serve.journal import retriever_key
 
 log = logging.getLogger("recloop.serve")
@@ -186,8 +185,10 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
 
     # --- retrieve --------------------------------------------------------------------------------------
     began = time.perf_counter()
-    try:
-        table, _ = svc.features.rows(body.user_id, [PROBE_ENTITY], body.context, ts_us)
+    towers = [r.retriever.features for r in (retrievers.champion, retrievers.challenger) if r is not None]
+    try:  # the user towers read the request's own columns only: no entity state
+        table = svc.features.request_rows(body.user_id, body.context, ts_us,
+                                          {c for f in towers for c in f.user_tables})
     except RequestError as err:
         raise HTTPException(422, str(err)) from err
     except Exception as err:  # noqa: BLE001 - no feature state, online store gone: unavailable, and why
