@@ -4,6 +4,7 @@ file; bad input; and the retriever's canary (sticky split, promote, roll back) b
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import replace
@@ -128,6 +129,8 @@ def test_a_known_user_gets_k_items_from_the_catalog_named_by_both_models(http: h
     metrics = http.get("/metrics").text
     for stage in ("retrieve", "filter", "rank", "order", "total"):
         assert f'recloop_recommend_stage_seconds_count{{stage="{stage}"}}' in metrics
+        cpu = re.search(rf'recloop_recommend_stage_cpu_seconds_total{{stage="{stage}"}} (\S+)', metrics)
+        assert cpu and float(cpu.group(1)) > 0, stage
     assert 'recloop_recommendations_total{source="retrieval",variant="champion",version="1"}' in metrics
     assert 'recloop_retriever_info{alias="champion",version="1"} 1.0' in metrics
     assert 'recloop_model_evaluations_total{role="served",status="ok",version="retriever:1"}' in metrics

@@ -304,7 +304,8 @@ class Service:
         latency_ms = (time.perf_counter() - started) * 1000
         payload = {"item_ids": body.item_ids, "context": body.context,
                    "per_candidate": self.features.per_candidate(body.context),
-                   "scores": all_scores, "ranked": [body.item_ids[i] for i in order], **extra}
+                   "scores": {v: journal_scores(s) for v, s in all_scores.items()},
+                   "ranked": [body.item_ids[i] for i in order], **extra}
         self.journal.record(
             (request_id, time.time(), ts_us, body.user_id, variant, served.version, latency_ms, json.dumps(payload)),
             [(request_id, *e, time.time()) for e in evaluations])
@@ -327,8 +328,13 @@ class Service:
         evaluations.append((model.version, role, status, latency))
         self.metrics.evaluations.labels(model.version, role, status).inc()
         if status == "ok":
-            all_scores[model.version] = [round(float(v), 6) for v in values]
+            all_scores[model.version] = values  # rounded for the journal where it is written (journal_scores)
         return values, status
+
+
+def journal_scores(values) -> list[float]:
+    """Scores as the journal keeps them (6 decimals)."""
+    return [round(float(v), 6) for v in values]
 
 
 def _single_threaded_faiss() -> None:

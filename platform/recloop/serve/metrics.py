@@ -86,6 +86,8 @@ class ServingMetrics:
         self.stage_latency = Histogram("recloop_recommend_stage_seconds", "Time of each stage of /recommend "
                                        "(retrieve, filter, rank, order; total: the whole request)", ["stage"],
                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.stage_cpu = Counter("recloop_recommend_stage_cpu_seconds", "CPU time of the request's thread in each "
+                                 "stage of /recommend (total: the whole request)", ["stage"], registry=r)
         self.recommendations = Counter("recloop_recommendations", "/recommend answers by routed retriever "
                                        "variant, retriever version and source (retrieval, popularity)",
                                        ["variant", "version", "source"], registry=r)

@@ -19,7 +19,7 @@
 
 The two canaries are independent: the retriever's split hashes the user with its own salt, so its
 challenger and the ranker's challenger see unrelated shares of users. Each stage's time goes to
-``recloop_recommend_stage_seconds{stage}``; the request is journaled like a ``/rank`` request (the top k
+``recloop_recommend_stage_seconds{stage}`` and its CPU to ``recloop_recommend_stage_cpu_seconds``; the request is journaled like a ``/rank`` request (the top k
 with their context and scores, so ``/feedback`` works and lands the same events), with one evaluation row
 for the retriever (``retriever:<version>``) that its canary controller judges on.
 
@@ -48,7 +48,7 @@ from recloop import canary
 from recloop.features.vocab import FIRST_INDEX
 from recloop.retrieval.data import Rows
 from recloop.retrieval.rules import FilterConfig, OrderConfig, filter_candidates, order_items
-from recloop.serve.app import ContextValue, Id, Service, ServiceDep
+from recloop.serve.app import ContextValue, Id, Service, ServiceDep, journal_scores
 from recloop.serve.features import RequestError
 from recloop.serve.journal import retriever_key
 
@@ -158,7 +158,7 @@ def _candidate_context(retriever, positions: np.ndarray, spec) -> dict[str, list
 
 
 def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.thread_time()
     metrics, settings = svc.metrics, svc.settings
     live, retrievers = svc.pool.live, svc.retrievers.live  # this request's models, whatever swaps meanwhile
     if live.champion is None:
@@ -184,7 +184,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         )
 
     # --- retrieve --------------------------------------------------------------------------------------
-    began = time.perf_counter()
+    stage = StageTimer(metrics)
     towers = [r.retriever.features for r in (retrievers.champion, retrievers.challenger) if r is not None]
     try:  # the user towers read the request's own columns only: no entity state
         table = svc.features.request_rows(body.user_id, body.context, ts_us,
@@ -211,10 +211,9 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     if retrievers.challenger is not None and retrievers.mode == "shadow":
         _retrieve(retrievers.challenger, table, n, evaluations, "shadow", metrics)
     retrieved = len(found)
-    metrics.stage_latency.labels("retrieve").observe(time.perf_counter() - began)
+    stage.done("retrieve")
 
     # --- filter ----------------------------------------------------------------------------------------
-    began = time.perf_counter()
     recent = None
     if settings.recommend_seen_hours > 0:
         recent = svc.journal.recent_items(body.user_id, ts_us - int(settings.recommend_seen_hours * 3600e6))
@@ -229,7 +228,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     retriever = served_retriever.retriever
     positions = retriever.positions(kept)
     kept, positions = kept[positions >= 0], positions[positions >= 0]
-    metrics.stage_latency.labels("filter").observe(time.perf_counter() - began)
+    stage.done("filter")
     counts = {
         "retrieved": retrieved,
         "excluded": dropped.excluded,
@@ -239,11 +238,10 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     }
 
     # --- rank ------------------------------------------------------------------------------------------
-    began = time.perf_counter()
     ranker_on = live.challenger is not None and live.mode == "canary"
     ranker_variant = canary.route(body.user_id, live.share, live.salt) if ranker_on else "champion"
     ranker = live.challenger if ranker_variant == "challenger" else live.champion
-    all_scores: dict[str, list[float]] = {}
+    all_scores: dict[str, np.ndarray] = {}
     per_item = _candidate_context(retriever, positions, svc.spec)
     scores = np.zeros(0)
     if len(kept):
@@ -268,10 +266,9 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         if live.challenger is not None and live.mode == "shadow":
             svc._evaluate(live.challenger, rows, "shadow", evaluations, all_scores)
         metrics.requests.labels(ranker_variant, ranker.version, status).inc()
-    metrics.stage_latency.labels("rank").observe(time.perf_counter() - began)
+    stage.done("rank")
 
     # --- order -----------------------------------------------------------------------------------------
-    began = time.perf_counter()
     category = retriever.features.category
     categories = retriever.attributes.get(category, np.full(len(retriever.catalog), np.nan))[positions]
     categories = np.where(np.isnan(categories), -1, categories).astype(np.int64)
@@ -279,7 +276,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         category_cap=settings.recommend_category_cap or None, boosts=settings.recommend_boosts
     )
     top, boosted = order_items(kept, scores, categories, order_config, body.k)
-    metrics.stage_latency.labels("order").observe(time.perf_counter() - began)
+    stage.done("order")
 
     request_id = uuid.uuid4().hex
     latency_ms = (time.perf_counter() - started) * 1000
@@ -288,7 +285,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         "item_ids": top.tolist(),
         "context": {**body.context, **{k: [v[i] for i in chosen] for k, v in per_item.items()}},
         "per_candidate": {**svc.features.per_candidate(body.context), **{k: True for k in per_item}},
-        "scores": {v: [s[i] for i in chosen] for v, s in all_scores.items()},
+        "scores": {v: journal_scores(s[chosen]) for v, s in all_scores.items()},
         "ranked": top.tolist(),
         "route": "recommend",
         "retriever": served_retriever.version,
@@ -310,6 +307,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     )
     metrics.recommendations.labels(retriever_variant, served_retriever.version, source).inc()
     metrics.stage_latency.labels("total").observe(latency_ms / 1000)
+    metrics.stage_cpu.labels("total").inc(time.thread_time() - started_cpu)
     return RecommendResponse(
         request_id=request_id,
         items=[RecommendedItem(item_id=int(i), score=float(s)) for i, s in zip(top, boosted, strict=True)],
@@ -319,6 +317,23 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         fallback_reason=reason,
         candidates=counts,
     )
+
+
+class StageTimer:
+    """Each stage's time, from the end of the one before: wall clock into ``recloop_recommend_stage_seconds``,
+    this thread's CPU into ``recloop_recommend_stage_cpu_seconds`` (what the request itself computed, which
+    a busy machine's waiting for a core does not inflate; FAISS, and torch at the default one thread per
+    scoring call, run in the request's thread)."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def done(self, stage: str) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        self.metrics.stage_latency.labels(stage).observe(wall - self.wall)
+        self.metrics.stage_cpu.labels(stage).inc(cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
 
 
 def _retrieve(loaded, table, n: int, evaluations: list, role: str, metrics):
