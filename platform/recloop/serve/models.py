@@ -81,15 +81,23 @@ class Wanted:
 def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted:
     """Aliases and the challenger's canary tags of a registered model (default: the ranker), from MLflow."""
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
     from recloop import registry
     from recloop.canary.controller import MODE_TAG, SALT_TAG, SHARE_TAG
 
+    def by_alias(alias: str) -> str | None:
+        try:
+            return str(client.get_model_version_by_alias(model_name, alias).version)
+        except MlflowException:
+            return None
+
     model_name = model_name or registry.MODEL_NAME
+    # Once per poll (``registry.version_by_alias`` configures again on each call, a few ms of CPU each:
+    # every watcher's poll holds the GIL that long, and a request arriving meanwhile waits).
     registry.configure(settings)
     client = MlflowClient()
-    champion = registry.version_by_alias(settings, "champion", model_name)
-    challenger = registry.version_by_alias(settings, "challenger", model_name)
+    champion, challenger = by_alias("champion"), by_alias("challenger")
     share, mode, salt = 0.0, "canary", None
     if challenger is not None:
         tags = client.get_model_version(model_name, challenger).tags
