@@ -262,8 +262,11 @@ def test_served_rows_equal_the_training_rows_of_the_same_events(home: Settings, 
     world = replayed_world()
     hour = world.hour_events(3, 0).to_pandas()
     first = hour[~hour["user_id"].duplicated() & ~hour["item_id"].duplicated()].head(40)
-    builder = RequestFeatures(settings, SPEC, FeatureConfig.for_spec(SPEC), FeastOnline(settings))
-    served = {}
+    config = FeatureConfig.for_spec(SPEC)
+    builder = RequestFeatures(settings, SPEC, config, FeastOnline(settings))
+    # The request's own columns alone (what the retriever's user tower reads), a cross among them.
+    request_columns = {"c_user_id", "c_device", "m_history", f"c_{config.crosses[0].name}"}
+    served, requested = {}, {}
     for event in first.itertuples():
         ts_us = int(event.ts.value // 1000)
         context = {c: getattr(event, c) for c in ("device", "country", "category", "price", "position")}
@@ -271,6 +274,8 @@ def test_served_rows_equal_the_training_rows_of_the_same_events(home: Settings, 
         context = {k: (v.item() if hasattr(v, "item") else v) for k, v in context.items()}
         rows, _ = builder.rows(int(event.user_id), [int(event.item_id)], context, ts_us)
         served[event.event_id] = rows.to_pylist()[0]
+        requested[event.event_id] = builder.request_rows(int(event.user_id), context, ts_us,
+                                                         request_columns).to_pylist()[0]
     landing = tmp_path / "next-hour"
     landing.mkdir()
     pq.write_table(pa.Table.from_pandas(hour, preserve_index=False), landing / "events-day3-h00.parquet")
@@ -287,6 +292,8 @@ def test_served_rows_equal_the_training_rows_of_the_same_events(home: Settings, 
                 assert mine[column] == pytest.approx(row[column], rel=1e-5, abs=1e-6), column
             else:
                 assert mine[column] == row[column], column
+        for column in request_columns:
+            assert requested[row["event_id"]][column] == row[column], column
 
 
 # --- feedback closes the loop ---------------------------------------------------------------------------------
