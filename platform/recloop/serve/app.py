@@ -203,6 +203,9 @@ class Service:
         self.retrievers.try_sync()
         self._retriever_deployed(self.retrievers.live)
         _single_threaded_faiss()
+        # The scoring path once (the probe of /healthz): what the first request would build lazily (the
+        # online store's client, Feast's registry: ~200k objects) is built now, before the freeze below.
+        self.readiness.check()
         # Everything loaded so far (MLflow, Feast, torch, the models) lives as long as the process: move it
         # out of the collector's reach, so a full collection does not pause requests for hundreds of ms.
         gc.collect()
