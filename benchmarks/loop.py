@@ -492,6 +492,7 @@ def loop_grid(
                 drift=scenario,
                 drift_day=2,
                 twin=scenario != "none",
+                daily_full=True,
             )
             began = time.perf_counter()
             summary = run_demo(Settings(home=home, frame_backend="pandas"), config)
@@ -509,6 +510,8 @@ def loop_grid(
                 "never_retrained_recovery": headline.get("never_retrained", {}).get("recovery"),
                 "loop_minus_frozen": panel[day]["champion"]["normalized_reward"]
                 - panel[day]["never_retrained"]["normalized_reward"],
+                "loop_minus_daily_full": panel[day]["champion"]["normalized_reward"]
+                - panel[day]["daily_full"]["normalized_reward"],
                 "detection_delay_days": (min(acted) - config.drift_day) if acted else None,
                 "false_alarms": sum(decision in ("drift", "kpi_decay") for _, decision in decisions)
                 if scenario == "none"
@@ -519,7 +522,7 @@ def loop_grid(
     out = {}
     for scenario, rows in runs.items():
         entry = {"runs": rows}
-        for key in ("recovery", "loop_minus_frozen"):
+        for key in ("recovery", "loop_minus_frozen", "loop_minus_daily_full"):
             values = [r[key] for r in rows if r[key] is not None]
             if values:
                 entry[key] = dict(zip(("mean", "low", "high"), mean_ci(values), strict=True))
@@ -622,6 +625,7 @@ def main() -> None:
         for scenario, entry in result["loop"].items():
             print(
                 f"loop {scenario}: recovery {entry.get('recovery')}, loop − frozen {entry.get('loop_minus_frozen')}, "
+                f"loop − daily full {entry.get('loop_minus_daily_full')}, "
                 f"detected within 2 days {entry['detected_within_2_days']:.0%}",
                 flush=True,
             )
