@@ -193,5 +193,6 @@ def test_the_gate_refuses_a_truncated_candidate_and_tags_it_failed(fresh: Settin
     assert not outcome.passed and outcome.alias is None
     assert "cannot be loaded" in outcome.reasons[0] and "model.safetensors" in outcome.reasons[0]
     tags = registry.version_info(home, version).tags
-    assert tags["gate"] == "failed" and "model.safetensors" in tags["gate.detail"]
+    gate = registry.gate_record(tags)
+    assert gate["verdict"] == "failed" and "model.safetensors" in gate["reasons"][0]
     assert registry.version_by_alias(home, "champion") == "1"
