@@ -90,7 +90,7 @@ def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalTh
     """Score candidate and champion on the candidate's held-out hours, decide, tag, and set the alias.
 
     A pass makes the first retriever ``champion`` and any later one ``challenger`` (its canary starts
-    from there); a failure leaves the version registered with ``gate=failed`` and the reasons.
+    from there); a failure leaves the version registered, its ``gate`` tag saying ``failed`` with the reasons.
     """
     from recloop.features.job import FeatureLayout
     from recloop.retrieval.retriever import Retriever, score_window
