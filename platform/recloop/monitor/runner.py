@@ -235,6 +235,9 @@ def champion_kpis(settings: Settings, current_champion: Champion | None, window:
     return {**counts, "ctr": stats.ctr, "auc": stats.online_auc, "version": current_champion.version}
 
 
+BASELINE_DAYS, DAY_US = 7, 86_400 * 1_000_000
+
+
 def champion_concept(settings: Settings, current_champion: Champion | None, window: Window,
                      config: MonitorConfig) -> tuple[list[str], dict] | None:
     """Concept drift (``monitor.concept``) from the champion's served feedback with event time in the window."""
@@ -247,9 +250,15 @@ def champion_concept(settings: Settings, current_champion: Champion | None, wind
     start, end = lake.to_us(window[0]), lake.to_us(window[1])
     try:
         served = journal.served_predictions(current_champion.version, (start, end))
-        # Its baseline: the same champion's served feedback over the window before (a real ranker is not
-        # calibrated on what it serves; only a move away from its own calibration is changed tastes).
-        before = journal.served_predictions(current_champion.version, (start - (end - start), start))
+        # Its baseline: the same champion's served feedback since it started serving, up to a week, before
+        # the window (a real ranker is not calibrated on what it serves; only a move away from its own
+        # calibration is changed tastes). Its whole history, not the window before: tastes that rotate a
+        # little each day never move far from yesterday, but do from the day the champion started serving
+        # (and a longer baseline halves the comparison's noise).
+        first = journal.first_served_us(current_champion.version)
+        since = max(first, start - BASELINE_DAYS * DAY_US) if first is not None and first < start else \
+            start - (end - start)
+        before = journal.served_predictions(current_champion.version, (since, start))
     finally:
         journal.close()
     return concept_findings(served["labels"], served["predictions"], served["users"], {"device": served["device"]},
