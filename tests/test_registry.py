@@ -145,7 +145,7 @@ def test_a_model_trained_on_shuffled_labels_is_refused(home: Settings):
     outcome = run_gate(home, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False)
     assert not outcome.passed and outcome.alias is None
     assert any("below the floor 0.55" in r for r in outcome.reasons), outcome.reasons
-    assert any("worse by more than" in r for r in outcome.reasons), outcome.reasons  # the paired test
+    assert any("below it by more than" in r for r in outcome.reasons), outcome.reasons  # the paired test
     assert registry.gate_record(registry.version_info(home, logged.version).tags)["verdict"] == "failed"
     assert registry.aliases(home)["challenger"] is None
 
