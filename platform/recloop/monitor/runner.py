@@ -93,6 +93,7 @@ class MonitorReport:
 def champion(settings: Settings) -> Champion | None:
     """The champion's version, training window and promotion baseline; None when there is no champion."""
     from recloop import registry
+    from recloop.canary.tag import kpi_baseline
 
     version = registry.version_by_alias(settings, "champion")
     if version is None:
@@ -102,9 +103,7 @@ def champion(settings: Settings) -> Champion | None:
     if info.train_window is not None:
         first, last = (datetime.strptime(hour, "%Y-%m-%dT%H").replace(tzinfo=UTC) for hour in info.train_window)
         trained = (first, last + timedelta(hours=1))
-    baseline = {k: float(info.tags[f"kpi.baseline_{k}"]) for k in ("ctr", "auc", "impressions")
-                if f"kpi.baseline_{k}" in info.tags}
-    return Champion(version, trained, baseline)
+    return Champion(version, trained, kpi_baseline(info.tags))
 
 
 def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days: int = 7,
