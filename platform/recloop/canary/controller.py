@@ -252,7 +252,7 @@ def step(settings: Settings, config: CanaryConfig | None = None, now: float | No
     assert current.decision is not None and current.challenger is not None
     run_id = _canary_run(settings, current)
     _apply(settings, current.challenger, current.decision, who="canary-controller", now=now, model_name=model_name,
-           run_id=run_id)
+           run_id=run_id, mode=current.mode)
     _log(run_id, current, current.decision)
     return CanaryStep(current, current.decision)
 
@@ -286,13 +286,14 @@ def manual(settings: Settings, action: Literal["promote", "rollback"], reason: s
     decision = CanaryDecision(action, 1.0 if action == "promote" else 0.0, (f"manual {action} by {who}: {reason}",),
                               figures)
     run_id = _canary_run(settings, current)
-    _apply(settings, challenger, decision, who=who, now=time.time(), model_name=model_name, run_id=run_id)
+    _apply(settings, challenger, decision, who=who, now=time.time(), model_name=model_name, run_id=run_id,
+           mode=current.mode)
     _log(run_id, current, decision)
     return ManualResult(action, "challenger", challenger, registry.aliases(settings, model_name))
 
 
 def _apply(settings: Settings, challenger: str, decision: CanaryDecision, who: str, now: float,
-           model_name: str = MODEL_NAME, run_id: str | None = None) -> None:
+           model_name: str = MODEL_NAME, run_id: str | None = None, mode: Mode = "canary") -> None:
     """Record the decision in the challenger's ``canary`` tag (one write), then move the aliases."""
     changes: dict = {"last_action": decision.action, "last_reasons": tuple(decision.reasons)}
     if run_id is not None:
@@ -305,13 +306,29 @@ def _apply(settings: Settings, challenger: str, decision: CanaryDecision, who: s
     _update(settings, challenger, model_name, **changes)
     if decision.action == "promote":
         # The KPIs it earned in the canary are its baseline: the drift monitor judges decay against them.
-        baseline = {k: decision.figures.get(f"challenger_{k}") for k in ("ctr", "auc", "impressions")}
-        baseline = {k: float(v) for k, v in baseline.items() if isinstance(v, int | float) and v == v}
+        baseline = kpi_baseline_at_promotion(decision.figures, mode)
         if baseline:
             registry.tag(settings, challenger, {KPI_BASELINE_TAG: json.dumps(baseline)}, model_name)
         registry.promote(settings, challenger, who=who, why="; ".join(decision.reasons), model_name=model_name)
     elif decision.action == "rollback":
         registry.remove_alias(settings, "challenger", model_name)
+
+
+def kpi_baseline_at_promotion(figures: dict, mode: Mode) -> dict[str, float]:
+    """The online CTR, AUC and impressions a promoted challenger is held to afterwards (KPI decay).
+
+    In an A/B canary its own traffic's. Interleaved, no request showed its list alone: the CTR of the
+    interleaved lists mixes both teams (half of each list is the champion's), so the level is the
+    champion's own CTR (holdout and users outside the experiment) moved by the interleaving's relative
+    effect, on the champion's impressions; the AUC (of the challenger's own scores) stays its own.
+    """
+    baseline = {k: figures.get(f"challenger_{k}") for k in ("ctr", "auc", "impressions")}
+    effect, champion_ctr = figures.get("ctr_effect"), figures.get("champion_ctr")
+    if mode == "interleave":
+        usable = all(isinstance(v, int | float) and v == v for v in (effect, champion_ctr))
+        baseline["ctr"] = champion_ctr * (1.0 + effect) if usable else None
+        baseline["impressions"] = figures.get("champion_impressions") if usable else None
+    return {k: float(v) for k, v in baseline.items() if isinstance(v, int | float) and v == v}
 
 
 def _canary_run(settings: Settings, current: CanaryStatus) -> str:
