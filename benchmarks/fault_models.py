@@ -203,7 +203,7 @@ def model_and_request_faults(root: Path, check: Callable[[bool, str], str], prin
     original = truncate(stored)
     outcome = run_gate(home, candidate, GateThresholds(calibration_range=(0.3, 3.0)), smoke_check=False)
     stored.write_bytes(original)
-    tag = registry.version_info(home, candidate).tags.get("gate")
+    tag = (registry.gate_record(registry.version_info(home, candidate).tags) or {}).get("verdict")
     rows.append(row("gate: candidate truncated in the registry", f"gate={tag}: {outcome.reasons[0][:90]}", 0,
                     Counter(), Counter(), {"ready": True, "reasons": []}, tag == "failed" and not outcome.passed, check))
 

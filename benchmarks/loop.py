@@ -12,9 +12,11 @@ are 0 %, −20 % and +10 % against the champion's. Alongside, the rule this repl
 raw CTR ratio against ``max_ctr_drop``) on the same worlds.
 
 Gate: per world seed, candidates of random quality around the champion are judged on a logged day of
-the world's own events (grouped AUC per user, paired user bootstrap, Holm over device slices) and
-compared with the truth on the evaluation panel (normalized reward); the old rule (pooled AUC drop of at
-most 0.002, 0.01 per slice) on the same candidates.
+the world's own events by the gate's paired comparison (grouped AUC per user, paired user bootstrap; overall
+hold or beat on the estimate, device slices Holm-significantly worse) and compared with the truth on the
+evaluation panel (normalized reward); alternative rules on the same tests and the old fixed thresholds
+(pooled AUC drop of at most 0.002, 0.01 per slice); rates over all candidates and outside a ±5 %
+indifference zone.
 
 Targets (issue 14): identical challenger rolled back ≤ 5 %, 20 %-worse rolled back ≥ 90 %, 10 %-better
 promoted ≥ 80 % (≥ 50 canaries each); gate: ≤ 5 % of panel-better refused, ≤ 5 % of panel-worse passed.
@@ -34,7 +36,7 @@ use_source_tree()
 from recloop.canary.decision import CanaryConfig, CanaryState, VariantStats, decide, experiment_salt, position  # noqa: E402
 from recloop.evaluate import auc  # noqa: E402
 from recloop.evidence.interleaving import team_draft_batch  # noqa: E402
-from recloop.evidence.ranking import holm, paired_bootstrap  # noqa: E402
+from recloop.evidence.ranking import holm  # noqa: E402
 from recloop.evidence.sequential import ab_difference, interleaving_difference  # noqa: E402
 from recloop.panel import SimulatedModel, draw_panel, expected_reward, score_panel, true_logits  # noqa: E402
 from recloop.simulate import DEVICES, World, WorldConfig  # noqa: E402
@@ -294,11 +296,20 @@ def canary_rates(
 # --- the gate -------------------------------------------------------------------------------------------------
 
 
-def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int) -> dict:
-    counts = {
-        rule: {"better_refused": 0, "better": 0, "worse_passed": 0, "worse": 0}
-        for rule in ("paired", "legacy")
-    }
+GATE_RULES = ("gate", "not shown worse", "one Holm family", "legacy")
+
+
+def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int, zone: float = 0.05) -> dict:
+    """Per world seed, candidates of random quality around the champion judged on a logged day of the
+    world's own events, against the truth on the evaluation panel (normalized reward). Four rules on the
+    same candidates and tests: the gate's (``gate.paired.compare``: overall the estimate must hold or beat
+    the champion, device slices refuse when Holm-significantly worse), "not shown worse" (the overall test
+    significant at alpha instead of the estimate), the same tests in one Holm family (the rule before), and
+    the legacy fixed thresholds. Error rates over all candidates and outside an indifference zone of ``zone``
+    (relative normalized reward): a candidate within a few percent of the champion is neither."""
+    from recloop.gate.paired import HeldOut, PairedConfig, compare
+
+    records = []
     for seed in range(seeds):
         world = World(WorldConfig(seed=seed, days=3, events_per_day=events_per_day))
         for hour in range(24):  # warm the histories like a real day
@@ -315,40 +326,25 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int)
         champion = SimulatedModel(CHAMPION_NOISE, seed=1)
         rng = np.random.default_rng(seed)
         champ_scores = champion.scores(world, users, items, truth)
+        champ_panel = champion.scores(world, panel.users, panel.items, panel_truth)
         for c in range(candidates):
             candidate = SimulatedModel(float(CHAMPION_NOISE * np.exp(rng.normal(0, 0.25))), seed=100 + c)
             scored = score_panel(
                 world,
                 panel,
                 {
-                    "champion": champion.scores(world, panel.users, panel.items, panel_truth),
+                    "champion": champ_panel,
                     "candidate": candidate.scores(world, panel.users, panel.items, panel_truth),
                 },
                 resamples=10,
             )
-            better = scored["candidate"]["normalized_reward"] > scored["champion"]["normalized_reward"]
+            effect = scored["candidate"]["normalized_reward"] / scored["champion"]["normalized_reward"] - 1.0
             cand_scores = candidate.scores(world, users, items, truth)
-            # the new rule: paired user bootstrap of grouped AUC, overall and per device, Holm; refuse when
-            # significantly worse (a full retrain may not be worse: margin 0)
-            tests = [
-                paired_bootstrap(
-                    labels, cand_scores, champ_scores, users, users, resamples=resamples, rng=rng
-                )
-            ]
-            for name in DEVICES:
-                mask = device == name
-                tests.append(
-                    paired_bootstrap(
-                        labels[mask],
-                        cand_scores[mask],
-                        champ_scores[mask],
-                        users[mask],
-                        users[mask],
-                        resamples=resamples,
-                        rng=rng,
-                    )
-                )
-            refused_new = bool((holm([t.p_worse for t in tests]) < 0.05).any())
+            # the gate's own comparison (a full retrain: allowed drop 0), users as the groups
+            held = HeldOut(labels, cand_scores, champ_scores, users, users, {"device": device})
+            result = compare(held, max_drop=0.0, max_slice_drop=0.01, config=PairedConfig(resamples=resamples))
+            overall = result.figures["grouped_auc"]
+            slices = [v for k, v in result.figures.items() if k.startswith("slice ")]
             # the old rule: pooled AUC may drop 0.002 (incremental), 0.01 per slice of >= 200 rows
             drop = auc(labels, champ_scores) - auc(labels, cand_scores)
             slice_drop = max(
@@ -356,23 +352,40 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int)
                 - auc(labels[device == d], cand_scores[device == d])
                 for d in DEVICES
             )
-            refused_old = drop > 0.002 or slice_drop > 0.01
-            for rule, refused in (("paired", refused_new), ("legacy", refused_old)):
-                key = "better" if better else "worse"
-                counts[rule][key] += 1
-                counts[rule]["better_refused" if better else "worse_passed"] += int(
-                    refused if better else not refused
-                )
-    out = {}
-    for rule, c in counts.items():
-        out[rule] = {
-            "better": c["better"],
-            "worse": c["worse"],
-            "better_refused": c["better_refused"] / max(c["better"], 1),
-            "better_refused_ci": proportion_ci(c["better_refused"], c["better"]),
-            "worse_passed": c["worse_passed"] / max(c["worse"], 1),
-            "worse_passed_ci": proportion_ci(c["worse_passed"], c["worse"]),
-        }
+            records.append(
+                {
+                    "seed": seed,
+                    "effect": float(effect),
+                    "auc_difference": overall["difference"],
+                    "refused": {
+                        "gate": bool(result.failures),
+                        "not shown worse": bool(
+                            overall["p_worse"] < 0.05 or any(v["p_worse_holm"] < 0.05 for v in slices)
+                        ),
+                        "one Holm family": bool(
+                            (holm([overall["p_worse"], *(v["p_worse"] for v in slices)]) < 0.05).any()
+                        ),
+                        "legacy": bool(drop > 0.002 or slice_drop > 0.01),
+                    },
+                }
+            )
+        print(f"  gate seed {seed}: {candidates} candidates judged", flush=True)
+    out: dict = {"zone": zone, "candidates": records}
+    for rule in GATE_RULES:
+        out[rule] = {}
+        for label, width in (("all", 0.0), (f"outside ±{zone:.0%}", zone)):
+            better = [r for r in records if r["effect"] > width]
+            worse = [r for r in records if r["effect"] < -width]
+            refused = sum(r["refused"][rule] for r in better)
+            passed = sum(not r["refused"][rule] for r in worse)
+            out[rule][label] = {
+                "better": len(better),
+                "worse": len(worse),
+                "better_refused": refused / max(len(better), 1),
+                "better_refused_ci": proportion_ci(refused, len(better)),
+                "worse_passed": passed / max(len(worse), 1),
+                "worse_passed_ci": proportion_ci(passed, len(worse)),
+            }
     return out
 
 
@@ -382,13 +395,15 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int)
 def concept_rates(seeds: int, scenarios: tuple[str, ...], requests_per_day: int, days_after: int = 3) -> dict:
     """Per seed and scenario: a champion that knows the world as it was the day before the drift (its true
     click probabilities then: perfectly calibrated until the drift) serves ``requests_per_day`` requests a
-    day (top 10 of 30 candidates); its predictions on the shown items and the clicks they got go to
-    ``monitor.concept.concept_findings`` each day. Detection delay (days after onset) and false alarms."""
+    day (top 10 of 30 candidates); each day's predictions on the shown items and the clicks they got go to
+    ``monitor.concept.concept_findings`` with every day it served before as the baseline (the monitor's
+    rule: the same champion's served history; calibration and online CTR per device). Detection delay (days after
+    onset) and false alarms."""
     from recloop.monitor import MonitorConfig
     from recloop.monitor.concept import concept_findings
 
     config = MonitorConfig()
-    drift_day = 2
+    drift_day = 3
     out = {}
     for scenario in scenarios:
         delays, alarms, checks = [], 0, 0
@@ -403,8 +418,8 @@ def concept_rates(seeds: int, scenarios: tuple[str, ...], requests_per_day: int,
                 )
             )
             rng = np.random.default_rng([seed, 3])
-            found_on = None
-            for day in range(drift_day - 1, drift_day + days_after):
+            found_on, before = None, None
+            for day in range(drift_day - 2, drift_day + days_after):
                 panel = draw_panel(world, day + 0.5, requests_per_day, CANDIDATES, seed=500 + day)
                 n, m = panel.items.shape
                 stale = world.click_probability(
@@ -424,8 +439,14 @@ def concept_rates(seeds: int, scenarios: tuple[str, ...], requests_per_day: int,
                 )
                 actual = world.click_probability(day + 0.5, users, items.ravel(), devices, positions.ravel())
                 labels = (rng.random(len(actual)) < actual).astype(float)
-                findings, _ = concept_findings(
-                    labels, predicted, users, {"device": np.asarray(DEVICES)[devices]}, config
+                window = (labels, predicted, users, {"device": np.asarray(DEVICES)[devices]})
+                if before is None:
+                    before = window
+                    continue
+                findings, _ = concept_findings(*window[:3], window[3], config, baseline=before)
+                before = (  # its whole served history before the checked day
+                    *(np.concatenate([a, b]) for a, b in zip(before[:3], window[:3], strict=True)),
+                    {"device": np.concatenate([before[3]["device"], window[3]["device"]])},
                 )
                 checks += 1
                 if findings and (scenario == "none" or day < drift_day):
@@ -435,8 +456,8 @@ def concept_rates(seeds: int, scenarios: tuple[str, ...], requests_per_day: int,
             delays.append(None if found_on is None else found_on - drift_day)
         out[scenario] = {
             "seeds": seeds,
-            "detected_within_2_days": sum(d is not None and d <= 2 for d in delays) / seeds,
-            "detected_ci": proportion_ci(sum(d is not None and d <= 2 for d in delays), seeds),
+            "detected_within_2_days": sum(d is not None and d <= 1 for d in delays) / seeds,
+            "detected_ci": proportion_ci(sum(d is not None and d <= 1 for d in delays), seeds),
             "delays": delays,
             "false_alarms": alarms,
             "checks_without_drift": checks if scenario == "none" else seeds,
@@ -471,6 +492,7 @@ def loop_grid(
                 drift=scenario,
                 drift_day=2,
                 twin=scenario != "none",
+                daily_full=True,
             )
             began = time.perf_counter()
             summary = run_demo(Settings(home=home, frame_backend="pandas"), config)
@@ -488,6 +510,8 @@ def loop_grid(
                 "never_retrained_recovery": headline.get("never_retrained", {}).get("recovery"),
                 "loop_minus_frozen": panel[day]["champion"]["normalized_reward"]
                 - panel[day]["never_retrained"]["normalized_reward"],
+                "loop_minus_daily_full": panel[day]["champion"]["normalized_reward"]
+                - panel[day]["daily_full"]["normalized_reward"],
                 "detection_delay_days": (min(acted) - config.drift_day) if acted else None,
                 "false_alarms": sum(decision in ("drift", "kpi_decay") for _, decision in decisions)
                 if scenario == "none"
@@ -498,12 +522,12 @@ def loop_grid(
     out = {}
     for scenario, rows in runs.items():
         entry = {"runs": rows}
-        for key in ("recovery", "loop_minus_frozen"):
+        for key in ("recovery", "loop_minus_frozen", "loop_minus_daily_full"):
             values = [r[key] for r in rows if r[key] is not None]
             if values:
                 entry[key] = dict(zip(("mean", "low", "high"), mean_ci(values), strict=True))
         delays = [r["detection_delay_days"] for r in rows]
-        entry["detected_within_2_days"] = sum(d is not None and d <= 2 for d in delays) / len(rows)
+        entry["detected_within_2_days"] = sum(d is not None and d <= 1 for d in delays) / len(rows)
         if scenario == "none":
             entry["false_alarm_checks"] = sum(r["false_alarms"] for r in rows)
             entry["checks"] = len(rows) * (days - 1)
@@ -568,14 +592,15 @@ def main() -> None:
         result["gate"] = gate_rates(
             args.gate_seeds or args.seeds, args.gate_candidates, args.events_per_day, args.resamples
         )
-        for rule, row in result["gate"].items():
-            print(
-                f"gate {rule:>7}: panel-better refused {row['better_refused']:.0%} "
-                f"[{row['better_refused_ci'][0]:.0%}, {row['better_refused_ci'][1]:.0%}] of {row['better']}, "
-                f"panel-worse passed {row['worse_passed']:.0%} [{row['worse_passed_ci'][0]:.0%}, "
-                f"{row['worse_passed_ci'][1]:.0%}] of {row['worse']}",
-                flush=True,
-            )
+        for rule in GATE_RULES:
+            for label, row in result["gate"][rule].items():
+                print(
+                    f"gate {rule:>16} | {label:>12}: panel-better refused {row['better_refused']:.0%} "
+                    f"[{row['better_refused_ci'][0]:.0%}, {row['better_refused_ci'][1]:.0%}] of {row['better']}, "
+                    f"panel-worse passed {row['worse_passed']:.0%} [{row['worse_passed_ci'][0]:.0%}, "
+                    f"{row['worse_passed_ci'][1]:.0%}] of {row['worse']}",
+                    flush=True,
+                )
     if "concept" not in skip:
         result["concept"] = concept_rates(args.seeds, tuple(args.scenarios.split(",")), args.concept_requests)
         for scenario, row in result["concept"].items():
@@ -600,6 +625,7 @@ def main() -> None:
         for scenario, entry in result["loop"].items():
             print(
                 f"loop {scenario}: recovery {entry.get('recovery')}, loop − frozen {entry.get('loop_minus_frozen')}, "
+                f"loop − daily full {entry.get('loop_minus_daily_full')}, "
                 f"detected within 2 days {entry['detected_within_2_days']:.0%}",
                 flush=True,
             )

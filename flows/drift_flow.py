@@ -45,12 +45,8 @@ def drift_flow(spec: str | None = None, hours: int = 24, now: float | None = Non
         emit_event(event="recloop.retrain.requested", resource={"prefect.resource.id": "recloop.loop"},
                    payload={"reason": verdict["reason"], "decision": result["decision"], "spec": spec,
                             "parameters": retrain_parameters or {}})
-        if retrain_inline:
-            result["retrain"] = retrain_flow(mode="full", reason=verdict["reason"], spec=spec,
-                                             settings=settings, **(retrain_parameters or {}))
-            gate = result["retrain"].get("gate") or {}
-            # the cool-down starts only when a retrain is deployed; a refused one is asked for again next check
-            runner.record_retrain_outcome(settings_from(settings), deployed=bool(gate.get("passed")),
-                                          now=time.time() if now is None else now,
-                                          gate_reasons=gate.get("reasons", []))
+        if retrain_inline:  # the retrain records its gate verdict for the trigger (the cool-down rule)
+            result["retrain"] = retrain_flow(mode="full", reason=verdict["reason"], spec=spec, settings=settings,
+                                             monitor_request=True, requested_at=time.time() if now is None else now,
+                                             **(retrain_parameters or {}))
     return result

@@ -8,6 +8,7 @@ registered. The run's final state names the outcome (``Skipped``, ``Refused``, `
 ``Champion``), its message says why, and its tags carry the version and the gate's verdict.
 """
 
+import time
 from typing import Literal
 
 from prefect import flow, task
@@ -31,6 +32,7 @@ from recloop.flow_support import (
     settings_from,
     tag_run,
 )
+from recloop.monitor import runner
 from recloop.train import TrainConfig
 
 
@@ -47,7 +49,13 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
                  validation_hours: int = 6, canary_config: str | None = None,
                  gate_thresholds: str | None = None, slot_timeout_seconds: float = 3600,
                  retriever: bool = True, retriever_thresholds: str | None = None, retriever_epochs: int = 3,
+                 monitor_request: bool = False, requested_at: float | None = None,
                  settings: dict | None = None) -> dict:
+    """``monitor_request``: this run answers the drift monitor's request (the ``full-retrain`` deployment's
+    event trigger sets it; the demo's inline retrain too): its gate verdict is recorded for the monitor's
+    trigger, so the cool-down starts only when the retrain passes and a refused one is asked for again
+    (``monitor.runner.record_retrain_outcome``). ``requested_at``: the monitor's clock at the request
+    (simulated time in the demo); the outcome is recorded at it, else now."""
     retriever_step = None
     if retriever:
         def retriever_step(resolved_spec: str) -> dict:
@@ -57,7 +65,8 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
     try:
         with model_slot(slot_timeout_seconds):
             return _retrain(mode, reason, spec, days, epochs, batch_size, validation_hours, canary_config,
-                            gate_thresholds, settings, retriever_step)
+                            gate_thresholds, settings, retriever_step,
+                            (time.time() if requested_at is None else requested_at) if monitor_request else None)
     except SlotBusy as busy:
         log("%s", busy)
         record_outcome(settings_from(settings), "retrain", "cancelled")
@@ -66,7 +75,7 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
 
 def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, batch_size: int | None,
              validation_hours: int, canary_config: str | None, gate_thresholds: str | None, settings: dict | None,
-             retriever_step=None):
+             retriever_step=None, monitor_clock: float | None = None):
     spec = datasets.source(settings_from(settings), spec)  # resolved once, for every stage below
     result: dict = {"mode": mode, "reason": reason, "spec": spec}
     log("%s retrain (%s)", mode, reason)
@@ -86,6 +95,9 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
                                  batch_size=batch_size, validation_hours=validation_hours, settings=settings)
     version = result["train"]["mlflow"]["version"]
     result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)
+    if monitor_clock is not None:  # the monitor's trigger learns the verdict: cool-down only after a pass
+        runner.record_retrain_outcome(settings_from(settings), deployed=bool(gate["passed"]), now=monitor_clock,
+                                      gate_reasons=gate.get("reasons", []))
     if gate["alias"] == "challenger":
         result["canary"] = canary_flow(config_path=canary_config, start=True, settings=settings)
     verdict = "passed" if gate["passed"] else "failed"

@@ -48,6 +48,11 @@ def test_prefect_yaml_entrypoints_import_and_schedules_parse():
     assert by_name["canary-check"]["schedules"][0]["cron"] == "*/10 * * * *"
     assert by_name["retriever-canary-check"]["parameters"] == {"model_name": "recloop-retriever"}
     assert "triggers" in by_name["full-retrain"]
+    # the retrain the monitor asks for reports its gate verdict back (the cool-down starts only after a pass)
+    full = by_name["full-retrain"]["triggers"][0]["parameters"]
+    assert full["monitor_request"] is True and full["mode"] == "full"
+    load_flow_from_entrypoint(f"{ROOT / 'flows/retrain_flow.py'}:retrain_flow").validate_parameters(
+        {k: v for k, v in full.items() if "{{" not in str(v)})
 
 
 # --- the trigger: debounced, with a cool-down, never on broken data --------------------------------------------
@@ -146,6 +151,20 @@ def test_flows_chain_and_the_drift_monitor_requests_exactly_one_retrain(prefect_
         assert {run.name for run in tagged} and len(tagged) >= 2  # train and gate runs name the version
         artifacts = client.read_artifacts()
         assert {"gate-report", "drift-summary"} <= {a.key for a in artifacts}
+    # The full-retrain deployment answers the request (its trigger sets monitor_request): a candidate the
+    # gate refuses (this gate file asks for an impossible AUC) is recorded as refused, and the very next
+    # check asks again instead of waiting out the cool-down.
+    impossible = loop_home.home / "gate-impossible.yaml"
+    impossible.write_text("min_auc: 0.999\n")
+    refused = retrain_flow(mode="full", reason=outcomes[0]["trigger"]["reason"], days=1, epochs=1, batch_size=256,
+                           validation_hours=6, gate_thresholds=str(impossible), retriever=False,
+                           monitor_request=True, requested_at=3_000.0, settings=settings)
+    assert not refused["gate"]["passed"]
+    from recloop.monitor.runner import retrain_requests
+
+    assert [(r["outcome"], r["outcome_at"]) for r in retrain_requests(loop_home)] == [("refused", 3_000.0)]
+    again = drift_flow(hours=12, now=3_100.0, cooldown_seconds=3600, settings=settings)
+    assert again["trigger"]["retrain"] and "refused by the gate" in again["trigger"]["reason"]
     assert list(workdir.iterdir()) == []
 
 

@@ -275,3 +275,33 @@ def should_retrain_on(decision) -> bool:
     from recloop.monitor.decision import TriggerConfig
 
     return decision.decision in TriggerConfig().retrain_on
+
+
+def test_online_ctr_per_segment_against_the_champions_own_earlier_traffic():
+    """Desktop users click 40 % less while the champion's predictions for them fell just as much (its
+    calibration holds): the online CTR of the segment against the same champion's earlier served traffic
+    finds it; mobile, unchanged, is not named; the same window twice finds nothing."""
+    import numpy as np
+
+    from recloop.monitor import MonitorConfig
+    from recloop.monitor.concept import concept_findings
+
+    rng = np.random.default_rng(2)
+    n = 20000
+
+    def window(desktop_factor: float = 1.0):
+        users = rng.integers(0, 2000, n)
+        device = np.where(rng.random(n) < 0.3, "desktop", "mobile")
+        p = rng.uniform(0.05, 0.3, n) * np.where(device == "desktop", desktop_factor, 1.0)
+        return (rng.random(n) < p).astype(float), p, users, {"device": device}
+
+    config = MonitorConfig()
+    before, same, fell = window(), window(), window(desktop_factor=0.6)
+    found, figures = concept_findings(*same[:3], same[3], config, baseline=before)
+    assert found == [] and abs(figures["online_ctr.device=desktop"] / figures["online_ctr_baseline.device=desktop"]
+                               - 1) < 0.1
+    found, figures = concept_findings(*fell[:3], fell[3], config, baseline=before)
+    assert not any("calibration" in f for f in found), found  # the model's predictions fell with the clicks
+    ctr = [f for f in found if f.startswith("online CTR")]
+    assert len(ctr) >= 1 and all("device=mobile" not in f for f in ctr), found
+    assert any("device=desktop" in f for f in ctr)

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from recloop.monitor.decision import MonitorConfig
-from recloop.monitor.drift import evidently_drift
+from recloop.monitor.drift import ColumnDrift, column_drift, evidently_drift
 from recloop.settings import Settings
 
 
@@ -89,6 +89,33 @@ def test_each_check_records_its_decision_with_the_thresholds(tmp_path):
         and values["drift_share"] == 0.5
         and values["drift_share_threshold"] == 0.3
     )
-    titles = [panel.title for panel in workspace.get_dashboard(found.id).panels]
+    panels = workspace.get_dashboard(found.id).panels
+    titles = [panel.title for panel in panels]
     assert {"Unseen-id share vs its threshold", "Drift share vs its threshold"} <= set(titles)
     assert any(title.startswith("Decisions:") for title in titles)
+    # Each column against its own test's threshold, the test named: no p-value beside a distance on one axis.
+    (per_column,) = [p for p in panels if p.title.startswith("Per-column drift")]
+    legends = [m.legend for m in per_column.values]
+    assert legends == ["item_category (jensenshannon)", "price (K-S p_value)"], legends
+    results = column_drift(snapshot)
+    for column, result in results.items():
+        assert values[f"{column}_drift_over_threshold"] == result.over_threshold()
+        assert (result.over_threshold() >= 1) == result.drifted
+
+
+def test_p_values_and_distances_meet_on_one_scale():
+    """Drifted columns score above 1 whichever test judged them: a p-value below its threshold, a distance above."""
+    rng = np.random.default_rng(3)
+    reference = pd.DataFrame({"price": rng.random(400), "category": rng.integers(0, 8, 400)})
+    shifted = pd.DataFrame({"price": rng.random(400) + 0.3, "category": rng.integers(4, 12, 400)})
+    same = pd.DataFrame({"price": rng.random(400), "category": rng.integers(0, 8, 400)})
+    for current, drifted in ((shifted, True), (same, False)):
+        _, _, _, snapshot = evidently_drift(reference, current, ["price", "category"], MonitorConfig(),
+                                            categorical={"category"})
+        results = column_drift(snapshot)
+        assert results["price"].p_value and not results["category"].p_value  # K-S beside Jensen-Shannon
+        for result in results.values():
+            assert result.drifted is drifted and (result.over_threshold() > 1) is drifted, result
+    assert ColumnDrift("K-S p_value", 0.0, 0.05, True).over_threshold() == 10.0  # capped
+    assert ColumnDrift("K-S p_value", 0.5, 0.05, False).over_threshold() == 0.1
+    assert ColumnDrift("jensenshannon", 0.05, 0.1, False).over_threshold() == 0.5

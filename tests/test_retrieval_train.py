@@ -100,7 +100,9 @@ def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
     outcome = run_retrieval_gate(home, challenger.version)
     name = registry.RETRIEVER_NAME
     tags = registry.version_info(home, challenger.version, name).tags
-    assert tags["gate"] == ("passed" if outcome["passed"] else "failed")
+    gate = registry.gate_record(tags)
+    assert gate["verdict"] == ("passed" if outcome["passed"] else "failed") and gate["reasons"] == outcome["reasons"]
+    assert [k for k in tags if k.startswith("gate")] == ["gate"] and any(k.startswith("recall@") for k in gate)
     assert outcome["alias"] == ("challenger" if outcome["passed"] else None)
     assert registry.aliases(home, name)["champion"] == logged.version
     assert registry.aliases(home) == {"champion": None, "challenger": None, "previous": None}  # the ranker's

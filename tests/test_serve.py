@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from recloop import checkpoint, pipeline, registry
 from recloop.canary import CanaryConfig, controller
+from recloop.canary.tag import CanaryTag
 from recloop.features import store
 from recloop.features.config import FeatureConfig
 from recloop.features.job import FeatureLayout, build_features
@@ -148,7 +149,7 @@ def run_canary(home: Settings, http: httpx.Client, server, version: str, users: 
     controller.start(home, CANARY)
     decisions, rounds = [], []
     for _ in range(len(CANARY.steps) + 1):
-        share = float(registry.version_info(home, version).tags["canary.share"])
+        share = CanaryTag.from_tags(registry.version_info(home, version).tags).share
         wait_for(http, lambda h, share=share: h["versions"]["challenger"] == version and h["share"] == share)
         # Two users at a time: the latency guardrail compares the models' own scoring times, which
         # many requests at once on a 2-core machine would blur into CPU contention.
@@ -380,8 +381,9 @@ def test_a_good_challenger_is_stepped_up_and_promoted(client: httpx.Client, home
     assert registry.aliases(home) == {"champion": version, "challenger": None, "previous": "1"}
     wait_for(client, lambda h: h["versions"] == {"champion": version, "challenger": None})
     tags = registry.version_info(home, version).tags
-    assert tags["canary.outcome"] == "promoted"
-    run = MlflowClient().get_run(tags[controller.RUN_TAG])
+    tag = CanaryTag.from_tags(tags)
+    assert tag.state == "promoted" and tag.last_action == "promote" and not [k for k in tags if k.startswith("canary.")]
+    run = MlflowClient().get_run(tag.run_id)
     assert run.data.tags["recloop.kind"] == "canary" and run.info.status == "FINISHED"
     shares = [m.value for m in MlflowClient().get_metric_history(run.info.run_id, "share")]
     assert shares == [1.0, 1.0]  # stepped to 100 %, then promoted
@@ -408,8 +410,8 @@ def test_a_bad_challenger_is_rolled_back(client: httpx.Client, home: Settings, s
         assert rounds[0].ctr(version) < rounds[0].ctr("1")
     aliases = registry.aliases(home)
     assert aliases["challenger"] is None and aliases["champion"] == "1"
-    tags = registry.version_info(home, version).tags
-    assert tags["canary.outcome"] == "rolled_back" and reason in tags["canary.reasons"]
+    tag = CanaryTag.from_tags(registry.version_info(home, version).tags)
+    assert tag.state == "rolled_back" and tag.share == 0.0 and any(reason in r for r in tag.reasons), tag
     wait_for(client, lambda h: h["versions"]["challenger"] is None)
 
 
@@ -420,8 +422,8 @@ def test_interleaving_serves_both_rankings_and_credits_each_click_to_its_team(cl
     version = variant(home, inverted)
     registry.set_alias(home, "challenger", version, who="test", why="interleaving")
     step = controller.start(home, CanaryConfig(steps=(1.0,), holdout=0.0))  # interleave is the default mode
-    tags = registry.version_info(home, version).tags
-    assert step.status.mode == "interleave" and tags["canary.salt"].startswith(f"recloop-canary-v{version}-")
+    tag = CanaryTag.from_tags(registry.version_info(home, version).tags)
+    assert step.status.mode == tag.mode == "interleave" and tag.salt.startswith(f"recloop-canary-v{version}-")
     wait_for(client, lambda h: h["versions"]["challenger"] == version and h["mode"] == "interleave")
     users = SimulatedUsers(replayed_world(), day=3.6, seed=19)
     summary = asyncio.run(drive(server.url, users, 60, concurrency=4))
@@ -477,7 +479,7 @@ def test_canary_command(home: Settings, client: httpx.Client):
     out = runner.invoke(app, ["canary", "rollback", "--reason", "review found a bug", "--json"], env=env)
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["aliases"]["challenger"] is None
-    assert "review found a bug" in registry.version_info(home, version).tags["canary.reasons"]
+    assert "review found a bug" in CanaryTag.from_tags(registry.version_info(home, version).tags).reasons[0]
 
 
 def test_arrow_batches_score_as_the_logged_pyfunc_does(home: Settings):
@@ -571,9 +573,10 @@ def test_admin_canary_share_and_rollback(client: httpx.Client, home: Settings):
     registry.set_alias(home, "challenger", version, who="test", why="admin endpoints")
     moved = client.post("/admin/canary", json={"share": 0.5, "mode": "shadow"}, headers=AUTH)
     assert moved.status_code == 200 and moved.json() == {"version": version, "share": 0.5, "mode": "shadow"}
-    assert registry.version_info(home, version).tags["canary.share"] == "0.5"
+    tag = CanaryTag.from_tags(registry.version_info(home, version).tags)
+    assert (tag.share, tag.mode, tag.share_set_by) == (0.5, "shadow", "admin-api")
     wait_for(client, lambda h: h["versions"]["challenger"] == version and h["mode"] == "shadow")
     undone = client.post("/admin/rollback", json={"reason": "admin says no"}, headers=AUTH)
     assert undone.status_code == 200 and undone.json()["aliases"]["challenger"] is None
-    assert "admin says no" in registry.version_info(home, version).tags["canary.reasons"]
+    assert "admin says no" in CanaryTag.from_tags(registry.version_info(home, version).tags).reasons[0]
     assert client.get("/healthz").json()["versions"]["challenger"] is None  # swapped before answering

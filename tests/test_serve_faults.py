@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 
 from recloop import checkpoint, pipeline, registry
 from recloop.canary import CanaryConfig, controller
-from recloop.canary.controller import LOAD_FAILED_TAG
+from recloop.canary.tag import load_failure
 from recloop.features.job import FeatureLayout
 from recloop.gate import GateThresholds, run_gate
 from recloop.serve.app import create_app
@@ -99,7 +99,7 @@ def test_a_challenger_damaged_in_the_registry_leaves_the_champion_serving_everyo
             assert {a.json()["model_version"] for a in answers} == {"1"}
 
             # The serving process marked it; the canary controller rolls it back.
-            assert "model.safetensors" in registry.version_info(home, version).tags[LOAD_FAILED_TAG]
+            assert "model.safetensors" in load_failure(registry.version_info(home, version).tags)
             status = controller.status(home)
             assert status.decision.action == "rollback" and "does not load in serving" in status.decision.reasons[0]
 
@@ -193,5 +193,6 @@ def test_the_gate_refuses_a_truncated_candidate_and_tags_it_failed(fresh: Settin
     assert not outcome.passed and outcome.alias is None
     assert "cannot be loaded" in outcome.reasons[0] and "model.safetensors" in outcome.reasons[0]
     tags = registry.version_info(home, version).tags
-    assert tags["gate"] == "failed" and "model.safetensors" in tags["gate.detail"]
+    gate = registry.gate_record(tags)
+    assert gate["verdict"] == "failed" and "model.safetensors" in gate["reasons"][0]
     assert registry.version_by_alias(home, "champion") == "1"

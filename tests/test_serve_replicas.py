@@ -181,6 +181,8 @@ def test_both_stores_answer_the_same(store: str, tmp_path: Path, request):
         with pytest.raises(Exception, match="unknown request"):
             journal.request_wait_seconds = 0.1
             journal.add_feedback(f"{9:032x}", [5], [])
+        # the monitor's concept-drift baseline starts where a version first served alone with feedback
+        assert journal.first_served_us("1") == 1_767_225_600_000_000 and journal.first_served_us("2") is None
         champion, shadow = journal.stats("1"), journal.stats("2", since=100.5)
         assert (champion.requests, champion.impressions, champion.clicks) == (2, 4, 3)
         assert (shadow.requests, shadow.impressions) == (1, 0)

@@ -658,6 +658,8 @@ def demo_command(
     drift_day: Annotated[int, typer.Option(min=1, help="First drifted day, counted from 0.")] = 2,
     twin: Annotated[bool, typer.Option(help="Run the loop again on the no-drift twin world and report the "
                                             "twin-world recovery (about twice the time).")] = True,
+    daily_full: Annotated[bool, typer.Option(help="Also train a full model from scratch each day, scored on the "
+                                                  "evaluation panel as the upper reference (not served).")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """The whole loop over simulated days: serving, feedback, canary, drift checks, retrains; table + HTML report."""
@@ -666,7 +668,7 @@ def demo_command(
     drift = Drift(drift).value
     settings = Settings()
     config = DemoConfig(days=days, events_per_day=events_per_day, requests_per_day=requests_per_day, seed=seed,
-                        drift=drift, drift_day=drift_day, twin=twin)
+                        drift=drift, drift_day=drift_day, twin=twin, daily_full=daily_full)
     if not json_out:
         console.print(f"recloop demo: {days} simulated days, drift '{drift}' from day {drift_day}; "
                       f"home {settings.home.resolve()}")

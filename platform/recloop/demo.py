@@ -25,8 +25,9 @@ items; each retriever candidate by its oracle recall@K (the share of each user's
 items it retrieves) beside the popularity baseline's, on its held-out hours.
 
 Each day also scores an **evaluation panel** (``recloop.panel``): requests drawn independently of serving,
-ranked by the live champion and the never-retrained model, as normalized reward (0: random, 1: the oracle)
-with a user-cluster bootstrap interval. With ``twin`` the same loop runs again on the world's no-drift twin
+ranked by the live champion and the never-retrained model (and, with ``daily_full``, a full retrain from
+scratch on every day so far: the upper reference), as normalized reward (0: random, 1: the oracle) with a
+user-cluster bootstrap interval. With ``twin`` the same loop runs again on the world's no-drift twin
 (same seed, identical until the drift day) under ``home/twin``, and the summary's efficacy figure is the
 **twin-world recovery**: the champion's normalized reward with the drift over the twin's, two cycles after
 the drift, with its interval.
@@ -80,6 +81,9 @@ class DemoConfig:
     shown: int = 10
     panel_requests: int = 300
     twin: bool = False
+    # The upper reference: each day also a full retrain from scratch on every day so far (not registered, not
+    # served), scored on the next day's panel beside the live champion ("daily_full").
+    daily_full: bool = False
     # The recommendation path: this share of each round's requests goes to /recommend, which retrieves
     # ``retrieve_k`` of the catalog (a few hundred items in this small world) for the ranker.
     # Items shown to a user within ``seen_hours`` (simulated) are not recommended again: a few hours, as
@@ -173,6 +177,8 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     if on_day:
         on_day(bootstrap)
     frozen = _FrozenRanker(settings, first["gate"]["version"])
+    if config.daily_full:
+        frozen.reference = frozen.model  # day 0's full retrain is the bootstrap model itself
     last_full_day = 0
 
     from recloop import registry
@@ -223,6 +229,9 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
             if outcome.get("gate", {}).get("alias") == "challenger":
                 freshness.append(_until_serving(server.url, outcome["gate"]["version"]) + time.perf_counter()
                                  - landed_at)
+            if config.daily_full:
+                stage(day, "daily full retrain from scratch (the panel's upper reference; not served)")
+                frozen.reference = _train_reference(settings, day, config, batch_size)
             record.champion = registry.version_by_alias(settings, "champion")
             record.retriever_champion = registry.version_by_alias(settings, "champion", registry.RETRIEVER_NAME)
             record.seconds = round(time.perf_counter() - began, 1)
@@ -313,8 +322,8 @@ def _twin_recovery(panels: dict[int, dict], twin: dict, config: DemoConfig) -> d
             continue
         mine = panel["rewards"]
         theirs = {k: np.asarray(v) for k, v in other.items() if k != "users"}
-        per_day[day] = {"champion": twin_recovery(mine, theirs, panel["users"], "champion"),
-                        "never_retrained": twin_recovery(mine, theirs, panel["users"], "never_retrained")}
+        per_day[day] = {policy: twin_recovery(mine, theirs, panel["users"], policy)
+                        for policy in ("champion", "never_retrained", "daily_full") if policy in mine and policy in theirs}
     headline = per_day.get(config.drift_day + 2) or (per_day[max(per_day)] if per_day else None)
     return {"per_day": per_day, "day": config.drift_day + 2 if config.drift_day + 2 in per_day else
             (max(per_day) if per_day else None), "headline": headline,
@@ -348,6 +357,20 @@ def _record_retriever(record: DayRecord, outcome: dict, settings: Settings, orac
     record.popularity_oracle_recall = (scores.popularity or {}).get(f"oracle_recall@{k}")
 
 
+def _train_reference(settings: Settings, day: int, config: DemoConfig, batch_size: int):
+    """A full retrain from scratch on days 0..``day`` (held-out hours excluded, as the loop's), loaded for the
+    panel; no MLflow run, no version: it serves nobody."""
+    from recloop import checkpoint
+    from recloop.serve.models import LoadedModel
+    from recloop.train import TrainConfig, train
+
+    summary = train(settings, TrainConfig(mode="full", days=day + 1, epochs=config.full_epochs,
+                                          batch_size=batch_size, validation_hours=6))
+    model, state = checkpoint.load_model(summary.checkpoint, device="cpu")
+    inputs = checkpoint.trained_inputs(state)
+    return LoadedModel(f"daily-full-day{day}", model, inputs.dense, inputs.table_names)
+
+
 class _FrozenRanker:
     """The day-0 model ranking the day's requests offline with the same online features (the baseline),
     and the day's evaluation panel scored by it and by the live champion."""
@@ -363,6 +386,7 @@ class _FrozenRanker:
         self.model = load_version(settings, version)
         self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), online_reader(settings))
         self._models = {version: self.model}
+        self.reference = None  # the daily full retrain (``DemoConfig.daily_full``), when there is one
 
     def panel(self, world: World, day: int, config: DemoConfig, champion: str | None) -> dict:
         """The day's panel (drawn on its own stream): per-request expected clicks of the oracle, a random
@@ -376,18 +400,22 @@ class _FrozenRanker:
         if champion is not None and champion not in self._models:
             self._models[champion] = load_version(self.settings, champion)
         scores: dict[str, list] = {"never_retrained": [], "champion": []}
+        if self.reference is not None:
+            scores["daily_full"] = []
         self.features.refresh_if_published()
         for body in request_bodies(world, panel):
             ts_us = int(datetime.fromisoformat(body["ts"]).timestamp() * 1_000_000)
             rows, _ = self.features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)
             scores["never_retrained"].append(score(self.model, rows).numpy())
             scores["champion"].append(score(self._models.get(champion, self.model), rows).numpy())
+            if self.reference is not None:
+                scores["daily_full"].append(score(self.reference, rows).numpy())
         stacked = {k: np.stack(v) for k, v in scores.items()}
         rows = per_request(world, panel, stacked, k=config.shown, seed=config.seed)
         figures = score_panel(world, panel, stacked, k=config.shown, seed=config.seed)
         return {"rewards": {k: v["reward"] for k, v in rows.items()}, "users": panel.users,
                 "figures": {k: {m: round(x, 4) for m, x in v.items()} for k, v in figures.items()
-                            if k in ("champion", "never_retrained")}}
+                            if k in ("champion", "never_retrained", "daily_full")}}
 
     def rank(self, body: dict) -> list[int]:
         from datetime import datetime
@@ -594,6 +622,14 @@ figure above is the efficacy measure){% endif %}.</p>{% endif %}
 <td>{{ r.champion or "-" }}</td>
 <td>{% for v, c in r.online_ctr.items() %}v{{ v }}: {{ "%.3f" % c }}{% if not loop.last %}, {% endif %}{% else %}-{% endfor %}</td>
 <td>{{ fmt(r.vs_oracle) }}</td><td>{{ fmt(r.baseline_vs_oracle) }}</td></tr>
+{% endfor %}</table>
+<h2>Evaluation panel (normalized reward: 0 random, 1 the oracle; 95% user-cluster interval)</h2>
+<table><tr><th>day</th><th>live champion</th><th>never retrained</th>{% if config.daily_full %}<th>daily full retrain (upper
+reference)</th>{% endif %}<th>NDCG@{{ config.shown }} (champion)</th></tr>
+{% for r in records if r.panel %}<tr><td>{{ r.day }}</td>
+{% for policy in (["champion", "never_retrained", "daily_full"] if config.daily_full else ["champion", "never_retrained"]) %}
+{% set f = r.panel.get(policy) %}<td>{% if f %}{{ "%.3f" % f.normalized_reward }} [{{ "%.3f" % f.low }}, {{ "%.3f" % f.high }}]{% else %}-{% endif %}</td>
+{% endfor %}<td>{{ fmt(r.panel.champion.ndcg) }}</td></tr>
 {% endfor %}</table>
 <h2>The recommendation path (/recommend: retrieve {{ config.retrieve_k }} → filter → rank → order → top {{ config.shown }})</h2>
 <table><tr><th>day</th><th>retriever candidate</th><th>retriever gate</th>

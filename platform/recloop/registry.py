@@ -5,9 +5,10 @@ the retriever (``recloop-retriever``) are separate registered models, each with 
 aliases.
 
 Aliases: ``champion`` (serving), ``challenger`` (passed the gate, in canary), ``previous`` (the last
-champion, for rollback). A version that fails the gate keeps its number, tagged ``gate=failed`` with
-the reasons. Tags: one per concern, JSON where it has parts (``gate`` the verdict and ``gate.detail``,
-``alias.<name>``: who moved it, why and when, ``rolled_back``). Tracking runs on SQLite under ``RECLOOP_HOME`` unless ``RECLOOP_MLFLOW_TRACKING_URI`` names
+champion, for rollback). A version that fails the gate keeps its number, its ``gate`` tag saying
+``failed`` with the reasons. Tags: one per concern, JSON where it has parts (``gate``: the verdict first,
+then the champion, window, reasons and thresholds; ``alias.<name>``: who moved it, why and when;
+``rolled_back``; ``canary``: see ``recloop.canary.tag``). Tracking runs on SQLite under ``RECLOOP_HOME`` unless ``RECLOOP_MLFLOW_TRACKING_URI`` names
 a server or database; artifacts go under ``RECLOOP_HOME/mlartifacts`` unless
 ``RECLOOP_MLFLOW_ARTIFACT_URI`` names an object store.
 
@@ -407,6 +408,34 @@ def tag(settings: Settings, version: str, tags: dict[str, str], model_name: str 
     client = _client(settings)
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, str(value))
+
+
+GATE_TAG = "gate"
+
+
+def gate_tag(passed: bool, **detail) -> dict[str, str]:
+    """The gate's one tag: ``{"gate": JSON}``, the verdict first (what the MLflow UI shows of it), then
+    ``detail`` (champion, window, reasons, figures, thresholds)."""
+    return {GATE_TAG: json.dumps({"verdict": "passed" if passed else "failed", **detail}, default=str)}
+
+
+def gate_record(tags: dict[str, str]) -> dict | None:
+    """A version's gate verdict and detail (``{"verdict": "passed" | "failed", ...}``), ``None`` if never gated.
+    Versions gated before the one tag carry a plain verdict (and ``gate.detail`` JSON): read as the same."""
+    raw = tags.get(GATE_TAG)
+    if raw is None:
+        return None
+    if raw in ("passed", "failed"):
+        try:
+            detail = json.loads(tags.get(f"{GATE_TAG}.detail") or "{}")
+        except ValueError:
+            detail = {}
+        return {"verdict": raw, **(detail if isinstance(detail, dict) else {})}
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and record.get("verdict") in ("passed", "failed") else None
 
 
 def describe(settings: Settings, version: str, description: str, model_name: str = MODEL_NAME) -> None:

@@ -1,11 +1,12 @@
 """The canary controller (IO): judges the challenger on served traffic and moves the aliases.
 
-State lives on the challenger's model version in MLflow (tags ``canary.share``, ``canary.mode``,
-``canary.step_started_at``), so the serving API (which polls them) and this controller (run by
-``recloop canary step``, a flow, or the admin API) agree without talking to each other. Traffic comes
-from the serving journal. Every decision is logged to an MLflow run of the canary in the
-``recloop-canary`` experiment (one run per challenger: share, guardrail figures per step, each decision
-as JSON) and as version tags. The decision itself is ``canary.decision.decide``.
+State lives on the challenger's model version in MLflow, in one JSON tag ``canary`` (``canary.tag``:
+state, share, mode, salt, when each step began, the last decision), so the serving API (which polls it)
+and this controller (run by ``recloop canary step``, a flow, or the admin API) agree without talking to
+each other; each change is one tag write. Traffic comes from the serving journal. Every decision is
+logged to an MLflow run of the canary in the ``recloop-canary`` experiment (one run per challenger:
+share, guardrail figures per step, each decision as JSON). The decision itself is
+``canary.decision.decide``.
 
 Example::
 
@@ -15,7 +16,7 @@ Example::
     step(settings, model_name="recloop-retriever")   # the retriever's canary, independent of the ranker's
 
 Every function takes ``model_name``: the ranker (``recloop-ranker``, the default) and the retriever
-(``recloop-retriever``) each have their own challenger, tags, share and canary run. The retriever is
+(``recloop-retriever``) each have their own challenger, tag, share and canary run. The retriever is
 judged on its own journal rows (``Journal.retriever_stats``: its retrievals' errors and latency, the
 clicks of the answers it retrieved for); the guardrails are the same ``decide``.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -41,17 +42,14 @@ from recloop.canary.decision import (
     experiment_salt,
 )
 from recloop.canary.decision import start as first_step
+from recloop.canary.tag import KPI_BASELINE_TAG, LOAD_FAILED_TAG, CanaryTag, Mode, load_failure
 from recloop.registry import MODEL_NAME, RETRIEVER_NAME
 from recloop.serve.journal import open_journal
 from recloop.settings import Settings
 
 EXPERIMENT = "recloop-canary"
-SHARE_TAG, MODE_TAG, STARTED_TAG = "canary.share", "canary.mode", "canary.step_started_at"
-SALT_TAG = "canary.salt"  # each experiment's own hash salt, set at its start
-RUN_TAG = "canary.run_id"
-LOAD_FAILED_TAG = "serving.load_failed"  # set by a serving process that could not load the version
-CANARY_STARTED_TAG = "canary.started_at"
-Mode = Literal["interleave", "canary", "shadow"]
+__all__ = ["LOAD_FAILED_TAG", "KPI_BASELINE_TAG", "CanaryStatus", "CanaryStep", "ManualResult", "NoCanary",
+           "manual", "set_share", "start", "status", "step"]
 PRE_PERIOD_SECONDS = 7 * 86400  # CUPED's covariate: each user's clicks in this long before the canary
 
 
@@ -138,6 +136,14 @@ def _challenger(settings: Settings, model_name: str = MODEL_NAME) -> tuple[str, 
     return challenger, champion, registry.version_info(settings, challenger, model_name).tags
 
 
+def _update(settings: Settings, version: str, model_name: str, **changes) -> CanaryTag:
+    """Set fields of the version's ``canary`` tag: read it, change it, write it back in one tag write."""
+    current = CanaryTag.from_tags(registry.version_info(settings, version, model_name).tags) or CanaryTag()
+    updated = replace(current, **changes)
+    registry.tag(settings, version, updated.to_tag(), model_name)
+    return updated
+
+
 def start(settings: Settings, config: CanaryConfig, *, mode: Mode | None = None, now: float | None = None,
           model_name: str = MODEL_NAME) -> CanaryStep:
     """Put the challenger at the first step (the retrain flow does it after a passed gate), with a new
@@ -148,9 +154,8 @@ def start(settings: Settings, config: CanaryConfig, *, mode: Mode | None = None,
     if mode == "interleave" and model_name != MODEL_NAME:  # interleaving merges two rankings: the ranker's
         mode = "canary"
     decision = first_step(config, mode)
-    registry.tag(settings, challenger, {SHARE_TAG: decision.share, MODE_TAG: mode, STARTED_TAG: now,
-                                        CANARY_STARTED_TAG: now, SALT_TAG: experiment_salt(challenger, now)},
-                 model_name)
+    registry.tag(settings, challenger, CanaryTag(share=decision.share, mode=mode, salt=experiment_salt(challenger, now),
+                                                 started_at=now, step_started_at=now).to_tag(), model_name)
     started = CanaryStatus(True, registry.aliases(settings, model_name), "", challenger, champion, decision.share,
                            mode, now, True, model=model_name)
     return CanaryStep(started, decision)
@@ -159,9 +164,9 @@ def start(settings: Settings, config: CanaryConfig, *, mode: Mode | None = None,
 def set_share(settings: Settings, share: float, mode: Mode | None = None, who: str = "operator",
               model_name: str = MODEL_NAME) -> dict:
     challenger, _, tags = _challenger(settings, check_model(model_name))
-    mode = mode or _mode(tags)
-    registry.tag(settings, challenger, {SHARE_TAG: share, MODE_TAG: mode, STARTED_TAG: time.time(),
-                                        "canary.share_set_by": who}, model_name)
+    current = CanaryTag.from_tags(tags)
+    mode = mode or (current.mode if current else "canary")
+    _update(settings, challenger, model_name, share=share, mode=mode, step_started_at=time.time(), share_set_by=who)
     return {"version": challenger, "share": share, "mode": mode}
 
 
@@ -182,10 +187,11 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
         challenger, champion, tags = _challenger(settings, model_name)
     except NoCanary as err:
         return CanaryStatus(active=False, aliases=aliases, message=str(err), model=model_name)
-    started = float(tags.get(STARTED_TAG, now))
-    state = CanaryState(float(tags.get(SHARE_TAG, config.steps[0])), started)
-    mode = _mode(tags)
-    canary_started = float(tags.get(CANARY_STARTED_TAG, started))
+    tag = CanaryTag.from_tags(tags)
+    started = tag.step_started_at if tag and tag.step_started_at is not None else now
+    state = CanaryState(tag.share if tag else config.steps[0], started)
+    mode: Mode = tag.mode if tag else "canary"
+    canary_started = tag.started_at if tag and tag.started_at is not None else started
     journal = open_journal(settings)  # every replica's traffic when the journal is PostgreSQL
     evidence = None
     try:
@@ -200,15 +206,10 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
         journal.close()
     if mode == "shadow":  # the challenger answered nobody: judge its CTR by the champion's
         stats["challenger"] = _shadowed(stats["challenger"], stats["champion"])
-    decision = decide(stats["champion"], stats["challenger"], state, config, now, load_error=tags.get(LOAD_FAILED_TAG),
+    decision = decide(stats["champion"], stats["challenger"], state, config, now, load_error=load_failure(tags),
                       evidence=evidence)
-    return CanaryStatus(True, aliases, "", challenger, champion, state.share, mode, started, STARTED_TAG in tags,
+    return CanaryStatus(True, aliases, "", challenger, champion, state.share, mode, started, tag is not None,
                         stats, decision, evidence.to_dict() if evidence else None, model=model_name)
-
-
-def _mode(tags: dict) -> Mode:
-    mode = tags.get(MODE_TAG)
-    return mode if mode in ("interleave", "shadow") else "canary"
 
 
 def paired_evidence(journal, mode: Mode, champion: str, challenger: str, since: float, config: CanaryConfig):
@@ -248,9 +249,11 @@ def step(settings: Settings, config: CanaryConfig | None = None, now: float | No
         return CanaryStep(current, None)
     if not current.started:
         return start(settings, config, mode=current.mode, now=now, model_name=model_name)
-    assert current.decision is not None
-    _apply(settings, current.challenger, current.decision, who="canary-controller", now=now, model_name=model_name)
-    _log(settings, current, current.decision)
+    assert current.decision is not None and current.challenger is not None
+    run_id = _canary_run(settings, current)
+    _apply(settings, current.challenger, current.decision, who="canary-controller", now=now, model_name=model_name,
+           run_id=run_id, mode=current.mode)
+    _log(run_id, current, current.decision)
     return CanaryStep(current, current.decision)
 
 
@@ -282,47 +285,75 @@ def manual(settings: Settings, action: Literal["promote", "rollback"], reason: s
     figures = current.decision.figures if current.decision else {}
     decision = CanaryDecision(action, 1.0 if action == "promote" else 0.0, (f"manual {action} by {who}: {reason}",),
                               figures)
-    _apply(settings, challenger, decision, who=who, now=time.time(), model_name=model_name)
-    _log(settings, current, decision)
+    run_id = _canary_run(settings, current)
+    _apply(settings, challenger, decision, who=who, now=time.time(), model_name=model_name, run_id=run_id,
+           mode=current.mode)
+    _log(run_id, current, decision)
     return ManualResult(action, "challenger", challenger, registry.aliases(settings, model_name))
 
 
 def _apply(settings: Settings, challenger: str, decision: CanaryDecision, who: str, now: float,
-           model_name: str = MODEL_NAME) -> None:
-    reasons = json.dumps(list(decision.reasons))
+           model_name: str = MODEL_NAME, run_id: str | None = None, mode: Mode = "canary") -> None:
+    """Record the decision in the challenger's ``canary`` tag (one write), then move the aliases."""
+    changes: dict = {"last_action": decision.action, "last_reasons": tuple(decision.reasons)}
+    if run_id is not None:
+        changes["run_id"] = run_id
     if decision.action == "step":
-        registry.tag(settings, challenger, {SHARE_TAG: decision.share, STARTED_TAG: now}, model_name)
-    elif decision.action == "promote":
+        changes.update(share=decision.share, step_started_at=now)
+    elif decision.action in ("promote", "rollback"):
+        changes.update(state="promoted" if decision.action == "promote" else "rolled_back",
+                       share=decision.share, reasons=tuple(decision.reasons))
+    _update(settings, challenger, model_name, **changes)
+    if decision.action == "promote":
         # The KPIs it earned in the canary are its baseline: the drift monitor judges decay against them.
-        baseline = {f"kpi.baseline_{k}": decision.figures.get(f"challenger_{k}") for k in ("ctr", "auc", "impressions")}
-        registry.tag(settings, challenger, {"canary.outcome": "promoted", "canary.reasons": reasons,
-                                            **{k: v for k, v in baseline.items() if v is not None and v == v}},
-                     model_name)
+        baseline = kpi_baseline_at_promotion(decision.figures, mode)
+        if baseline:
+            registry.tag(settings, challenger, {KPI_BASELINE_TAG: json.dumps(baseline)}, model_name)
         registry.promote(settings, challenger, who=who, why="; ".join(decision.reasons), model_name=model_name)
     elif decision.action == "rollback":
-        registry.tag(settings, challenger, {"canary.outcome": "rolled_back", "canary.reasons": reasons,
-                                            SHARE_TAG: 0.0}, model_name)
         registry.remove_alias(settings, "challenger", model_name)
 
 
-def _log(settings: Settings, current: CanaryStatus, decision: CanaryDecision) -> None:
-    """Append the decision to the challenger's canary run in MLflow (created on the first decision)."""
+def kpi_baseline_at_promotion(figures: dict, mode: Mode) -> dict[str, float]:
+    """The online CTR, AUC and impressions a promoted challenger is held to afterwards (KPI decay).
+
+    In an A/B canary its own traffic's. Interleaved, no request showed its list alone: the CTR of the
+    interleaved lists mixes both teams (half of each list is the champion's), so the level is the
+    champion's own CTR (holdout and users outside the experiment) moved by the interleaving's relative
+    effect, on the champion's impressions; the AUC (of the challenger's own scores) stays its own.
+    """
+    baseline = {k: figures.get(f"challenger_{k}") for k in ("ctr", "auc", "impressions")}
+    effect, champion_ctr = figures.get("ctr_effect"), figures.get("champion_ctr")
+    if mode == "interleave":
+        usable = all(isinstance(v, int | float) and v == v for v in (effect, champion_ctr))
+        baseline["ctr"] = champion_ctr * (1.0 + effect) if usable else None
+        baseline["impressions"] = figures.get("champion_impressions") if usable else None
+    return {k: float(v) for k, v in baseline.items() if isinstance(v, int | float) and v == v}
+
+
+def _canary_run(settings: Settings, current: CanaryStatus) -> str:
+    """The challenger's canary run in MLflow's ``recloop-canary`` experiment (created on its first decision)."""
+    from mlflow import MlflowClient
+
+    version, model_name = current.challenger, current.model
+    assert version is not None
+    tag = CanaryTag.from_tags(registry.version_info(settings, version, model_name).tags)
+    if tag is not None and tag.run_id is not None:
+        return tag.run_id
+    registry.configure(settings)
+    prefix = "canary" if model_name == MODEL_NAME else "canary-retriever"
+    run = MlflowClient().create_run(registry.experiment(settings, EXPERIMENT), run_name=f"{prefix}-v{version}", tags={
+        "recloop.kind": "canary", "recloop.model": model_name, "recloop.version": version,
+        "recloop.champion": current.champion or ""})
+    return run.info.run_id
+
+
+def _log(run_id: str, current: CanaryStatus, decision: CanaryDecision) -> None:
+    """Append the decision to the challenger's canary run in MLflow (its tag records it: ``_apply``)."""
     import mlflow
     from mlflow import MlflowClient
 
-    registry.configure(settings)
-    experiment = registry.experiment(settings, EXPERIMENT)
     client = MlflowClient()
-    version, model_name = current.challenger, current.model
-    assert version is not None
-    run_id = registry.version_info(settings, version, model_name).tags.get(RUN_TAG)
-    if run_id is None:
-        prefix = "canary" if model_name == MODEL_NAME else "canary-retriever"
-        run = client.create_run(experiment, run_name=f"{prefix}-v{version}", tags={
-            "recloop.kind": "canary", "recloop.model": model_name, "recloop.version": version,
-            "recloop.champion": current.champion or ""})
-        run_id = run.info.run_id
-        registry.tag(settings, version, {RUN_TAG: run_id}, model_name)
     index = len(client.get_metric_history(run_id, "share"))
     metrics = {"share": decision.share, "action_code": {"hold": 0, "step": 1, "promote": 2, "rollback": -1}.get(
         decision.action, 0)}
@@ -333,7 +364,5 @@ def _log(settings: Settings, current: CanaryStatus, decision: CanaryDecision) ->
         mlflow.log_dict({"decision": _json_ready(decision.to_dict()), "stats": current.to_dict()["stats"],
                          "at": time.time()}, f"canary/decision-{index:03d}.json")
         mlflow.set_tags({"canary.last_action": decision.action, "canary.last_reasons": "; ".join(decision.reasons)})
-    registry.tag(settings, version, {"canary.last_action": decision.action,
-                                     "canary.last_reasons": "; ".join(decision.reasons)[:4000]}, model_name)
     if decision.action in ("promote", "rollback"):
         client.set_terminated(run_id, "FINISHED")

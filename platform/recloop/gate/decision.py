@@ -15,8 +15,9 @@ and per slice (new vs returning users, top item categories, device), each slice 
 same slice. The first model ever (no champion) only has to pass the floors.
 
 The runner passes the paired comparison (``gate.paired``): then the change against the champion is judged
-on grouped AUC with a paired bootstrap over users, Holm across slices, and slices sized by power, so
-noise alone does not refuse a better model; the fixed thresholds above become the allowed drops.
+on grouped AUC, overall by its estimate (hold or beat, the interval beside it) and per slice by a paired
+bootstrap over users with Holm across the slices, slices sized by power, so a slice's noise alone does
+not refuse a better model; the fixed thresholds above become the allowed drops.
 
 Example::
 

@@ -1,13 +1,21 @@
 """The gate's paired comparison (pure): candidate and champion scored on the same held-out rows, compared
-per group and tested over users, with the family-wise error controlled across slices.
+per group, overall by its estimate and per slice by a test over users with the family-wise error controlled.
 
 - **Metric**: grouped AUC (``evidence.ranking.grouped_auc``): the AUC within each group (a request when
   the rows carry one, else a user), weighted by impressions — what a ranker does within a request,
   not how well it separates active users from quiet ones. NDCG@10 within groups is reported beside it.
-- **Test**: a paired bootstrap over users (``evidence.ranking.paired_bootstrap``) of candidate −
-  champion, one-sided: "worse by more than the allowed drop" (overall: ``max_auc_drop_incremental`` or
-  ``max_auc_drop_full``; per slice: ``max_slice_auc_drop``).
-- **Multiple comparisons**: Holm over the overall test and every judged slice, at ``alpha``.
+- **Overall: hold or beat.** The candidate's overall difference (its point estimate) may not fall below
+  the allowed drop (``max_auc_drop_incremental`` or ``max_auc_drop_full``: 0, a full retrain may not be
+  worse); its paired-bootstrap interval over users (``evidence.ranking.paired_bootstrap``) and one-sided
+  p-value are reported beside it. On simulated worlds against the truth of the evaluation panel
+  (``benchmarks/loop.py``, gate part, 10 seeds × 20 candidates) this rule refused 3 % of the candidates
+  more than 5 % better and passed 4 % of those more than 5 % worse; refusing only what is significantly
+  worse passed 12 % of those (24 % of all worse ones): with a day's held-out rows most candidates near
+  the champion are within noise, and "not shown worse" is then a pass.
+- **Slices: significantly worse.** A slice is noisier (fewer rows) and there are several: each slice's
+  paired test is one-sided, "worse by more than ``max_slice_auc_drop``", Holm-adjusted across the judged
+  slices at ``alpha`` — a slice refuses only a drop it can show (fixed per-slice thresholds refused
+  better models on the noise of a 632-row slice).
 - **Slice size**: a slice is judged only with enough rows to find a drop of ``max_slice_auc_drop`` with
   ``power`` (``evidence.ranking.min_rows_for_auc_difference``, at the slice's own base rate): a small
   slice's AUC moves by more than that on noise alone.
@@ -161,16 +169,21 @@ def compare(
                 "rows": float(rows),
                 "min_rows": float(needed),
             }
-    adjusted = holm([t.p_worse for t in tests])
     failures = []
-    for name, test, p in zip(names, tests, adjusted, strict=True):
-        key = "grouped_auc" if name == "overall" else f"slice {name}"
-        figures[key]["p_worse_holm"] = float(p)
+    label = "grouped auc" if metric == "gauc" else "auc (resampled by user)"
+    figures["grouped_auc"]["p_worse"] = float(overall.p_worse)
+    if overall.difference < -max_drop:  # hold or beat: judged on the estimate, its interval beside it
+        failures.append(
+            f"{label} {overall.difference:+.4f} [{overall.low:+.4f}, {overall.high:+.4f}] vs the champion: "
+            f"below it by more than the allowed {max_drop} (a candidate must hold or beat the champion overall; "
+            f"one-sided p {overall.p_worse:.3g})"
+        )
+    adjusted = holm([t.p_worse for t in tests[1:]]) if len(tests) > 1 else []
+    for name, test, p in zip(names[1:], tests[1:], adjusted, strict=True):
+        figures[f"slice {name}"].update(p_worse=float(test.p_worse), p_worse_holm=float(p))
         if p < config.alpha:
-            where = "" if name == "overall" else f"slice {name}: "
-            label = "grouped auc" if metric == "gauc" else "auc (resampled by user)"
             failures.append(
-                f"{where}{label} {test.difference:+.4f} [{test.low:+.4f}, {test.high:+.4f}] vs the "
+                f"slice {name}: {label} {test.difference:+.4f} [{test.low:+.4f}, {test.high:+.4f}] vs the "
                 f"champion: worse by more than {test.margin} (Holm-adjusted p {p:.3g} < {config.alpha})"
             )
     return PairedResult(tuple(failures), figures, tuple(skipped))

@@ -221,8 +221,8 @@ def _refuse_unloadable(settings: Settings, client, info, champion_version: str |
     report = report_markdown(decision, empty, None, version, champion_version, mode)
     client.log_text(info.run_id, report, f"gate_report_v{version}.md")
     registry.describe(settings, version, report)
-    registry.tag(settings, version, {"gate": "failed", "gate.detail": json.dumps({
-        "champion": champion_version, "window": list(info.validation_window or ()), "reasons": reasons})})
+    registry.tag(settings, version, registry.gate_tag(False, champion=champion_version,
+                                                      window=list(info.validation_window or ()), reasons=reasons))
     return GateOutcome(version, False, tuple(reasons), None, champion_version, mode, champion_version is None,
                        empty, None, {}, report)
 
@@ -339,15 +339,11 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     _log_gate_metrics(client, info.run_id, passed, candidate, champion)
     registry.describe(settings, candidate_version, report)
     best_name, best_value = baselines.best_auc(baseline_figures)
-    registry.tag(settings, candidate_version, {
-        "gate": "passed" if passed else "failed",
-        "gate.detail": json.dumps({
-            "champion": champion_version, "window": list(info.validation_window or ()), "reasons": reasons,
-            "auc": candidate.overall.get("auc"), "champion_auc": champion.overall.get("auc") if champion else None,
-            "best_baseline": {"name": best_name, "auc": best_value} if best_name else None,
-            "skipped_slices": skipped_slices(candidate, champion, thresholds), "thresholds": asdict(thresholds),
-        }, default=str),
-    })
+    registry.tag(settings, candidate_version, registry.gate_tag(
+        passed, champion=champion_version, window=list(info.validation_window or ()), reasons=reasons,
+        auc=candidate.overall.get("auc"), champion_auc=champion.overall.get("auc") if champion else None,
+        best_baseline={"name": best_name, "auc": best_value} if best_name else None,
+        skipped_slices=skipped_slices(candidate, champion, thresholds), thresholds=asdict(thresholds)))
     alias = None
     if passed and champion_version is None:
         registry.promote(settings, candidate_version, who="gate", why="first model: passed the absolute floors")

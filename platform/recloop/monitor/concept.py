@@ -12,7 +12,10 @@ With a ``baseline`` (the same champion's served feedback of an earlier window), 
 first are those it over-rates, and served lists carry position effects: a young champion's predicted /
 observed ratio on its own top-10 was 1.56 in the demo, before any drift), so only a move away from its
 own served calibration is taken as changed tastes. Segments the baseline holds too few impressions of
-are not judged.
+are not judged. Against the baseline the online CTR of each segment is judged too: a drop of more than
+``max_ctr_drop`` (relative), significant with user-cluster errors, in the same Holm family as the
+calibration tests (a segment whose users stopped clicking is decay even when the model's predictions
+fell with it).
 
 Example::
 
@@ -74,12 +77,28 @@ def concept_findings(
             figures[f"served_calibration_baseline.{name}"] = then_ratio
             z = _change_z((labels[mask], predictions[mask], users[mask]), then)
             ratio = ratio / then_ratio if np.isfinite(then_ratio) and then_ratio > 0 else float("inf")
+            figures[f"online_ctr.{name}"] = observed
+            figures[f"online_ctr_baseline.{name}"] = then_observed
+            ctr_z = _change_z((labels[mask], np.zeros(int(mask.sum())), users[mask]),
+                              (then[0], np.zeros(len(then[0])), then[2]))  # z of the drop: then − now
+            drop = 1.0 - observed / then_observed if then_observed > 0 else 0.0
+            tests.append(("ctr " + name, drop, stats.norm.sf(ctr_z), then_observed - observed))
         tests.append((name, ratio, 2 * stats.norm.sf(abs(z)), predicted - observed))
     if not tests:
         return [], figures
     adjusted = holm([p for _, _, p, _ in tests])
     findings = []
     for (name, ratio, _, _), p in zip(tests, adjusted, strict=True):
+        if name.startswith("ctr "):
+            segment = name[4:]
+            if ratio > config.max_ctr_drop and p < config.concept_alpha:
+                where = "served feedback" if segment == "all" else f"served feedback, {segment}"
+                findings.append(
+                    f"online CTR on {where} is {ratio:.0%} below the champion's own earlier served traffic "
+                    f"({figures[f'online_ctr.{segment}']:.4f} vs {figures[f'online_ctr_baseline.{segment}']:.4f}; "
+                    f"Holm-adjusted p {p:.2g})"
+                )
+            continue
         if abs(ratio - 1.0) > config.max_calibration_error and p < config.concept_alpha:
             where = "served feedback" if name == "all" else f"served feedback, {name}"
             what = "moved by a factor" if baseline is not None else "is"

@@ -1,7 +1,8 @@
 """The monitoring history as an Evidently workspace under ``$RECLOOP_HOME/evidently`` (``evidently ui``).
 
 One project, ``recloop``, with panels for the drift share over time, each monitored column's drift
-score, the unseen-id shares and the drift share against their thresholds, the decisions as markers, and
+against its own test's threshold (``ColumnDrift.over_threshold``: p-values and distances on one scale), the
+unseen-id shares and the drift share against their thresholds, the decisions as markers, and
 the online KPIs of the serving model; every monitoring run adds snapshots (the drift report, the
 decision's figures, and the KPIs of the served feedback in the same window). ``recloop up`` starts ``evidently ui`` on it.
 
@@ -28,9 +29,11 @@ def workspace_path(settings: Settings) -> Path:
     return path
 
 
-def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, ...] = ("user_id", "item_id")):
+def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, ...] = ("user_id", "item_id"),
+            tests: dict[str, str] | None = None):
     """The workspace and its ``recloop`` project, created with its panels the first time (a per-column drift
-    bar for each of ``columns``: the dataset spec's monitored columns; an unseen-id line per entity key)."""
+    bar for each of ``columns``: the dataset spec's monitored columns, each named with its test from ``tests``;
+    an unseen-id line per entity key). A project created by an older recloop keeps its panels."""
     from evidently.sdk.models import PanelMetric
     from evidently.sdk.panels import bar_plot_panel, line_plot_panel
     from evidently.ui.workspace import Workspace
@@ -45,9 +48,15 @@ def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, 
                                               metric_labels={"value_type": "share"})],
         description="Evidently DataDriftPreset: recent events vs the champion's training window"), tab="Drift")
     created.dashboard.add_panel(bar_plot_panel(
-        "Per-column drift score", [PanelMetric(legend=column, metric="ValueDrift", metric_labels={"column": column})
-                                   for column in columns],
-        description="drift test statistic per column (higher = more different)"), tab="Drift")
+        "Per-column drift ÷ its test's threshold (1 = the threshold, above = drifted)",
+        [PanelMetric(legend=f"{column} ({tests[column]})" if column in (tests or {}) else column, metric="MeanValue",
+                     metric_labels={"column": f"{column}{OVER_THRESHOLD}"}) for column in columns],
+        description="each column's figure against the threshold of the test Evidently ran on it: a distance "
+        "(Jensen-Shannon for categorical columns, normed Wasserstein for numeric ones over 1000 rows; drift at "
+        "or above 0.1 by default) ÷ its threshold, or the threshold ÷ a p-value (K-S for numeric columns up to "
+        "1000 rows, chi-square or Z for few values; drift below 0.05), capped at 10. Each run's drift report "
+        "names every column's test, raw figure and threshold (the legend, the tests of the first check)."),
+        tab="Drift")
     created.dashboard.add_panel(line_plot_panel(
         "Unseen-id share vs its threshold", [
             *(PanelMetric(legend=f"{key} unseen", metric="MeanValue",
@@ -79,28 +88,33 @@ def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, 
 
 
 DECISION_CODES = {"ok": 0.0, "drift": 1.0, "kpi_decay": 1.0, "data_quality": -1.0}
+OVER_THRESHOLD = "_drift_over_threshold"  # a column's figure in the decision snapshot: ColumnDrift.over_threshold
 
 
 def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: str | None, when: datetime,
                decision: str, columns: tuple[str, ...] = (), figures: dict | None = None, config=None) -> str:
     """Add one monitoring run: the drift report's snapshot; the decision's own figures with the thresholds
-    they were held to (unseen-id shares, drift share, the decision as a marker); and (when there was
-    feedback) a KPI snapshot."""
+    they were held to (unseen-id shares, drift share, each column's drift over its test's threshold, the
+    decision as a marker); and (when there was feedback) a KPI snapshot."""
     from evidently import DataDefinition, Dataset, Report
     from evidently.metrics import MeanValue
 
     from recloop.monitor.decision import MonitorConfig
+    from recloop.monitor.drift import column_drift
 
     config, figures = config or MonitorConfig(), figures or {}
     keys = tuple(k.removesuffix("_unseen_share") for k in figures if k.endswith("_unseen_share"))
-    workspace, found = project(settings, columns, keys or ("user_id", "item_id"))
+    results = column_drift(drift_snapshot)
+    workspace, found = project(settings, columns, keys or ("user_id", "item_id"),
+                               {column: result.method for column, result in results.items()})
     tags = [f"decision:{decision}"] + ([f"model-version:{version}"] if version else [])
     drift_snapshot._tags = [*(drift_snapshot._tags or []), *tags]
     reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M}")
     loop = {**{f"{key}_unseen_share": float(figures[f"{key}_unseen_share"]) for key in keys},
             "new_id_share_threshold": float(config.new_id_share), "drift_share_threshold": float(config.drift_share),
             "drift_share": float(figures.get("drift_share", drift_share_of(drift_snapshot))),
-            "decision_code": DECISION_CODES.get(decision, 0.0)}
+            "decision_code": DECISION_CODES.get(decision, 0.0),
+            **{f"{column}{OVER_THRESHOLD}": result.over_threshold() for column, result in results.items()}}
     data = Dataset.from_pandas(pd.DataFrame({k: [v] for k, v in loop.items()}),
                                data_definition=DataDefinition(numerical_columns=list(loop)))
     workspace.add_run(found.id, Report([MeanValue(column=c) for c in loop]).run(

@@ -71,7 +71,10 @@ class MonitorConfig:
         max_calibration_error, concept_alpha, min_segment_impressions: concept drift (``monitor.concept``):
             the champion's calibration on served feedback (predicted / observed CTR), overall and per
             segment of at least ``min_segment_impressions``, off by more than this, significant at
-            ``concept_alpha`` after Holm (user-cluster errors), is KPI decay: a retrain.
+            ``concept_alpha`` after Holm (user-cluster errors), is KPI decay: a retrain; so is a segment's
+            online CTR ``max_ctr_drop`` below the champion's own earlier served traffic. 0.05: gradual drift
+            found within 2 days in 92 % of 40 simulated worlds, 0 false alarms in 200 checks without drift
+            (``benchmarks/loop.py``; at 0.01, 70 %).
         min_rows: events each window needs before drift is decided at all; below it the decision is
             ``insufficient_data`` (never a retrain): two rows against three say nothing.
         per_column_method, per_column_threshold: Evidently's drift test and threshold for named columns
@@ -90,7 +93,7 @@ class MonitorConfig:
     kpi_z: float = 3.0
     min_impressions: int = 2000
     max_calibration_error: float = 0.2
-    concept_alpha: float = 0.01
+    concept_alpha: float = 0.05
     min_segment_impressions: int = 1000
     min_rows: int = 200
     seed: int = 0

@@ -8,7 +8,9 @@ more than a few tens of thousands.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
+from dataclasses import dataclass
 from datetime import datetime
 
 import numpy as np
@@ -57,19 +59,56 @@ def evidently_drift(reference: pd.DataFrame, current: pd.DataFrame, columns: lis
     snapshot = Report([DataDriftPreset(drift_share=config.drift_share, **chosen)], include_tests=True).run(
         current_data=dataset(current), reference_data=dataset(reference),
         timestamp=timestamp.replace(tzinfo=None) if timestamp else None)
+    share = next((float(m["value"]["share"]) for m in snapshot.dict()["metrics"]
+                  if str(m.get("metric_name") or m.get("metric_id")).startswith("DriftedColumnsCount")), 0.0)
+    results = column_drift(snapshot)
+    return (share, sorted(c for c, r in results.items() if r.drifted), {c: r.score for c, r in results.items()},
+            snapshot)
+
+
+@dataclass(frozen=True)
+class ColumnDrift:
+    """One column's drift test in a report: the test Evidently ran, its figure, its threshold, its verdict.
+
+    A p-value test (K-S, chi-square, Z) drifts when its figure is *below* the threshold; a distance
+    (Jensen-Shannon, normed Wasserstein, PSI) when it is at or *above*: the raw figures of two columns are
+    not comparable. ``over_threshold`` puts both on one scale."""
+
+    method: str
+    score: float
+    threshold: float
+    drifted: bool
+
+    @property
+    def p_value(self) -> bool:
+        """Whether the figure is a p-value, read from Evidently's own verdict (drifted below the threshold,
+        or not drifted at or above it)."""
+        return self.drifted == (self.score < self.threshold)
+
+    def over_threshold(self, cap: float = 10.0) -> float:
+        """How far the column is past its test's threshold, 1 at the threshold and above 1 when drifted:
+        a distance ÷ its threshold, or the threshold ÷ a p-value; at most ``cap`` (a p-value of 0)."""
+        if not math.isfinite(self.threshold):
+            return math.nan
+        if self.p_value:
+            return cap if self.score <= self.threshold / cap else self.threshold / self.score
+        return min(cap, self.score / self.threshold) if self.threshold > 0 else cap
+
+
+def column_drift(snapshot) -> dict[str, ColumnDrift]:
+    """Each tested column's ``ColumnDrift``, from a drift report's typed metrics (``ValueDrift``'s config names
+    the method and threshold) and its tests' verdicts."""
     result = snapshot.dict()
-    scores, drifted, share = {}, [], 0.0
+    failed = {str(t.get("name", "")).removeprefix("Value Drift for column ") for t in result["tests"]
+              if str(t.get("name", "")).startswith("Value Drift for column ") and str(t.get("status")).endswith("FAIL")}
+    columns = {}
     for metric in result["metrics"]:
-        name = str(metric.get("metric_name") or metric.get("metric_id"))
-        if name.startswith("DriftedColumnsCount"):
-            share = float(metric["value"]["share"])
-        elif name.startswith("ValueDrift(column="):
-            scores[name.split("column=")[1].split(",")[0]] = float(metric["value"])
-    for test in result["tests"]:
-        name = str(test.get("name", ""))
-        if name.startswith("Value Drift for column ") and str(test.get("status")).endswith("FAIL"):
-            drifted.append(name.removeprefix("Value Drift for column "))
-    return share, sorted(drifted), scores, snapshot
+        config = metric.get("config") or {}
+        if str(config.get("type", "")).endswith(":ValueDrift"):
+            columns[config["column"]] = ColumnDrift(str(config.get("method")), float(metric["value"]),
+                                                    float(config.get("threshold") or math.nan),
+                                                    config["column"] in failed)
+    return columns
 
 
 def prediction_findings(reference: np.ndarray, current: np.ndarray, config: MonitorConfig

@@ -93,6 +93,7 @@ class MonitorReport:
 def champion(settings: Settings) -> Champion | None:
     """The champion's version, training window and promotion baseline; None when there is no champion."""
     from recloop import registry
+    from recloop.canary.tag import kpi_baseline
 
     version = registry.version_by_alias(settings, "champion")
     if version is None:
@@ -102,9 +103,7 @@ def champion(settings: Settings) -> Champion | None:
     if info.train_window is not None:
         first, last = (datetime.strptime(hour, "%Y-%m-%dT%H").replace(tzinfo=UTC) for hour in info.train_window)
         trained = (first, last + timedelta(hours=1))
-    baseline = {k: float(info.tags[f"kpi.baseline_{k}"]) for k in ("ctr", "auc", "impressions")
-                if f"kpi.baseline_{k}" in info.tags}
-    return Champion(version, trained, baseline)
+    return Champion(version, trained, kpi_baseline(info.tags))
 
 
 def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days: int = 7,
@@ -236,6 +235,9 @@ def champion_kpis(settings: Settings, current_champion: Champion | None, window:
     return {**counts, "ctr": stats.ctr, "auc": stats.online_auc, "version": current_champion.version}
 
 
+BASELINE_DAYS, DAY_US = 7, 86_400 * 1_000_000
+
+
 def champion_concept(settings: Settings, current_champion: Champion | None, window: Window,
                      config: MonitorConfig) -> tuple[list[str], dict] | None:
     """Concept drift (``monitor.concept``) from the champion's served feedback with event time in the window."""
@@ -248,9 +250,15 @@ def champion_concept(settings: Settings, current_champion: Champion | None, wind
     start, end = lake.to_us(window[0]), lake.to_us(window[1])
     try:
         served = journal.served_predictions(current_champion.version, (start, end))
-        # Its baseline: the same champion's served feedback over the window before (a real ranker is not
-        # calibrated on what it serves; only a move away from its own calibration is changed tastes).
-        before = journal.served_predictions(current_champion.version, (start - (end - start), start))
+        # Its baseline: the same champion's served feedback since it started serving, up to a week, before
+        # the window (a real ranker is not calibrated on what it serves; only a move away from its own
+        # calibration is changed tastes). Its whole history, not the window before: tastes that rotate a
+        # little each day never move far from yesterday, but do from the day the champion started serving
+        # (and a longer baseline halves the comparison's noise).
+        first = journal.first_served_us(current_champion.version)
+        since = max(first, start - BASELINE_DAYS * DAY_US) if first is not None and first < start else \
+            start - (end - start)
+        before = journal.served_predictions(current_champion.version, (since, start))
     finally:
         journal.close()
     return concept_findings(served["labels"], served["predictions"], served["users"], {"device": served["device"]},

@@ -90,7 +90,7 @@ def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalTh
     """Score candidate and champion on the candidate's held-out hours, decide, tag, and set the alias.
 
     A pass makes the first retriever ``champion`` and any later one ``challenger`` (its canary starts
-    from there); a failure leaves the version registered with ``gate=failed`` and the reasons.
+    from there); a failure leaves the version registered, its ``gate`` tag saying ``failed`` with the reasons.
     """
     from recloop.features.job import FeatureLayout
     from recloop.retrieval.retriever import Retriever, score_window
@@ -119,13 +119,11 @@ def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalTh
 
     MlflowClient().log_text(info.run_id, report, f"gate_report_v{version}.md")
     registry.describe(settings, version, report, RETRIEVER_NAME)
-    recall = f"recall_at_{thresholds.k}"  # MLflow tag keys cannot hold "@"
-    registry.tag(settings, version, {
-        "gate": "passed" if decision.passed else "failed", "gate.reasons": json.dumps(list(decision.reasons)),
-        "gate.champion": champion_version or "", "gate.window": f"{window[0]}..{window[1]}",
-        f"gate.{recall}": candidate.overall.get(f"recall@{thresholds.k}"),
-        f"gate.champion_{recall}": champion.overall.get(f"recall@{thresholds.k}") if champion else "",
-    }, RETRIEVER_NAME)
+    recall = f"recall@{thresholds.k}"
+    registry.tag(settings, version, registry.gate_tag(
+        decision.passed, champion=champion_version, window=list(window), reasons=list(decision.reasons),
+        **{recall: candidate.overall.get(recall), f"champion_{recall}": champion.overall.get(recall) if champion else None}),
+        RETRIEVER_NAME)
     alias = None
     if decision.passed and champion_version is None:
         registry.promote(settings, version, who="gate", why="first retriever: passed the floors",

@@ -339,6 +339,13 @@ class Journal(ABC):
                 out[column].append("" if value is None else str(value))
         return {k: np.asarray(v) for k, v in out.items()}
 
+    def first_served_us(self, version: str) -> int | None:
+        """Event time (µs) of the first request ``version`` served alone (not interleaved) that got feedback."""
+        self.flush()
+        rows = self._query("SELECT MIN(r.ts_us) FROM feedback f JOIN requests r USING (request_id) "
+                           "WHERE r.variant <> 'interleave' AND r.served_version = ?", [version])
+        return int(rows[0][0]) if rows and rows[0][0] is not None else None
+
     def exploration_requests(self, event_window: tuple[int, int] | None = None, limit: int = 20_000) -> list[dict]:
         """Explored requests (served by a Plackett-Luce draw, propensities logged) with feedback on their top
         slot: user, event time, candidates, context, the shown top item, its propensity and whether it was

@@ -75,16 +75,17 @@ class Wanted:
     challenger: str | None
     share: float
     mode: CanaryMode
-    salt: str | None = None  # the experiment's salt (tag ``canary.salt``); None: the pool's own
+    salt: str | None = None  # the experiment's salt (the ``canary`` tag's); None: the pool's own
 
 
 def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted:
-    """Aliases and the challenger's canary tags of a registered model (default: the ranker), from MLflow."""
+    """Aliases and the challenger's ``canary`` tag (share, mode, salt) of a registered model (default: the
+    ranker), from MLflow. A challenger without one (its canary not started) gets no traffic."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     from recloop import registry
-    from recloop.canary.controller import MODE_TAG, SALT_TAG, SHARE_TAG
+    from recloop.canary.tag import CanaryTag
 
     def by_alias(alias: str) -> str | None:
         try:
@@ -100,10 +101,9 @@ def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted
     champion, challenger = by_alias("champion"), by_alias("challenger")
     share, mode, salt = 0.0, "canary", None
     if challenger is not None:
-        tags = client.get_model_version(model_name, challenger).tags
-        share = float(tags.get(SHARE_TAG, 0.0))
-        mode = tags.get(MODE_TAG) if tags.get(MODE_TAG) in ("interleave", "shadow") else "canary"
-        salt = tags.get(SALT_TAG, salt)  # each experiment's own split of users
+        tag = CanaryTag.from_tags(client.get_model_version(model_name, challenger).tags)
+        if tag is not None:
+            share, mode, salt = tag.serving_share, tag.mode, tag.salt  # salt: each experiment's own split of users
     return Wanted(champion, challenger, share, mode, salt)
 
 

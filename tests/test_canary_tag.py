@@ -1,0 +1,126 @@
+"""The canary's one ``canary`` tag on the challenger's version: what the controller writes at each change of a
+real MLflow registry, and what serving reads from it (share, mode, salt). No server, no traffic: the
+controller is judged on an empty journal with guardrails that need none (test_serve.py runs real traffic)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from recloop import registry
+from recloop.canary import CanaryConfig, controller
+from recloop.canary.tag import CANARY_TAG, CanaryTag, kpi_baseline, load_failure
+from recloop.serve.models import Wanted, registry_wanted
+from recloop.settings import Settings
+
+# Nothing to wait for: each step is judged at once (no traffic breaks no guardrail); A/B by user.
+# Promotion needs the CTR evidence that only traffic brings: here an operator promotes.
+QUICK = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=0, min_feedback=0, holdout=0.0, mode="canary")
+
+
+@pytest.fixture(scope="module")
+def home(champion_home: Settings, tmp_path_factory, copy_home) -> Settings:
+    """A copy of the shared champion's installation (v1 champion) for this module's versions."""
+    return copy_home(champion_home, tmp_path_factory.mktemp("canary-tag") / "home")
+
+
+@pytest.fixture
+def challenger(home: Settings) -> str:
+    """A new version (the champion's model) as the challenger, its canary not started."""
+    info = registry.version_info(home, "1")
+    version = registry.register(home, info.source, info.run_id)
+    registry.set_alias(home, "challenger", version, who="test", why="canary tag test")
+    return version
+
+
+def canary_tags(home: Settings, version: str) -> tuple[list[str], CanaryTag | None]:
+    """The version's tag keys about the canary, and its ``canary`` tag read back."""
+    tags = registry.version_info(home, version).tags
+    return sorted(k for k in tags if k.startswith("canary")), CanaryTag.from_tags(tags)
+
+
+def test_start_step_promote_leaves_one_tag_that_serving_reads(home: Settings, challenger: str):
+    assert registry_wanted(home) == Wanted("1", challenger, 0.0, "canary", None)  # not started: no traffic
+    controller.start(home, QUICK, now=1000.0)
+    keys, tag = canary_tags(home, challenger)
+    assert keys == [CANARY_TAG]
+    assert (tag.state, tag.share, tag.mode, tag.started_at, tag.step_started_at) == ("running", 0.5, "canary",
+                                                                                      1000.0, 1000.0)
+    assert tag.salt.startswith(f"recloop-canary-v{challenger}-")
+    assert registry_wanted(home) == Wanted("1", challenger, 0.5, "canary", tag.salt)
+
+    stepped = controller.step(home, QUICK, now=2000.0)
+    assert stepped.action == "step", stepped.decision
+    keys, tag = canary_tags(home, challenger)
+    assert keys == [CANARY_TAG]
+    assert (tag.state, tag.share, tag.step_started_at, tag.started_at, tag.last_action) == ("running", 1.0, 2000.0,
+                                                                                            1000.0, "step")
+    assert tag.run_id is not None and tag.last_reasons == stepped.decision.reasons
+    assert registry_wanted(home) == Wanted("1", challenger, 1.0, "canary", tag.salt)  # same salt: same users
+
+    held = controller.step(home, QUICK, now=3000.0)  # no users: non-inferiority not shown (test_serve.py shows it)
+    assert held.action == "hold", held.decision
+    _, tag = canary_tags(home, challenger)
+    assert (tag.state, tag.share, tag.step_started_at, tag.last_action) == ("running", 1.0, 2000.0, "hold")
+    controller.manual(home, "promote", "looks good", who="carol")
+    keys, final = canary_tags(home, challenger)
+    assert keys == [CANARY_TAG]
+    assert (final.state, final.last_action, final.run_id, final.salt) == ("promoted", "promote", tag.run_id, tag.salt)
+    assert final.reasons == ("manual promote by carol: looks good",) and final.serving_share == 0.0
+    assert registry.aliases(home) == {"champion": challenger, "challenger": None, "previous": "1"}
+    assert registry_wanted(home) == Wanted(challenger, None, 0.0, "canary", None)
+    registry.promote(home, "1", who="test", why="back to v1 for the next test")
+
+
+def test_start_rollback_leaves_one_tag_saying_rolled_back(home: Settings, challenger: str):
+    controller.start(home, QUICK, mode="shadow")
+    _, started = canary_tags(home, challenger)
+    assert registry_wanted(home) == Wanted("1", challenger, 0.0, "shadow", started.salt)  # shadow: scores, serves no one
+    controller.set_share(home, 0.25, who="alice")
+    _, moved = canary_tags(home, challenger)
+    assert (moved.share, moved.mode, moved.share_set_by, moved.salt) == (0.25, "shadow", "alice", started.salt)
+    assert registry_wanted(home).share == 0.25
+
+    controller.manual(home, "rollback", "bad reviews", who="bob")
+    keys, tag = canary_tags(home, challenger)
+    assert keys == [CANARY_TAG]
+    assert (tag.state, tag.share, tag.last_action) == ("rolled_back", 0.0, "rollback")
+    assert tag.reasons == ("manual rollback by bob: bad reviews",) and tag.run_id is not None
+    assert registry.aliases(home)["challenger"] is None and registry_wanted(home).challenger is None
+    # One JSON value, readable as is in MLflow's UI.
+    assert json.loads(registry.version_info(home, challenger).tags[CANARY_TAG])["state"] == "rolled_back"
+
+
+def test_a_version_tagged_before_the_one_tag_is_read_from_its_old_tags(home: Settings, challenger: str):
+    registry.tag(home, challenger, {"canary.share": 0.25, "canary.mode": "interleave", "canary.salt": "old-salt",
+                                    "canary.step_started_at": 1500.0, "canary.started_at": 1000.0})
+    assert registry_wanted(home) == Wanted("1", challenger, 0.25, "interleave", "old-salt")
+    seen = controller.status(home, QUICK, now=2000.0)
+    assert seen.started and (seen.share, seen.mode, seen.step_started_at) == (0.25, "interleave", 1500.0)
+    controller.manual(home, "rollback", "test over")
+    _, tag = canary_tags(home, challenger)  # the next write is the one tag, carrying the old state over
+    assert (tag.state, tag.salt, tag.started_at) == ("rolled_back", "old-salt", 1000.0)
+
+
+def test_an_unreadable_tag_is_no_canary_not_a_crash(home: Settings, challenger: str):
+    registry.tag(home, challenger, {CANARY_TAG: "{not json"})
+    assert registry_wanted(home) == Wanted("1", challenger, 0.0, "canary", None)
+    assert controller.status(home, QUICK).started is False
+    registry.tag(home, challenger, {CANARY_TAG: json.dumps({"state": "exploded", "share": 0.5})})
+    assert registry_wanted(home).share == 0.0
+    registry.remove_alias(home, "challenger")
+
+
+def test_tag_round_trip_and_the_other_one_tag_concerns():
+    tag = CanaryTag(share=0.25, mode="interleave", salt="s", started_at=1.0, step_started_at=2.0, run_id="r",
+                    last_action="step", last_reasons=("held", "every guardrail"))
+    assert CanaryTag.from_tags(tag.to_tag()) == tag and list(tag.to_tag()) == [CANARY_TAG]
+    assert CanaryTag.from_tags({}) is None and CanaryTag.from_tags({"gate": "passed"}) is None
+    failed = {"serving.load_failed": json.dumps({"reason": "bad bytes", "at": time.time()})}
+    assert load_failure(failed) == "bad bytes" and load_failure({"serving.load_failed": "old text"}) == "old text"
+    assert load_failure({}) is None
+    assert kpi_baseline({"kpi.baseline": json.dumps({"ctr": 0.1, "auc": None})}) == {"ctr": 0.1}
+    assert kpi_baseline({"kpi.baseline_ctr": "0.2", "kpi.baseline_auc": "0.7"}) == {"ctr": 0.2, "auc": 0.7}
+    assert kpi_baseline({"kpi.baseline": "[1, 2]"}) == {}
