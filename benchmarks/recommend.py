@@ -12,12 +12,12 @@ context only, k = 10; 500 retrieved) are offered at fixed rates, open loop (a re
 schedule whether or not earlier ones have answered), each rate for ``--requests`` requests (at least
 ``--seconds``): a p99 of 300 is decided by its 3 slowest, not by one pause. Latency is measured by the
 client over HTTP. Server side, per request: the process's CPU (every thread: HTTP, JSON, the model
-watchers' polling; ``idle CPU ms/s`` is that polling alone, measured before the first rate), the
-request thread's CPU per stage (``recloop_recommend_stage_cpu_seconds``: what the path computes, which a
-busy machine's waiting for a core does not inflate) and each stage's wall time with its share
-(``recloop_recommend_stage_seconds``), read before and after each rate. The highest rate that met the target (the lowest if none did) runs again while a
-separate process flips the ranker's champion alias and the retriever's champion alias, alternately,
-every second. A reference row in the same run: ``/rank`` with 100 given candidates (what
+watchers' polling, every 1 s here, 2 s by default; ``idle_server_cpu_ms_per_s`` is that alone, measured
+before the first rate), the request thread's CPU per stage (``recloop_recommend_stage_cpu_seconds``:
+what the path computes, which a busy machine's waiting for a core does not inflate) and each stage's
+wall time with its share (``recloop_recommend_stage_seconds``), read before and after each rate. The
+highest rate that met the target (the lowest if none did) runs again while a separate process flips
+the ranker's champion alias and the retriever's champion alias, alternately, every second. A reference row in the same run: ``/rank`` with 100 given candidates (what
 ``benchmarks/serve.py`` measures) at the lowest rate, to show how loaded the machine is.
 Target (issue #22): p99 <= 50 ms at the highest rate that holds it, zero failures during swaps of either
 model. Index build time and ANN recall against exact search: ``benchmarks/retrieval.py``.

@@ -19,9 +19,10 @@
 
 The two canaries are independent: the retriever's split hashes the user with its own salt, so its
 challenger and the ranker's challenger see unrelated shares of users. Each stage's time goes to
-``recloop_recommend_stage_seconds{stage}`` and its CPU to ``recloop_recommend_stage_cpu_seconds``; the request is journaled like a ``/rank`` request (the top k
-with their context and scores, so ``/feedback`` works and lands the same events), with one evaluation row
-for the retriever (``retriever:<version>``) that its canary controller judges on.
+``recloop_recommend_stage_seconds{stage}`` and its CPU to ``recloop_recommend_stage_cpu_seconds``; the
+request is journaled like a ``/rank`` request (the top k with their context and scores, so ``/feedback``
+works and lands the same events), with one evaluation row for the retriever (``retriever:<version>``)
+that its canary controller judges on.
 
 Example::
 
