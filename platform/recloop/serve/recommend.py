@@ -188,8 +188,9 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     stage = StageTimer(metrics)
     towers = [r.retriever.features for r in (retrievers.champion, retrievers.challenger) if r is not None]
     try:  # the user towers read the request's own columns only: no entity state
-        table = svc.features.request_rows(body.user_id, body.context, ts_us,
-                                          {c for f in towers for c in f.user_tables})
+        table = svc.features.request_rows(
+            body.user_id, body.context, ts_us, {c for f in towers for c in f.user_tables}
+        )
     except RequestError as err:
         raise HTTPException(422, str(err)) from err
     except Exception as err:  # noqa: BLE001 - no feature state, online store gone: unavailable, and why
