@@ -204,3 +204,28 @@ def test_the_off_policy_check_refuses_a_candidate_the_exploration_logs_say_is_wo
     assert reason and "off-policy top-slot CTR" in reason and figures["effective_samples"] >= 200
     assert check(good_estimate, bad_estimate)[0] is None
     assert check(good_estimate, good_estimate)[0] is None
+
+
+def test_the_gate_report_shows_the_paired_comparison_that_decided():
+    """A reviewer reads, in the version's description, what decided: the grouped AUC difference with its
+    interval against the hold-or-beat rule, each judged slice's Holm-adjusted test, the slices too small."""
+    from recloop.gate.decision import report_markdown
+    from recloop.gate.paired import compare
+
+    worse = compare(_held_out(0, 2.0), max_drop=0.0, max_slice_drop=0.01)
+    decision = decide(scores(), CHAMPION, T, "full", paired=worse)
+    report = report_markdown(decision, scores(), CHAMPION, "7", "6", "full", T)
+    overall = worse.figures["grouped_auc"]
+    assert "Paired comparison on the same rows (what decided)" in report
+    assert f"{overall['difference']:+.4f} [{overall['low']:+.4f}, {overall['high']:+.4f}]" in report
+    assert "| overall |" in report and "REFUSED" in report and "hold or beat: estimate ≥ −0.0" in report
+    assert "Slices too small to judge" in report and "device=mobile (10900 rows" in report
+    judged = compare(_held_out(0, 2.0), max_drop=0.0, max_slice_drop=0.05)  # a drop of 0.05 needs fewer rows
+    report = report_markdown(decide(scores(), CHAMPION, T, "full", paired=judged), scores(), CHAMPION, "7", "6",
+                             "full", T)
+    assert "| device=mobile (10900 rows) |" in report and "not significantly worse by > 0.05 (Holm" in report
+    assert "drop ≤ 0.0 vs champion" not in report  # the fixed rule did not decide: not shown as if it had
+    better = compare(_held_out(0, 0.6), max_drop=0.0, max_slice_drop=0.01)
+    passed = report_markdown(decide(scores(), CHAMPION, T, "full", paired=better), scores(), CHAMPION, "8", "6",
+                             "full", T)
+    assert "| overall |" in passed and "REFUSED" not in passed and "**PASSED**" in passed

@@ -177,13 +177,25 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
              "", f"**{verdict}**", ""]
     lines += [f"- {reason}" for reason in decision.reasons] or ["- every check passed"]
     low, high = thresholds.calibration_range
-    rule = {"auc": f"≥ {thresholds.min_auc}" + (f"; drop ≤ {allowed} vs champion" if champion else ""),
+    paired = decision.figures.get("grouped_auc")
+    versus = "; vs champion: the paired comparison below" if paired else f"; drop ≤ {allowed} vs champion"
+    rule = {"auc": f"≥ {thresholds.min_auc}" + (versus if champion else ""),
             "logloss": f"≤ {thresholds.max_logloss}", "calibration": f"in [{low}, {high}]", "rows": ""}
     lines += ["", "| metric | candidate | champion | threshold |", "| --- | --- | --- | --- |"]
     for name in ("auc", "logloss", "calibration", "rows"):
         theirs = champion.overall.get(name) if champion else None
         lines.append(f"| {name} | {_fmt(candidate.overall.get(name))} | {_fmt(theirs)} | {rule[name]} |")
+    if paired:
+        lines += _paired_markdown(decision.figures, allowed)
     skipped = skipped_slices(candidate, champion, thresholds)
+    if paired:  # what the paired comparison judged is above; this table is the slices' plain AUCs
+        lines += ["", "Slices' pooled AUC (for reference; the paired comparison above decided):", "",
+                  "| slice | rows | candidate AUC | champion AUC |", "| --- | --- | --- | --- |"]
+        for name, scores in sorted(candidate.slices.items()):
+            theirs = champion.slices.get(name, {}).get("auc") if champion else None
+            lines.append(f"| {name} | {int(scores.get('rows', 0))} | {_fmt(scores.get('auc'))} | {_fmt(theirs)} |")
+        lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(thresholds).items())]
+        return "\n".join(lines) + "\n"
     lines += ["", f"Slices (AUC may drop at most {thresholds.max_slice_auc_drop} vs the champion on slices of at "
               f"least {thresholds.min_slice_rows} rows):", "",
               "| slice | rows | candidate AUC | champion AUC | judged |", "| --- | --- | --- | --- | --- |"]
@@ -197,6 +209,37 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
             f"{name} ({why})" for name, why in skipped.items())]
     lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(thresholds).items())]
     return "\n".join(lines) + "\n"
+
+
+def _paired_markdown(figures: dict, allowed: float) -> list[str]:
+    """The paired comparison that decided against the champion: overall hold-or-beat on the estimate with
+    its interval, the slices judged by a Holm-adjusted one-sided test, and the slices too small to judge."""
+    overall = figures["grouped_auc"]
+    metric = "pooled AUC (resampled by user)" if overall.get("pooled") else "grouped AUC (per user)"
+    lines = ["", f"Paired comparison on the same rows (what decided): {metric}, candidate − champion with a "
+             f"95 % paired bootstrap interval over {int(overall.get('users') or 0)} users"
+             + (f"; {int(overall['served_rows_excluded'])} served-feedback rows left out"
+                if overall.get("served_rows_excluded") else "") + ".", "",
+             "| test | candidate | champion | difference [95 % CI] | rule | p (worse) | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    holds = overall["difference"] >= -allowed
+    lines.append(f"| overall | {_fmt(overall['candidate'])} | {_fmt(overall['champion'])} | "
+                 f"{overall['difference']:+.4f} [{overall['low']:+.4f}, {overall['high']:+.4f}] | "
+                 f"hold or beat: estimate ≥ −{allowed} | {_fmt(overall.get('p_worse'))} | "
+                 f"{'holds' if holds else 'REFUSED'} |")
+    for key, row in figures.items():
+        if not key.startswith("slice "):
+            continue
+        worse = (row.get("p_worse_holm") or 1.0) < 0.05
+        lines.append(f"| {key[6:]} ({int(row.get('rows') or 0)} rows) | {_fmt(row['candidate'])} | "
+                     f"{_fmt(row['champion'])} | {row['difference']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}] | "
+                     f"not significantly worse by > {row.get('allowed_drop')} (Holm, alpha 0.05) | "
+                     f"{_fmt(row.get('p_worse_holm'))} | "
+                     f"{'REFUSED' if worse else 'holds'} |")
+    small = list(figures.get("slices too small to judge") or {})
+    if small:
+        lines += ["", "Slices too small to judge (fewer rows than a power calculation asks for): " + "; ".join(small)]
+    return lines
 
 
 def _fmt(value) -> str:

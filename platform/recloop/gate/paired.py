@@ -168,6 +168,7 @@ def compare(
                 "high": result.high,
                 "rows": float(rows),
                 "min_rows": float(needed),
+                "allowed_drop": max_slice_drop,
             }
     failures = []
     label = "grouped auc" if metric == "gauc" else "auc (resampled by user)"
