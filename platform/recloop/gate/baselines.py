@@ -152,7 +152,9 @@ def score_baselines(
         }
 
     if train.num_rows >= 20 and 0 < y_train.sum() < len(y_train):
-        model = LogisticRegression(C=1.0, solver="liblinear")  # 6x faster than lbfgs here, converged
+        # L-BFGS at its 100 iterations: on the demo's 107k training rows 0.8 s and held-out AUC 0.686, where
+        # liblinear to convergence took 7.7 s for 0.684 (two thirds of a training run's wall time went here)
+        model = LogisticRegression(C=1.0, solver="lbfgs", max_iter=100)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # convergence warnings: the figures say how good it is
             model.fit(_design(train, schema), y_train)
