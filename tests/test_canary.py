@@ -65,3 +65,23 @@ def test_an_interleaved_promotion_sets_the_kpi_baseline_from_the_champions_own_c
     assert kpi_baseline_at_promotion(figures, "canary") == {"ctr": 0.15, "auc": 0.71, "impressions": 9000.0}
     # no interleaving evidence: no CTR level at all rather than the mixed lists'
     assert "ctr" not in kpi_baseline_at_promotion({**figures, "ctr_effect": None}, "interleave")
+
+
+def test_the_retrievers_ab_evidence_rolls_back_on_harm_and_promotes_on_the_guardrails():
+    """Without non-inferiority required (the retriever's A/B canary), inconclusive evidence at the last step
+    promotes on the guardrails instead of holding; evidence of harm still rolls back; the ranker's rule holds."""
+    from recloop.evidence.sequential import Difference
+
+    config = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=10, min_feedback=10, min_effect=0.05,
+                          max_ctr_drop=0.01)
+    stats = VariantStats(requests=100, impressions=1000, clicks=100)
+    worse_raw = VariantStats(requests=100, impressions=1000, clicks=80)  # 20 % lower CTR, not shown by evidence
+    unsure = Difference(estimate=-0.2, variance=0.02, low=-0.5, high=0.1, units=200, method="A/B (CUPED)")
+    harm = Difference(estimate=-0.3, variance=0.01, low=-0.5, high=-0.1, units=200, method="A/B (CUPED)")
+    last = CanaryState(1.0, 0.0)
+    retriever = decide(stats, worse_raw, last, config, now=10.0, evidence=unsure, require_non_inferiority=False)
+    assert retriever.action == "promote", retriever.reasons  # the raw ratio (max_ctr_drop 1 %) no longer decides
+    ranker = decide(stats, worse_raw, last, config, now=10.0, evidence=unsure)
+    assert ranker.action == "hold" and "not yet shown within 5%" in ranker.reasons[0]
+    rolled = decide(stats, worse_raw, last, config, now=10.0, evidence=harm, require_non_inferiority=False)
+    assert rolled.action == "rollback" and "significantly worse" in rolled.reasons[0]

@@ -173,7 +173,8 @@ def test_both_stores_answer_the_same(store: str, tmp_path: Path, request):
             request_id = f"{n:032x}"
             journal.record((request_id, 100.0 + n, 1_767_225_600_000_000, user, "champion", "1", 3.0, payload),
                            [(request_id, "1", "served", "ok", 2.0 + n, 100.0 + n),
-                            (request_id, "2", "shadow", "ok", 4.0, 100.0 + n)])
+                            (request_id, "2", "shadow", "ok", 4.0, 100.0 + n),
+                            (request_id, f"retriever:{n + 1}", "served", "ok", 1.0, 100.0 + n)])
         assert journal.add_feedback(f"{0:032x}", [5, 6], [5]) == {"accepted": 2, "duplicates": 0, "clicks": 1,
                                                                   "served_version": "1"}
         assert journal.add_feedback(f"{0:032x}", [5, 6, 7], [7])["accepted"] == 1  # 5 and 6 were in already
@@ -183,6 +184,11 @@ def test_both_stores_answer_the_same(store: str, tmp_path: Path, request):
             journal.add_feedback(f"{9:032x}", [5], [])
         # the monitor's concept-drift baseline starts where a version first served alone with feedback
         assert journal.first_served_us("1") == 1_767_225_600_000_000 and journal.first_served_us("2") is None
+        # each retriever's A/B arm: user 10's request found by retriever 1, user 11's by retriever 2
+        users, clicks, shown = journal.retriever_user_clicks("1")
+        assert (users.tolist(), clicks.tolist(), shown.tolist()) == ([10], [2.0], [3.0])
+        assert journal.retriever_user_clicks("2")[0].tolist() == [11] and journal.retriever_user_clicks(
+            "2", since=200.0)[0].tolist() == []
         champion, shadow = journal.stats("1"), journal.stats("2", since=100.5)
         assert (champion.requests, champion.impressions, champion.clicks) == (2, 4, 3)
         assert (shadow.requests, shadow.impressions) == (1, 0)

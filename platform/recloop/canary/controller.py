@@ -202,12 +202,14 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
             stats["champion"] = _variant_stats(journal, model_name, champion, canary_started)
         if mode != "shadow" and model_name == MODEL_NAME:  # accumulates over the whole experiment (always-valid)
             evidence = paired_evidence(journal, mode, champion, challenger, canary_started, config)
+        elif mode == "canary" and model_name == RETRIEVER_NAME:  # A/B: the users' CTR under each retriever
+            evidence = retriever_evidence(journal, champion, challenger, canary_started, config)
     finally:
         journal.close()
     if mode == "shadow":  # the challenger answered nobody: judge its CTR by the champion's
         stats["challenger"] = _shadowed(stats["challenger"], stats["champion"])
     decision = decide(stats["champion"], stats["challenger"], state, config, now, load_error=load_failure(tags),
-                      evidence=evidence)
+                      evidence=evidence, require_non_inferiority=model_name == MODEL_NAME)
     return CanaryStatus(True, aliases, "", challenger, champion, state.share, mode, started, tag is not None,
                         stats, decision, evidence.to_dict() if evidence else None, model=model_name)
 
@@ -216,13 +218,27 @@ def paired_evidence(journal, mode: Mode, champion: str, challenger: str, since: 
     """The challenger − champion relative CTR difference since the canary began, with its always-valid
     interval: from interleaved requests (credit per team), or A/B per user with CUPED (each user's clicks
     per impression in the week before the canary as the covariate)."""
-    from recloop.evidence.sequential import ab_difference, interleaving_difference
+    from recloop.evidence.sequential import interleaving_difference
 
     if mode == "interleave":
         users, champion_clicks, challenger_clicks = journal.interleaving_credits(challenger, since)
         return interleaving_difference(champion_clicks, challenger_clicks, users, tau=config.min_effect,
                                        alpha=config.alpha)
-    arms = [journal.user_clicks(version, since) for version in (champion, challenger)]
+    return _ab_evidence(journal, [journal.user_clicks(version, since) for version in (champion, challenger)],
+                        since, config)
+
+
+def retriever_evidence(journal, champion: str, challenger: str, since: float, config: CanaryConfig):
+    """The retriever's A/B comparison since its canary began: the users' CTR on what each retriever found
+    (the ranker ranked both), CUPED with each user's CTR in the week before as the covariate."""
+    arms = [journal.retriever_user_clicks(version, since) for version in (champion, challenger)]
+    return _ab_evidence(journal, arms, since, config)
+
+
+def _ab_evidence(journal, arms: list, since: float, config: CanaryConfig):
+    """A/B difference of two arms' per-user (users, clicks, impressions), CUPED on the week before ``since``."""
+    from recloop.evidence.sequential import ab_difference
+
     pre_users, pre_clicks, pre_impressions = journal.user_clicks(None, since - PRE_PERIOD_SECONDS, since)
     before = dict(zip(pre_users.tolist(), (pre_clicks / np.maximum(pre_impressions, 1)).tolist(), strict=True))
     covariates = [np.array([before.get(u, 0.0) for u in np.unique(users)]) for users, _, _ in arms]

@@ -20,6 +20,11 @@ when it is non-inferior (the interval's bottom above ``-min_effect``); held ther
 on "not significantly worse", so traffic grows while the evidence accumulates. Each experiment hashes users with its own salt (``experiment_salt``), and the last step
 keeps a champion holdout of ``holdout`` users.
 
+The retriever's canary is an A/B split (interleaving merges rankings, not candidate sets): its evidence is
+the same CUPED A/B comparison of the users' CTR under each retriever, used to roll back a retriever that
+is significantly worse; its promotion rides on the guardrails (an A/B test at a retriever's traffic rarely
+shows non-inferiority within a step, and the raw CTR ratio it replaces rolled back identical challengers).
+
 Example::
 
     route(user_id=42, share=0.05)                      # 'champion' or 'challenger', always the same
@@ -153,12 +158,16 @@ def start(config: CanaryConfig, mode: Mode | None = None) -> CanaryDecision:
 
 
 def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState, config: CanaryConfig,
-           now: float, load_error: str | None = None, evidence=None) -> CanaryDecision:
+           now: float, load_error: str | None = None, evidence=None,
+           require_non_inferiority: bool = True) -> CanaryDecision:
     """Hold, step the share up, promote (after the last step) or roll back; with reasons and figures.
 
     ``load_error``: why a serving process could not load the challenger; it is rolled back at once.
     ``evidence``: the paired CTR comparison (a ``Difference``: relative challenger − champion with its
     always-valid interval); when given it replaces the raw CTR ratio (see the module docstring).
+    ``require_non_inferiority``: promotion from the last step needs the evidence to show non-inferiority
+    (the ranker's rule). False (the retriever's A/B canary): the evidence only rolls back a challenger it
+    shows significantly worse, and promotion rides on the guardrails.
     """
     figures = {
         "share": state.share, "challenger_requests": challenger.requests, "champion_requests": champion.requests,
@@ -192,8 +201,8 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
                                         f"{evidence.estimate:+.1%} [{evidence.low:+.1%}, {evidence.high:+.1%}], "
                                         f"always-valid at alpha {config.alpha}"], 0.0)
         last_step = not [s for s in config.schedule() if s > state.share + 1e-9]
-        if last_step and not evidence.low > -config.min_effect:  # steps ride on the guardrails; promotion
-            if evidence.units >= config.max_users:                # needs non-inferiority shown
+        if require_non_inferiority and last_step and not evidence.low > -config.min_effect:  # promotion
+            if evidence.units >= config.max_users:  # needs non-inferiority shown (steps ride on guardrails)
                 return verdict("rollback", [f"inconclusive after {evidence.units} users: online CTR "
                                             f"{evidence.estimate:+.1%} [{evidence.low:+.1%}, {evidence.high:+.1%}] "
                                             f"not shown within {config.min_effect:.0%} of the champion"], 0.0)

@@ -423,6 +423,20 @@ class Journal(ABC):
             impressions=len(feedback), clicks=int(sum(label for (label,) in feedback)), online_auc=None)
 
 
+    def retriever_user_clicks(self, version: str, since: float | None = None
+                              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per user: clicks and impressions of the requests retriever ``version`` served (its A/B arm) with
+        wall-clock time at or after ``since``."""
+        self.flush()
+        since_sql, params = ("AND r.at >= ?", [since]) if since is not None else ("", [])
+        rows = self._query(
+            f"SELECT r.user_id, SUM(f.label), COUNT(*) FROM feedback f JOIN requests r USING (request_id) "
+            f"JOIN evaluations e ON e.request_id = f.request_id WHERE e.version = ? AND e.role = 'served' "
+            f"{since_sql} GROUP BY r.user_id", [retriever_key(version), *params])
+        table = np.array(rows, dtype=np.float64).reshape(-1, 3)
+        return table[:, 0].astype(np.int64), table[:, 1], table[:, 2]
+
+
 def retriever_key(version: str) -> str:
     """How a retriever version is named in the journal's evaluations (ranker versions are bare numbers)."""
     return f"retriever:{version}"
