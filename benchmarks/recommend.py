@@ -110,43 +110,16 @@ def catalog_retriever(settings: Settings, world: World, items: int) -> str:
                              tags={checkpoint.MANIFEST_TAG: info.tags[checkpoint.MANIFEST_TAG]})
 
 
+def recommend_versions(body: dict, answer: dict) -> str | None:
+    """What a ``/recommend`` answer names (``r<retriever>/k<ranker>``), or None when it has too few items."""
+    if len(answer["items"]) != body["k"]:
+        return None
+    return f"r{answer['retriever']['version']}/k{answer['ranker']['version']}"
+
+
 async def offer(url: str, bodies: list[dict], rate: float, seconds: float) -> dict:
     """``/recommend`` at ``rate`` per second for ``seconds`` (open loop): latency, failures, versions named."""
-    count = int(rate * seconds)
-    latencies, failures, versions = [], 0, set()
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
-        async def one(body: dict) -> None:
-            nonlocal failures
-            began = time.perf_counter()
-            try:
-                response = await client.post("/recommend", json=body)
-                ok = response.status_code == 200 and len(response.json()["items"]) == body["k"]
-            except httpx.HTTPError:
-                ok = False
-            latencies.append((time.perf_counter() - began) * 1000)
-            if ok:
-                answer = response.json()
-                versions.add(f"r{answer['retriever']['version']}/k{answer['ranker']['version']}")
-            else:
-                failures += 1
-
-        for _ in range(min(20, count)):  # warm the connections
-            await one(bodies[0])
-        latencies.clear()
-        versions.clear()
-        tasks, start = [], time.perf_counter()
-        for i in range(count):
-            delay = start + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(bodies[i % len(bodies)])))
-        await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
-    values = np.array(latencies)
-    return {"requests": count, "achieved_rps": round(count / elapsed, 1),
-            "p50_ms": round(float(np.percentile(values, 50)), 1), "p99_ms": round(float(np.percentile(values, 99)), 1),
-            "errors": failures, "versions": sorted(versions)}
+    return await offer_rank(url, bodies, rate, seconds, path="/recommend", answered=recommend_versions)
 
 
 def stage_sums(url: str) -> dict[str, tuple[float, float, float]]:

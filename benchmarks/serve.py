@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -79,8 +80,16 @@ def setup(root: Path, world: WorldConfig) -> tuple[Settings, str]:
     return settings, twin
 
 
-async def offer(url: str, bodies: list[dict], rate: float, seconds: float) -> dict:
-    """Send requests at ``rate`` per second for ``seconds`` (open loop); latency and outcome of each."""
+def rank_version(body: dict, answer: dict) -> str | None:
+    """What a ``/rank`` answer names: the version that served it."""
+    return answer["model_version"]
+
+
+async def offer(url: str, bodies: list[dict], rate: float, seconds: float, path: str = "/rank",
+                answered: Callable[[dict, dict], str | None] = rank_version) -> dict:
+    """Send requests to ``path`` at ``rate`` per second for ``seconds`` (open loop: each at its time, whatever
+    the earlier ones are doing), after 20 that warm the connections; latency and outcome of each.
+    ``answered(body, answer)`` names the version(s) a good 200 answer came from, or None for a bad one."""
     count = int(rate * seconds)
     latencies, failures, versions = [], 0, set()
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
@@ -89,13 +98,13 @@ async def offer(url: str, bodies: list[dict], rate: float, seconds: float) -> di
             nonlocal failures
             began = time.perf_counter()
             try:
-                response = await client.post("/rank", json=body)
-                ok = response.status_code == 200
+                response = await client.post(path, json=body)
+                named = answered(body, response.json()) if response.status_code == 200 else None
             except httpx.HTTPError:
-                ok = False
+                named = None
             latencies.append((time.perf_counter() - began) * 1000)
-            if ok:
-                versions.add(response.json()["model_version"])
+            if named is not None:
+                versions.add(named)
             else:
                 failures += 1
 
