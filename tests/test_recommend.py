@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from polling import eventually, wait_for
 from safetensors.torch import load_file
 
 from recloop import registry
@@ -79,17 +80,6 @@ def http(app, home: Settings):
     with httpx.Client(base_url=app.state.url, timeout=30) as client:
         wait_for(client, lambda h: h["retriever"]["versions"] == {"champion": "1", "challenger": None})
         yield client
-
-
-def wait_for(client: httpx.Client, condition, timeout: float = 20.0) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        health = client.get("/healthz").json()
-        if condition(health):
-            return health
-        if time.time() > deadline:
-            raise AssertionError(f"the server never reached the expected state: {health}")
-        time.sleep(0.05)
 
 
 def known_users(home: Settings, count: int) -> list[int]:
@@ -291,12 +281,9 @@ def test_a_retriever_that_does_not_load_is_rolled_back_while_the_champion_serves
         "/recommend", json={"user_id": known_users(home, 1)[0], "context": CONTEXT, "k": 5, "ts": TS}
     )
     assert answer.status_code == 200 and answer.json()["retriever"]["version"] == "1"
-    deadline = (
-        time.time() + 10
-    )  # the server tags the version as failing to load; the controller reads the tag
-    while controller.LOAD_FAILED_TAG not in registry.version_info(home, broken, RETRIEVER_NAME).tags:
-        assert time.time() < deadline, "the load failure was never recorded on the version"
-        time.sleep(0.05)
+    # the server tags the version as failing to load; the controller reads the tag
+    eventually(lambda: controller.LOAD_FAILED_TAG in registry.version_info(home, broken, RETRIEVER_NAME).tags,
+               10, "the load failure was never recorded on the version")
     step = controller.step(home, CanaryConfig(), model_name=RETRIEVER_NAME)
     assert step.action == "rollback" and "does not load" in step.decision.reasons[0]
     assert registry.aliases(home, RETRIEVER_NAME)["challenger"] is None

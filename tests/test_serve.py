@@ -7,7 +7,6 @@ import asyncio
 import json
 import shutil
 import threading
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,6 +17,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+from polling import wait_for
 from safetensors.torch import load_file, save_file
 
 from recloop import checkpoint, pipeline, registry
@@ -81,17 +81,6 @@ def client(server, home: Settings):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         wait_for(http, lambda h: h["versions"] == {"champion": "1", "challenger": None})
         yield http
-
-
-def wait_for(http: httpx.Client, condition, timeout: float = 20.0) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        health = http.get("/healthz").json()
-        if condition(health):
-            return health
-        if time.time() > deadline:
-            raise AssertionError(f"the server never reached the expected state: {health}")
-        time.sleep(0.05)
 
 
 def variant(home: Settings, change, top_mlp: tuple[int, ...] | None = None) -> str:

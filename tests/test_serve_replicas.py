@@ -8,13 +8,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pyarrow.dataset as ds
 import pytest
+from polling import eventually
 from safetensors.torch import load_file
 
 from recloop import checkpoint, pipeline, registry
@@ -89,18 +89,17 @@ def replicas(champion_home: Settings, copy_home, database: str, tmp_path: Path):
                  for port, log in zip(ports, logs, strict=True)]
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
-        deadline = time.time() + 120
+        def ready(url: str, process) -> bool:
+            assert process.poll() is None, (tmp_path / "replica-0.log").read_text()[-3000:]
+            try:
+                health = httpx.get(f"{url}/healthz", timeout=2).json()
+            except httpx.HTTPError:
+                return False
+            return health["versions"]["challenger"] == challenger and health["share"] == 0.5
+
         for url, process in zip(urls, processes, strict=True):
-            while True:
-                assert process.poll() is None, (tmp_path / "replica-0.log").read_text()[-3000:]
-                try:
-                    health = httpx.get(f"{url}/healthz", timeout=2).json()
-                    if health["versions"]["challenger"] == challenger and health["share"] == 0.5:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.time() < deadline, f"replica {url} never became ready"
-                time.sleep(0.2)
+            eventually(lambda url=url, process=process: ready(url, process), 120, f"replica {url} never became ready",
+                       interval=0.2)
         yield home, urls, challenger
     finally:
         for process in processes:
