@@ -255,14 +255,8 @@ class Journal(ABC):
                 windows, which are in event time).
         """
         self.flush()
-        where, params = ["1 = 1"], []
-        if since is not None:
-            where.append("r.at >= ?")
-            params.append(since)
-        if event_window is not None:
-            where.append("r.ts_us >= ? AND r.ts_us < ?")
-            params += list(event_window)
-        condition = " AND ".join(where)
+        where, params = _request_window(since, event_window=event_window)
+        condition = " AND ".join(["1 = 1", *where])
         evaluations = self._query(
             f"SELECT e.status, e.latency_ms FROM evaluations e JOIN requests r USING (request_id) "
             f"WHERE e.version = ? AND {condition}", [version, *params])
@@ -315,10 +309,8 @@ class Journal(ABC):
         the label, the version's own predicted probability, the user and each segment column's value (from
         the request's context)."""
         self.flush()
-        where, params = ["r.variant <> 'interleave'", "r.served_version = ?"], [version]
-        if event_window is not None:
-            where.append("r.ts_us >= ? AND r.ts_us < ?")
-            params += list(event_window)
+        window, params = _request_window(event_window=event_window)
+        where, params = ["r.variant <> 'interleave'", "r.served_version = ?", *window], [version, *params]
         rows = self._query(
             f"SELECT f.label, f.scores, r.user_id, r.request_id, r.payload, f.item_id FROM feedback f "
             f"JOIN requests r USING (request_id) WHERE {' AND '.join(where)}", params)
@@ -351,10 +343,8 @@ class Journal(ABC):
         slot: user, event time, candidates, context, the shown top item, its propensity and whether it was
         clicked (the off-policy estimators' logs)."""
         self.flush()
-        where, params = ["r.payload LIKE ?"], ['%"exploration"%']
-        if event_window is not None:
-            where.append("r.ts_us >= ? AND r.ts_us < ?")
-            params += list(event_window)
+        window, params = _request_window(event_window=event_window)
+        where, params = ["r.payload LIKE ?", *window], ['%"exploration"%', *params]
         rows = self._query(
             f"SELECT r.request_id, r.user_id, r.ts_us, r.payload, f.item_id, f.label FROM feedback f "
             f"JOIN requests r USING (request_id) WHERE {' AND '.join(where)} LIMIT {int(limit) * 10}", params)
@@ -375,18 +365,14 @@ class Journal(ABC):
         """Per user: clicks and impressions of the requests ``version`` served (any version: None) with
         wall-clock time in ``[since, until)`` (interleaved requests left out)."""
         self.flush()
-        where, params = ["r.variant <> 'interleave'"], []
-        if version is not None:
-            where.append("r.served_version = ?")
-            params.append(version)
-        if since is not None:
-            where.append("r.at >= ?")
-            params.append(since)
-        if until is not None:
-            where.append("r.at < ?")
-            params.append(until)
+        window, params = _request_window(since, until)
+        where = ["r.variant <> 'interleave'", *(["r.served_version = ?"] if version is not None else []), *window]
+        return self._per_user("", where, ([version] if version is not None else []) + params)
+
+    def _per_user(self, join: str, where: list[str], params: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(users, clicks, impressions) of the feedback on the requests matching ``where`` (after ``join``)."""
         rows = self._query(
-            f"SELECT r.user_id, SUM(f.label), COUNT(*) FROM feedback f JOIN requests r USING (request_id) "
+            f"SELECT r.user_id, SUM(f.label), COUNT(*) FROM feedback f JOIN requests r USING (request_id) {join} "
             f"WHERE {' AND '.join(where)} GROUP BY r.user_id", params)
         table = np.array(rows, dtype=np.float64).reshape(-1, 3)
         return table[:, 0].astype(np.int64), table[:, 1], table[:, 2]
@@ -408,7 +394,8 @@ class Journal(ABC):
         The ranker's scores say nothing about a retriever, so there is no online AUC."""
         self.flush()
         key = retriever_key(version)
-        since_sql, params = ("AND r.at >= ?", [since]) if since is not None else ("", [])
+        window, params = _request_window(since)
+        since_sql = "".join(f"AND {condition} " for condition in window)
         evaluations = self._query(
             f"SELECT e.status, e.latency_ms FROM evaluations e JOIN requests r USING (request_id) "
             f"WHERE e.version = ? {since_sql}", [key, *params])
@@ -422,19 +409,31 @@ class Journal(ABC):
             p99_ms=float(np.percentile(latencies, 99)) if len(latencies) else 0.0,
             impressions=len(feedback), clicks=int(sum(label for (label,) in feedback)), online_auc=None)
 
-
     def retriever_user_clicks(self, version: str, since: float | None = None
                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per user: clicks and impressions of the requests retriever ``version`` served (its A/B arm) with
         wall-clock time at or after ``since``."""
         self.flush()
-        since_sql, params = ("AND r.at >= ?", [since]) if since is not None else ("", [])
-        rows = self._query(
-            f"SELECT r.user_id, SUM(f.label), COUNT(*) FROM feedback f JOIN requests r USING (request_id) "
-            f"JOIN evaluations e ON e.request_id = f.request_id WHERE e.version = ? AND e.role = 'served' "
-            f"{since_sql} GROUP BY r.user_id", [retriever_key(version), *params])
-        table = np.array(rows, dtype=np.float64).reshape(-1, 3)
-        return table[:, 0].astype(np.int64), table[:, 1], table[:, 2]
+        window, params = _request_window(since)
+        return self._per_user("JOIN evaluations e ON e.request_id = f.request_id",
+                              ["e.version = ?", "e.role = 'served'", *window], [retriever_key(version), *params])
+
+
+def _request_window(since: float | None = None, until: float | None = None,
+                    event_window: tuple[int, int] | None = None) -> tuple[list[str], list]:
+    """SQL conditions on the requests (``r``) and their parameters: wall-clock time in ``[since, until)``,
+    event time in ``event_window`` (``[start_us, end_us)``); each bound only when given."""
+    where, params = [], []
+    if since is not None:
+        where.append("r.at >= ?")
+        params.append(since)
+    if until is not None:
+        where.append("r.at < ?")
+        params.append(until)
+    if event_window is not None:
+        where.append("r.ts_us >= ? AND r.ts_us < ?")
+        params += list(event_window)
+    return where, params
 
 
 def retriever_key(version: str) -> str:
