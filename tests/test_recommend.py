@@ -269,6 +269,56 @@ def test_the_retriever_canary_splits_users_on_its_own_and_promotes(http: httpx.C
     wait_for(http, lambda h: h["retriever"]["versions"]["champion"] == challenger)
 
 
+def test_the_rankers_interleaved_canary_merges_both_rankings_on_recommend_and_credits_teams(
+    http: httpx.Client, home: Settings
+):
+    """Half of the demo's traffic goes to /recommend: its rank stage interleaves too, so each of those
+    requests is evidence for the ranker's canary, credited to the ranker that placed each clicked item."""
+    import json
+
+    from variants import inverted, variant
+
+    from recloop.serve.journal import open_journal
+
+    version = variant(home, inverted)
+    registry.set_alias(home, "challenger", version, who="test", why="interleaving on /recommend")
+    controller.start(home, CanaryConfig(steps=(1.0,), holdout=0.0))  # interleave: the ranker's default
+    wait_for(http, lambda h: h["versions"]["challenger"] == version and h["mode"] == "interleave")
+    retriever = catalog(home)
+    clicked = 0
+    for user in known_users(home, 15):
+        body = http.post("/recommend", json={"user_id": user, "context": CONTEXT, "k": 10, "ts": TS}).json()
+        assert body["ranker"] == {"version": version, "variant": "interleave"}
+        shown = [item["item_id"] for item in body["items"]]
+        categories = retriever.attributes["category"][retriever.positions(np.array(shown))]
+        assert np.unique(categories, return_counts=True)[1].max() <= home.recommend_category_cap
+        http.post("/feedback", json={"request_id": body["request_id"], "impressions": shown, "clicks": shown[:2]})
+        clicked += 2
+    journal = open_journal(home)
+    try:
+        rows = journal._query("SELECT payload FROM requests WHERE variant = 'interleave' AND served_version = ?",
+                              [version])
+        _, champion_clicks, challenger_clicks = journal.interleaving_credits(version)
+    finally:
+        journal.close()
+    assert len(rows) == 15
+    own_scores = {0: [], 1: []}  # the champion's score of the items each team placed
+    for (raw,) in rows:
+        payload = json.loads(raw)
+        assert payload["route"] == "recommend" and payload["interleaving"]["champion"] == "1"
+        assert len(payload["interleaving"]["teams"]) == len(payload["ranked"]) == 10
+        for team, score in zip(payload["interleaving"]["teams"], payload["scores"]["1"], strict=True):
+            own_scores[team].append(score)
+    # the challenger is the champion inverted: what its team placed, the champion scores lower
+    assert np.mean(own_scores[0]) > np.mean(own_scores[1])
+    assert champion_clicks.sum() + challenger_clicks.sum() == clicked  # every click credited to one team
+    judged = controller.status(home, CanaryConfig(steps=(1.0,), holdout=0.0, bake_seconds=0, min_requests=5,
+                                                  min_feedback=10))
+    assert judged.evidence is not None and judged.evidence["units"] > 0
+    controller.manual(home, "rollback", "test over")
+    wait_for(http, lambda h: h["versions"]["challenger"] is None)
+
+
 def test_a_retriever_that_does_not_load_is_rolled_back_while_the_champion_serves(
     http: httpx.Client, home: Settings
 ):

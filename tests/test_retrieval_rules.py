@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from recloop.retrieval.rules import FilterConfig, OrderConfig, filter_candidates, order_items
+from recloop.evidence.interleaving import CHALLENGER, CHAMPION
+from recloop.retrieval.rules import (
+    FilterConfig,
+    OrderConfig,
+    filter_candidates,
+    order_interleaved,
+    order_items,
+)
 
 NOW = 1_800_000_000.0
 
@@ -50,3 +57,30 @@ def test_ties_are_broken_by_id_and_bad_configs_refused():
         OrderConfig(category_cap=0)
     with pytest.raises(ValueError):
         OrderConfig(boosts={1: -1.0})
+
+
+def test_interleaved_order_takes_turns_under_the_same_cap_and_scores_each_item_by_its_team():
+    items = np.arange(100, 112)
+    champion = np.linspace(1.0, 0.1, 12)  # prefers the low ids
+    challenger = champion[::-1].copy()  # prefers the high ids
+    categories = np.array([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
+    config = OrderConfig(category_cap=2, boosts={1: 2.0})
+    seen_teams = []
+    for seed in range(20):
+        placed, teams, scores = order_interleaved(items, champion, challenger, categories, config, 6,
+                                                  np.random.default_rng(seed))
+        assert len(placed) == 6 == len(set(placed.tolist()))
+        assert np.bincount(categories[placed]).max() <= 2  # the cap holds on the merged list
+        for position, team, score in zip(placed, teams, scores, strict=True):
+            own = (challenger if team == CHALLENGER else champion)[position]
+            assert score == pytest.approx(own * (2.0 if categories[position] == 1 else 1.0))
+        first = placed[0]
+        # each team's first pick is the best item of its own boosted order
+        best = {CHAMPION: 4, CHALLENGER: 7}  # category 1 doubled: 0.67 x 2 beats either 1.0
+        assert first == best[int(teams[0])]
+        seen_teams.append(teams.tolist())
+        assert abs(int((teams == CHALLENGER).sum()) - int((teams == CHAMPION).sum())) <= 2
+    assert {t[0] for t in seen_teams} == {CHAMPION, CHALLENGER}  # a coin, not a fixed team, leads
+    same, _, _ = order_interleaved(items, champion, champion, categories, config, 6, np.random.default_rng(0))
+    assert items[same].tolist() == order_items(items, champion, categories, config, 6)[0].tolist()
+

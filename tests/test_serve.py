@@ -18,9 +18,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from polling import wait_for
-from safetensors.torch import load_file, save_file
+from variants import inverted, unchanged, variant
 
-from recloop import checkpoint, pipeline, registry
+from recloop import registry
 from recloop.canary import CanaryConfig, controller
 from recloop.canary.tag import CanaryTag
 from recloop.features import store
@@ -35,7 +35,6 @@ from recloop.serve.features import FeastOnline, RequestFeatures
 from recloop.serve.traffic import SimulatedUsers, drive
 from recloop.settings import Settings
 from recloop.simulate import World, WorldConfig
-from recloop.train import TrainSummary
 
 SPEC = load_spec("synthetic")
 WORLD = WorldConfig(seed=4, days=4, events_per_day=6000)  # the shared champion's world (conftest.py)
@@ -81,33 +80,6 @@ def client(server, home: Settings):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         wait_for(http, lambda h: h["versions"] == {"champion": "1", "challenger": None})
         yield http
-
-
-def variant(home: Settings, change, top_mlp: tuple[int, ...] | None = None) -> str:
-    """Register a copy of the champion's checkpoint with its weights changed; returns the new version."""
-    source = checkpoint.resolve(home, "1")
-    target = home.home / "checkpoints" / f"variant-{uuid.uuid4().hex[:8]}" / source.name
-    shutil.copytree(source, target)
-    weights = load_file(target / "model.safetensors")
-    change(weights)
-    save_file(weights, target / "model.safetensors")
-    if top_mlp is not None:
-        state = json.loads((target / "state.json").read_text())
-        state["model"]["top_mlp"] = list(top_mlp)
-        (target / "state.json").write_text(json.dumps(state))
-    base = TrainSummary(**checkpoint.read(source)["summary"])
-    base.checkpoint, base.run_id = str(target), f"{base.run_id}-{target.parent.name}"
-    return pipeline.register_training(home, base).version
-
-
-def unchanged(weights) -> None:
-    pass
-
-
-def inverted(weights) -> None:
-    """Scores reversed: the ranking shows users their least likely clicks first."""
-    weights["over_arch.layers.2.weight"].neg_()
-    weights["over_arch.layers.2.bias"].neg_()
 
 
 def nan_scores(weights) -> None:

@@ -94,9 +94,10 @@ class DemoConfig:
     # A small world judged on a few hundred requests per step, in one process with everything else: the
     # interleaved CTR comparison decides, with a minimum effect of 30 % (what a few hundred interleaved
     # requests can show); p99 of ~100 scoring times is their maximum (a pause anywhere in the process), and
-    # AUC pooled over two different halves of the users is not comparable at this size. Half of each round's
-    # requests go to /recommend, so the ranker's canary starts at half of the users (interleaved lists: half
-    # of each list is still the champion's) to see enough requests within a simulated day.
+    # AUC pooled over two different halves of the users is not comparable at this size. The ranker's canary
+    # starts at half of the users (interleaved lists: half of each list is still the champion's) to see enough
+    # requests within a simulated day; /rank and /recommend both interleave, so every request of those users
+    # is evidence.
     canary: CanaryConfig = field(default_factory=lambda: CanaryConfig(
         steps=(0.5, 1.0), bake_seconds=0, min_requests=15, min_feedback=100, max_ctr_drop=0.3,
         max_p99_ratio=10.0, max_auc_drop=1.0, min_effect=0.3))

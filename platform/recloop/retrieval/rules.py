@@ -115,24 +115,58 @@ def order_items(items: np.ndarray, scores: np.ndarray, categories: np.ndarray, c
     Args:
         items, scores, categories: (N,) each; scores are the ranker's (higher is better).
     """
-    items, scores, categories = np.asarray(items), np.asarray(scores, dtype=np.float64), np.asarray(categories)
-    boost = np.array([config.boosts.get(int(c), 1.0) for c in categories], dtype=np.float64)
-    boosted = scores * boost
+    items, boosted = np.asarray(items), boosted_scores(scores, categories, config)
     order = np.lexsort((items, -boosted))  # best first; ties by id, so the answer is deterministic
-    if config.category_cap is None:
-        chosen = order[:k]
-    else:
-        taken, skipped, per_category = [], [], {}
-        for position in order:
-            category = int(categories[position])
-            if per_category.get(category, 0) < config.category_cap:
-                per_category[category] = per_category.get(category, 0) + 1
-                taken.append(position)
-                if len(taken) == k:
-                    break
-            else:
-                skipped.append(position)
-        if len(taken) < k and config.backfill:
-            taken += skipped[:k - len(taken)]
-        chosen = np.asarray(taken, dtype=np.int64)
+    chosen = capped(order, categories, config, k)
     return items[chosen], boosted[chosen]
+
+
+def boosted_scores(scores: np.ndarray, categories: np.ndarray, config: OrderConfig) -> np.ndarray:
+    """The ranker's scores times their category's boost."""
+    boost = np.array([config.boosts.get(int(c), 1.0) for c in np.asarray(categories)], dtype=np.float64)
+    return np.asarray(scores, dtype=np.float64) * boost
+
+
+def capped(order, categories: np.ndarray, config: OrderConfig, k: int) -> np.ndarray:
+    """The first ``k`` of ``order`` (positions, best first) under the per-category cap; capped-out ones fill
+    what is left up to ``k`` when ``config.backfill``."""
+    order = np.asarray(order, dtype=np.int64)
+    if config.category_cap is None:
+        return order[:k]
+    categories = np.asarray(categories)
+    taken, skipped, per_category = [], [], {}
+    for position in order:
+        category = int(categories[position])
+        if per_category.get(category, 0) < config.category_cap:
+            per_category[category] = per_category.get(category, 0) + 1
+            taken.append(position)
+            if len(taken) == k:
+                break
+        else:
+            skipped.append(position)
+    if len(taken) < k and config.backfill:
+        taken += skipped[:k - len(taken)]
+    return np.asarray(taken, dtype=np.int64)
+
+
+def order_interleaved(items: np.ndarray, champion_scores: np.ndarray, challenger_scores: np.ndarray,
+                      categories: np.ndarray, config: OrderConfig, k: int, rng: np.random.Generator
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ranker's interleaved canary under the same rules as ``order_items``: each ranker orders the items
+    by its boosted scores, team-draft interleaving (``evidence.interleaving.team_draft``) merges the two
+    orders, and the category cap walks the merged list (an item the cap leaves out goes whichever team
+    drafted it, so the rule favours neither).
+
+    Returns positions into ``items`` (best first), each one's team (``interleaving.CHAMPION`` or
+    ``CHALLENGER``) and its boosted score by its own team's ranker.
+    """
+    from recloop.evidence.interleaving import CHALLENGER, team_draft
+
+    items = np.asarray(items)
+    boosted = [boosted_scores(s, categories, config) for s in (champion_scores, challenger_scores)]
+    merged, teams = team_draft(*(np.lexsort((items, -b)).tolist() for b in boosted), len(items), rng)
+    team_of = dict(zip(merged, teams, strict=True))
+    chosen = capped(merged, categories, config, k)
+    chosen_teams = np.array([team_of[int(p)] for p in chosen], dtype=np.int64)
+    return chosen, chosen_teams, np.where(chosen_teams == CHALLENGER, boosted[1][chosen], boosted[0][chosen])
+

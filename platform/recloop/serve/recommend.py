@@ -12,8 +12,11 @@
       │           ``RECLOOP_RECOMMEND_SEEN_HOURS`` (what ``/feedback`` recorded in the journal, every replica's)
       │ rank      the ranker champion (or challenger, by its own split) scores what is left, each item with
       │           its catalog attributes as per-candidate context (the answering path of ``/rank``: a failing
-      │           challenger is never what the user gets)
-      │ order     boosted scores under the per-category cap (``retrieval.rules.order_items``) → top k
+      │           challenger is never what the user gets); in the ranker's interleaved canary both score
+      │ order     boosted scores under the per-category cap (``retrieval.rules.order_items``) → top k; in the
+      │           interleaved canary, the two rankers' orders merged by team draft under the same cap
+      │           (``order_interleaved``), each item's team journaled so a click credits the ranker that
+      │           placed it (``variant: interleave``, as on ``/rank``)
       ▼
     {request_id, items, retriever: {version, variant}, ranker: {version, variant}, source, candidates}
 
@@ -48,7 +51,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from recloop import canary
 from recloop.features.vocab import FIRST_INDEX
 from recloop.retrieval.data import Rows
-from recloop.retrieval.rules import FilterConfig, OrderConfig, filter_candidates, order_items
+from recloop.retrieval.rules import (
+    FilterConfig,
+    OrderConfig,
+    filter_candidates,
+    order_interleaved,
+    order_items,
+)
 from recloop.serve.app import ContextValue, Id, Service, ServiceDep, journal_scores
 from recloop.serve.features import RequestError
 from recloop.serve.journal import retriever_key
@@ -78,7 +87,9 @@ class RecommendedItem(BaseModel):
 
 class ModelUsed(BaseModel):
     version: str
-    variant: Literal["champion", "challenger"]
+    # interleave: the ranker challenger's interleaved canary (version is the challenger's; the answer
+    # merges its ranking with the champion's)
+    variant: Literal["champion", "challenger", "interleave"]
 
 
 class RecommendResponse(BaseModel):
@@ -240,7 +251,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     }
 
     # --- rank ------------------------------------------------------------------------------------------
-    ranker_on = live.challenger is not None and live.mode == "canary"
+    ranker_on = live.challenger is not None and live.mode in ("canary", "interleave")
     ranker_variant = canary.route(body.user_id, live.share, live.salt) if ranker_on else "champion"
     ranker = live.challenger if ranker_variant == "challenger" else live.champion
     all_scores: dict[str, np.ndarray] = {}
@@ -267,6 +278,12 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
             raise HTTPException(500, f"model v{ranker.version} could not score this request ({status})")
         if live.challenger is not None and live.mode == "shadow":
             svc._evaluate(live.challenger, rows, "shadow", evaluations, all_scores)
+        if ranker_variant == "challenger" and live.mode == "interleave" and status == "ok":
+            # the interleaved canary, as on /rank: both rankings, merged by team draft in the order stage
+            champion_scores, champion_status = svc._evaluate(live.champion, rows, "interleave", evaluations,
+                                                             all_scores)
+            if champion_status == "ok":
+                ranker_variant = "interleave"
         metrics.requests.labels(ranker_variant, ranker.version, status).inc()
     stage.done("rank")
 
@@ -277,7 +294,15 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     order_config = OrderConfig(
         category_cap=settings.recommend_category_cap or None, boosts=settings.recommend_boosts
     )
-    top, boosted = order_items(kept, scores, categories, order_config, body.k)
+    interleaved: dict = {}
+    if ranker_variant == "interleave":  # a click is credited to the team (ranker) that placed the item
+        placed, teams, boosted = order_interleaved(kept, champion_scores, scores, categories, order_config,
+                                                   body.k, svc._rng)
+        top = kept[placed]
+        interleaved["interleaving"] = {"champion": live.champion.version, "challenger": ranker.version,
+                                       "teams": teams.tolist()}
+    else:
+        top, boosted = order_items(kept, scores, categories, order_config, body.k)
     stage.done("order")
 
     request_id = uuid.uuid4().hex
@@ -292,6 +317,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         "route": "recommend",
         "retriever": served_retriever.version,
         "source": source,
+        **interleaved,
     }
     now = time.time()
     svc.journal.record(
