@@ -45,8 +45,15 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, default=4, help="independent world seeds (the interval's units)")
     parser.add_argument("--replay", type=float, default=0.0, help="older hours replayed per new hour")
     parser.add_argument("--decay", type=float, default=1.0, help="embedding optimizer state decay at warm start")
+    parser.add_argument("--chain", default="",
+                        help="the loop's chain instead: per world, a full model on day 0, then one incremental run "
+                             "per day from the one before, for each comma-separated EPOCHS[:REPLAY] variant "
+                             "(e.g. '1,3,1:1.0'), against a full retrain of all days with --full-epochs")
+    parser.add_argument("--full-epochs", type=int, default=3, help="--chain: the full retrain's epochs")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
+    if args.chain:
+        return chain(args)
     spec = load_spec("synthetic")
     seeds = list(range(args.seeds))
     pairs = []
@@ -109,6 +116,69 @@ def main() -> None:
                      "calibration": "target: >= -0.005 at <= 0.20x"})
     report(f"incremental vs full retrain ({args.days}+1 days x {args.events_per_day} events)", rows,
            {**machine(), "pairs": json.dumps(pairs)}, args.json_path)
+
+
+def chain(args) -> None:
+    """The loop's sequence: what a champion retrained incrementally every day becomes, against a daily full
+    retrain. Per world seed (``--days`` D + 1 days of ``--events-per-day``): a full model on day 0 (``--full-epochs``,
+    as the demo's bootstrap), then for each day 1..D the day's features and an incremental run warm-started from
+    the day before's, for each variant (epochs per run, replayed share of older hours); at the end a full retrain
+    over days 0..D. All are scored on the same newest held-out hours; the gap per variant (normalized AUC, NDCG,
+    AUC) with a t interval across worlds, and the whole chain's wall time (D incremental calls) beside one full
+    retrain's."""
+    spec = load_spec("synthetic")
+    variants = [(int(v.split(":")[0]), float(v.split(":")[1]) if ":" in v else 0.0) for v in args.chain.split(",")]
+    pairs: list[dict] = []
+    for world_seed in range(args.worlds):
+        work = Path(tempfile.mkdtemp(prefix="recloop-bench-chain-"))
+        try:
+            start = datetime(2026, 1, 1, tzinfo=UTC)
+            simulate(WorldConfig(seed=world_seed, days=args.days + 1, events_per_day=args.events_per_day),
+                     work / "landing")
+            settings = Settings(home=work / "home", frame_backend="pandas")
+            ingest(work / "landing", spec, settings, now=datetime(2026, 6, 1, tzinfo=UTC))
+            features = FeatureConfig.for_spec(spec)
+            common = dict(batch_size=args.batch_size, validation_hours=6, checkpoint_every=10_000)
+            build_features(settings, spec, features, end=start + timedelta(days=1))
+            base = train(settings, TrainConfig(mode="full", days=1, epochs=args.full_epochs, **common))
+            heads = {v: Path(base.checkpoint) for v in variants}
+            walls = dict.fromkeys(variants, 0.0)
+            finals = {}
+            for day in range(1, args.days + 1):
+                build_features(settings, spec, features, end=start + timedelta(days=day + 1))
+                for epochs, replay in variants:
+                    began = time.perf_counter()
+                    run = train(settings, TrainConfig(mode="incremental", days=day + 1, epochs=epochs,
+                                                      replay_fraction=replay, **common),
+                                warm_start=heads[(epochs, replay)])
+                    walls[(epochs, replay)] += time.perf_counter() - began
+                    heads[(epochs, replay)], finals[(epochs, replay)] = Path(run.checkpoint), run
+            began = time.perf_counter()
+            full = train(settings, TrainConfig(mode="full", days=args.days + 1, epochs=args.full_epochs, **common))
+            full_wall = time.perf_counter() - began
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        for variant, run in finals.items():
+            assert run.validation_hours == full.validation_hours
+            pairs.append({"world": world_seed, "variant": f"{variant[0]} epochs, {variant[1]:.0%} replay",
+                          "auc": run.auc - full.auc, "normalized_auc": _normalized(run) - _normalized(full),
+                          "ndcg": run.ndcg - full.ndcg, "chain_wall_s": walls[variant], "full_wall_s": full_wall,
+                          "per_run_wall_s": walls[variant] / args.days})
+        print(f"world {world_seed}: full {full.auc:.4f}; " + ", ".join(
+            f"{p['variant']}: {p['auc']:+.4f}" for p in pairs if p["world"] == world_seed), flush=True)
+    rows = []
+    for name in dict.fromkeys(p["variant"] for p in pairs):
+        mine = [p for p in pairs if p["variant"] == name]
+        row = {"chain (incremental every day)": name}
+        for key in ("normalized_auc", "ndcg", "auc"):
+            mean, low, high = _world_interval(mine, key)
+            row[f"{key} − full"] = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+        row["one incremental run / one full retrain (wall)"] = \
+            f"{np.mean([p['per_run_wall_s'] for p in mine]) / np.mean([p['full_wall_s'] for p in mine]):.2f}x"
+        rows.append(row)
+    report(f"the loop's chain: day 0 full, then {args.days} daily incremental runs vs a full retrain "
+           f"({args.full_epochs} epochs) over {args.days + 1} days x {args.events_per_day} events, {args.worlds} worlds",
+           rows, {**machine(), "pairs": json.dumps(pairs)}, args.json_path)
 
 
 def _normalized(summary) -> float:

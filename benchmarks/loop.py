@@ -516,6 +516,10 @@ def loop_grid(
                 "false_alarms": sum(decision in ("drift", "kpi_decay") for _, decision in decisions)
                 if scenario == "none"
                 else None,
+                # what the loop decided: the ranker champion each day, its canaries' promotions, retrains
+                "champions": [d.get("champion") for d in summary["days"]],
+                "promotions": sum(str(c).startswith("promote v") for d in summary["days"] for c in d.get("canary", [])),
+                "retrains": [d.get("retrain") for d in summary["days"]],
             }
             runs.setdefault(scenario, []).append(row)
             print(f"loop {scenario} seed {seed}: {json.dumps(row, default=float)}", flush=True)

@@ -7,7 +7,7 @@ Windows come from the training files of ``recloop features`` (one per period wit
 - ``full``: from scratch over the ``days`` before them (grown back to ``train_rows`` rows), ``epochs`` passes;
   without a set batch size, batch and epochs fit the window (``fit_to_data``);
 - ``incremental``: warm start from a checkpoint (weights, sparse and dense optimizer state), grow the
-  embedding tables for ids that are new since, one pass over the hours it has not seen (plus an
+  embedding tables for ids that are new since, ``epochs`` passes over the hours it has not seen (plus an
   optional replay sample of older hours).
 
 A run's folder is named by a hash of what it trains (mode, window, base checkpoint, configuration), so
@@ -75,7 +75,7 @@ class TrainConfig:
     Args:
         mode: ``full`` or ``incremental``.
         days: window of a full retrain: days of time before the held-out rows.
-        epochs: passes of a full retrain (an incremental run makes one).
+        epochs: passes over the window: a full retrain's days, an incremental run's new (and replayed) hours.
         batch_size: rows per step; None: 16K on a GPU, 4K on a CPU (``recloop.model.default_batch_size``).
         lr: dense (MLP) Adam learning rate at ``reference_batch``; scaled by sqrt(batch/reference) and,
             from scratch, warmed up linearly over ``warmup_steps`` so large batches stay stable.
@@ -290,7 +290,7 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
     older = [f for f in trainable if f.stem < base["trained_until"]]
     replay_count = min(len(older), math.ceil(len(new) * config.replay_fraction))
     replay = sorted(np.random.default_rng(config.seed).choice(len(older), replay_count, replace=False).tolist())
-    return Windows([older[i] for i in replay] + new, validation, 1)
+    return Windows([older[i] for i in replay] + new, validation, config.epochs)
 
 
 def fit_to_data(config: TrainConfig, windows: Windows, device: torch.device) -> tuple[TrainConfig, Windows]:
