@@ -25,6 +25,26 @@ def canary_task(config_path: str | None, start: bool, settings: dict | None, mod
     return controller.step(resolved, config, model_name=model_name).to_dict()
 
 
+@task
+def running_canary_task(settings: dict | None, model_name: str = "recloop-ranker") -> dict | None:
+    """The challenger whose canary is in progress and its share (``None``: no canary is running)."""
+    from recloop import registry
+    from recloop.canary.tag import CanaryTag
+
+    resolved = settings_from(settings)
+    version = controller.running(resolved, model_name)
+    if version is None:
+        return None
+    tag = CanaryTag.from_tags(registry.version_info(resolved, version, model_name).tags)
+    return {"version": version, "share": tag.share if tag else 0.0}
+
+
+def waits_for(canary: dict, what: str) -> str:
+    """Why a scheduled incremental run of ``what`` waits for the running canary instead of superseding it."""
+    return (f"v{canary['version']}'s canary is still running (share {canary['share']:.0%}): the scheduled {what} "
+            "waits for its decision; the next one trains on every hour the champion has not seen")
+
+
 @flow(name="canary", flow_run_name=canary_run_name, log_prints=True)
 def canary_flow(config_path: str | None = None, start: bool = False, settings: dict | None = None,
                 model_name: str = "recloop-ranker") -> dict:

@@ -4,7 +4,12 @@ its own registered model, gate and canary: ``retriever_flow``). Hourly increment
 One retrain (or any training or gate) at a time: the run holds the ``recloop-model`` slot from ingest to
 the canary's start (``flow_support.model_slot``); its ``train`` and ``gate`` subflows run inside it. An
 incremental retrain with no hour the champion has not seen ends ``Skipped``: nothing trained, no version
-registered. The run's final state names the outcome (``Skipped``, ``Refused``, ``Challenger``,
+registered. A scheduled incremental retrain while a canary runs ends ``Skipped`` too, for that model alone
+(the ranker's and the retriever's canaries each hold back their own retrain): a new challenger would replace
+the one being judged and reset its sequential evidence, so no canary would ever finish. It waits no longer
+than the canary, which always ends (non-inferiority shown, significantly worse, or ``max_users`` reached);
+drift, manual and full retrains supersede a running canary (a drift retrain must not wait behind a pre-drift
+challenger). The run's final state names the outcome (``Skipped``, ``Refused``, ``Challenger``,
 ``Champion``), its message says why, and its tags carry the version and the gate's verdict.
 """
 
@@ -14,7 +19,7 @@ from typing import Literal
 from prefect import flow, task
 from prefect.states import Cancelled
 
-from flows.canary_flow import canary_flow
+from flows.canary_flow import canary_flow, running_canary_task, waits_for
 from flows.features_flow import features_flow
 from flows.gate_flow import gate_flow
 from flows.ingest_flow import ingest_flow
@@ -61,7 +66,8 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
         def retriever_step(resolved_spec: str) -> dict:
             return retriever_flow(mode=mode, spec=resolved_spec, days=days, epochs=retriever_epochs,
                                   validation_hours=validation_hours, thresholds_path=retriever_thresholds,
-                                  canary_config=canary_config, settings=settings)
+                                  canary_config=canary_config, wait_for_canary=_waits(mode, reason),
+                                  settings=settings)
     try:
         with model_slot(slot_timeout_seconds):
             return _retrain(mode, reason, spec, days, epochs, batch_size, validation_hours, canary_config,
@@ -89,6 +95,11 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
                                  f"{pending['trained_until']} (held-out hours excluded); nothing trained, no version "
                                  "registered")
             return _finish(settings, "Skipped", result["skipped"], result)  # the retriever has nothing new either
+        if _waits(mode, reason) and (canary := running_canary_task(settings)) is not None:
+            tag_run("mode:incremental", "retrain:skipped")
+            result["waiting_for"] = canary
+            result["skipped"] = waits_for(canary, "retrain") + "; nothing trained, no ranker version registered"
+            return _finish(settings, "Skipped", result["skipped"], result, retriever_step)  # the retriever's own rule
         if pending["hours"]:
             log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs if mode == "full" else 1,
@@ -109,6 +120,12 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
     then = "; canary started" if "canary" in result else ""
     return _finish(settings, gate["alias"].capitalize(), f"v{version} passed the gate → {gate['alias']}{then}", result,
                    retriever_step)
+
+
+def _waits(mode: str, reason: str) -> bool:
+    """A scheduled incremental run waits for a running canary; drift, manual and full retrains supersede it
+    (a drift retrain must not wait behind a challenger trained before the drift)."""
+    return mode == "incremental" and reason == "scheduled"
 
 
 def _finish(settings: dict | None, name: str, message: str, result: dict, retriever_step=None):

@@ -5,7 +5,7 @@ from typing import Literal
 
 from prefect import flow, task
 
-from flows.canary_flow import canary_flow
+from flows.canary_flow import canary_flow, running_canary_task, waits_for
 from recloop import pipeline
 from recloop.flow_support import markdown_table, publish, settings_from, tag_run
 from recloop.registry import RETRIEVER_NAME
@@ -39,7 +39,14 @@ def gate_retriever_task(version: str, thresholds_path: str | None, settings: dic
 @flow(name="retriever", log_prints=True)
 def retriever_flow(mode: Literal["incremental", "full"] = "incremental", spec: str | None = None, days: int = 7,
                    epochs: int = 3, validation_hours: int = 6, thresholds_path: str | None = None,
-                   canary_config: str | None = None, settings: dict | None = None) -> dict:
+                   canary_config: str | None = None, wait_for_canary: bool = False,
+                   settings: dict | None = None) -> dict:
+    """``wait_for_canary`` (the retrain flow's scheduled incremental runs): while the retriever's canary runs,
+    train nothing, as the ranker waits for its own (a new challenger would reset the canary's evidence)."""
+    if wait_for_canary and (canary := running_canary_task(settings, RETRIEVER_NAME)) is not None:
+        skipped = waits_for(canary, "retriever retrain") + "; nothing trained"
+        publish("retriever", f"retriever not trained: {skipped}", "retriever training")
+        return {"train": {"skipped": skipped}, "waiting_for": canary}
     result: dict = {"train": train_retriever_task({"mode": mode, "days": days, "epochs": epochs if mode == "full" else 1,
                                                    "validation_hours": validation_hours}, spec, settings)}
     if "skipped" in result["train"]:

@@ -124,3 +124,27 @@ def test_tag_round_trip_and_the_other_one_tag_concerns():
     assert kpi_baseline({"kpi.baseline": json.dumps({"ctr": 0.1, "auc": None})}) == {"ctr": 0.1}
     assert kpi_baseline({"kpi.baseline_ctr": "0.2", "kpi.baseline_auc": "0.7"}) == {"ctr": 0.2, "auc": 0.7}
     assert kpi_baseline({"kpi.baseline": "[1, 2]"}) == {}
+
+
+def test_running_names_the_challenger_only_while_its_canary_runs(home: Settings, challenger: str):
+    """What a scheduled retrain waits for: a started canary, not yet promoted or rolled back."""
+    assert controller.running(home) is None  # a challenger whose canary has not started
+    controller.start(home, QUICK, now=1000.0)
+    assert controller.running(home) == challenger
+    assert controller.running(home, model_name=registry.RETRIEVER_NAME) is None  # each model its own canary
+    controller.manual(home, "rollback", "test over")
+    assert controller.running(home) is None
+    registry.set_alias(home, "challenger", challenger, who="test", why="the alias back on a rolled-back version")
+    assert controller.running(home) is None  # the tag's state, not the alias alone, says it runs
+    registry.remove_alias(home, "challenger")
+
+    promoted = registry.register(home, registry.version_info(home, "1").source, registry.version_info(home, "1").run_id)
+    registry.set_alias(home, "challenger", promoted, who="test", why="promote it")
+    controller.start(home, QUICK, now=1000.0)
+    assert controller.running(home) == promoted
+    controller.manual(home, "promote", "looks good")
+    assert controller.running(home) is None and registry.aliases(home)["champion"] == promoted
+    registry.set_alias(home, "challenger", promoted, who="test", why="the alias back on a promoted version")
+    assert controller.running(home) is None
+    registry.remove_alias(home, "challenger")
+    registry.promote(home, "1", who="test", why="back to v1 for the next test")

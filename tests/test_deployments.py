@@ -146,3 +146,97 @@ def test_an_incremental_retrain_with_no_new_hours_is_skipped(
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
         messages = [log.message for log in logs]
         assert any("Skipped: no new hours" in m for m in messages), messages
+
+
+# A canary that moves only when told: nothing here serves traffic, and the retrain must leave it as it is.
+QUICK_CANARY = {"steps": [0.05, 1.0], "bake_seconds": 0, "min_requests": 0, "min_feedback": 0, "holdout": 0.0,
+                "mode": "canary"}
+
+
+def _home_with_running_canaries(champion_home, copy_home, root: Path) -> Settings:
+    """The shared champion (v1) with a challenger (v2, the same model) whose canary runs, and a retriever
+    champion and challenger with a running canary of their own. The retriever's versions reuse the ranker's
+    artifact: only their aliases and tags are read here (a waiting retriever loads nothing)."""
+    from recloop import registry
+    from recloop.canary import CanaryConfig, controller
+
+    home = copy_home(champion_home, root / "home", feast=True)
+    home.landing_dir.mkdir(parents=True, exist_ok=True)
+    info = registry.version_info(home, "1")
+    config = CanaryConfig(**{**QUICK_CANARY, "steps": tuple(QUICK_CANARY["steps"])})
+    for model_name in (registry.MODEL_NAME, registry.RETRIEVER_NAME):
+        if model_name == registry.RETRIEVER_NAME:
+            registry.set_alias(home, "champion", registry.register(home, info.source, info.run_id,
+                                                                   model_name=model_name), model_name=model_name)
+        challenger = registry.register(home, info.source, info.run_id, model_name=model_name)
+        registry.set_alias(home, "challenger", challenger, who="test", why="a canary in progress",
+                           model_name=model_name)
+        controller.start(home, config, now=1000.0, model_name=model_name)
+        assert controller.running(home, model_name) == challenger
+    return home
+
+
+def _versions(model_name: str) -> list[str]:
+    from mlflow import MlflowClient
+
+    return sorted(str(v.version) for v in MlflowClient().search_model_versions(f"name='{model_name}'"))
+
+
+def test_a_scheduled_incremental_retrain_waits_for_the_running_canaries(
+    prefect_server, champion_home, copy_home, tmp_path
+):
+    """New hours have landed, but each model's canary is still running: the hourly retrain builds the
+    features and trains neither model, so neither challenger is replaced and its evidence keeps growing."""
+    from prefect import get_client
+
+    from flows.retrain_flow import retrain_flow
+    from recloop import registry
+    from recloop.canary.tag import CanaryTag
+    from recloop.flow_support import settings_parameter
+
+    home = _home_with_running_canaries(champion_home, copy_home, tmp_path)
+    before = {name: (registry.aliases(home, name), _versions(name),
+                     registry.version_info(home, registry.version_by_alias(home, "challenger", name), name).tags)
+              for name in (registry.MODEL_NAME, registry.RETRIEVER_NAME)}
+    state = retrain_flow(mode="incremental", reason="scheduled", settings=settings_parameter(home), return_state=True)
+    assert state.is_completed() and state.name == "Skipped", state
+    result = state.result()
+    assert result["pending"]["hours"] > 0  # not the no-new-hours skip: there was something to train on
+    assert result["features"]["rows"] > 0 and "train" not in result and "gate" not in result
+    assert result["waiting_for"] == {"version": "2", "share": 0.05}
+    assert "v2's canary is still running (share 5%)" in state.message and "waits for its decision" in state.message
+    retriever = result["retriever"]  # the retriever's step ran, and waited for its own canary
+    assert "gate" not in retriever and retriever["waiting_for"]["version"] == "2"
+    assert "retriever: v2's canary is still running" in state.message
+    for name, (aliases, versions, tags) in before.items():
+        assert registry.aliases(home, name) == aliases and _versions(name) == versions, name
+        challenger = registry.version_info(home, aliases["challenger"], name)
+        assert CanaryTag.from_tags(challenger.tags) == CanaryTag.from_tags(tags), name  # the same experiment
+    outcomes = json.loads((home.home / "loop" / "outcomes.json").read_text())
+    assert outcomes["retrain"] == {"skipped": 1}
+    with get_client(sync_client=True) as client:
+        assert "retrain:skipped" in client.read_flow_run(state.state_details.flow_run_id).tags
+
+
+def test_a_drift_retrain_supersedes_a_running_canary(prefect_server, champion_home, copy_home, tmp_path):
+    """A drift retrain must not wait behind a challenger trained before the drift: it trains, and its
+    candidate replaces the challenger whose canary was running."""
+    from flows.retrain_flow import retrain_flow
+    from recloop import registry
+    from recloop.canary import controller
+    from recloop.flow_support import settings_parameter
+
+    home = _home_with_running_canaries(champion_home, copy_home, tmp_path)
+    lenient = tmp_path / "gate.yaml"  # any trained candidate passes: this test is about who waits, not quality
+    lenient.write_text("min_auc: 0.0\nmax_logloss_ratio: 100.0\nmin_rows: 1\ncalibration_range: [0.01, 100.0]\n"
+                       "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\n")
+    canary = tmp_path / "canary.json"
+    canary.write_text(json.dumps(QUICK_CANARY))
+    state = retrain_flow(mode="incremental", reason="drift", gate_thresholds=str(lenient), canary_config=str(canary),
+                         retriever=False, settings=settings_parameter(home), return_state=True)
+    assert state.is_completed() and state.name == "Challenger", state
+    result = state.result()
+    version = result["train"]["mlflow"]["version"]
+    assert version == "3" and _versions(registry.MODEL_NAME) == ["1", "2", "3"]
+    assert "waiting_for" not in result and result["gate"]["alias"] == "challenger"
+    assert registry.aliases(home)["challenger"] == "3" and controller.running(home) == "3"  # a new canary

@@ -677,9 +677,11 @@ def demo_command(
 
     def on_day(record: DayRecord) -> None:
         if not json_out:
+            candidate = f" → v{record.candidate_version} {record.gate}" if record.candidate_version else ""
+            retriever = f" v{record.retriever_version}" if record.retriever_version else ""
             live.done(f"day {record.day}: {record.events:,} events, {record.requests} requests, drift "
-                      f"{record.drift}, {record.retrain} → v{record.candidate_version} {record.gate}; canary "
-                      f"{', '.join(record.canary) or '-'}; retriever v{record.retriever_version or '-'} "
+                      f"{record.drift}, {record.retrain}{candidate}; canary "
+                      f"{', '.join(record.canary) or '-'}; retriever{retriever} "
                       f"{record.retriever_gate} (oracle recall {_fmt(record.retriever_oracle_recall)}), "
                       f"/recommend {record.recommend_clicks} clicks ({record.seconds} s)")
 

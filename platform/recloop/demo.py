@@ -12,7 +12,9 @@ it champion. The serving API starts (in this process). Then each simulated day:
    ``drift`` flow compares the day with the champion's training window (events and the champion's
    scores) — drift or KPI decay starts a full ``retrain`` (debounced by a cool-down in simulated time);
    otherwise the hourly schedule's work runs as one incremental ``retrain``
-   (ingest → features → train → gate → canary start, for the ranker and then the retriever).
+   (ingest → features → train → gate → canary start, for the ranker and then the retriever); a model
+   whose canary is still running is not retrained that night (``waits for v2's canary``): a new challenger
+   would reset its evidence.
 
 Every flow is a Prefect flow run (state under ``$RECLOOP_HOME/prefect``), every model an MLflow run and
 version, so ``recloop up`` shows the same history in the Prefect and MLflow UIs.
@@ -298,6 +300,9 @@ def _land_day(world: World, day: int, settings: Settings) -> int:
 
 def _record_training(record: DayRecord, outcome: dict, kind: str) -> None:
     record.retrain = kind
+    if "waiting_for" in outcome:  # a scheduled incremental while the ranker's canary runs: its evidence is kept
+        record.retrain, record.gate = f"{kind}: waits for v{outcome['waiting_for']['version']}'s canary", "-"
+        return
     if "skipped" in outcome:  # no hour the champion has not seen: nothing trained (never in the demo's days)
         record.retrain, record.gate = f"{kind} skipped", "-"
         return
@@ -336,7 +341,10 @@ def _twin_recovery(panels: dict[int, dict], twin: dict, config: DemoConfig) -> d
 def _record_retriever(record: DayRecord, outcome: dict, settings: Settings, oracle: WorldOracle, k: int) -> None:
     """The retrain's retriever: its version, gate, canary start, and its oracle recall@k on its held-out
     hours beside the popularity baseline's (scored here: only the demo knows the world)."""
-    retriever = outcome.get("retriever") or {}
+    retriever = outcome.get("retriever") or {}  # the ranker may have waited for its canary and the retriever not
+    if "waiting_for" in retriever:
+        record.retriever_gate = f"waits for v{retriever['waiting_for']['version']}'s canary"
+        return
     if "gate" not in retriever:
         record.retriever_gate = "not trained: " + retriever.get("train", {}).get("skipped", "-")
         return

@@ -49,7 +49,7 @@ from recloop.settings import Settings
 
 EXPERIMENT = "recloop-canary"
 __all__ = ["LOAD_FAILED_TAG", "KPI_BASELINE_TAG", "CanaryStatus", "CanaryStep", "ManualResult", "NoCanary",
-           "manual", "set_share", "start", "status", "step"]
+           "manual", "running", "set_share", "start", "status", "step"]
 PRE_PERIOD_SECONDS = 7 * 86400  # CUPED's covariate: each user's clicks in this long before the canary
 
 
@@ -134,6 +134,25 @@ def _challenger(settings: Settings, model_name: str = MODEL_NAME) -> tuple[str, 
     if challenger is None or champion is None:
         raise NoCanary(f"no canary of {model_name} in progress: there is no 'challenger' (or no 'champion') alias")
     return challenger, champion, registry.version_info(settings, challenger, model_name).tags
+
+
+def running(settings: Settings, model_name: str = MODEL_NAME) -> str | None:
+    """The challenger version whose canary is in progress (started, not yet promoted or rolled back), else None.
+
+    Cheap (aliases and one version's tags, no journal): the retrain flow asks it before a scheduled incremental
+    retrain, which waits for the decision rather than replace the challenger and reset its evidence.
+
+    Example::
+
+        version = running(settings)                          # "2" while v2's canary runs
+        running(settings, model_name=RETRIEVER_NAME)         # the retriever's, independently
+    """
+    try:
+        challenger, _, tags = _challenger(settings, check_model(model_name))
+    except NoCanary:
+        return None
+    tag = CanaryTag.from_tags(tags)
+    return challenger if tag is not None and tag.state == "running" else None
 
 
 def _update(settings: Settings, version: str, model_name: str, **changes) -> CanaryTag:
