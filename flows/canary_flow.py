@@ -26,8 +26,12 @@ def canary_task(config_path: str | None, start: bool, settings: dict | None, mod
 
 
 @task
-def running_canary_task(settings: dict | None, model_name: str = "recloop-ranker") -> dict | None:
-    """The challenger whose canary is in progress and its share (``None``: no canary is running)."""
+def running_canary_task(settings: dict | None, model_name: str = "recloop-ranker",
+                        max_wait_hours: float | None = None) -> dict | None:
+    """The challenger whose canary is in progress and its share (``None``: no canary is running, or it has run
+    longer than ``max_wait_hours``: a canary that no traffic reaches must not hold back retrains for ever)."""
+    import time
+
     from recloop import registry
     from recloop.canary.tag import CanaryTag
 
@@ -36,7 +40,12 @@ def running_canary_task(settings: dict | None, model_name: str = "recloop-ranker
     if version is None:
         return None
     tag = CanaryTag.from_tags(registry.version_info(resolved, version, model_name).tags)
-    return {"version": version, "share": tag.share if tag else 0.0}
+    hours = (time.time() - tag.started_at) / 3600 if tag and tag.started_at is not None else 0.0
+    if max_wait_hours is not None and hours > max_wait_hours:
+        log("v%s's canary has run %.1f h, longer than a scheduled retrain waits (%s h): it is superseded",
+            version, hours, max_wait_hours)
+        return None
+    return {"version": version, "share": tag.share if tag else 0.0, "hours": round(hours, 2)}
 
 
 def waits_for(canary: dict, what: str) -> str:

@@ -39,11 +39,13 @@ def gate_retriever_task(version: str, thresholds_path: str | None, settings: dic
 @flow(name="retriever", log_prints=True)
 def retriever_flow(mode: Literal["incremental", "full"] = "incremental", spec: str | None = None, days: int = 7,
                    epochs: int = 3, validation_hours: int = 6, thresholds_path: str | None = None,
-                   canary_config: str | None = None, wait_for_canary: bool = False,
+                   canary_config: str | None = None, wait_for_canary_hours: float | None = None,
                    settings: dict | None = None) -> dict:
-    """``wait_for_canary`` (the retrain flow's scheduled incremental runs): while the retriever's canary runs,
-    train nothing, as the ranker waits for its own (a new challenger would reset the canary's evidence)."""
-    if wait_for_canary and (canary := running_canary_task(settings, RETRIEVER_NAME)) is not None:
+    """``wait_for_canary_hours`` (the retrain flow's scheduled incremental runs): while the retriever's canary
+    runs (started at most this long ago), train nothing, as the ranker waits for its own (a new challenger would
+    reset the canary's evidence)."""
+    if wait_for_canary_hours is not None and (canary := running_canary_task(
+            settings, RETRIEVER_NAME, max_wait_hours=wait_for_canary_hours)) is not None:
         skipped = waits_for(canary, "retriever retrain") + "; nothing trained"
         publish("retriever", f"retriever not trained: {skipped}", "retriever training")
         return {"train": {"skipped": skipped}, "waiting_for": canary}

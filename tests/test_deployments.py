@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -153,7 +154,7 @@ QUICK_CANARY = {"steps": [0.05, 1.0], "bake_seconds": 0, "min_requests": 0, "min
                 "mode": "canary"}
 
 
-def _home_with_running_canaries(champion_home, copy_home, root: Path) -> Settings:
+def _home_with_running_canaries(champion_home, copy_home, root: Path, started: float | None = None) -> Settings:
     """The shared champion (v1) with a challenger (v2, the same model) whose canary runs, and a retriever
     champion and challenger with a running canary of their own. The retriever's versions reuse the ranker's
     artifact: only their aliases and tags are read here (a waiting retriever loads nothing)."""
@@ -171,7 +172,7 @@ def _home_with_running_canaries(champion_home, copy_home, root: Path) -> Setting
         challenger = registry.register(home, info.source, info.run_id, model_name=model_name)
         registry.set_alias(home, "challenger", challenger, who="test", why="a canary in progress",
                            model_name=model_name)
-        controller.start(home, config, now=1000.0, model_name=model_name)
+        controller.start(home, config, now=time.time() if started is None else started, model_name=model_name)
         assert controller.running(home, model_name) == challenger
     return home
 
@@ -203,7 +204,7 @@ def test_a_scheduled_incremental_retrain_waits_for_the_running_canaries(
     result = state.result()
     assert result["pending"]["hours"] > 0  # not the no-new-hours skip: there was something to train on
     assert result["features"]["rows"] > 0 and "train" not in result and "gate" not in result
-    assert result["waiting_for"] == {"version": "2", "share": 0.05}
+    assert result["waiting_for"]["version"] == "2" and result["waiting_for"]["share"] == 0.05
     assert "v2's canary is still running (share 5%)" in state.message and "waits for its decision" in state.message
     retriever = result["retriever"]  # the retriever's step ran, and waited for its own canary
     assert "gate" not in retriever and retriever["waiting_for"]["version"] == "2"
@@ -240,3 +241,19 @@ def test_a_drift_retrain_supersedes_a_running_canary(prefect_server, champion_ho
     assert version == "3" and _versions(registry.MODEL_NAME) == ["1", "2", "3"]
     assert "waiting_for" not in result and result["gate"]["alias"] == "challenger"
     assert registry.aliases(home)["challenger"] == "3" and controller.running(home) == "3"  # a new canary
+
+
+def test_a_scheduled_retrain_waits_no_longer_than_canary_wait_hours(champion_home, copy_home, tmp_path):
+    """A canary no traffic reaches never decides: past ``canary_wait_hours`` the scheduled retrain stops
+    waiting for it (and supersedes it)."""
+    from flows.canary_flow import running_canary_task
+    from recloop import registry
+    from recloop.flow_support import settings_parameter
+
+    home = _home_with_running_canaries(champion_home, copy_home, tmp_path, started=time.time() - 25 * 3600)
+    settings = settings_parameter(home)
+    for name in (registry.MODEL_NAME, registry.RETRIEVER_NAME):
+        waiting = running_canary_task.fn(settings, name, max_wait_hours=48)
+        assert waiting["version"] == "2" and 24.9 < waiting["hours"] < 25.2
+        assert running_canary_task.fn(settings, name, max_wait_hours=24) is None
+
