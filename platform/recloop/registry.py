@@ -400,6 +400,23 @@ def set_alias(settings: Settings, alias: str, version: str, *, who: str | None =
         model_name)
 
 
+def set_challenger(settings: Settings, version: str, *, who: str | None = None, why: str = "",
+                   model_name: str = MODEL_NAME) -> None:
+    """Make ``version`` the challenger. A challenger it replaces whose canary was still running is marked
+    ``superseded`` in its ``canary`` tag (share 0, the reason), so no version is left saying "running"."""
+    from dataclasses import replace
+
+    from recloop.canary.tag import CanaryTag
+
+    old = version_by_alias(settings, "challenger", model_name)
+    if old is not None and old != version:
+        tag_ = CanaryTag.from_tags(version_info(settings, old, model_name).tags)
+        if tag_ is not None and tag_.state == "running":
+            tag(settings, old, replace(tag_, state="superseded", share=0.0, reasons=(
+                f"superseded by v{version} before a decision ({who or 'unknown'}: {why})",)).to_tag(), model_name)
+    set_alias(settings, "challenger", version, who=who, why=why, model_name=model_name)
+
+
 def remove_alias(settings: Settings, alias: str, model_name: str = MODEL_NAME) -> None:
     _client(settings).delete_registered_model_alias(model_name, alias)
 

@@ -26,7 +26,7 @@ from typing import Literal
 log = logging.getLogger(__name__)
 
 CANARY_TAG = "canary"
-State = Literal["running", "promoted", "rolled_back"]
+State = Literal["running", "promoted", "rolled_back", "superseded"]
 Mode = Literal["interleave", "canary", "shadow"]
 _LEGACY = "canary."  # the prefix of the separate tags that versions carried before
 
@@ -36,7 +36,8 @@ class CanaryTag:
     """A version's canary: where it stands and what serving needs to route to it.
 
     Args:
-        state: ``running`` until a decision ends it (``promoted`` or ``rolled_back``).
+        state: ``running`` until a decision ends it (``promoted`` or ``rolled_back``), or a newer candidate
+            takes the challenger alias before it decides (``superseded``: a drift or manual retrain).
         share: the share of users the challenger serves (0 once rolled back).
         mode: ``interleave`` (one merged ranking), ``canary`` (A/B per user) or ``shadow`` (scores only).
         salt: this experiment's hash salt: its own split of users.
@@ -89,7 +90,7 @@ class CanaryTag:
 def _checked(value: dict) -> CanaryTag:
     """A CanaryTag from decoded JSON, with its types checked (a bad value is a ValueError, not a surprise later)."""
     state = value.get("state", "running")
-    if state not in ("running", "promoted", "rolled_back"):
+    if state not in ("running", "promoted", "rolled_back", "superseded"):
         raise ValueError(f"unknown state {state!r}")
     mode = value.get("mode") if value.get("mode") in ("interleave", "shadow") else "canary"
     optional_float = {k: None if value.get(k) is None else float(value[k]) for k in ("started_at", "step_started_at")}

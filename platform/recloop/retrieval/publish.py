@@ -130,7 +130,7 @@ def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalTh
                          model_name=RETRIEVER_NAME)
         alias = "champion"
     elif decision.passed:
-        registry.set_alias(settings, "challenger", version, who="gate", why="passed the gate", model_name=RETRIEVER_NAME)
+        registry.set_challenger(settings, version, who="gate", why="passed the gate", model_name=RETRIEVER_NAME)
         alias = "challenger"
     return {"passed": decision.passed, "reasons": list(decision.reasons), "version": version, "alias": alias,
             "champion": champion_version, "mode": mode, "first_model": decision.first_model,
