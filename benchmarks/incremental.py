@@ -173,6 +173,11 @@ def chain(args) -> None:
         for key in ("normalized_auc", "ndcg", "auc"):
             mean, low, high = _world_interval(mine, key)
             row[f"{key} − full"] = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+        first = [p for p in pairs if p["variant"] == pairs[0]["variant"]]
+        paired = [{"world": p["world"], "auc": p["auc"] - q["auc"]} for p, q in zip(mine, first, strict=True)]
+        mean, low, high = _world_interval(paired, "auc")
+        row[f"auc − {pairs[0]['variant']} (paired)"] = "-" if mine is first or name == first[0]["variant"] else \
+            f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
         row["one incremental run / one full retrain (wall)"] = \
             f"{np.mean([p['per_run_wall_s'] for p in mine]) / np.mean([p['full_wall_s'] for p in mine]):.2f}x"
         rows.append(row)

@@ -55,13 +55,16 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
                  gate_thresholds: str | None = None, slot_timeout_seconds: float = 3600,
                  retriever: bool = True, retriever_thresholds: str | None = None, retriever_epochs: int = 3,
                  monitor_request: bool = False, requested_at: float | None = None,
-                 canary_wait_hours: float = 24.0, settings: dict | None = None) -> dict:
+                 canary_wait_hours: float = 24.0, replay_fraction: float = 0.0,
+                 settings: dict | None = None) -> dict:
     """``monitor_request``: this run answers the drift monitor's request (the ``full-retrain`` deployment's
     event trigger sets it; the demo's inline retrain too): its gate verdict is recorded for the monitor's
     trigger, so the cool-down starts only when the retrain passes and a refused one is asked for again
     (``monitor.runner.record_retrain_outcome``). ``requested_at``: the monitor's clock at the request
     (simulated time in the demo); the outcome is recorded at it, else now. ``canary_wait_hours``: a scheduled
-    incremental retrain waits for a running canary at most this long after it started, then supersedes it."""
+    incremental retrain waits for a running canary at most this long after it started, then supersedes it.
+    ``replay_fraction``: an incremental run also replays a random sample of older hours, this share of its new
+    ones (``TrainConfig.replay_fraction``)."""
     retriever_step = None
     if retriever:
         def retriever_step(resolved_spec: str) -> dict:
@@ -73,7 +76,7 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
     try:
         with model_slot(slot_timeout_seconds):
             return _retrain(mode, reason, spec, days, epochs, batch_size, validation_hours, canary_config,
-                            gate_thresholds, settings, retriever_step, canary_wait_hours,
+                            gate_thresholds, settings, retriever_step, canary_wait_hours, replay_fraction,
                             (time.time() if requested_at is None else requested_at) if monitor_request else None)
     except SlotBusy as busy:
         log("%s", busy)
@@ -83,7 +86,8 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
 
 def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, batch_size: int | None,
              validation_hours: int, canary_config: str | None, gate_thresholds: str | None, settings: dict | None,
-             retriever_step=None, canary_wait_hours: float = 24.0, monitor_clock: float | None = None):
+             retriever_step=None, canary_wait_hours: float = 24.0, replay_fraction: float = 0.0,
+             monitor_clock: float | None = None):
     spec = datasets.source(settings_from(settings), spec)  # resolved once, for every stage below
     result: dict = {"mode": mode, "reason": reason, "spec": spec}
     log("%s retrain (%s)", mode, reason)
@@ -104,7 +108,7 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             return _finish(settings, "Skipped", result["skipped"], result, retriever_step)  # the retriever's own rule
         if pending["hours"]:
             log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
-    result["train"] = train_flow(mode=mode, days=days, epochs=epochs,
+    result["train"] = train_flow(mode=mode, days=days, epochs=epochs, replay_fraction=replay_fraction,
                                  batch_size=batch_size, validation_hours=validation_hours, settings=settings)
     version = result["train"]["mlflow"]["version"]
     result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)

@@ -161,3 +161,29 @@ def test_metrics_are_computed_correctly():
     out = metrics(labels, np.array([0.5, np.nan, 0.5, 0.5, 0.5, 0.5]))
     assert out["nan_predictions"] == 1 and np.isnan(out["auc"])
     assert metrics(labels, np.full(6, 0.25))["calibration"] == pytest.approx(0.5)
+
+
+def test_an_incremental_window_is_its_new_hours_plus_a_replay_sample_of_a_full_runs_days(tmp_path: Path):
+    """Replay draws older hours at random, ``replay_fraction`` of the new ones, from the ``days`` a full run
+    would train on (never from before them), and ``epochs`` counts passes in both modes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recloop.train import choose_windows
+
+    files = []
+    for hour in range(5 * 24):  # five days of hourly files, 100 rows each
+        path = tmp_path / f"2026-01-{1 + hour // 24:02d}T{hour % 24:02d}.parquet"
+        pq.write_table(pa.table({"label": [0] * 100}), path)
+        files.append(path)
+    base = {"trained_until": "2026-01-05T00"}  # seen days 1..4; day 5's hours are new
+    settings = dict(validation_hours=6, validation_rows=100, days=2, epochs=3, train_rows=100)
+    plain = choose_windows(files, TrainConfig(mode="incremental", **settings), base)
+    assert [f.stem for f in plain.train] == [f.stem for f in files[96:114]] and plain.epochs == 3
+    replayed = choose_windows(files, TrainConfig(mode="incremental", replay_fraction=0.5, **settings), base)
+    older = [f for f in replayed.train if f.stem < base["trained_until"]]
+    assert replayed.train[len(older):] == plain.train and len(older) == 9  # half of 18 new hours
+    assert all(f.stem >= "2026-01-03T18" for f in older)  # within the 2 days before the held-out hours
+    assert len({f.stem for f in older}) == 9
+    full = choose_windows(files, TrainConfig(mode="full", **settings), None)
+    assert full.train[0].stem == "2026-01-03T18" and full.epochs == 3

@@ -78,6 +78,8 @@ class DemoConfig:
     drift_day: int = 2
     cooldown_days: float = 1.5
     full_epochs: int = 3
+    # an incremental retrain also replays older hours, this share of its new ones (TrainConfig.replay_fraction)
+    replay_fraction: float = 0.0
     batch_size: int | None = None  # default: about 32 steps per day of events
     candidates: int = 100
     shown: int = 10
@@ -225,7 +227,8 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                 last_full_day = day
             else:
                 stage(day, "incremental retrain: train, gate (ranker, then retriever)")
-                outcome = flows["retrain"](mode="incremental", reason="scheduled", days=day + 1, **train_args)
+                outcome = flows["retrain"](mode="incremental", reason="scheduled", days=day + 1,
+                                           replay_fraction=config.replay_fraction, **train_args)
                 kind = "incremental"
             _record_training(record, outcome, kind)
             _record_retriever(record, outcome, settings, oracle, config.retrieve_k)

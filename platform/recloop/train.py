@@ -86,7 +86,9 @@ class TrainConfig:
             rows to train on).
         min_validation_rows: fewer held-out rows than this: training is refused (a version validated on 13
             rows says nothing; the gate's ``min_rows`` refuses it too).
-        replay_fraction: incremental only: older hours replayed, as a fraction of the new hours.
+        replay_fraction: incremental only: older hours replayed, as a fraction of the new hours, drawn at random
+            from the window a full retrain would train on (``days``, grown to ``train_rows``). Each day's run of the loop's chain then sees its
+            history again instead of only the newest rows (measured in benchmarks/incremental.py --chain).
         checkpoint_every: steps between checkpoints.
         warm_state_decay: incremental only: the embedding optimizer's accumulated state is multiplied by
             this at warm start. Adagrad's sums only grow, so without decay a model trained for long takes
@@ -276,18 +278,18 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
                          "are needed to judge a model): build features over a longer stretch of events, or "
                          "lower min_validation_rows knowingly")
     validation, trainable = files[cut:], files[:cut]
+    since = _stem_time(validation[0]) - timedelta(days=config.days)
+    first = next((i for i, f in enumerate(trainable) if _stem_time(f) >= since), len(trainable))
+    rows = sum(_rows(f) for f in trainable[first:])
+    while first > 0 and rows < config.train_rows:
+        first -= 1
+        rows += _rows(trainable[first])
     if base is None:
-        since = _stem_time(validation[0]) - timedelta(days=config.days)
-        first = next((i for i, f in enumerate(trainable) if _stem_time(f) >= since), len(trainable))
-        rows = sum(_rows(f) for f in trainable[first:])
-        while first > 0 and rows < config.train_rows:
-            first -= 1
-            rows += _rows(trainable[first])
         return Windows(trainable[first:], validation, config.epochs)
     new = unseen(trainable, base)
     if not new:
         raise TrainError(f"nothing new to train on: the checkpoint has seen every hour up to {base['trained_until']}")
-    older = [f for f in trainable if f.stem < base["trained_until"]]
+    older = [f for f in trainable[first:] if f.stem < base["trained_until"]]  # replayed: a full run's window only
     replay_count = min(len(older), math.ceil(len(new) * config.replay_fraction))
     replay = sorted(np.random.default_rng(config.seed).choice(len(older), replay_count, replace=False).tolist())
     return Windows([older[i] for i in replay] + new, validation, config.epochs)
