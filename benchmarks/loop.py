@@ -469,7 +469,8 @@ def concept_rates(seeds: int, scenarios: tuple[str, ...], requests_per_day: int,
 
 
 def loop_grid(
-    seeds: int, scenarios: tuple[str, ...], days: int, events_per_day: int, requests_per_day: int, root: str
+    seeds: int, scenarios: tuple[str, ...], days: int, events_per_day: int, requests_per_day: int, root: str,
+    first_seed: int = 0,
 ) -> dict:
     """``recloop demo`` per world seed and scenario, each with its no-drift twin: the twin-world recovery
     two cycles after the drift (mean and t interval across seeds, each run's own user-cluster interval),
@@ -482,7 +483,7 @@ def loop_grid(
 
     runs: dict[str, list[dict]] = {}
     for scenario in scenarios:
-        for seed in range(seeds):
+        for seed in range(first_seed, first_seed + seeds):
             home = Path(root) / f"{scenario}-{seed}" / "home"
             config = DemoConfig(
                 days=days,
@@ -559,6 +560,7 @@ def main() -> None:
         default=0,
         help="world seeds of the full-loop grid (0: skip it; each run is a `recloop demo` and its twin)",
     )
+    parser.add_argument("--loop-first-seed", type=int, default=0, help="the grid's world seeds start here")
     parser.add_argument("--scenarios", default="sudden,gradual,covariate,none")
     parser.add_argument(
         "--concept-requests", type=int, default=400, help="served requests a day (concept drift)"
@@ -625,6 +627,7 @@ def main() -> None:
                 args.loop_events_per_day,
                 args.loop_requests_per_day,
                 args.loop_root or scratch,
+                args.loop_first_seed,
             )
         for scenario, entry in result["loop"].items():
             print(

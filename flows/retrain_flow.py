@@ -55,7 +55,7 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
                  gate_thresholds: str | None = None, slot_timeout_seconds: float = 3600,
                  retriever: bool = True, retriever_thresholds: str | None = None, retriever_epochs: int = 3,
                  monitor_request: bool = False, requested_at: float | None = None,
-                 canary_wait_hours: float = 24.0, replay_fraction: float = 0.0,
+                 canary_wait_hours: float = 24.0, replay_fraction: float = 1.0,
                  settings: dict | None = None) -> dict:
     """``monitor_request``: this run answers the drift monitor's request (the ``full-retrain`` deployment's
     event trigger sets it; the demo's inline retrain too): its gate verdict is recorded for the monitor's
@@ -64,7 +64,8 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
     (simulated time in the demo); the outcome is recorded at it, else now. ``canary_wait_hours``: a scheduled
     incremental retrain waits for a running canary at most this long after it started, then supersedes it.
     ``replay_fraction``: an incremental run also replays a random sample of older hours, this share of its new
-    ones (``TrainConfig.replay_fraction``)."""
+    ones (``TrainConfig.replay_fraction``): along a chain of daily incremental runs, as many older hours as new
+    ones kept held-out AUC +0.018 [0.005, 0.030] above new hours alone (``benchmarks/incremental.py --chain``)."""
     retriever_step = None
     if retriever:
         def retriever_step(resolved_spec: str) -> dict:

@@ -78,8 +78,9 @@ class DemoConfig:
     drift_day: int = 2
     cooldown_days: float = 1.5
     full_epochs: int = 3
-    # an incremental retrain also replays older hours, this share of its new ones (TrainConfig.replay_fraction)
-    replay_fraction: float = 0.0
+    # an incremental retrain also replays older hours, this share of its new ones (TrainConfig.replay_fraction;
+    # the retrain flow's default: +0.018 held-out AUC [0.005, 0.030] over none along the loop's chain)
+    replay_fraction: float = 1.0
     batch_size: int | None = None  # default: about 32 steps per day of events
     candidates: int = 100
     shown: int = 10
