@@ -54,17 +54,19 @@ def test_decide(challenger, state, action, share, reason):
 
 def test_an_interleaved_promotion_sets_the_kpi_baseline_from_the_champions_own_ctr():
     """Interleaved lists mix both teams: their CTR is not the challenger's. The baseline the monitor judges
-    decay against is the champion's own CTR moved by the interleaving's effect; an A/B canary's is the
-    challenger's own traffic's."""
+    decay against is the champion's own CTR moved by the interleaving's effect at its lower bound (what the
+    evidence showed at least); an A/B canary's is the challenger's own traffic's."""
     from recloop.canary.controller import kpi_baseline_at_promotion
 
     figures = {"challenger_ctr": 0.15, "challenger_auc": 0.71, "challenger_impressions": 9000,
-               "champion_ctr": 0.10, "champion_impressions": 4000, "ctr_effect": 0.20}
+               "champion_ctr": 0.10, "champion_impressions": 4000, "ctr_effect": 0.60, "ctr_effect_low": 0.20}
     interleaved = kpi_baseline_at_promotion(figures, "interleave")
     assert interleaved == {"ctr": pytest.approx(0.12), "auc": 0.71, "impressions": 4000.0}
     assert kpi_baseline_at_promotion(figures, "canary") == {"ctr": 0.15, "auc": 0.71, "impressions": 9000.0}
     # no interleaving evidence: no CTR level at all rather than the mixed lists'
-    assert "ctr" not in kpi_baseline_at_promotion({**figures, "ctr_effect": None}, "interleave")
+    assert "ctr" not in kpi_baseline_at_promotion({**figures, "ctr_effect_low": None}, "interleave")
+    held = kpi_baseline_at_promotion({**figures, "ctr_effect_low": -0.25}, "interleave")
+    assert held["ctr"] == pytest.approx(0.075)  # shown no worse than 25 % below the champion: held to that
 
 
 def test_the_retrievers_ab_evidence_rolls_back_on_harm_and_promotes_on_the_guardrails():
