@@ -67,13 +67,8 @@ def main() -> None:
     for world_seed in range(args.worlds):
         work = Path(tempfile.mkdtemp(prefix="recloop-bench-incremental-"))
         try:
-            start = datetime(2026, 1, 1, tzinfo=UTC)
-            simulate(WorldConfig(seed=world_seed, days=args.days + 1, events_per_day=args.events_per_day),
-                     work / "landing")
-            settings = Settings(home=work / "home", frame_backend="pandas")
-            ingest(work / "landing", spec, settings, now=datetime(2026, 6, 1, tzinfo=UTC))
-            features = FeatureConfig.for_spec(spec)
-            build_features(settings, spec, features, end=start + timedelta(days=args.days))
+            settings, features = _landed_world(work, world_seed, args)
+            build_features(settings, spec, features, end=START + timedelta(days=args.days))
             common = dict(days=args.days + 1, epochs=args.epochs, batch_size=args.batch_size, validation_hours=6,
                           checkpoint_every=10_000)
             base = [timed(TrainConfig(mode="full", seed=s, **common)) for s in seeds]
@@ -118,6 +113,17 @@ def main() -> None:
            {**machine(), "pairs": json.dumps(pairs)}, args.json_path)
 
 
+START = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated world's first day
+
+
+def _landed_world(work: Path, world_seed: int, args) -> tuple[Settings, FeatureConfig]:
+    """A world of ``--days`` + 1 days simulated and ingested into a home under ``work`` (no features yet)."""
+    simulate(WorldConfig(seed=world_seed, days=args.days + 1, events_per_day=args.events_per_day), work / "landing")
+    settings = Settings(home=work / "home", frame_backend="pandas")
+    ingest(work / "landing", load_spec("synthetic"), settings, now=datetime(2026, 6, 1, tzinfo=UTC))
+    return settings, FeatureConfig.for_spec(load_spec("synthetic"))
+
+
 def chain(args) -> None:
     """The loop's sequence: what a champion retrained incrementally every day becomes, against a daily full
     retrain. Per world seed (``--days`` D + 1 days of ``--events-per-day``): a full model on day 0 (``--full-epochs``,
@@ -132,20 +138,15 @@ def chain(args) -> None:
     for world_seed in range(args.worlds):
         work = Path(tempfile.mkdtemp(prefix="recloop-bench-chain-"))
         try:
-            start = datetime(2026, 1, 1, tzinfo=UTC)
-            simulate(WorldConfig(seed=world_seed, days=args.days + 1, events_per_day=args.events_per_day),
-                     work / "landing")
-            settings = Settings(home=work / "home", frame_backend="pandas")
-            ingest(work / "landing", spec, settings, now=datetime(2026, 6, 1, tzinfo=UTC))
-            features = FeatureConfig.for_spec(spec)
+            settings, features = _landed_world(work, world_seed, args)
             common = dict(batch_size=args.batch_size, validation_hours=6, checkpoint_every=10_000)
-            build_features(settings, spec, features, end=start + timedelta(days=1))
+            build_features(settings, spec, features, end=START + timedelta(days=1))
             base = train(settings, TrainConfig(mode="full", days=1, epochs=args.full_epochs, **common))
             heads = {v: Path(base.checkpoint) for v in variants}
             walls = dict.fromkeys(variants, 0.0)
             finals = {}
             for day in range(1, args.days + 1):
-                build_features(settings, spec, features, end=start + timedelta(days=day + 1))
+                build_features(settings, spec, features, end=START + timedelta(days=day + 1))
                 for epochs, replay in variants:
                     began = time.perf_counter()
                     run = train(settings, TrainConfig(mode="incremental", days=day + 1, epochs=epochs,
