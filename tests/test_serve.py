@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from polling import wait_for
+from polling import eventually, wait_for
 from variants import inverted, unchanged, variant
 
 from recloop import registry
@@ -299,14 +299,22 @@ def test_no_request_fails_while_aliases_move_under_load(client: httpx.Client, ho
     stop = threading.Event()
     deployed: list[str] = []
 
+    def answered_by(http: httpx.Client, version: str) -> float:
+        """Requests the server has answered with ``version`` so far (its /metrics counter)."""
+        return sum(float(line.rsplit(" ", 1)[1]) for line in http.get("/metrics").text.splitlines()
+                   if line.startswith("recloop_requests_total{") and f'version="{version}"' in line)
+
     def flip() -> None:
-        """Move the champion alias, wait until the server serves the move, move it back: a swap per move,
-        however fast or slow the machine is."""
+        """Move the champion alias, wait until the server serves the move and has answered a request with it,
+        move it back: a swap per move, each version serving in turn, however fast or slow the machine is."""
         with httpx.Client(base_url=server.url, timeout=30) as http:
             while not stop.is_set():
                 target = twin if len(deployed) % 2 == 0 else "1"
+                before = answered_by(http, target)
                 registry.set_alias(home, "champion", target, who="test", why="flip under load")
                 wait_for(http, lambda h, target=target: h["versions"]["champion"] == target or stop.is_set(), 60)
+                eventually(lambda t=target, b=before: answered_by(http, t) > b or stop.is_set(), 60,
+                           f"no request answered by v{target} after it was deployed")
                 deployed.append(target)
 
     users = SimulatedUsers(replayed_world(), day=3.2, seed=7)  # before the flips: they must happen under load
