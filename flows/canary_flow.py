@@ -32,20 +32,16 @@ def running_canary_task(settings: dict | None, model_name: str = "recloop-ranker
     longer than ``max_wait_hours``: a canary that no traffic reaches must not hold back retrains for ever)."""
     import time
 
-    from recloop import registry
-    from recloop.canary.tag import CanaryTag
-
-    resolved = settings_from(settings)
-    version = controller.running(resolved, model_name)
-    if version is None:
+    found = controller.running_tag(settings_from(settings), model_name)
+    if found is None:
         return None
-    tag = CanaryTag.from_tags(registry.version_info(resolved, version, model_name).tags)
-    hours = (time.time() - tag.started_at) / 3600 if tag and tag.started_at is not None else 0.0
+    version, tag = found
+    hours = (time.time() - tag.started_at) / 3600 if tag.started_at is not None else 0.0
     if max_wait_hours is not None and hours > max_wait_hours:
         log("v%s's canary has run %.1f h, longer than a scheduled retrain waits (%s h): it is superseded",
             version, hours, max_wait_hours)
         return None
-    return {"version": version, "share": tag.share if tag else 0.0, "hours": round(hours, 2)}
+    return {"version": version, "share": tag.share, "hours": round(hours, 2)}
 
 
 def waits_for(canary: dict, what: str) -> str:

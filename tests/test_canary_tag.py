@@ -131,6 +131,8 @@ def test_running_names_the_challenger_only_while_its_canary_runs(home: Settings,
     assert controller.running(home) is None  # a challenger whose canary has not started
     controller.start(home, QUICK, now=1000.0)
     assert controller.running(home) == challenger
+    version, tag = controller.running_tag(home)  # the same read, with the tag the retrain's wait needs
+    assert version == challenger and tag.state == "running" and tag.started_at == 1000.0 and tag.share > 0
     assert controller.running(home, model_name=registry.RETRIEVER_NAME) is None  # each model its own canary
     controller.manual(home, "rollback", "test over")
     assert controller.running(home) is None

@@ -147,12 +147,18 @@ def running(settings: Settings, model_name: str = MODEL_NAME) -> str | None:
         version = running(settings)                          # "2" while v2's canary runs
         running(settings, model_name=RETRIEVER_NAME)         # the retriever's, independently
     """
+    found = running_tag(settings, model_name)
+    return found[0] if found is not None else None
+
+
+def running_tag(settings: Settings, model_name: str = MODEL_NAME) -> tuple[str, CanaryTag] | None:
+    """``running``'s version with its canary tag (share, start time), from the same one read of its tags."""
     try:
         challenger, _, tags = _challenger(settings, check_model(model_name))
     except NoCanary:
         return None
     tag = CanaryTag.from_tags(tags)
-    return challenger if tag is not None and tag.state == "running" else None
+    return (challenger, tag) if tag is not None and tag.state == "running" else None
 
 
 def _update(settings: Settings, version: str, model_name: str, **changes) -> CanaryTag:
