@@ -60,6 +60,7 @@ def main() -> None:
     bases, incrementals, fulls = [], [], []
 
     def timed(config: TrainConfig, **kwargs):
+        _cold_baselines(settings)
         began = time.perf_counter()
         summary = train(settings, config, **kwargs)
         return summary, time.perf_counter() - began
@@ -148,12 +149,14 @@ def chain(args) -> None:
             for day in range(1, args.days + 1):
                 build_features(settings, spec, features, end=START + timedelta(days=day + 1))
                 for epochs, replay in variants:
+                    _cold_baselines(settings)
                     began = time.perf_counter()
                     run = train(settings, TrainConfig(mode="incremental", days=day + 1, epochs=epochs,
                                                       replay_fraction=replay, **common),
                                 warm_start=heads[(epochs, replay)])
                     walls[(epochs, replay)] += time.perf_counter() - began
                     heads[(epochs, replay)], finals[(epochs, replay)] = Path(run.checkpoint), run
+            _cold_baselines(settings)
             began = time.perf_counter()
             full = train(settings, TrainConfig(mode="full", days=args.days + 1, epochs=args.full_epochs, **common))
             full_wall = time.perf_counter() - began
@@ -185,6 +188,12 @@ def chain(args) -> None:
     report(f"the loop's chain: day 0 full, then {args.days} daily incremental runs vs a full retrain "
            f"({args.full_epochs} epochs) over {args.days + 1} days x {args.events_per_day} events, {args.worlds} worlds",
            rows, {**machine(), "pairs": json.dumps(pairs)}, args.json_path)
+
+
+def _cold_baselines(settings: Settings) -> None:
+    """Forget the baselines scored so far: every timed run fits its window's as the loop's training run does
+    (runs on the same held-out hours would otherwise read the first one's; in the loop, the gate does)."""
+    shutil.rmtree(settings.home / "features" / "baselines", ignore_errors=True)
 
 
 def _normalized(summary) -> float:

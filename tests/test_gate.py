@@ -229,3 +229,40 @@ def test_the_gate_report_shows_the_paired_comparison_that_decided():
     passed = report_markdown(decide(scores(), CHAMPION, T, "full", paired=better), scores(), CHAMPION, "8", "6",
                              "full", T)
     assert "| overall |" in passed and "REFUSED" not in passed and "**PASSED**" in passed
+
+
+def test_the_baselines_are_fitted_once_per_window_and_refitted_when_a_file_changes(champion_home, copy_home, tmp_path):
+    """The training run and its gate score the same window: the logistic regression is fitted once and kept
+    under features/baselines/ (the gate of the champion's bootstrap read the training run's entry back); the
+    entry is what is read; a rewritten held-out file makes a new one, equal to scoring from scratch."""
+    import json
+    import os
+
+    import pyarrow.parquet as pq
+
+    from recloop import registry
+    from recloop.data import FeatureSchema
+    from recloop.features.job import FeatureLayout
+    from recloop.gate import baselines
+    from recloop.gate.runner import held_out_files
+
+    home = copy_home(champion_home, tmp_path / "home")
+    layout = FeatureLayout.for_settings(home)
+    schema = FeatureSchema.load(layout.schema)
+    entries = list((layout.root / "baselines").glob("*.json"))
+    assert len(entries) == 1, entries  # train and gate, one window, one fit
+    held = held_out_files(home, registry.version_info(home, "1"))
+    kept = baselines.window_baselines(layout, held, schema)
+    assert kept == json.loads(entries[0].read_text()) and kept["logistic"]["auc"] > 0.55
+
+    entries[0].write_text(json.dumps({"planted": {"auc": 0.123}}))
+    assert baselines.window_baselines(layout, held, schema) == {"planted": {"auc": 0.123}}  # read, not refitted
+
+    os.utime(held[-1], ns=(held[-1].stat().st_atime_ns, held[-1].stat().st_mtime_ns + 1_000_000_000))
+    refitted = baselines.window_baselines(layout, held, schema)
+    before = sorted(p for p in layout.training.glob("*.parquet") if p.stem < held[0].stem)
+    fresh = baselines.score_baselines(before, held, schema, json.loads(layout.schema.read_text()).get("user_key"))
+    assert refitted == json.loads(json.dumps(fresh)) and "planted" not in refitted
+    assert refitted["logistic"]["train_rows"] == min(baselines.MAX_TRAIN_ROWS,
+                                                     sum(pq.ParquetFile(f).metadata.num_rows for f in before))
+    assert len(list((layout.root / "baselines").glob("*.json"))) == 2

@@ -304,7 +304,6 @@ def _score_period(settings: Settings, lineage: _Lineage, start: int, stop: int) 
     layout = FeatureLayout.for_settings(settings)
     first, last = _stem(start), _stem(stop)
     files = sorted(p for p in layout.training.glob("*.parquet") if first <= p.stem < last)
-    before = sorted(p for p in layout.training.glob("*.parquet") if p.stem < first)
     if not files:
         return {}
     schema = FeatureSchema.load(layout.schema)
@@ -323,8 +322,7 @@ def _score_period(settings: Settings, lineage: _Lineage, start: int, stop: int) 
     for name, summary in (("incremental", lineage.incremental), ("full", lineage.full)):
         if summary is not None:
             out[name] = score(summary.checkpoint)
-    user_key = json.loads(layout.schema.read_text()).get("user_key")
-    for name, figures in baselines.score_baselines(before, files, schema, user_key).items():
+    for name, figures in baselines.window_baselines(layout, files, schema).items():
         out[f"baseline:{name}"] = _figures(figures, figures.get("ndcg"))
     return out
 

@@ -11,18 +11,29 @@ Each is reported with AUC, log loss (where it predicts probabilities) and NDCG@1
 carry the user key). The gate report and the training summary list them next to the model (``recloop gate``,
 ``recloop train``, the replay's report).
 
+What the model has to beat does not depend on how it was trained: ``window_baselines`` learns from the
+newest rows *before* the held-out window, whatever the run trained on (a full window, or one day and its
+replayed hours), and keeps its figures in ``features/baselines/`` under a key of the files' names, sizes and
+modification times. The training run and the gate that judges it score the same window, so the loop fits
+the logistic regression once per window, not twice; a rewritten feature file changes the key.
+
 Example::
 
     figures = score_baselines(train_files, held_out_files, schema, user_key="customer")
     figures["logistic"]["auc"]
+    window_baselines(FeatureLayout.for_settings(settings), held_out_files, schema)  # the same, cached
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -31,8 +42,12 @@ import pyarrow.parquet as pq
 
 from recloop.evaluate import auc, log_loss
 
+if TYPE_CHECKING:
+    from recloop.features.job import FeatureLayout
+
 MAX_TRAIN_ROWS = 200_000
 NDCG_K = 10
+CACHE_ENTRIES = 64  # windows kept in features/baselines/ (a day of hourly gates and retrains, twice over)
 
 
 def ndcg_by_group(
@@ -68,17 +83,21 @@ def figures(labels: np.ndarray, scores: np.ndarray, groups: np.ndarray | None, p
     return out
 
 
+def _newest(files: Sequence[Path], max_rows: int) -> list[Path]:
+    """The newest of ``files`` (in their order) that together hold ``max_rows`` rows."""
+    files = list(files)
+    total, first = 0, len(files)
+    while first > 0 and total < max_rows:
+        first -= 1
+        total += pq.ParquetFile(files[first]).metadata.num_rows
+    return files[first:]
+
+
 def _read(files: Sequence[Path], columns: list[str], max_rows: int | None = None) -> pa.Table:
     """The columns of the files (the newest ``max_rows`` rows when given), in file order."""
     import pyarrow.dataset as ds
 
-    files = list(files)
-    if max_rows is not None:  # only the newest files that hold max_rows
-        total, first = 0, len(files)
-        while first > 0 and total < max_rows:
-            first -= 1
-            total += pq.ParquetFile(files[first]).metadata.num_rows
-        files = files[first:]
+    files = _newest(files, max_rows) if max_rows is not None else list(files)
     if not files:
         return pa.table({})
     present = [c for c in columns if c in pq.read_schema(files[-1]).names]
@@ -161,6 +180,44 @@ def score_baselines(
             p = model.predict_proba(_design(test, schema))[:, 1]
         out["logistic"] = {**figures(y_test, p, groups, True), "train_rows": int(train.num_rows)}
     return out
+
+
+def window_baselines(layout: FeatureLayout, held_out: Sequence[Path], schema,
+                     max_train_rows: int = MAX_TRAIN_ROWS) -> dict[str, dict]:
+    """``score_baselines`` on ``held_out``, learning from the layout's training files before its first hour;
+    read from ``features/baselines/`` when the same files (names, sizes, modification times) were scored
+    before. ``{}`` without held-out files."""
+    held_out = sorted(Path(f) for f in held_out)
+    if not held_out:
+        return {}
+    before = sorted(p for p in layout.training.glob("*.parquet") if p.stem < held_out[0].stem)
+    user_key = json.loads(layout.schema.read_text()).get("user_key") if layout.schema.exists() else None
+    learned_from = _newest(before, max_train_rows)
+    identity = {
+        "train": [_stamp(f) for f in learned_from], "held_out": [_stamp(f) for f in held_out],
+        "max_train_rows": max_train_rows, "user_key": user_key, "label": schema.label, "dense": list(schema.dense),
+        "categorical": dict(schema.categorical), "multi_hot": dict(schema.multi_hot),
+    }
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    cache = layout.root / "baselines"
+    path = cache / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass  # not scored yet (or a torn file from a crash): score it
+    figures_ = score_baselines(before, held_out, schema, user_key, max_train_rows)
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(figures_, allow_nan=True))
+    partial.replace(path)  # atomic: a reader sees the whole file or none
+    for stale in sorted(cache.glob("*.json"), key=lambda p: p.stat().st_mtime)[:-CACHE_ENTRIES]:
+        stale.unlink(missing_ok=True)
+    return figures_
+
+
+def _stamp(path: Path) -> list:
+    stat = path.stat()
+    return [path.name, stat.st_size, stat.st_mtime_ns]
 
 
 def best_auc(baselines: dict[str, dict]) -> tuple[str | None, float]:

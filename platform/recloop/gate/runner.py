@@ -356,10 +356,8 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
 
 
 def _baselines(settings: Settings, held_out: list[Path], schema) -> dict[str, dict]:
-    """``gate.baselines`` on the held-out files, learning from the training files before them."""
+    """``gate.baselines`` on the held-out files, learning from the training files before them (the training
+    run that made the candidate scored the same window: its figures are read back, not refitted)."""
     from recloop.features.job import FeatureLayout
 
-    layout = FeatureLayout.for_settings(settings)
-    before = sorted(p for p in layout.training.glob("*.parquet") if p.stem < held_out[0].stem)
-    user_key = json.loads(layout.schema.read_text()).get("user_key") if layout.schema.exists() else None
-    return baselines.score_baselines(before, held_out, schema, user_key)
+    return baselines.window_baselines(FeatureLayout.for_settings(settings), held_out, schema)
