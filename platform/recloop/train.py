@@ -28,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -115,7 +114,7 @@ class TrainConfig:
         train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
             sparse log's last 7 days may hold a few hundred).
         baselines: score the simple baselines on the held-out rows too (``gate.baselines.window_baselines``:
-            learnt from the rows before the window, on a thread beside the training loop, kept for the gate).
+            learnt from the rows before the window, kept for the gate that judges this run).
     """
 
     mode: Literal["full", "incremental"] = "full"
@@ -408,9 +407,6 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         warm_start=base["path"] if base else None, resumed_from_step=resumed["step"] if resumed else 0,
     ) if tracker is not None else None
     with _followed(tracker, start):
-        # the baselines need only the files: fitted on the CPU while the model trains (on a GPU, hidden)
-        scoring = _Background(baselines.window_baselines, layout, windows.validation, schema) \
-            if config.baselines and ranks.leader else None
         started = time.perf_counter()
         if sharded:
             loss_curve = _fit_sharded(trained, optimizer, windows, schema, config, device, position, base is not None,
@@ -426,7 +422,9 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
 
         model.calibration = _fit_calibration(model, windows.train, schema, config, device)
         figures, slices = _validate(model, windows.validation, schema, layout, config, device)
-        baseline_figures = scoring.result() if scoring is not None else {}
+        # not on a thread beside the loop: on 2 CPU cores the GIL made both slower (an incremental run 14.9 s
+        # beside against 9.8 s after; benchmarks/RESULTS.md)
+        baseline_figures = baselines.window_baselines(layout, windows.validation, schema) if config.baselines else {}
         summary = TrainSummary(
             mode=config.mode, run_id=run_id, checkpoint="", samples=position["samples"], steps=position["step"],
             samples_per_s=round(samples_this_run / seconds, 1) if seconds > 0 else 0.0, seconds=round(seconds, 3),
@@ -568,28 +566,6 @@ def _validate(model: RankingModel, files: list[Path], schema: FeatureSchema, lay
     groups = user_groups(files, layout, len(labels))
     figures["ndcg"] = baselines.ndcg_by_group(labels, scores, groups)
     return figures, slice_metrics(labels, scores, slice_values(extras, layout))
-
-
-class _Background:
-    """``fn(*args)`` on a daemon thread; ``result()`` waits for it and re-raises its error. A run that fails
-    first leaves it behind: it only reads files and writes its own cache entry atomically."""
-
-    def __init__(self, fn: Callable, *args):
-        self._value, self._error = None, None
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name=f"recloop-{fn.__name__}")
-        self._thread.start()
-
-    def _run(self, fn: Callable, args: tuple) -> None:
-        try:
-            self._value = fn(*args)
-        except BaseException as err:  # noqa: BLE001 - handed to the caller of result()
-            self._error = err
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 def _user_key(layout: FeatureLayout) -> str | None:
