@@ -154,8 +154,10 @@ def world_rows(work: Path, events: int):
 
 
 def measure(train_files: list[Path], valid_files: list[Path], schema: FeatureSchema, batch_size: int,
-            embedding_dim: int = 16, backend: str = "auto", step_config: StepConfig | None = None) -> dict:
-    """One epoch of recloop and of the stock baseline on the same rows; samples/s and validation AUC."""
+            embedding_dim: int = 16, backend: str = "auto", step_config: StepConfig | None = None,
+            stock: bool = True) -> dict:
+    """One epoch of recloop and of the stock baseline on the same rows; samples/s and validation AUC
+    (``stock=False``: recloop's alone)."""
     config = ModelConfig(embedding_dim=embedding_dim, embedding_optimizer="adagrad", embedding_lr=EMBEDDING_LR,
                          multi_hot_columns=tuple(schema.multi_hot), embedding_backend=backend)
     dense_lr = 1e-3 * (batch_size / 1024) ** 0.5
@@ -173,6 +175,9 @@ def measure(train_files: list[Path], valid_files: list[Path], schema: FeatureSch
     ours = step = None
     if CUDA:
         torch.cuda.empty_cache()
+    if not stock:
+        return {"batch_size": batch_size, **{f"recloop_{n}": v for n, v in zip(
+            ("samples", "seconds", "auc"), results["recloop"], strict=True)}}
     stock_batches = torch.utils.data.DataLoader(RowDataset(train_files, schema), batch_size=batch_size, shuffle=True,
                                                 collate_fn=collate, generator=torch.Generator().manual_seed(0))
     samples, seconds = train_stock(stock, stock_batches, dense_lr)
