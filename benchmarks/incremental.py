@@ -26,12 +26,13 @@ from pathlib import Path
 import numpy as np
 from common import machine, report
 
+from recloop import pipeline
 from recloop.features.config import FeatureConfig
 from recloop.features.job import build_features
 from recloop.ingest import ingest
 from recloop.schema import load_spec
 from recloop.settings import Settings
-from recloop.simulate import WorldConfig, simulate
+from recloop.simulate import World, WorldConfig
 from recloop.train import TrainConfig, train
 
 
@@ -47,9 +48,12 @@ def main() -> None:
     parser.add_argument("--decay", type=float, default=1.0, help="embedding optimizer state decay at warm start")
     parser.add_argument("--chain", default="",
                         help="the loop's chain instead: per world, a full model on day 0, then one incremental run "
-                             "per day from the one before, for each comma-separated EPOCHS[:REPLAY] variant "
-                             "(e.g. '1,3,1:1.0'), against a full retrain of all days with --full-epochs")
+                             "per day from the one before, for each comma-separated EPOCHS[:REPLAY[:DECAY]][/K] variant "
+                             "(e.g. '1,3,1:1.0,1:1.0:0,1:1.0/3'; DECAY: --decay; /K: a full retrain every K days), "
+                             "against a daily full retrain of days 0..day with --full-epochs")
     parser.add_argument("--full-epochs", type=int, default=3, help="--chain: the full retrain's epochs")
+    parser.add_argument("--panel-requests", type=int, default=2000,
+                        help="--chain: requests on each day's evaluation panel")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
     if args.chain:
@@ -68,7 +72,7 @@ def main() -> None:
     for world_seed in range(args.worlds):
         work = Path(tempfile.mkdtemp(prefix="recloop-bench-incremental-"))
         try:
-            settings, features = _landed_world(work, world_seed, args)
+            settings, features, _ = _landed_world(work, world_seed, args)
             build_features(settings, spec, features, end=START + timedelta(days=args.days))
             common = dict(days=args.days + 1, epochs=args.epochs, batch_size=args.batch_size, validation_hours=6,
                           checkpoint_every=10_000)
@@ -117,77 +121,130 @@ def main() -> None:
 START = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated world's first day
 
 
-def _landed_world(work: Path, world_seed: int, args) -> tuple[Settings, FeatureConfig]:
-    """A world of ``--days`` + 1 days simulated and ingested into a home under ``work`` (no features yet)."""
-    simulate(WorldConfig(seed=world_seed, days=args.days + 1, events_per_day=args.events_per_day), work / "landing")
+def _landed_world(work: Path, world_seed: int, args) -> tuple[Settings, FeatureConfig, World]:
+    """A world of ``--days`` + 1 days simulated and ingested into a home under ``work`` (no features yet);
+    the world after its last day (its users' histories as they stand then) for the panel."""
+    world = World(WorldConfig(seed=world_seed, days=args.days + 1, events_per_day=args.events_per_day))
+    world.write(work / "landing")
     settings = Settings(home=work / "home", frame_backend="pandas")
     ingest(work / "landing", load_spec("synthetic"), settings, now=datetime(2026, 6, 1, tzinfo=UTC))
-    return settings, FeatureConfig.for_spec(load_spec("synthetic"))
+    return settings, FeatureConfig.for_spec(load_spec("synthetic")), world
 
 
 def chain(args) -> None:
     """The loop's sequence: what a champion retrained incrementally every day becomes, against a daily full
     retrain. Per world seed (``--days`` D + 1 days of ``--events-per-day``): a full model on day 0 (``--full-epochs``,
     as the demo's bootstrap), then for each day 1..D the day's features and an incremental run warm-started from
-    the day before's, for each variant (epochs per run, replayed share of older hours); at the end a full retrain
-    over days 0..D. All are scored on the same newest held-out hours; the gap per variant (normalized AUC, NDCG,
-    AUC) with a t interval across worlds, and the whole chain's wall time (D incremental calls) beside one full
-    retrain's."""
+    the day before's, for each variant (epochs per run, replayed share of older hours, Adagrad decay; ``/K``: a
+    full retrain replaces every K-th day's run), and a full retrain over days 0..day. On the last day all are
+    scored on the same newest held-out hours (AUC, normalized AUC, NDCG), and every day on that day's
+    evaluation panel (the world's truth, as ``loop.py``'s "loop − daily full"); the gaps per variant with a t
+    interval across worlds, and an incremental run's wall time beside a full retrain's."""
     spec = load_spec("synthetic")
-    variants = [(int(v.split(":")[0]), float(v.split(":")[1]) if ":" in v else 0.0) for v in args.chain.split(",")]
+    variants = [_variant(v) for v in args.chain.split(",")]
     pairs: list[dict] = []
+    daily: list[dict] = []  # the panel gap per world, variant and day
     for world_seed in range(args.worlds):
         work = Path(tempfile.mkdtemp(prefix="recloop-bench-chain-"))
         try:
-            settings, features = _landed_world(work, world_seed, args)
+            settings, features, world = _landed_world(work, world_seed, args)
             common = dict(batch_size=args.batch_size, validation_hours=6, checkpoint_every=10_000)
             build_features(settings, spec, features, end=START + timedelta(days=1))
             base = train(settings, TrainConfig(mode="full", days=1, epochs=args.full_epochs, **common))
             heads = {v: Path(base.checkpoint) for v in variants}
-            walls = dict.fromkeys(variants, 0.0)
-            finals = {}
+            walls, runs = dict.fromkeys(variants, 0.0), dict.fromkeys(variants, 0)
+            finals, full_walls = {}, []
             for day in range(1, args.days + 1):
-                build_features(settings, spec, features, end=START + timedelta(days=day + 1))
-                for epochs, replay in variants:
+                # the features also go to Feast's online store: the panel's requests read them as served
+                pipeline.build_features(settings, "synthetic", {"end": START + timedelta(days=day + 1)})
+                _cold_baselines(settings)
+                began = time.perf_counter()
+                full = train(settings, TrainConfig(mode="full", days=day + 1, epochs=args.full_epochs, **common))
+                full_walls.append(time.perf_counter() - began)
+                for variant in variants:
+                    epochs, replay, decay, every = variant
+                    if every and day % every == 0:  # the loop's periodic full retrain: it becomes the head
+                        heads[variant], finals[variant] = Path(full.checkpoint), full
+                        continue
                     _cold_baselines(settings)
                     began = time.perf_counter()
                     run = train(settings, TrainConfig(mode="incremental", days=day + 1, epochs=epochs,
-                                                      replay_fraction=replay, **common),
-                                warm_start=heads[(epochs, replay)])
-                    walls[(epochs, replay)] += time.perf_counter() - began
-                    heads[(epochs, replay)], finals[(epochs, replay)] = Path(run.checkpoint), run
-            _cold_baselines(settings)
-            began = time.perf_counter()
-            full = train(settings, TrainConfig(mode="full", days=args.days + 1, epochs=args.full_epochs, **common))
-            full_wall = time.perf_counter() - began
+                                                      replay_fraction=replay, warm_state_decay=decay, **common),
+                                warm_start=heads[variant])
+                    walls[variant] += time.perf_counter() - began
+                    runs[variant] += 1
+                    heads[variant], finals[variant] = Path(run.checkpoint), run
+                panel = _panel_rewards(settings, world, day, args, {"full": full, **finals})
+                for variant in variants:
+                    daily.append({"world": world_seed, "variant": _label(variant), "day": day,
+                                  "panel": panel[variant] - panel["full"], "full_panel": panel["full"]})
+                print(f"world {world_seed}, day {day}: daily full's panel {panel['full']:.4f}; " + ", ".join(
+                    f"{_label(v)}: {panel[v] - panel['full']:+.4f}" for v in variants), flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         for variant, run in finals.items():
             assert run.validation_hours == full.validation_hours
-            pairs.append({"world": world_seed, "variant": f"{variant[0]} epochs, {variant[1]:.0%} replay",
+            pairs.append({"world": world_seed, "variant": _label(variant),
                           "auc": run.auc - full.auc, "normalized_auc": _normalized(run) - _normalized(full),
-                          "ndcg": run.ndcg - full.ndcg, "chain_wall_s": walls[variant], "full_wall_s": full_wall,
-                          "per_run_wall_s": walls[variant] / args.days})
-        print(f"world {world_seed}: full {full.auc:.4f}; " + ", ".join(
-            f"{p['variant']}: {p['auc']:+.4f}" for p in pairs if p["world"] == world_seed), flush=True)
+                          "ndcg": run.ndcg - full.ndcg, "panel": daily[-len(variants) + variants.index(variant)]["panel"],
+                          "panel_all_days": float(np.mean([d["panel"] for d in daily if d["world"] == world_seed
+                                                           and d["variant"] == _label(variant)])),
+                          "per_run_wall_s": walls[variant] / max(runs[variant], 1),
+                          "full_wall_s": float(np.mean(full_walls))})
+        print(f"world {world_seed}: last day's full AUC {full.auc:.4f}; " + ", ".join(
+            f"{p['variant']}: {p['auc']:+.4f} AUC" for p in pairs if p["world"] == world_seed), flush=True)
     rows = []
     for name in dict.fromkeys(p["variant"] for p in pairs):
         mine = [p for p in pairs if p["variant"] == name]
         row = {"chain (incremental every day)": name}
-        for key in ("normalized_auc", "ndcg", "auc"):
+        for key, title in (("panel", f"panel − full, day {args.days}"), ("panel_all_days", "panel − full, mean of days"),
+                           ("normalized_auc", "normalized_auc − full"), ("ndcg", "ndcg − full"), ("auc", "auc − full")):
             mean, low, high = _world_interval(mine, key)
-            row[f"{key} − full"] = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
-        first = [p for p in pairs if p["variant"] == pairs[0]["variant"]]
-        paired = [{"world": p["world"], "auc": p["auc"] - q["auc"]} for p, q in zip(mine, first, strict=True)]
-        mean, low, high = _world_interval(paired, "auc")
-        row[f"auc − {pairs[0]['variant']} (paired)"] = "-" if mine is first or name == first[0]["variant"] else \
-            f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+            row[title] = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
         row["one incremental run / one full retrain (wall)"] = \
             f"{np.mean([p['per_run_wall_s'] for p in mine]) / np.mean([p['full_wall_s'] for p in mine]):.2f}x"
         rows.append(row)
-    report(f"the loop's chain: day 0 full, then {args.days} daily incremental runs vs a full retrain "
+    for day in range(1, args.days + 1):
+        row = {"chain (incremental every day)": f"panel − full on day {day}"}
+        for name in dict.fromkeys(p["variant"] for p in pairs):
+            mean, low, high = _world_interval([d for d in daily if d["variant"] == name and d["day"] == day], "panel")
+            row[name] = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+        rows.append(row)
+    report(f"the loop's chain: day 0 full, then {args.days} daily incremental runs vs a daily full retrain "
            f"({args.full_epochs} epochs) over {args.days + 1} days x {args.events_per_day} events, {args.worlds} worlds",
-           rows, {**machine(), "pairs": json.dumps(pairs)}, args.json_path)
+           rows, {**machine(), "pairs": json.dumps(pairs), "daily": json.dumps(daily)}, args.json_path)
+
+
+def _label(variant: tuple[int, float, float, int]) -> str:
+    epochs, replay, decay, every = variant
+    return f"{epochs} epochs, {replay:.0%} replay" + (f", Adagrad state x{decay:g} at warm start" if decay != 1.0 else "") \
+        + (f", full retrain every {every} days" if every else "")
+
+
+def _variant(text: str) -> tuple[int, float, float, int]:
+    """``EPOCHS[:REPLAY[:DECAY]][/K]`` → (epochs, replay fraction, ``warm_state_decay``, full retrain every K days
+    or 0)."""
+    text, _, every = text.partition("/")
+    parts = text.split(":")
+    return (int(parts[0]), float(parts[1]) if len(parts) > 1 else 0.0, float(parts[2]) if len(parts) > 2 else 1.0,
+            int(every or 0))
+
+
+def _panel_rewards(settings: Settings, world: World, day: int, args, runs: dict) -> dict:
+    """Each run's normalized reward on ``day``'s evaluation panel (what ``loop.py``'s "loop − daily full"
+    measures: the ranking of 50 candidates per request against the world's truth, with the request's online
+    features as served), ``--panel-requests`` requests."""
+    from recloop.demo import rank_panel
+    from recloop.panel import draw_panel, score_panel
+    from recloop.serve.features import RequestFeatures, online_reader
+    from recloop.serve.models import load_checkpoint
+
+    spec = load_spec("synthetic")
+    panel = draw_panel(world, day + 0.5, args.panel_requests, 50, seed=0)
+    features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), online_reader(settings))
+    models = {name: load_checkpoint(run.checkpoint, str(name)) for name, run in runs.items()}
+    figures = score_panel(world, panel, rank_panel(features, world, panel, models), k=10)
+    return {name: figures[name]["normalized_reward"] for name in runs}
 
 
 def _cold_baselines(settings: Settings) -> None:

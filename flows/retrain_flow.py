@@ -1,5 +1,7 @@
 """The loop: ingest → features → train → gate → canary start, for the ranker and then the retriever (each
-its own registered model, gate and canary: ``retriever_flow``). Hourly incremental; full on drift or by hand.
+its own registered model, gate and canary: ``retriever_flow``). Hourly incremental; full on drift, by hand,
+or periodically: a scheduled run starts over from scratch once the champion's chain of incremental runs
+spans ``full_every_hours`` hours of data (a chain trails a full retrain over the same hours).
 
 One retrain (or any training or gate) at a time: the run holds the ``recloop-model`` slot from ingest to
 the canary's start (``flow_support.model_slot``); its ``train`` and ``gate`` subflows run inside it. An
@@ -47,6 +49,16 @@ def pending_task(validation_hours: int, settings: dict | None) -> dict:
     return pipeline.pending_hours(settings_from(settings), TrainConfig(validation_hours=validation_hours)).to_dict()
 
 
+@task
+def periodic_full_task(validation_hours: int, every_hours: float | None, settings: dict | None) -> str | None:
+    """Why this scheduled run should start over from scratch (``pipeline.periodic_full_due``), or None."""
+    if not every_hours:
+        return None
+    resolved = settings_from(settings)
+    pending = pipeline.pending_hours(resolved, TrainConfig(validation_hours=validation_hours))
+    return pipeline.periodic_full_due(resolved, pending, every_hours)
+
+
 @flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True, on_failure=[record_failed_run],
       on_crashed=[record_failed_run])
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
@@ -56,6 +68,7 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
                  retriever: bool = True, retriever_thresholds: str | None = None, retriever_epochs: int = 3,
                  monitor_request: bool = False, requested_at: float | None = None,
                  canary_wait_hours: float = 24.0, replay_fraction: float = 1.0,
+                 full_every_hours: float | None = None, full_epochs: int = 2,
                  settings: dict | None = None) -> dict:
     """``monitor_request``: this run answers the drift monitor's request (the ``full-retrain`` deployment's
     event trigger sets it; the demo's inline retrain too): its gate verdict is recorded for the monitor's
@@ -65,11 +78,14 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
     incremental retrain waits for a running canary at most this long after it started, then supersedes it.
     ``replay_fraction``: an incremental run also replays a random sample of older hours, this share of its new
     ones (``TrainConfig.replay_fraction``): along a chain of daily incremental runs, as many older hours as new
-    ones kept held-out AUC +0.018 [0.005, 0.030] above new hours alone (``benchmarks/incremental.py --chain``)."""
+    ones kept held-out AUC +0.018 [0.005, 0.030] above new hours alone (``benchmarks/incremental.py --chain``).
+    ``full_every_hours``: a scheduled incremental retrain becomes a full one (``days``, ``full_epochs``; reason
+    ``periodic``) once the champion's chain of incremental runs spans this many hours of data
+    (``pipeline.periodic_full_due``); None: never."""
     retriever_step = None
     if retriever:
-        def retriever_step(resolved_spec: str) -> dict:
-            return retriever_flow(mode=mode, spec=resolved_spec, days=days, epochs=retriever_epochs,
+        def retriever_step(resolved_spec: str, run_mode: str) -> dict:
+            return retriever_flow(mode=run_mode, spec=resolved_spec, days=days, epochs=retriever_epochs,
                                   validation_hours=validation_hours, thresholds_path=retriever_thresholds,
                                   canary_config=canary_config,
                                   wait_for_canary_hours=canary_wait_hours if _waits(mode, reason) else None,
@@ -78,7 +94,8 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
         with model_slot(slot_timeout_seconds):
             return _retrain(mode, reason, spec, days, epochs, batch_size, validation_hours, canary_config,
                             gate_thresholds, settings, retriever_step, canary_wait_hours, replay_fraction,
-                            (time.time() if requested_at is None else requested_at) if monitor_request else None)
+                            (time.time() if requested_at is None else requested_at) if monitor_request else None,
+                            (full_every_hours, full_epochs))
     except SlotBusy as busy:
         log("%s", busy)
         record_outcome(settings_from(settings), "retrain", "cancelled")
@@ -88,7 +105,7 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
 def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, batch_size: int | None,
              validation_hours: int, canary_config: str | None, gate_thresholds: str | None, settings: dict | None,
              retriever_step=None, canary_wait_hours: float = 24.0, replay_fraction: float = 0.0,
-             monitor_clock: float | None = None):
+             monitor_clock: float | None = None, periodic: tuple[float | None, int] = (None, 2)):
     spec = datasets.source(settings_from(settings), spec)  # resolved once, for every stage below
     result: dict = {"mode": mode, "reason": reason, "spec": spec}
     log("%s retrain (%s)", mode, reason)
@@ -109,6 +126,10 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             return _finish(settings, "Skipped", result["skipped"], result, retriever_step)  # the retriever's own rule
         if pending["hours"]:
             log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
+        if _waits(mode, reason) and (why := periodic_full_task(validation_hours, periodic[0], settings)) is not None:
+            log("%s", why)
+            mode, reason, epochs = "full", "periodic", periodic[1]
+            result.update(mode=mode, reason=reason, periodic=why)
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs, replay_fraction=replay_fraction,
                                  batch_size=batch_size, validation_hours=validation_hours, settings=settings)
     version = result["train"]["mlflow"]["version"]
@@ -138,7 +159,7 @@ def _waits(mode: str, reason: str) -> bool:
 def _finish(settings: dict | None, name: str, message: str, result: dict, retriever_step=None):
     """The run's outcome is the ranker's; the retriever's steps (run here, in the same slot) add to its message."""
     if retriever_step is not None:
-        result["retriever"] = retriever = retriever_step(result["spec"])
+        result["retriever"] = retriever = retriever_step(result["spec"], result["mode"])
         gate = retriever.get("gate")
         message += ("; retriever: " + retriever["train"]["skipped"] if gate is None else
                     f"; retriever v{gate['version']} " + (f"passed its gate → {gate['alias']}" if gate["passed"]

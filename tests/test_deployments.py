@@ -257,3 +257,42 @@ def test_a_scheduled_retrain_waits_no_longer_than_canary_wait_hours(champion_hom
         assert waiting["version"] == "2" and 24.9 < waiting["hours"] < 25.2
         assert running_canary_task.fn(settings, name, max_wait_hours=24) is None
 
+
+
+def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_is_long(
+    prefect_server, champion_home, copy_home, tmp_path
+):
+    """The champion (a full retrain) plus the new day's hours make a chain longer than ``full_every_hours``:
+    the scheduled retrain trains from scratch (reason ``periodic``), its checkpoint begins a new chain, and
+    the attempt is remembered, so a second one within ``full_every_hours`` stays incremental."""
+    from flows.retrain_flow import retrain_flow
+    from recloop import checkpoint, pipeline, registry
+    from recloop.flow_support import settings_parameter
+    from recloop.train import TrainConfig, chain_origin
+
+    home = copy_home(champion_home, tmp_path / "home", feast=True)
+    home.landing_dir.mkdir(parents=True, exist_ok=True)
+    lenient = tmp_path / "gate.yaml"  # any trained candidate passes: this test is about what is trained
+    lenient.write_text("min_auc: 0.0\nmax_logloss_ratio: 100.0\nmin_rows: 1\ncalibration_range: [0.01, 100.0]\n"
+                       "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\n")
+    champion = checkpoint.read(checkpoint.resolve(home, "1"))
+    assert chain_origin(champion) == champion["trained_until"]  # a full run begins its own chain
+    # the features flow inside the retrain builds day four; its hours are what an incremental run would train on
+    pipeline.build_features(home)
+    pending = pipeline.pending_hours(home, TrainConfig())
+    assert pending.chain_hours is not None and pending.chain_hours > 12
+    state = retrain_flow(mode="incremental", reason="scheduled", full_every_hours=12, full_epochs=1, days=4,
+                         gate_thresholds=str(lenient), retriever=False, settings=settings_parameter(home),
+                         return_state=True)
+    assert state.is_completed(), state
+    result = state.result()
+    assert result["mode"] == "full" and result["reason"] == "periodic"
+    assert "chain of incremental runs spans" in result["periodic"] and "every 12 hours" in result["periodic"]
+    version = result["train"]["mlflow"]["version"]
+    state_of_new = checkpoint.read(checkpoint.resolve(home, version))
+    assert state_of_new["train"]["mode"] == "full" and state_of_new["train"]["epochs"] == 1
+    assert state_of_new["full_trained_until"] == state_of_new["trained_until"]
+    assert state_of_new["train"]["days"] == 4
+    # the attempt is remembered: within 12 hours of data, the policy says no more (even for the old champion)
+    assert pipeline.periodic_full_due(home, pending, 12) is None
+    assert registry.aliases(home)["champion"] == "1"  # the new version went through the gate, not around it

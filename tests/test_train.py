@@ -64,6 +64,10 @@ def test_incremental_warm_start_grows_tables_and_keeps_untouched_rows(home: Sett
     build_features(home, SPEC, FeatureConfig.for_spec(SPEC))  # day four: new users and a new catalog wave
     incremental = train(home, config(mode="incremental"), warm_start=Path(base.checkpoint))
     assert incremental.warm_start == base.checkpoint
+    # the chain's origin: a full run's own end, inherited by the incremental runs that follow it
+    assert base.full_trained_until == base.trained_until < incremental.trained_until
+    assert incremental.full_trained_until == base.trained_until
+    assert read_checkpoint(Path(incremental.checkpoint))["full_trained_until"] == base.trained_until
     assert incremental.grown_tables["c_item_id"][1] > incremental.grown_tables["c_item_id"][0]
     assert incremental.train_hours[0] >= base.trained_until
     old = load_file(Path(base.checkpoint) / "model.safetensors")["sparse_arch.embeddings.weights"]
@@ -187,3 +191,33 @@ def test_an_incremental_window_is_its_new_hours_plus_a_replay_sample_of_a_full_r
     assert len({f.stem for f in older}) == 9
     full = choose_windows(files, TrainConfig(mode="full", **settings), None)
     assert full.train[0].stem == "2026-01-03T18" and full.epochs == 3
+
+
+def test_a_periodic_full_retrain_is_due_once_the_chain_is_long_and_tried_once_per_period(tmp_path: Path):
+    """``pipeline.periodic_full_due`` over the champion's chain: not due below ``every_hours``, due at it (or
+    when the chain's beginning is unknown), and after an attempt not due again until ``every_hours`` more."""
+    from recloop.pipeline import Pending, periodic_full_due
+    from recloop.train import chain_origin
+
+    settings = Settings(home=tmp_path / "home")
+    day = [f"2026-01-05T{h:02d}" for h in range(24)]  # pending: a whole day; the chain began 2 days before
+    pending = Pending("4", "2026-01-05T00", day, "2026-01-03T00")
+    assert pending.chain_hours == 72.0  # 48 hours trained since the full run, + these 24
+    assert periodic_full_due(settings, pending, 96) is None
+    assert periodic_full_due(settings, pending, None) is None
+    assert not (settings.home / "loop" / "periodic_full.json").exists()  # nothing recorded when not due
+    why = periodic_full_due(settings, pending, 72)
+    assert why is not None and "v4" in why and "spans 72 hours" in why
+    assert json.loads((settings.home / "loop" / "periodic_full.json").read_text())["until"] == "2026-01-06T00"
+    # refused by the gate, say: the champion's chain is longer still the next hour, but the attempt is recent
+    later = Pending("4", "2026-01-05T00", [*day, "2026-01-06T00"], "2026-01-03T00")
+    assert periodic_full_due(settings, later, 72) is None
+    three_days = [f"2026-01-{d:02d}T{h:02d}" for d in (5, 6, 7, 8) for h in range(24)]
+    much_later = Pending("4", "2026-01-05T00", three_days, "2026-01-03T00")
+    assert periodic_full_due(settings, much_later, 72) is not None  # 72 hours of data after the attempt
+    unknown = Pending("4", "2026-01-05T00", day, "")  # an incremental checkpoint from before the origin was kept
+    assert unknown.chain_hours is None and "not recorded" in periodic_full_due(
+        Settings(home=tmp_path / "other"), unknown, 72)
+    assert periodic_full_due(settings, Pending(None, None, [], None), 1) is None  # no champion: nothing to restart
+    assert chain_origin({"trained_until": "2026-01-02T00", "train": {"mode": "full"}}) == "2026-01-02T00"
+    assert chain_origin({"trained_until": "2026-01-02T00", "train": {"mode": "incremental"}}) == ""

@@ -660,6 +660,9 @@ def demo_command(
                                             "twin-world recovery (about twice the time).")] = True,
     daily_full: Annotated[bool, typer.Option(help="Also train a full model from scratch each day, scored on the "
                                                   "evaluation panel as the upper reference (not served).")] = False,
+    full_every_days: Annotated[float, typer.Option(min=0, help="A scheduled retrain starts over from scratch once "
+                                                               "the champion's chain of incremental runs spans this "
+                                                               "many days (0: never).")] = 3.0,
     json_out: JsonOption = False,
 ) -> None:
     """The whole loop over simulated days: serving, feedback, canary, drift checks, retrains; table + HTML report."""
@@ -668,7 +671,8 @@ def demo_command(
     drift = Drift(drift).value
     settings = Settings()
     config = DemoConfig(days=days, events_per_day=events_per_day, requests_per_day=requests_per_day, seed=seed,
-                        drift=drift, drift_day=drift_day, twin=twin, daily_full=daily_full)
+                        drift=drift, drift_day=drift_day, twin=twin, daily_full=daily_full,
+                        full_every_days=full_every_days)
     if not json_out:
         console.print(f"recloop demo: {days} simulated days, drift '{drift}' from day {drift_day}; "
                       f"home {settings.home.resolve()}")

@@ -11,7 +11,8 @@ it champion. The serving API starts (in this process). Then each simulated day:
 2. **night**: the world's own events for the day land too and are ingested, their features built; the
    ``drift`` flow compares the day with the champion's training window (events and the champion's
    scores) — drift or KPI decay starts a full ``retrain`` (debounced by a cool-down in simulated time);
-   otherwise the hourly schedule's work runs as one incremental ``retrain``
+   otherwise the hourly schedule's work runs as one incremental ``retrain``, or a full one from scratch
+   once the champion's chain of incremental runs spans ``full_every_days``
    (ingest → features → train → gate → canary start, for the ranker and then the retriever); a model
    whose canary is still running is not retrained that night (``waits for v2's canary``): a new challenger
    would reset its evidence.
@@ -81,6 +82,10 @@ class DemoConfig:
     # an incremental retrain also replays older hours, this share of its new ones (TrainConfig.replay_fraction;
     # the retrain flow's default: +0.018 held-out AUC [0.005, 0.030] over none along the loop's chain)
     replay_fraction: float = 1.0
+    # a scheduled retrain starts over from scratch once the champion's chain of incremental runs spans this
+    # many days (the retrain flow's ``full_every_hours``; 0: never): a chain trails a full retrain over the
+    # same days, by 0.04-0.10 normalized reward on the panel (benchmarks/incremental.py --chain)
+    full_every_days: float = 3.0
     batch_size: int | None = None  # default: about 32 steps per day of events
     candidates: int = 100
     shown: int = 10
@@ -227,10 +232,15 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                 outcome, kind = drift["retrain"], f"full ({drift['decision']})"
                 last_full_day = day
             else:
-                stage(day, "incremental retrain: train, gate (ranker, then retriever)")
+                stage(day, "scheduled retrain (incremental; from scratch when the chain is long): train, gate "
+                           "(ranker, then retriever)")
                 outcome = flows["retrain"](mode="incremental", reason="scheduled", days=day + 1,
-                                           replay_fraction=config.replay_fraction, **train_args)
+                                           replay_fraction=config.replay_fraction,
+                                           full_every_hours=config.full_every_days * 24 or None,
+                                           full_epochs=config.full_epochs, **train_args)
                 kind = "incremental"
+                if outcome.get("mode") == "full":
+                    kind, last_full_day = "full (periodic)", day
             _record_training(record, outcome, kind)
             _record_retriever(record, outcome, settings, oracle, config.retrieve_k)
             if outcome.get("gate", {}).get("alias") == "challenger":
@@ -373,15 +383,30 @@ def _record_retriever(record: DayRecord, outcome: dict, settings: Settings, orac
 def _train_reference(settings: Settings, day: int, config: DemoConfig, batch_size: int):
     """A full retrain from scratch on days 0..``day`` (held-out hours excluded, as the loop's), loaded for the
     panel; no MLflow run, no version: it serves nobody."""
-    from recloop import checkpoint
-    from recloop.serve.models import LoadedModel
+    from recloop.serve.models import load_checkpoint
     from recloop.train import TrainConfig, train
 
     summary = train(settings, TrainConfig(mode="full", days=day + 1, epochs=config.full_epochs,
                                           batch_size=batch_size, validation_hours=6))
-    model, state = checkpoint.load_model(summary.checkpoint, device="cpu")
-    inputs = checkpoint.trained_inputs(state)
-    return LoadedModel(f"daily-full-day{day}", model, inputs.dense, inputs.table_names)
+    return load_checkpoint(summary.checkpoint, f"daily-full-day{day}")
+
+
+def rank_panel(features, world: World, panel, models: dict) -> dict[str, np.ndarray]:
+    """Each model's click probabilities for the panel's candidates, (requests, candidates), every model
+    scoring the same rows: the request's online features (``features``, a ``RequestFeatures``) as served."""
+    from datetime import datetime
+
+    from recloop.panel import request_bodies
+    from recloop.serve.models import score
+
+    scores: dict[str, list] = {name: [] for name in models}
+    features.refresh_if_published()
+    for body in request_bodies(world, panel):
+        ts_us = int(datetime.fromisoformat(body["ts"]).timestamp() * 1_000_000)
+        rows, _ = features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)
+        for name, model in models.items():
+            scores[name].append(score(model, rows).numpy())
+    return {name: np.stack(values) for name, values in scores.items()}
 
 
 class _FrozenRanker:
@@ -404,26 +429,16 @@ class _FrozenRanker:
     def panel(self, world: World, day: int, config: DemoConfig, champion: str | None) -> dict:
         """The day's panel (drawn on its own stream): per-request expected clicks of the oracle, a random
         ranking, the never-retrained model and the live champion; normalized rewards with intervals."""
-        from datetime import datetime
-
-        from recloop.panel import draw_panel, per_request, request_bodies, score_panel
-        from recloop.serve.models import load_version, score
+        from recloop.panel import draw_panel, per_request, score_panel
+        from recloop.serve.models import load_version
 
         panel = draw_panel(world, day + 0.5, config.panel_requests, min(config.candidates, 50), seed=config.seed)
         if champion is not None and champion not in self._models:
             self._models[champion] = load_version(self.settings, champion)
-        scores: dict[str, list] = {"never_retrained": [], "champion": []}
+        models = {"never_retrained": self.model, "champion": self._models.get(champion, self.model)}
         if self.reference is not None:
-            scores["daily_full"] = []
-        self.features.refresh_if_published()
-        for body in request_bodies(world, panel):
-            ts_us = int(datetime.fromisoformat(body["ts"]).timestamp() * 1_000_000)
-            rows, _ = self.features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)
-            scores["never_retrained"].append(score(self.model, rows).numpy())
-            scores["champion"].append(score(self._models.get(champion, self.model), rows).numpy())
-            if self.reference is not None:
-                scores["daily_full"].append(score(self.reference, rows).numpy())
-        stacked = {k: np.stack(v) for k, v in scores.items()}
+            models["daily_full"] = self.reference
+        stacked = rank_panel(self.features, world, panel, models)
         rows = per_request(world, panel, stacked, k=config.shown, seed=config.seed)
         figures = score_panel(world, panel, stacked, k=config.shown, seed=config.seed)
         return {"rewards": {k: v["reward"] for k, v in rows.items()}, "users": panel.users,

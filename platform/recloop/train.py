@@ -169,6 +169,9 @@ class TrainSummary:
     train_hours: list[str] = field(default_factory=list)
     validation_hours: list[str] = field(default_factory=list)
     trained_until: str = ""
+    # the first hour the chain's last full retrain had not seen: this run's ``trained_until`` for a full run,
+    # the warm start's for an incremental one ("": unknown, a chain begun before it was recorded)
+    full_trained_until: str = ""
     state_version: int = 0
     warm_start: str | None = None
     grown_tables: dict[str, list[int]] = field(default_factory=dict)
@@ -324,6 +327,14 @@ def trainable_files(settings: Settings, config: TrainConfig) -> list[Path]:
     return files[:held_out_from(files, config)] if len(files) >= 2 else []
 
 
+def chain_origin(state: dict) -> str:
+    """Where a checkpoint's chain of incremental runs begins: the first hour its last full retrain had not
+    seen ("" when unknown: an incremental checkpoint written before this was recorded)."""
+    if state.get("full_trained_until"):
+        return state["full_trained_until"]
+    return state["trained_until"] if (state.get("train") or {}).get("mode") == "full" else ""
+
+
 def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = None,
           on_progress: Callable[[int, int, float], None] | None = None,
           on_step: Callable[[int], None] | None = None, tracker: Tracker | None = None) -> TrainSummary:
@@ -368,6 +379,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
             raise TrainError(str(err)) from err
     windows = choose_windows(files, config, base)
     config, windows = fit_to_data(config, windows, distributed.device_for(config.device, ranks))
+    full_trained_until = chain_origin(base) if base else checkpoint.hour_after(windows.train[-1].stem)
 
     identity = {"mode": config.mode, "files": [f.stem for f in windows.train], "base": base["path"] if base else None,
                 "config": config.to_dict(), "state_version": schema.state_version}
@@ -395,6 +407,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
                 "tables": [[n, r] for n, r in zip(model.table_names, model.embeddings.layout.rows, strict=True)],
                 "dense": list(schema.dense), "state_version": schema.state_version, "position": dict(position),
                 "trained_until": checkpoint.hour_after(windows.train[-1].stem),
+                "full_trained_until": full_trained_until,
                 "calibration": list(model.calibration) if model.calibration else None,
                 "summary": asdict(summary) if summary else None}
         return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed)
@@ -432,8 +445,8 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
             oracle_auc=figures.get("oracle_auc"), validation_rows=figures["rows"], slices=slices,
             ndcg=figures["ndcg"], baselines=baseline_figures,
             train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
-            trained_until=checkpoint.hour_after(windows.train[-1].stem), state_version=schema.state_version,
-            warm_start=base["path"] if base else None, grown_tables=grown,
+            trained_until=checkpoint.hour_after(windows.train[-1].stem), full_trained_until=full_trained_until,
+            state_version=schema.state_version, warm_start=base["path"] if base else None, grown_tables=grown,
             resumed_from_step=resumed["step"] if resumed else 0, loss_curve=loss_curve,
         )
         summary.checkpoint = str(run_dir / f"{checkpoint.STEP_PREFIX}{position['step']:07d}")

@@ -20,6 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import pyarrow as pa
@@ -124,6 +125,15 @@ def load_version(settings: Settings, version: str) -> LoadedModel:
         model, state = checkpoint.load_model(checkpoint.resolve(settings, version, refetch=True), device="cpu")
     inputs = checkpoint.trained_inputs(state)
     return LoadedModel(version, model, inputs.dense, inputs.table_names)
+
+
+def load_checkpoint(path: str | Path, name: str) -> LoadedModel:
+    """A checkpoint file that was never registered (a benchmark's or the demo's reference run), on the CPU."""
+    from recloop import checkpoint
+
+    model, state = checkpoint.load_model(path, device="cpu")
+    inputs = checkpoint.trained_inputs(state)
+    return LoadedModel(name, model, inputs.dense, inputs.table_names)
 
 
 @dataclass(frozen=True)
