@@ -201,6 +201,12 @@ def chain(args) -> None:
                            ("normalized_auc", "normalized_auc − full"), ("ndcg", "ndcg − full"), ("auc", "auc − full")):
             mean, low, high = _world_interval(mine, key)
             row[title] = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+        first = [p for p in pairs if p["variant"] == pairs[0]["variant"]]
+        for key in ("panel", "auc"):  # against the first variant, paired by world
+            paired = [{"world": p["world"], key: p[key] - q[key]} for p, q in zip(mine, first, strict=True)]
+            mean, low, high = _world_interval(paired, key)
+            row[f"{key} − {pairs[0]['variant']} (paired)"] = "-" if name == pairs[0]["variant"] else \
+                f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
         row["one incremental run / one full retrain (wall)"] = \
             f"{np.mean([p['per_run_wall_s'] for p in mine]) / np.mean([p['full_wall_s'] for p in mine]):.2f}x"
         rows.append(row)
@@ -231,9 +237,10 @@ def _variant(text: str) -> tuple[int, float, float, int]:
 
 
 def _panel_rewards(settings: Settings, world: World, day: int, args, runs: dict) -> dict:
-    """Each run's normalized reward on ``day``'s evaluation panel (what ``loop.py``'s "loop − daily full"
-    measures: the ranking of 50 candidates per request against the world's truth, with the request's online
-    features as served), ``--panel-requests`` requests."""
+    """Each run's normalized reward on ``day``'s evaluation panel (as ``loop.py``'s "loop − daily full": the
+    ranking of 50 candidates per request against the world's truth, with the request's online features as
+    served), ``--panel-requests`` requests. Unlike the demo's, the requests carry the users' histories as of
+    the world's last day (it is simulated up front): the same for every model compared."""
     from recloop.demo import rank_panel
     from recloop.panel import draw_panel, score_panel
     from recloop.serve.features import RequestFeatures, online_reader

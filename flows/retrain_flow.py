@@ -10,7 +10,7 @@ registered. A scheduled incremental retrain while a canary runs ends ``Skipped``
 (the ranker's and the retriever's canaries each hold back their own retrain): a new challenger would replace
 the one being judged and reset its sequential evidence, so no canary would ever finish. It waits no longer
 than the canary, which always ends (non-inferiority shown, significantly worse, or ``max_users`` reached);
-drift, manual and full retrains supersede a running canary (a drift retrain must not wait behind a pre-drift
+drift, manual and requested full retrains supersede a running canary (a drift retrain must not wait behind a pre-drift
 challenger). The run's final state names the outcome (``Skipped``, ``Refused``, ``Challenger``,
 ``Champion``), its message says why, and its tags carry the version and the gate's verdict.
 """
@@ -50,12 +50,17 @@ def pending_task(validation_hours: int, settings: dict | None) -> dict:
 
 
 @task
-def periodic_full_task(validation_hours: int, every_hours: float | None, settings: dict | None) -> str | None:
-    """Why this scheduled run should start over from scratch (``pipeline.periodic_full_due``), or None."""
+def periodic_full_task(validation_hours: int, every_hours: float | None, settings: dict | None,
+                       record: bool = False) -> str | None:
+    """Why this scheduled run should start over from scratch (``pipeline.periodic_full_due``), or None;
+    ``record``: the periodic retrain has trained, remember it (``pipeline.record_periodic_full``)."""
     if not every_hours:
         return None
     resolved = settings_from(settings)
     pending = pipeline.pending_hours(resolved, TrainConfig(validation_hours=validation_hours))
+    if record:
+        pipeline.record_periodic_full(resolved, pending)
+        return None
     return pipeline.periodic_full_due(resolved, pending, every_hours)
 
 
@@ -132,6 +137,8 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             result.update(mode=mode, reason=reason, periodic=why)
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs, replay_fraction=replay_fraction,
                                  batch_size=batch_size, validation_hours=validation_hours, settings=settings)
+    if reason == "periodic":  # it trained: the next periodic retrain is a period away, whatever the gate says
+        periodic_full_task(validation_hours, periodic[0], settings, record=True)
     version = result["train"]["mlflow"]["version"]
     result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)
     if monitor_clock is not None:  # the monitor's trigger learns the verdict: cool-down only after a pass
@@ -151,8 +158,9 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
 
 
 def _waits(mode: str, reason: str) -> bool:
-    """A scheduled incremental run waits for a running canary; drift, manual and full retrains supersede it
-    (a drift retrain must not wait behind a challenger trained before the drift)."""
+    """A scheduled incremental run (one that becomes a periodic full retrain included: it is checked first)
+    waits for a running canary; drift, manual and requested full retrains supersede it (a drift retrain must
+    not wait behind a challenger trained before the drift)."""
     return mode == "incremental" and reason == "scheduled"
 
 

@@ -199,10 +199,14 @@ def test_a_scheduled_incremental_retrain_waits_for_the_running_canaries(
     before = {name: (registry.aliases(home, name), _versions(name),
                      registry.version_info(home, registry.version_by_alias(home, "challenger", name), name).tags)
               for name in (registry.MODEL_NAME, registry.RETRIEVER_NAME)}
-    state = retrain_flow(mode="incremental", reason="scheduled", settings=settings_parameter(home), return_state=True)
+    # a chain long enough for a periodic full retrain (1 hour) waits for the canaries all the same
+    state = retrain_flow(mode="incremental", reason="scheduled", full_every_hours=1, settings=settings_parameter(home),
+                         return_state=True)
     assert state.is_completed() and state.name == "Skipped", state
     result = state.result()
     assert result["pending"]["hours"] > 0  # not the no-new-hours skip: there was something to train on
+    assert result["mode"] == "incremental" and "periodic" not in result
+    assert not (home.home / "loop" / "periodic_full.json").exists()  # nothing trained: no attempt recorded
     assert result["features"]["rows"] > 0 and "train" not in result and "gate" not in result
     assert result["waiting_for"]["version"] == "2" and result["waiting_for"]["share"] == 0.05
     assert "v2's canary is still running (share 5%)" in state.message and "waits for its decision" in state.message
@@ -294,5 +298,26 @@ def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_i
     assert state_of_new["full_trained_until"] == state_of_new["trained_until"]
     assert state_of_new["train"]["days"] == 4
     # the attempt is remembered: within 12 hours of data, the policy says no more (even for the old champion)
+    assert json.loads((home.home / "loop" / "periodic_full.json").read_text())["until"] == \
+        checkpoint.hour_after(pending.hours[-1])
     assert pipeline.periodic_full_due(home, pending, 12) is None
     assert registry.aliases(home)["champion"] == "1"  # the new version went through the gate, not around it
+
+
+def test_the_retriever_step_trains_in_the_runs_mode(tmp_path):
+    """A scheduled run that became a periodic full retrain trains the retriever from scratch too: ``_finish``
+    hands the retriever's step the run's mode as it ended, not as it was scheduled."""
+    from flows.retrain_flow import _finish
+    from recloop.flow_support import settings_parameter
+
+    calls = []
+
+    def step(spec: str, mode: str) -> dict:
+        calls.append((spec, mode))
+        return {"train": {"skipped": "nothing new"}}
+
+    result = {"spec": "synthetic", "mode": "full", "reason": "periodic"}
+    state = _finish(settings_parameter(Settings(home=tmp_path / "home")), "Refused", "v3 failed the gate", result,
+                    step)
+    assert calls == [("synthetic", "full")]
+    assert "retriever: nothing new" in state.message

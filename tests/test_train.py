@@ -195,8 +195,8 @@ def test_an_incremental_window_is_its_new_hours_plus_a_replay_sample_of_a_full_r
 
 def test_a_periodic_full_retrain_is_due_once_the_chain_is_long_and_tried_once_per_period(tmp_path: Path):
     """``pipeline.periodic_full_due`` over the champion's chain: not due below ``every_hours``, due at it (or
-    when the chain's beginning is unknown), and after an attempt not due again until ``every_hours`` more."""
-    from recloop.pipeline import Pending, periodic_full_due
+    when the chain's beginning is unknown), and after a recorded one not due again until ``every_hours`` more."""
+    from recloop.pipeline import Pending, periodic_full_due, record_periodic_full
     from recloop.train import chain_origin
 
     settings = Settings(home=tmp_path / "home")
@@ -205,9 +205,10 @@ def test_a_periodic_full_retrain_is_due_once_the_chain_is_long_and_tried_once_pe
     assert pending.chain_hours == 72.0  # 48 hours trained since the full run, + these 24
     assert periodic_full_due(settings, pending, 96) is None
     assert periodic_full_due(settings, pending, None) is None
-    assert not (settings.home / "loop" / "periodic_full.json").exists()  # nothing recorded when not due
     why = periodic_full_due(settings, pending, 72)
     assert why is not None and "v4" in why and "spans 72 hours" in why
+    assert periodic_full_due(settings, pending, 72) == why  # asking does not count as an attempt
+    record_periodic_full(settings, pending)  # the periodic retrain trained
     assert json.loads((settings.home / "loop" / "periodic_full.json").read_text())["until"] == "2026-01-06T00"
     # refused by the gate, say: the champion's chain is longer still the next hour, but the attempt is recent
     later = Pending("4", "2026-01-05T00", [*day, "2026-01-06T00"], "2026-01-03T00")

@@ -158,37 +158,50 @@ def pending_hours(settings: Settings, config: TrainConfig) -> Pending:
 def periodic_full_due(settings: Settings, pending: Pending, every_hours: float | None) -> str | None:
     """Why this scheduled incremental run should be a full retrain from scratch instead (None: it should not).
 
-    A chain of incremental runs trails a full retrain over the same hours: on the simulator's evaluation panel
-    the day-1 link is already 0.04 normalized reward below it, and a full retrain every 3 days brings the
-    chain back within 0.03 (``benchmarks/incremental.py --chain 1:1.0,1:1.0/3``, benchmarks/RESULTS.md). So
-    the loop starts over from scratch once the champion's chain spans ``every_hours`` hours of data (or its
-    beginning is unknown), at most once per ``every_hours`` hours of data: a periodic retrain the gate
-    refused is not tried again every hour. The attempt is recorded when this returns a reason.
+    A chain of incremental runs trails a full retrain over the same hours on the simulator's evaluation panel
+    (``benchmarks/incremental.py --chain``, benchmarks/RESULTS.md "The chain against a daily full retrain, on
+    the panel"), and a periodic full retrain brings it back. So the loop starts over from scratch once the
+    champion's chain spans ``every_hours`` hours of data (or its beginning is unknown), at most once per
+    ``every_hours`` hours of data: after ``record_periodic_full`` (a periodic retrain that trained, whatever
+    the gate then said), the next is not due until that many more hours have landed.
     """
     import json
-    import os
-
-    from recloop import checkpoint
-    from recloop.ingest.ledger import exclusive_lock
 
     if not every_hours or pending.champion is None or not pending.hours:
         return None
     chain = pending.chain_hours
     if chain is not None and chain < every_hours:
         return None
-    until = checkpoint.hour_after(pending.hours[-1])
-    path = settings.home.resolve() / "loop" / "periodic_full.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(path.with_suffix(".lock")):
-        last = json.loads(path.read_text()).get("until") if path.exists() else None
-        if last is not None and (_hour(until) - _hour(last)).total_seconds() / 3600 < every_hours:
-            return None
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"until": until, "champion": pending.champion, "chain_hours": chain}) + "\n")
-        os.replace(tmp, path)
+    path = _periodic_path(settings)
+    last = json.loads(path.read_text()).get("until") if path.exists() else None
+    if last is not None and (_hour(_pending_until(pending)) - _hour(last)).total_seconds() / 3600 < every_hours:
+        return None
     since = (f"its chain of incremental runs spans {chain:g} hours since its last full retrain" if chain is not None
              else "where its chain of incremental runs begins is not recorded")
     return f"periodic full retrain: champion v{pending.champion}'s {since} (every {every_hours:g} hours)"
+
+
+def record_periodic_full(settings: Settings, pending: Pending) -> None:
+    """Remember that a periodic full retrain trained on data up to ``pending``'s newest hour (atomically)."""
+    import json
+    import os
+
+    path = _periodic_path(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"until": _pending_until(pending), "champion": pending.champion,
+                               "chain_hours": pending.chain_hours}) + "\n")
+    os.replace(tmp, path)
+
+
+def _periodic_path(settings: Settings) -> Path:
+    return settings.home.resolve() / "loop" / "periodic_full.json"
+
+
+def _pending_until(pending: Pending) -> str:
+    from recloop import checkpoint
+
+    return checkpoint.hour_after(pending.hours[-1])
 
 
 def register_training(settings: Settings, summary: TrainSummary) -> LoggedModel:
