@@ -84,7 +84,7 @@ class DemoConfig:
     replay_fraction: float = 1.0
     # a scheduled retrain starts over from scratch once the champion's chain of incremental runs spans this
     # many days (the retrain flow's ``full_every_hours``; 0: never): a chain trails a full retrain over the
-    # same days, by 0.04-0.10 normalized reward on the panel (benchmarks/incremental.py --chain)
+    # same days, by 0.05 normalized reward on the panel on average over 6 days (benchmarks/RESULTS.md)
     full_every_days: float = 3.0
     batch_size: int | None = None  # default: about 32 steps per day of events
     candidates: int = 100
