@@ -10,8 +10,8 @@ registered. A scheduled incremental retrain while a canary runs ends ``Skipped``
 (the ranker's and the retriever's canaries each hold back their own retrain): a new challenger would replace
 the one being judged and reset its sequential evidence, so no canary would ever finish. It waits no longer
 than the canary, which always ends (non-inferiority shown, significantly worse, or ``max_users`` reached);
-drift, manual and requested full retrains supersede a running canary (a drift retrain must not wait behind a pre-drift
-challenger). The run's final state names the outcome (``Skipped``, ``Refused``, ``Challenger``,
+drift, manual and requested full retrains supersede a running canary (a drift retrain must not wait behind a
+pre-drift challenger). The run's final state names the outcome (``Skipped``, ``Refused``, ``Challenger``,
 ``Champion``), its message says why, and its tags carry the version and the gate's verdict.
 """
 
@@ -133,6 +133,7 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
         if _waits(mode, reason) and (why := periodic_full_task(validation_hours, periodic[0], settings)) is not None:
             log("%s", why)
+            tag_run("retrain:periodic")  # the run's name keeps the mode it was scheduled with; its tags say full
             mode, reason, epochs = "full", "periodic", periodic[1]
             result.update(mode=mode, reason=reason, periodic=why)
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs, replay_fraction=replay_fraction,

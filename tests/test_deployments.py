@@ -291,6 +291,11 @@ def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_i
     assert state.is_completed(), state
     result = state.result()
     assert result["mode"] == "full" and result["reason"] == "periodic"
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        tags = client.read_flow_run(state.state_details.flow_run_id).tags
+    assert {"retrain:periodic", "mode:full"} <= set(tags), tags
     assert "chain of incremental runs spans" in result["periodic"] and "every 12 hours" in result["periodic"]
     version = result["train"]["mlflow"]["version"]
     state_of_new = checkpoint.read(checkpoint.resolve(home, version))
