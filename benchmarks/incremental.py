@@ -44,8 +44,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--seeds", type=int, default=3, help="model seeds per world: (base, incremental, full)")
     parser.add_argument("--worlds", type=int, default=4, help="independent world seeds (the interval's units)")
+    parser.add_argument("--first-world", type=int, default=0, help="--chain: the first world seed")
     parser.add_argument("--replay", type=float, default=0.0, help="older hours replayed per new hour")
-    parser.add_argument("--decay", type=float, default=1.0, help="embedding optimizer state decay at warm start")
+    parser.add_argument("--decay", type=float, default=1.0, help="embedding optimizer state decay at warm start (explicit here: 1.0 is none; the loop uses 0.25)")
     parser.add_argument("--chain", default="",
                         help="the loop's chain instead: per world, a full model on day 0, then one incremental run "
                              "per day from the one before, for each comma-separated EPOCHS[:REPLAY[:DECAY]][/K] variant "
@@ -144,7 +145,7 @@ def chain(args) -> None:
     variants = [_variant(v) for v in args.chain.split(",")]
     pairs: list[dict] = []
     daily: list[dict] = []  # the panel gap per world, variant and day
-    for world_seed in range(args.worlds):
+    for world_seed in range(args.first_world, args.first_world + args.worlds):
         work = Path(tempfile.mkdtemp(prefix="recloop-bench-chain-"))
         try:
             settings, features, world = _landed_world(work, world_seed, args)
