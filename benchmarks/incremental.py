@@ -46,7 +46,8 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, default=4, help="independent world seeds (the interval's units)")
     parser.add_argument("--first-world", type=int, default=0, help="--chain: the first world seed")
     parser.add_argument("--replay", type=float, default=0.0, help="older hours replayed per new hour")
-    parser.add_argument("--decay", type=float, default=1.0, help="embedding optimizer state decay at warm start (explicit here: 1.0 is none; the loop uses 0.25)")
+    parser.add_argument("--decay", type=float, default=1.0,
+                        help="embedding optimizer state decay at warm start (1.0: none; the loop's default is 0.25)")
     parser.add_argument("--chain", default="",
                         help="the loop's chain instead: per world, a full model on day 0, then one incremental run "
                              "per day from the one before, for each comma-separated EPOCHS[:REPLAY[:DECAY]][/K] variant "
@@ -187,7 +188,7 @@ def chain(args) -> None:
             assert run.validation_hours == full.validation_hours
             pairs.append({"world": world_seed, "variant": _label(variant),
                           "auc": run.auc - full.auc, "normalized_auc": _normalized(run) - _normalized(full),
-                          "ndcg": run.ndcg - full.ndcg, "panel": daily[-len(variants) + variants.index(variant)]["panel"],
+                          "ndcg": run.ndcg - full.ndcg, "panel": panel[variant] - panel["full"],  # the last day's
                           "panel_all_days": float(np.mean([d["panel"] for d in daily if d["world"] == world_seed
                                                            and d["variant"] == _label(variant)])),
                           "per_run_wall_s": walls[variant] / max(runs[variant], 1),

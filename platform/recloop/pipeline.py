@@ -125,12 +125,16 @@ class Pending:
     def chain_hours(self) -> float | None:
         """Hours of data since the champion's last full retrain, counting the pending ones: how long the chain
         of incremental runs would be after this run (None: unknown, or no champion)."""
-        from recloop import checkpoint
-
         if not self.champion or not self.full_trained_until or not self.trained_until:
             return None
-        until = checkpoint.hour_after(self.hours[-1]) if self.hours else self.trained_until
-        return (_hour(until) - _hour(self.full_trained_until)).total_seconds() / 3600
+        return (_hour(self.until or self.trained_until) - _hour(self.full_trained_until)).total_seconds() / 3600
+
+    @property
+    def until(self) -> str | None:
+        """The first hour an incremental run over the pending hours would not have seen (None: nothing pending)."""
+        from recloop import checkpoint
+
+        return checkpoint.hour_after(self.hours[-1]) if self.hours else None
 
     def to_dict(self) -> dict:
         return {"champion": self.champion, "trained_until": self.trained_until, "hours": len(self.hours),
@@ -174,7 +178,7 @@ def periodic_full_due(settings: Settings, pending: Pending, every_hours: float |
         return None
     path = _periodic_path(settings)
     last = json.loads(path.read_text()).get("until") if path.exists() else None
-    if last is not None and (_hour(_pending_until(pending)) - _hour(last)).total_seconds() / 3600 < every_hours:
+    if last is not None and (_hour(pending.until) - _hour(last)).total_seconds() / 3600 < every_hours:
         return None
     since = (f"its chain of incremental runs spans {chain:g} hours since its last full retrain" if chain is not None
              else "where its chain of incremental runs begins is not recorded")
@@ -189,19 +193,13 @@ def record_periodic_full(settings: Settings, pending: Pending) -> None:
     path = _periodic_path(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"until": _pending_until(pending), "champion": pending.champion,
+    tmp.write_text(json.dumps({"until": pending.until, "champion": pending.champion,
                                "chain_hours": pending.chain_hours}) + "\n")
     os.replace(tmp, path)
 
 
 def _periodic_path(settings: Settings) -> Path:
     return settings.home.resolve() / "loop" / "periodic_full.json"
-
-
-def _pending_until(pending: Pending) -> str:
-    from recloop import checkpoint
-
-    return checkpoint.hour_after(pending.hours[-1])
 
 
 def register_training(settings: Settings, summary: TrainSummary) -> LoggedModel:
