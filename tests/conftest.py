@@ -223,9 +223,9 @@ def prefect_server():
     from prefect.logging.configuration import setup_logging
     from prefect.testing.utilities import prefect_test_harness
 
-    from recloop.flow_support import run_logs_to_the_ui_only
+    from recloop.flow_support import in_process_runs, run_logs_to_the_ui_only
 
     run_logs_to_the_ui_only()
     setup_logging(incremental=False)
-    with prefect_test_harness(server_startup_timeout=180):
+    with prefect_test_harness(server_startup_timeout=180), in_process_runs():  # no heartbeats, as the demo
         yield

@@ -176,7 +176,7 @@ def test_the_demo_runs_every_stage_each_day(prefect_server, tmp_path: Path):
 
     settings = Settings(home=tmp_path / "home", frame_backend="pandas")
     summary = run_demo(settings, DemoConfig(days=3, events_per_day=4000, requests_per_day=120, rounds=3, seed=1,
-                                            drift="sudden", drift_day=2))
+                                            drift="sudden", drift_day=2, panel_requests=100))
     days = summary["days"]
     assert [d["day"] for d in days] == [0, 1, 2]
     assert days[0]["gate"] == "passed → champion" and days[0]["retrain"] == "full (bootstrap)"

@@ -593,9 +593,9 @@ def retrain_command(
         result = {"deployment": name, "flow_run_id": str(run.id), "state": run.state.name if run.state else None}
     else:
         from flows.retrain_flow import retrain_flow
-        from recloop.flow_support import settings_parameter
+        from recloop.flow_support import in_process_runs, settings_parameter
 
-        with _quiet_logs():
+        with _quiet_logs(), in_process_runs():
             outcome = retrain_flow(mode=mode, reason=reason, spec=spec_source, settings=settings_parameter(settings))
         ingested = {k: outcome["ingest"][k] for k in ("rows_in", "rows_landed", "rows_quarantined")}
         if "skipped" in outcome:  # nothing new since the champion: nothing trained, no version registered

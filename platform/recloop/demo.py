@@ -272,17 +272,21 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
 
 
 def _flows(settings: dict) -> dict[str, Callable]:
-    """The Prefect flows, each called with this demo's settings."""
-    from functools import partial
-
+    """The Prefect flows, each called with this demo's settings, in this process (``in_process_runs``)."""
     from flows.canary_flow import canary_flow
     from flows.drift_flow import drift_flow
     from flows.features_flow import features_flow
     from flows.ingest_flow import ingest_flow
     from flows.retrain_flow import retrain_flow
+    from recloop.flow_support import in_process_runs
 
-    return {flow.name: partial(flow, settings=settings)
-            for flow in (ingest_flow, features_flow, retrain_flow, canary_flow, drift_flow)}
+    def in_process(flow: Callable) -> Callable:
+        def call(**parameters):
+            with in_process_runs():
+                return flow(settings=settings, **parameters)
+        return call
+
+    return {flow.name: in_process(flow) for flow in (ingest_flow, features_flow, retrain_flow, canary_flow, drift_flow)}
 
 
 def _write_canary_config(settings: Settings, canary: CanaryConfig) -> Path:

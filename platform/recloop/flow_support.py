@@ -31,6 +31,22 @@ def configure_prefect(settings: Settings) -> None:
         os.environ.setdefault("PREFECT_API_URL", settings.prefect_api_url)
 
 
+@contextmanager
+def in_process_runs() -> Iterator[None]:
+    """Flow runs called in this process against the embedded server (the demo, ``recloop retrain`` without a
+    server): no heartbeats. A heartbeat lets a server mark a run crashed when the process running it dies;
+    the embedded server dies with that process, and each run's end waited for the heartbeat thread's
+    one-second sleep (1.2 s against 0.2 s for an empty flow; a 3-day demo makes ~40 runs). A run on a
+    real server (``PREFECT_API_URL``, a deployment's worker) keeps Prefect's heartbeats."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield
+        return
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
+
+
 def run_logs_to_the_ui_only() -> None:
     """Prefect's logging settings (before its logging is set up): the run loggers at INFO, so each run's page
     in the UI shows what it did; the console shows Prefect's warnings only."""

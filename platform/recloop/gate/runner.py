@@ -127,21 +127,34 @@ def held_out_rows(files: list[Path], user_key: str | None, timestamp: str | None
 
 
 def serving_smoke_check(settings: Settings, version: str, example_file: str, budget_ms: float = 500.0) -> str | None:
-    """Load the registered version in a fresh process and score a sample; a reason string if it fails."""
+    """Load the registered version in a fresh process and score a sample; a reason string if it fails.
+
+    The version's artifacts are fetched here (``models:/``) and the fresh process loads the folder: it pays
+    for Python, torch and the pyfunc, not for MLflow's tracking store (8 s against 12 s on a 2-core CPU)."""
     import subprocess
     import sys
+    import tempfile
 
+    import mlflow
+
+    from recloop import registry
+
+    registry.configure(settings)
     code = (
-        "import json, sys, time, mlflow, pyarrow.parquet as pq\n"
-        "from recloop import registry\nfrom recloop.settings import Settings\n"
-        "registry.configure(Settings(home=sys.argv[1]))\n"
-        "model = mlflow.pyfunc.load_model(f'models:/{registry.MODEL_NAME}/' + sys.argv[2])\n"
-        "rows = pq.read_table(sys.argv[3]).slice(0, 256).to_pandas()\n"
+        "import json, sys, time, mlflow.pyfunc, pyarrow.parquet as pq\n"
+        "model = mlflow.pyfunc.load_model(sys.argv[1])\n"
+        "rows = pq.read_table(sys.argv[2]).slice(0, 256).to_pandas()\n"
         "model.predict(rows)\nstarted = time.perf_counter(); out = model.predict(rows)\n"
         "print(json.dumps({'ms': (time.perf_counter() - started) * 1000, 'finite': bool((out == out).all())}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code, str(settings.home.resolve()), version, example_file],
-                          capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory(prefix="recloop-smoke-") as folder:
+        try:
+            local = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{registry.MODEL_NAME}/{version}",
+                                                        dst_path=folder)
+        except Exception as err:  # noqa: BLE001 - whatever the store says, the version cannot be served
+            return f"serving check: the model's artifacts cannot be fetched: {err}"
+        done = subprocess.run([sys.executable, "-c", code, local, example_file], capture_output=True, text=True,
+                              timeout=300)
     if done.returncode != 0:
         return f"serving check: the model does not load in a fresh process: {done.stderr.strip()[-300:]}"
     result = json.loads(done.stdout.strip().splitlines()[-1])
