@@ -32,7 +32,7 @@ def test_simulate_then_ingest_with_json(runner: CliRunner, tmp_path: Path):
 
 
 def test_demo_refuses_bad_options_clearly(runner: CliRunner):
-    """The demo itself runs in tests/test_flows.py (under a Prefect test server); here: its argument checks."""
+    """The demo itself runs in tests/test_demo.py (under a Prefect test server); here: its argument checks."""
     too_short = runner.invoke(app, ["demo", "--days", "1"])
     assert too_short.exit_code == 2 and "--days" in too_short.output
     unknown = runner.invoke(app, ["demo", "--drift", "sideways"])
