@@ -274,6 +274,13 @@ def resolve(settings: Settings, version: str, model_name: str | None = None, ref
     return _download(settings, name, version, target)
 
 
+def model_folder(settings: Settings, version: str, model_name: str | None = None) -> Path:
+    """A registered version's whole artifact folder as MLflow wrote it (its ``MLmodel`` at the top, the
+    checkpoint inside), downloaded and verified as ``resolve`` does: what ``mlflow.pyfunc.load_model`` opens."""
+    resolve(settings, version, model_name)
+    return cache_dir(settings) / (model_name or _model_name()) / f"v{version}"
+
+
 def _model_name() -> str:
     from recloop import registry
 

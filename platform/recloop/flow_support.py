@@ -37,7 +37,8 @@ def in_process_runs() -> Iterator[None]:
     server): no heartbeats. A heartbeat lets a server mark a run crashed when the process running it dies;
     the embedded server dies with that process, and each run's end waited for the heartbeat thread's
     one-second sleep (1.2 s against 0.2 s for an empty flow; a 3-day demo makes ~40 runs). A run on a
-    real server (``PREFECT_API_URL``, a deployment's worker) keeps Prefect's heartbeats."""
+    real server (``PREFECT_API_URL`` in the environment, as ``recloop retrain`` decides; a deployment's
+    worker) keeps Prefect's heartbeats. The setting holds in this thread's context (subflows included)."""
     if os.environ.get("PREFECT_API_URL"):
         yield
         return
