@@ -84,6 +84,26 @@ def test_a_persistent_drift_requests_one_retrain_per_cool_down(tmp_path: Path):
     assert len(retrain_requests(settings)) == 3
 
 
+def test_flow_runs_in_this_process_skip_heartbeats_unless_a_server_is_configured(monkeypatch):
+    """``in_process_runs``: no heartbeat thread for runs against the embedded server (each run's end waited
+    for its one-second sleep); with ``PREFECT_API_URL`` (a real server) Prefect's setting stays."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, get_current_settings, temporary_settings
+
+    from recloop.flow_support import in_process_runs
+
+    def heartbeat():
+        return get_current_settings().flows.heartbeat_frequency
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 60}):
+        with in_process_runs():
+            assert heartbeat() is None
+        assert heartbeat() == 60  # only within the block
+        monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+        with in_process_runs():
+            assert heartbeat() == 60
+
+
 # --- the flows under a real Prefect server --------------------------------------------------------------------
 
 
