@@ -263,7 +263,7 @@ def resolve(settings: Settings, version: str, model_name: str | None = None, ref
             checkpoint); naming the file and the difference.
     """
     name = model_name or _model_name()
-    target = cache_dir(settings) / name / f"v{version}"
+    target = _cached(settings, name, version)
     if (target / ".complete").exists() and not refetch:
         expected = _read_manifest(target)
         folder = _step_folder(target, version)
@@ -278,7 +278,12 @@ def model_folder(settings: Settings, version: str, model_name: str | None = None
     """A registered version's whole artifact folder as MLflow wrote it (its ``MLmodel`` at the top, the
     checkpoint inside), downloaded and verified as ``resolve`` does: what ``mlflow.pyfunc.load_model`` opens."""
     resolve(settings, version, model_name)
-    return cache_dir(settings) / (model_name or _model_name()) / f"v{version}"
+    return _cached(settings, model_name or _model_name(), version)
+
+
+def _cached(settings: Settings, name: str, version: str) -> Path:
+    """Where a registered version's verified download lives (``resolve`` writes it)."""
+    return cache_dir(settings) / name / f"v{version}"
 
 
 def _model_name() -> str:
