@@ -62,6 +62,9 @@ def _driver() -> str:
 
 
 def _commit() -> str:
+    """The checkout's short commit; ``RECLOOP_COMMIT`` where the tree was copied without git (the GPU machine)."""
+    if os.environ.get("RECLOOP_COMMIT"):
+        return os.environ["RECLOOP_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True, cwd=Path(__file__).parent).stdout.strip()
