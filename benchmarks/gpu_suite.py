@@ -142,6 +142,11 @@ def step_embedding(figures: Figures, smoke: bool, quick: bool) -> None:
                     failures.append(label)
                     continue
                 _embedding_figures(figures, label, r, bandwidth)
+                dense, sparse = r["baselines"]["dense"], r["baselines"]["sparse"]
+                print(f"[embedding] {label}: forward {r['forward_s'] * 1e3:.3f} ms ({r['forward_bytes'] / r['forward_s'] / 1e9:.0f}"
+                      f" GB/s), backward {r['backward_s'] * 1e3:.3f} ms ({r['backward_bytes'] / r['backward_s'] / 1e9:.0f} GB/s);"
+                      f" dense {dense[0] * 1e3:.3f}/{dense[1] * 1e3:.3f} ms, sparse {sparse[0] * 1e3:.3f}/{sparse[1] * 1e3:.3f} ms",
+                      flush=True)
     if failures:
         raise RuntimeError(f"{len(failures)} embedding measurements failed: {failures}")
 

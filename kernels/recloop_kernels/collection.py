@@ -42,6 +42,7 @@ from recloop_kernels.embedding_bag import (
     DenseGradientEmbeddingBags,
     FusedEmbeddingBags,
     choose_triton,
+    device_layout,
     embedding_bags,
     layout_args,
 )
@@ -159,6 +160,16 @@ class EmbeddingBagCollection(nn.Module):
         return reference.table_view(self.weights, self._layout, t)[: self._layout.rows[t]]
 
     # --- forward -------------------------------------------------------------------------------------------
+
+    def prepare_for_graphs(self) -> None:
+        """Build the kernels' device-side copy of the table layout now (it is cached per layout and device).
+
+        Call before a step that CUDA graphs capture (inductor's ``reduce-overhead``): built during the
+        capture's warm-up, those small tensors would live in the graph's private memory pool without being
+        its outputs, which the graph trees refuse ("tensors in the cudagraph pool not tracked as outputs").
+        """
+        if self.weights.is_cuda:
+            device_layout(self._layout, self.weights.device)
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:

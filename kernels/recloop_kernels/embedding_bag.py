@@ -341,7 +341,7 @@ if triton is not None:
 
 
 @lru_cache(maxsize=64)
-def _device_layout(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+def device_layout(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
     def tensor(values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
@@ -378,7 +378,7 @@ def embedding_bags(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Te
     out = torch.empty(batch_size, layout.total_dim, device=weight.device, dtype=torch.float32)
     if batch_size == 0:
         return out
-    meta = _device_layout(layout, weight.device)
+    meta = device_layout(layout, weight.device)
     average_pooling = values.numel() / (layout.num_tables * batch_size)
     for dim, tables in meta["groups"].items():
         stride = -(-dim // align) * align
@@ -410,7 +410,7 @@ def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, 
     if nnz >= 2**31 - CHUNK:
         raise ValueError(f"{nnz} ids in one batch: the backward indexes occurrences with int32")
     device = weight.device
-    meta = _device_layout(layout, device)
+    meta = device_layout(layout, device)
     values, offsets, grad_output = values.contiguous(), offsets.contiguous(), grad_output.contiguous()
     per_sample_weights = per_sample_weights.contiguous() if per_sample_weights is not None else None
     total_rows = layout.total_rows

@@ -145,6 +145,8 @@ class TrainStep:
             self._forward_loss
         if forward is self._compiled and self._dynamic_values:
             torch._dynamo.mark_dynamic(batch.values, 0)
+        if forward is self._compiled:
+            self.model.embeddings.prepare_for_graphs()  # outside the CUDA graphs' memory pool
         loss = forward(batch.dense, batch.values, batch.offsets, batch.label)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # also updates the touched embedding rows (fused sparse optimizer)
