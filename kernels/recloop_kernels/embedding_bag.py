@@ -228,7 +228,7 @@ if triton is not None:
 
     @triton.jit
     def _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask, inv_dim, lr, eps,
-                      weight_decay, beta1, beta2, log_beta1, log_beta2, OPT: tl.constexpr,
+                      weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2, OPT: tl.constexpr,
                       ROUNDING_BITS: tl.constexpr):
         """Apply the optimizer to one row given its summed gradient ``g`` (fp32) and write it back."""
         if OPT == 0:  # plain gradient into a dense fp32 buffer
@@ -250,8 +250,8 @@ if triton is not None:
                 step = tl.load(step_ptr).to(tl.float64)  # fp64: beta**step loses digits in fp32
                 bias1 = (1 - tl.exp(step * log_beta1)).to(tl.float32)
                 bias2 = (1 - tl.exp(step * log_beta2)).to(tl.float32)
-                m = beta1 * tl.load(state1_ptr + elem + d, mask=d_mask, other=0.0) + (1 - beta1) * g
-                v = beta2 * tl.load(state2_ptr + elem + d, mask=d_mask, other=0.0) + (1 - beta2) * g * g
+                m = beta1 * tl.load(state1_ptr + elem + d, mask=d_mask, other=0.0) + rest1 * g
+                v = beta2 * tl.load(state2_ptr + elem + d, mask=d_mask, other=0.0) + rest2 * g * g
                 tl.store(state1_ptr + elem + d, m, mask=d_mask)
                 tl.store(state2_ptr + elem + d, v, mask=d_mask)
                 w = w - lr * (m / bias1) / (tl.sqrt(v / bias2) + eps)
@@ -269,7 +269,7 @@ if triton is not None:
         weight_ptr, state1_ptr, state2_ptr, step_ptr, grad_ptr, sorted_ptr, perm_ptr, info_ptr, item_start_ptr,
         scan_ptr, partials_ptr, offsets_ptr, psw_ptr, dims_ptr, strides_ptr, elem_offsets_ptr, row_offsets_ptr,
         col_offsets_ptr, poolings_ptr, nnz, batch_size, grad_stride, sentinel, lr, eps, weight_decay, beta1, beta2,
-        log_beta1, log_beta2, OPT: tl.constexpr, HAS_PSW: tl.constexpr, ROUNDING_BITS: tl.constexpr,
+        rest1, rest2, log_beta1, log_beta2, OPT: tl.constexpr, HAS_PSW: tl.constexpr, ROUNDING_BITS: tl.constexpr,
         DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, CHUNK: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
@@ -307,7 +307,7 @@ if triton is not None:
                 continues = (j1 < nnz) & (tl.load(sorted_ptr + tl.minimum(j1, nnz - 1)) == row)
                 if run_first & (continues == 0):  # the whole run: update the row now
                     _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask, inv_dim, lr,
-                                  eps, weight_decay, beta1, beta2, log_beta1, log_beta2, OPT, ROUNDING_BITS)
+                                  eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2, OPT, ROUNDING_BITS)
                 else:  # part of a split run: slot 1 = its first item, slot 0 = an item at a chunk start
                     slot = tl.where(run_first, 1, 0)
                     tl.store(partials_ptr + ((j0 // CHUNK) * 2 + slot) * BLOCK_D + d, g)
@@ -316,7 +316,7 @@ if triton is not None:
     def _split_kernel(
         weight_ptr, state1_ptr, state2_ptr, step_ptr, sorted_ptr, perm_ptr, info_ptr, split_start_ptr, scan_ptr,
         partials_ptr, dims_ptr, strides_ptr, elem_offsets_ptr, row_offsets_ptr, nnz, batch_size, sentinel, lr, eps,
-        weight_decay, beta1, beta2, log_beta1, log_beta2, OPT: tl.constexpr, ROUNDING_BITS: tl.constexpr,
+        weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2, OPT: tl.constexpr, ROUNDING_BITS: tl.constexpr,
         DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         s = tl.program_id(0)
@@ -337,7 +337,7 @@ if triton is not None:
                     chunk += 1
                     more = (chunk * CHUNK < nnz) & (tl.load(sorted_ptr + tl.minimum(chunk * CHUNK, nnz - 1)) == row)
                 _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask, inv_dim, lr,
-                              eps, weight_decay, beta1, beta2, log_beta1, log_beta2, OPT, ROUNDING_BITS)
+                              eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2, OPT, ROUNDING_BITS)
 
 
 @lru_cache(maxsize=64)
@@ -441,7 +441,8 @@ def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, 
     log_beta1, log_beta2 = math.log(beta1) if beta1 > 0 else -1e30, math.log(beta2) if beta2 > 0 else -1e30
     rounding = reference.ROUNDING_BITS.get(weight.dtype, 0) if opt_code else 0
     shape = dict(DIM=dim, STRIDE=layout.strides[0] if uniform else 0, ALIGN=layout.align, CHUNK=CHUNK, BLOCK_D=block_d)
-    hyper = (lr, eps, weight_decay, beta1, beta2, log_beta1, log_beta2)
+    rest1, rest2 = 1 - beta1, 1 - beta2  # in fp64 here: the kernel's fp32 beta2 = 0.999 leaves 1 - beta2 1.3e-5 off
+    hyper = (lr, eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2)
     segment_n, warps = backward_tiles(block_d)
     max_items = min(nnz, total_rows + 1 + chunks)  # runs (≤ distinct keys) plus chunk boundaries
     _segment_kernel[(max_items,)](
