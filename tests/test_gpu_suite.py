@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("prefect", "mlflow", "feast", "evidently", "pandera", "pydantic", "pydantic_settings", "typer")
 SITE = '''
@@ -45,3 +47,22 @@ def test_the_smoke_suite_passes_without_service_packages(tmp_path: Path):
     assert all(f["met"] for f in figures if f["step"] == "ptx"), "row loads are not 16-byte vectors"
     assert any("longest run" in f["name"] for f in figures)
     assert "| met" in result.stdout  # the table, printed last
+
+
+def test_a_step_stopped_midway_keeps_its_figures(tmp_path: Path, monkeypatch):
+    # A GPU session's command can be stopped at its time limit in the middle of a step: the figures measured
+    # so far must already be on disk, with the step marked as still running.
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_suite
+
+    def stopped_after_one_figure(figures, smoke, quick):
+        figures.add("loader", "first figure", 1.5, "x")
+        raise KeyboardInterrupt  # what a kill looks like from inside: not an Exception, nothing after it runs
+
+    monkeypatch.setattr(gpu_suite, "step_loader", stopped_after_one_figure)
+    out = tmp_path / "suite.json"
+    with pytest.raises(KeyboardInterrupt):
+        gpu_suite.run(["loader"], smoke=True, quick=False, out=out)
+    saved = json.loads(out.read_text())
+    assert [f["name"] for f in saved["figures"]] == ["first figure"]
+    assert [(s["name"], s["status"]) for s in saved["steps"]] == [("loader", "running")]

@@ -89,14 +89,16 @@ class EmbeddingBagCollection(nn.Module):
         self.id_check_interval = max(1, id_check_interval)
         self._calls = 0
         self.backend = backend
-        self._generator = torch.Generator().manual_seed(seed)
         self._layout = Layout(tuple(t.dim for t in tables), tuple(t.num_embeddings for t in tables),
                               tuple(t.num_embeddings for t in tables), tuple(POOLING_CODES[t.pooling] for t in tables),
                               alignment(dtype))
         device = torch.device(device) if device is not None else torch.device("cpu")
+        # Initial rows are drawn where the table lives: on a GPU, drawing 10M x 128 values on the host (one
+        # thread) and copying them over took over a minute for a Criteo-sized model (H100, 2026-11-25).
+        self._generator = torch.Generator(device=device).manual_seed(seed)
         weight = torch.zeros(self._layout.total_elems, dtype=dtype, device=device)  # padding stays zero
         for t, table in enumerate(self.tables):
-            rows = torch.empty(table.num_embeddings, table.dim)
+            rows = torch.empty(table.num_embeddings, table.dim, device=device)
             table.initialize(rows, self._generator)
             reference.table_view(weight, self._layout, t).copy_(rows)
         self._set_weight(weight)
@@ -245,7 +247,7 @@ class EmbeddingBagCollection(nn.Module):
             capacities[t] = max(new_num_embeddings, math.ceil(capacities[t] * GROWTH))
             self._relayout(Layout(self._layout.dims, tuple(capacities), self._layout.rows, self._layout.poolings,
                                   self._layout.align), dense_optimizer)
-        fresh = torch.empty(new_num_embeddings - old_rows, self._layout.dims[t])
+        fresh = torch.empty(new_num_embeddings - old_rows, self._layout.dims[t], device=self._generator.device)
         self.tables[t].initialize(fresh, self._generator)
         with torch.no_grad():
             reference.table_view(self.weights, self._layout, t)[old_rows:new_num_embeddings] = fresh.to(self.weights)

@@ -60,17 +60,21 @@ class TableConfig:
             raise ValueError(f"table {self.name!r}: pooling must be 'sum' or 'mean', not {self.pooling!r}")
 
     def initialize(self, rows: torch.Tensor, generator: torch.Generator | None = None) -> None:
-        """Fill ``rows`` (n, dim), in place, with this table's initial values."""
+        """Fill ``rows`` (n, dim), in place, with this table's initial values (drawn on ``generator``'s device,
+        which is ``rows``'s when a collection calls it)."""
+        where = generator.device if generator is not None else rows.device
         if callable(self.init):
             self.init(rows)
         elif self.init == "zeros":
             rows.zero_()
         elif self.init == "normal":
             scale = self.init_scale if self.init_scale is not None else self.dim ** -0.5
-            rows.copy_(torch.randn(rows.shape, generator=generator, dtype=torch.float32) * scale)
+            rows.copy_(torch.randn(rows.shape, generator=generator, dtype=torch.float32, device=where).mul_(scale))
         elif self.init == "uniform":
             scale = self.init_scale if self.init_scale is not None else self.num_embeddings ** -0.5
-            rows.copy_((torch.rand(rows.shape, generator=generator, dtype=torch.float32) * 2 - 1) * scale)
+            # in place: the same values as (u * 2 - 1) * scale, without three temporaries of the table's size
+            rows.copy_(torch.rand(rows.shape, generator=generator, dtype=torch.float32, device=where).mul_(2).sub_(1)
+                       .mul_(scale))
         else:
             raise ValueError(f"table {self.name!r}: unknown init {self.init!r}")
 
