@@ -137,6 +137,22 @@ def test_decoding_threads_change_nothing(files, workers):
     assert batches(workers) == batches(2)
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_staged_decoding_delivers_the_same_batches(files, workers):
+    # Staging (a GPU's default): threads write chunks column by column into a ring of reused buffers that
+    # is smaller than the epoch, and the chunks are transposed to rows after. Run here on the CPU, with few
+    # slots reused many times over, it must deliver exactly the batches of the plain path.
+    def batches(staging):
+        loader = ChunkLoader(files, SCHEMA, 64, seed=5, workers=workers, prefetch=1, staging=staging,
+                             shuffle_chunks=2)
+        return [(b.dense.tolist(), b.label.tolist(), rows_of(b), b.values.tolist(), b.offsets.tolist())
+                for b in loader.epoch(1)]
+
+    staged = batches(True)
+    assert staged == batches(False)
+    assert sum(len(b[0]) for b in staged) == 1000
+
+
 def test_an_abandoned_epoch_stops_its_threads(files):
     import threading
 

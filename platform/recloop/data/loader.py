@@ -103,37 +103,55 @@ class _Chunk:
         return self.label.shape[0]
 
 
-class _PinnedStaging:
-    """A ring of pinned host buffers, reused chunk after chunk (pinning memory is slow; reusing it is free).
+class _Staging:
+    """A ring of host buffers that decoding threads write chunks into, reused chunk after chunk.
 
-    A slot is rewritten only after the copies that read it last time have finished (its event).
+    On a GPU the buffers are pinned (pinning memory is slow; reusing it is free) and a slot is rewritten
+    only after the copies that read it last time have finished (its event). Each chunk takes a slot, in
+    epoch order, before its decoding starts; the ring has more slots than chunks can be under way at once
+    (``ChunkLoader._chunks``), so no slot is taken while a thread still writes it.
     """
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, pinned: bool):
         self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]
         self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._busy = [False] * slots
+        self._pinned = pinned
         self._next = 0
 
     def take(self) -> int:
         slot, self._next = self._next, (self._next + 1) % len(self._buffers)
+        if self._busy[slot]:
+            raise RuntimeError("loader staging ring too small: a slot is still being filled")
         event = self._events[slot]
         while event is not None and not event.query():  # this (producer) thread waits, never the training
             time.sleep(1e-4)  # loop; polling rather than synchronizing keeps the wait out of CUDA's sync checks
+        self._busy[slot] = True
         return slot
 
-    def stage(self, slot: int, name: str, array: np.ndarray) -> torch.Tensor:
-        """``array`` copied into slot ``slot``'s pinned buffer ``name`` (grown when too small)."""
-        array = np.ascontiguousarray(array)
+    def buffer(self, slot: int, name: str, shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
+        """Slot ``slot``'s buffer ``name`` viewed as ``shape`` and ``dtype`` (grown when too small); only the
+        thread that holds the slot calls this."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
         buffer = self._buffers[slot].get(name)
-        if buffer is None or buffer.numel() < array.nbytes:
-            buffer = torch.empty(max(array.nbytes, 1 << 16) * 5 // 4, dtype=torch.uint8).pin_memory()
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(max(nbytes, 1 << 16) * 5 // 4, dtype=torch.uint8, pin_memory=self._pinned)
             self._buffers[slot][name] = buffer
-        staged = buffer[:array.nbytes].view(torch.from_numpy(array[:0]).dtype).view(array.shape)
-        staged.numpy()[...] = array
-        return staged
+        return buffer[:nbytes].view(torch.from_numpy(np.empty(0, dtype)).dtype).view(shape)
 
-    def done(self, slot: int, event: torch.cuda.Event) -> None:
+    def done(self, slot: int, event: torch.cuda.Event | None) -> None:
         self._events[slot] = event
+        self._busy[slot] = False
+
+
+@dataclass
+class _Staged:
+    """A chunk decoded into a staging slot: column-major dense and categorical blocks, lists, extras."""
+
+    slot: int
+    tensors: dict[str, torch.Tensor]  # views of the slot's buffers
+    host_lengths: list[np.ndarray]  # multi-hot list lengths, also kept on the host (own memory)
 
 
 class ChunkLoader:
@@ -150,11 +168,15 @@ class ChunkLoader:
         prefetch: chunks moved to the device ahead of the consumer.
         workers: threads decoding parquet row groups (default: up to 8, one per two cores).
         pad_values_to: pad each batch's values to a multiple of this (None: no padding).
+        staging: decoding threads write each chunk, column by column, into a ring of reused host buffers
+            (pinned on a GPU), and the chunk is transposed to rows on the device. Default: on a GPU. Off,
+            each thread stacks its chunk into rows on the host (one copy that holds the GIL: on a 16-core
+            H100 machine the loader delivered 6.3M rows/s that way).
     """
 
     def __init__(self, files: list[Path], schema: FeatureSchema, batch_size: int, device: str | torch.device = "cpu",
                  seed: int = 0, shuffle: bool = True, shuffle_chunks: int = 16, prefetch: int = 2,
-                 workers: int | None = None, pad_values_to: int | None = None):
+                 workers: int | None = None, pad_values_to: int | None = None, staging: bool | None = None):
         if not files:
             raise ValueError("no training files: the window holds no rows")
         if batch_size < 1:
@@ -169,6 +191,7 @@ class ChunkLoader:
         self.prefetch = max(1, prefetch)
         self.workers = workers if workers is not None else max(1, min(8, (os.cpu_count() or 2) // 2))
         self.pad_values_to = pad_values_to
+        self.staging = self.device.type == "cuda" if staging is None else staging
         self._pieces = [(f, g) for f in self.files for g in range(pq.ParquetFile(f).num_row_groups)]
         self.num_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
         if self.num_rows == 0:
@@ -198,30 +221,73 @@ class ChunkLoader:
             host[f"extra:{c}"] = column.astype(np.float64 if column.dtype.kind == "f" else np.int64)
         return host
 
-    def _to_device(self, host: dict[str, np.ndarray], stream, consumer, staging: _PinnedStaging | None):
+    def _read_staged(self, piece: tuple[Path, int], staging: _Staging, slot: int) -> _Staged:
+        """One row group written into staging slot ``slot``, a column at a time (runs in worker threads).
+
+        Each column is one contiguous copy out of Arrow, which numpy makes without the GIL: the threads
+        work in parallel. Dense and categorical columns stay column-major (one row per column); the
+        device transposes them (``_to_device``)."""
+        path, group = piece
+        schema = self.schema
+        columns = [*schema.dense, schema.label, *schema.categorical, *schema.multi_hot, *schema.extra]
+        table = pq.ParquetFile(path).read_row_group(group, columns=columns)
+        rows = table.num_rows
+        tensors = {"dense": staging.buffer(slot, "dense", (len(schema.dense), rows), np.float32),
+                   "label": staging.buffer(slot, "label", (rows,), np.float32),
+                   "categorical": staging.buffer(slot, "categorical", (len(schema.categorical), rows), np.int64)}
+        for block, names in (("dense", schema.dense), ("categorical", schema.categorical)):
+            target = tensors[block].numpy()
+            for i, c in enumerate(names):
+                target[i] = table[c].to_numpy()
+        tensors["label"].numpy()[:] = table[schema.label].to_numpy()
+        host_lengths = []
+        for c in schema.multi_hot:
+            lists = table[c].combine_chunks()
+            values = pc.list_flatten(lists).to_numpy()
+            lengths = pc.list_value_length(lists).fill_null(0).to_numpy().astype(np.int64)
+            for name, array in ((f"values:{c}", values), (f"lengths:{c}", lengths)):
+                tensors[name] = staging.buffer(slot, name, array.shape, np.int64)
+                tensors[name].numpy()[:] = array
+            host_lengths.append(lengths)
+        for c in schema.extra:
+            column = np.asarray(table[c].to_numpy(zero_copy_only=False))
+            tensors[f"extra:{c}"] = staging.buffer(slot, f"extra:{c}", column.shape,
+                                                   np.float64 if column.dtype.kind == "f" else np.int64)
+            tensors[f"extra:{c}"].numpy()[:] = column
+        return _Staged(slot, tensors, host_lengths)
+
+    def _to_device(self, decoded, stream, consumer, staging: _Staging | None):
         """A decoded chunk on the device, and the event its copies complete at (None on a CPU)."""
         if staging is None:
-            def move(name: str) -> torch.Tensor:
-                return torch.from_numpy(np.require(host[name], requirements=["C", "W"]))
-            return self._chunk(move, host), None
-        slot = staging.take()
+            host = decoded
+
+            def move(name: str) -> torch.Tensor:  # on a GPU (staging off): a copy from pageable memory
+                return torch.from_numpy(np.require(host[name], requirements=["C", "W"])).to(self.device)
+            return self._chunk(move, [host[f"lengths:{c}"] for c in self.schema.multi_hot]), None
 
         def move(name: str) -> torch.Tensor:
+            staged = decoded.tensors[name]
+            rows_first = name in ("dense", "categorical")  # column-major in the slot: transposed here
+            if stream is None:  # a CPU: copied out of the slot, which is reused
+                return (staged.t() if rows_first else staged).clone(memory_format=torch.contiguous_format)
             with torch.cuda.stream(stream):
-                tensor = staging.stage(slot, name, host[name]).to(self.device, non_blocking=True)
+                tensor = staged.to(self.device, non_blocking=True)
+                if rows_first:
+                    tensor = tensor.t().contiguous()
             tensor.record_stream(consumer)  # freed while the consumer may still read it: wait for that
             return tensor
 
-        chunk = self._chunk(move, host)
-        event = torch.cuda.Event()
-        event.record(stream)
-        staging.done(slot, event)
+        chunk = self._chunk(move, decoded.host_lengths)
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+        staging.done(decoded.slot, event)
         return chunk, event
 
-    def _chunk(self, move, host: dict[str, np.ndarray]) -> _Chunk:
+    def _chunk(self, move, host_lengths: list[np.ndarray]) -> _Chunk:
         lists = [(move(f"values:{c}"), move(f"lengths:{c}")) for c in self.schema.multi_hot]
-        return _Chunk(move("dense"), move("label"), move("categorical"), lists,
-                      [host[f"lengths:{c}"] for c in self.schema.multi_hot],
+        return _Chunk(move("dense"), move("label"), move("categorical"), lists, host_lengths,
                       {c: move(f"extra:{c}") for c in self.schema.extra})
 
     def _chunks(self, epoch: int) -> Iterator[_Chunk]:
@@ -232,7 +298,8 @@ class ChunkLoader:
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(self.device) if cuda else None
         consumer = torch.cuda.current_stream(self.device) if cuda else None  # the stream batches are used on
-        staging = _PinnedStaging(self.prefetch + 2) if cuda else None
+        # Chunks under way at once: at most workers + prefetch decoding or decoded, one more being taken.
+        staging = _Staging(self.workers + self.prefetch + 2, pinned=cuda) if self.staging else None
         buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
@@ -241,7 +308,10 @@ class ChunkLoader:
                 with ThreadPoolExecutor(self.workers, thread_name_prefix="recloop-decode") as pool:
                     pending: deque = deque()
                     for i in order:
-                        pending.append(pool.submit(self._read, self._pieces[i]))
+                        if staging is None:
+                            pending.append(pool.submit(self._read, self._pieces[i]))
+                        else:
+                            pending.append(pool.submit(self._read_staged, self._pieces[i], staging, staging.take()))
                         if len(pending) > self.workers + self.prefetch:
                             if stop.is_set():
                                 return
