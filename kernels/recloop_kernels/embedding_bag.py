@@ -51,6 +51,12 @@ OPT_CODES = {"gradient": 0, "sgd": 1, "adagrad": 2, "rowwise_adagrad": 3, "adam"
 CHUNK = 256  # occurrences per backward work item: a row's run longer than this is split across programs
 SCAN_BLOCK = 1024  # sorted positions per program in the mark and scatter passes
 TILE = 4096  # fp32 elements of a forward tile (BAGS × BLOCK_N × BLOCK_D): 32 registers a thread at 4 warps
+# Launch settings that benchmarks/tune_embedding.py sweeps on a GPU (module-level so that it can set them).
+# H100, Criteo-like fp32 (Nsight Compute, 2026-11-25): the forward used 147 registers a thread (occupancy
+# 18.75 %, 63 % of DRAM peak); the segment pass 107 (25 %), one warp a row, 22 % of DRAM peak.
+FORWARD_WARPS = 4
+SEGMENT_BLOCK_N: int | None = None  # occurrences gathered per step of the segment pass (None: backward_tiles)
+SEGMENT_WARPS: int | None = None  # warps a segment program (None: backward_tiles)
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -93,7 +99,8 @@ def backward_tiles(block_d: int) -> tuple[int, int]:
 
     A warp per row up to D=128 (as FBGEMM's short-run kernel), so that a row is 16 bytes a thread.
     """
-    return max(1, min(32, 2048 // block_d)), max(1, block_d // 128)
+    block_n, warps = max(1, min(32, 2048 // block_d)), max(1, block_d // 128)
+    return SEGMENT_BLOCK_N or block_n, SEGMENT_WARPS or warps
 
 
 def column_alignment(layout: Layout) -> int:
@@ -390,7 +397,7 @@ def embedding_bags(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Te
             out, errors, tables, meta["rows"], meta["elem_offsets"], meta["col_offsets"], meta["poolings"],
             batch_size, blocks, layout.num_tables, out.stride(0), DIM=dim, STRIDE=stride, ALIGN=align,
             COL_ALIGN=column_alignment(layout), BAGS=bags,
-            BLOCK_N=block_n, BLOCK_D=block_d, HAS_PSW=per_sample_weights is not None,
+            BLOCK_N=block_n, BLOCK_D=block_d, HAS_PSW=per_sample_weights is not None, num_warps=FORWARD_WARPS,
         )
     return out
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A GPU session's device work (issue 16) in two calls of the device tool, each well inside its 10 minutes:
+#
+#   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh 1     # tests, ptx, embedding, loader (~6 min)
+#   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh 2     # train, kernel settings, Nsight (~6 min)
+#
+# Each step runs under its own time limit, so one slow step cannot take the others' time; gpu_suite.py
+# saves its JSON after every figure, so a step stopped at its limit keeps what it measured. Everything
+# lands in $OUT (the device tool's folder that comes back), or ./gpu-out elsewhere. The limits come from
+# the H100 calls of 2026-11-25 (benchmarks/RESULTS.md, "GPU proof, first run"): tests 40 s, ptx --quick
+# 10 s, loader --quick 24 s; an embedding measurement took ~100 s while the tables were drawn on the host
+# (now on the device), and the train step ran past 140 s at 4M rows (now 2M, both batches on one set).
+# The device time of a session is 15 minutes in all: call 2 right after call 1 (the machine stays warm 30 s).
+set -u
+part=${1:?which part: 1 or 2}
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+log=$OUT/log-$part.txt
+suite=$OUT/gpu_suite.json
+quiet='UserWarning|_warn_once|warnings.warn|return torch.sparse_coo|staged = '
+
+step() {  # step LIMIT_SECONDS COMMAND...: run it under its limit, log it, say how long it took
+    local limit=$1 began
+    shift
+    began=$(date +%s)
+    echo "== $* (limit ${limit} s)" | tee -a "$log"
+    timeout -k 5 "$limit" "$@" 2>&1 | grep -v -E "$quiet" | tee -a "$log"
+    echo "== took $(( $(date +%s) - began )) s, exit ${PIPESTATUS[0]}" | tee -a "$log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | tee -a "$log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$log"
+if [ "$part" = 1 ]; then
+    step 90 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
+    step 45 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"
+    step 180 python3 benchmarks/gpu_suite.py --only embedding --quick --out "$suite"
+    step 90 python3 benchmarks/gpu_suite.py --only loader --out "$suite"
+else
+    [ -f gpu-in/gpu_suite.json ] && cp gpu-in/gpu_suite.json "$suite"  # part 1's JSON, carried back in
+    step 210 python3 benchmarks/gpu_suite.py --only train --out "$suite"
+    step 120 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"
+    step 60 ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        -k 'regex:_(forward|segment|split|linearize)_kernel' -c 8 --csv --page details \
+        python3 benchmarks/profile_embedding.py > "$OUT/ncu_criteo_fp32.csv"
+fi

@@ -1,0 +1,146 @@
+"""The fused embedding kernels' launch settings, swept on one shape: forward and backward time per setting.
+
+    python benchmarks/tune_embedding.py [--shape criteo|wide] [--dtype float32|bfloat16] [--ids uniform|zipf]
+                                        [--json out.json]
+
+Why: on an H100 (2026-11-25, Nsight Compute, Criteo-like fp32) the forward used 147 registers a thread
+(occupancy 18.75 %) at 63 % of DRAM peak, and the backward's segment pass 107 registers (occupancy 25 %,
+one warp a row, 16 occurrences gathered a step although one-hot runs hold one) at 22 %. Both are limited
+by registers; the settings below trade work per program for occupancy. Each setting is one assignment to
+``recloop_kernels.embedding_bag``'s module-level knobs (TILE, FORWARD_WARPS, SEGMENT_BLOCK_N,
+SEGMENT_WARPS); the defaults run first and last (the spread between the two is the noise).
+
+Correct first: from the same starting weights, each setting's forward output and its weights after one
+backward + fused row-wise Adagrad must match the defaults' (relative error under 1e-5 in fp32: the same
+sums in another order), or the setting is reported as wrong and not timed. Times: CUDA events around the
+pass, median of 10 (benchmarks/embedding.py's ``timed``); GB/s count the fewest bytes, as there.
+It needs a GPU; on a CPU it runs the same checks through Triton's interpreter on a tiny shape (``--smoke``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA and "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported
+
+from common import machine, report, use_source_tree  # noqa: E402
+
+use_source_tree()
+from embedding import CRITEO_ROWS, ROW_CAP, Shape, copy_bandwidth, make_ids, run_statistics, timed  # noqa: E402
+
+from recloop_kernels import EmbeddingBagCollection, TableConfig, embedding_bag  # noqa: E402
+
+SHAPES = {
+    "criteo": Shape("Criteo-like: 26 tables (capped at 5M rows), dim 128, one-hot, batch 64K",
+                    tuple(min(r, ROW_CAP) for r in CRITEO_ROWS), 128, 1, 65536),
+    "wide": Shape("100 features x 10-hot, vocab 8192, dim 64, batch 8K", (8192,) * 100, 64, 10, 8192),
+    "smoke": Shape("smoke: 3 tables, dim 16, 2-hot, batch 64", (50, 7, 300), 16, 2, 64),
+}
+DEFAULTS = {name: getattr(embedding_bag, name) for name in ("TILE", "FORWARD_WARPS", "SEGMENT_BLOCK_N", "SEGMENT_WARPS")}
+SETTINGS = [
+    ("defaults", {}),
+    ("forward: tile 2048", {"TILE": 2048}),
+    ("forward: tile 1024", {"TILE": 1024}),
+    ("forward: tile 2048, 2 warps", {"TILE": 2048, "FORWARD_WARPS": 2}),
+    ("forward: tile 8192, 8 warps", {"TILE": 8192, "FORWARD_WARPS": 8}),
+    ("forward: 8 warps", {"FORWARD_WARPS": 8}),
+    ("segment: 1 occurrence a step", {"SEGMENT_BLOCK_N": 1}),
+    ("segment: 4 occurrences a step", {"SEGMENT_BLOCK_N": 4}),
+    ("segment: 4 a step, 2 warps", {"SEGMENT_BLOCK_N": 4, "SEGMENT_WARPS": 2}),
+    ("segment: 8 a step, 4 warps", {"SEGMENT_BLOCK_N": 8, "SEGMENT_WARPS": 4}),
+    ("defaults, again", {}),
+]
+
+
+def relative_error(expected: torch.Tensor, actual: torch.Tensor) -> float:
+    expected, actual = expected.double(), actual.double()
+    return ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+
+
+def sweep(shape: Shape, dtype: torch.dtype, ids: str, repeats: int, settings=SETTINGS) -> list[dict]:
+    device = torch.device("cuda" if CUDA else "cpu")
+    tables = [TableConfig(f"t{i}", rows, shape.dim) for i, rows in enumerate(shape.rows)]
+    ebc = EmbeddingBagCollection(tables, optimizer="rowwise_adagrad", lr=0.01, device=device, dtype=dtype,
+                                 check_ids="off", backend="triton")
+    values, offsets = make_ids(shape, ids, seed=1)
+    upstream = torch.randn(shape.batch, len(tables) * shape.dim, device=device)
+    unique, _ = run_statistics(shape, values)
+    start = {k: v.clone() for k, v in ebc.state_dict().items()}
+
+    def restore() -> None:
+        ebc.load_state_dict(start)
+
+    def one_step() -> tuple[torch.Tensor, torch.Tensor]:
+        restore()
+        with torch.no_grad():
+            out = ebc(values, offsets)
+        torch.autograd.backward(ebc(values, offsets), upstream)
+        return out, ebc.weights.detach().clone()
+
+    elem = torch.empty(0, dtype=dtype).element_size()
+    nnz = values.numel()
+    forward_bytes = nnz * 8 + offsets.numel() * 8 + nnz * shape.dim * elem + upstream.numel() * 4
+    backward_bytes = upstream.numel() * 4 + nnz * 8 + unique * (2 * shape.dim * elem + 2 * 4)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    rows, expected = [], None
+    for label, knobs in settings:
+        for name, value in {**DEFAULTS, **knobs}.items():
+            setattr(embedding_bag, name, value)
+        try:
+            out, weights = one_step()
+            if expected is None:
+                expected = (out, weights)
+                errors = (0.0, 0.0)
+            else:
+                errors = (relative_error(expected[0], out), relative_error(expected[1], weights))
+            row = {"setting": label, "forward_error": errors[0], "weights_error": errors[1]}
+            if max(errors) > tolerance:
+                rows.append({**row, "status": f"wrong: relative error {max(errors):.1e} > {tolerance:.0e}"})
+                continue
+            restore()
+
+            def forward(_):
+                with torch.no_grad():
+                    ebc(values, offsets)
+
+            forward_s = timed(forward, repeats=repeats)
+            backward_s = timed(lambda out: torch.autograd.backward(out, upstream), setup=lambda: ebc(values, offsets),
+                               repeats=repeats)
+            rows.append({**row, "status": "ok", "forward_ms": forward_s * 1e3, "backward_ms": backward_s * 1e3,
+                         "forward_GB/s": forward_bytes / forward_s / 1e9, "backward_GB/s": backward_bytes / backward_s / 1e9})
+        except Exception as err:  # noqa: BLE001 - a setting that does not compile is a finding, the rest still run
+            rows.append({"setting": label, "status": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"})
+        finally:
+            for name, value in DEFAULTS.items():
+                setattr(embedding_bag, name, value)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="criteo")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--ids", choices=("uniform", "zipf"), default="uniform")
+    parser.add_argument("--smoke", action="store_true", help="the smoke shape through Triton's interpreter (CPU)")
+    parser.add_argument("--json", dest="json_path")
+    args = parser.parse_args()
+    shape = SHAPES["smoke" if args.smoke else args.shape]
+    info = machine()
+    if CUDA:
+        info["copy_bandwidth_GB/s"] = f"{copy_bandwidth() / 1e9:.0f}"
+    rows = sweep(shape, getattr(torch, args.dtype), args.ids, repeats=10 if CUDA else 1)
+    table = [{k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()} for row in rows]
+    columns = ("setting", "status", "forward_ms", "forward_GB/s", "backward_ms", "backward_GB/s", "forward_error",
+               "weights_error")
+    table = [{c: row.get(c, "-") for c in columns} for row in table]
+    report(f"embedding kernel settings: {shape.name}, {args.dtype}, {args.ids} ids", table, info, args.json_path)
+
+
+if __name__ == "__main__":
+    main()
