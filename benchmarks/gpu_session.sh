@@ -11,6 +11,8 @@
 # 10 s, loader --quick 24 s; an embedding measurement took ~100 s while the tables were drawn on the host
 # (now on the device), and the train step ran past 140 s at 4M rows (now 2M, both batches on one set).
 # The device time of a session is 15 minutes in all: call 2 right after call 1 (the machine stays warm 30 s).
+# Between the calls, here: mkdir -p gpu-in && cp <call 1's files_at>/gpu_suite.json gpu-in/ (ignored), and
+# name gpu-in in call 2's carry, so that part 2 adds its steps to part 1's JSON.
 set -u
 part=${1:?which part: 1 or 2}
 OUT=${OUT:-gpu-out}
