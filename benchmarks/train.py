@@ -96,23 +96,26 @@ WARM_STEPS = 3  # steps left out of the steady rate: compilation, CUDA-graph cap
 
 
 class SteadyClock:
-    """Marks the time and samples seen after the first ``WARM_STEPS`` steps (synchronizing the GPU there
-    once), so that an epoch's rate can be read without its warm-up."""
+    """Times an epoch's steady part: from the end of step ``WARM_STEPS`` (compilation, CUDA-graph capture and
+    allocator warm-up done) to the end of its last full batch (the partial one after it runs eagerly),
+    synchronizing the GPU at both marks."""
 
-    def __init__(self):
-        self.mark: tuple[float, int] | None = None
+    def __init__(self, rows: int, batch_size: int):
+        self.last = rows // batch_size  # the last full batch (shuffle buffers hold whole epochs here)
+        if self.last <= WARM_STEPS:
+            raise ValueError(f"{rows} rows at batch {batch_size}: no full batch after the first {WARM_STEPS}")
+        self.marks: dict[int, tuple[float, int]] = {}
 
     def __call__(self, step: int, samples: int) -> None:
-        if step == WARM_STEPS:
+        if step in (WARM_STEPS, self.last):
             if CUDA:
                 torch.cuda.synchronize()
-            self.mark = (time.perf_counter(), samples)
+            self.marks[step] = (time.perf_counter(), samples)
 
-    def steady(self, samples: int, ended: float) -> tuple[int, float]:
-        """(samples, seconds) after the warm-up; the whole epoch where it was too short to have one."""
-        if self.mark is None:
-            raise RuntimeError(f"an epoch of {samples} samples has no steps after the first {WARM_STEPS}")
-        return samples - self.mark[1], ended - self.mark[0]
+    def steady(self) -> tuple[int, float]:
+        """(samples, seconds) between the two marks."""
+        (began, first), (ended, last) = self.marks[WARM_STEPS], self.marks[self.last]
+        return last - first, ended - began
 
 
 def train_stock(model: nn.Module, batches, dense_lr: float, clock: SteadyClock | None = None) -> tuple[int, float]:
@@ -196,10 +199,9 @@ def measure(train_files: list[Path], valid_files: list[Path], schema: FeatureSch
     pad = 1 << 14 if CUDA and schema.multi_hot else None  # bucketed ids: few shapes for CUDA graphs
     loader = ChunkLoader(train_files, schema, batch_size, device=DEVICE, seed=0, pad_values_to=pad)
     step = TrainStep(ours, dense_optimizer(ours, dense_lr, DEVICE), step_config, DEVICE)
-    clock = SteadyClock()
+    clock = SteadyClock(loader.num_rows, batch_size)
     summary = fit(step, loader.epoch(0), dense_lr, on_step=clock)
-    steady = clock.steady(summary["samples"], time.perf_counter())
-    results["recloop"] = (summary["samples"], summary["seconds"], _auc(ours, valid_files, schema), *steady)
+    results["recloop"] = (summary["samples"], summary["seconds"], _auc(ours, valid_files, schema), *clock.steady())
     ours = step = None
     if CUDA:
         torch.cuda.empty_cache()
@@ -207,17 +209,17 @@ def measure(train_files: list[Path], valid_files: list[Path], schema: FeatureSch
         return {"batch_size": batch_size, **{f"recloop_{n}": v for n, v in zip(FIELDS, results["recloop"], strict=True)}}
     stock_batches = torch.utils.data.DataLoader(RowDataset(train_files, schema), batch_size=batch_size, shuffle=True,
                                                 collate_fn=collate, generator=torch.Generator().manual_seed(0))
-    clock = SteadyClock()
+    clock = SteadyClock(loader.num_rows, batch_size)
     samples, seconds = train_stock(stock, stock_batches, dense_lr, clock)
-    results["stock"] = (samples, seconds, _auc(stock, valid_files, schema), *clock.steady(samples, time.perf_counter()))
+    results["stock"] = (samples, seconds, _auc(stock, valid_files, schema), *clock.steady())
     if results["recloop"][0] != samples:
         raise RuntimeError(f"unequal samples seen: {results['recloop'][0]} vs {samples}")
     return {"batch_size": batch_size, **{f"{k}_{n}": v for k, values in results.items()
                                          for n, v in zip(FIELDS, values, strict=True)}}
 
 
-# What measure() reports per trainer: the whole epoch (samples, seconds), the validation AUC, and the epoch
-# after its first WARM_STEPS steps (steady_samples, steady_seconds: the rate without compilation).
+# What measure() reports per trainer: the whole epoch (samples, seconds), the validation AUC, and the epoch's
+# steady part (steady_samples, steady_seconds: SteadyClock, the rate without compilation).
 FIELDS = ("samples", "seconds", "auc", "steady_samples", "steady_seconds")
 
 

@@ -20,8 +20,11 @@ It needs a GPU; on a CPU it runs the same checks through Triton's interpreter on
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -45,6 +48,7 @@ SHAPES = {
 DEFAULTS = {name: getattr(embedding_bag, name) for name in ("TILE", "FORWARD_WARPS", "SEGMENT_BLOCK_N", "SEGMENT_WARPS")}
 SETTINGS = [
     ("defaults", {}),
+    # TILE also sizes the backward's linearize pass (forward_tiles at D=16); its share of the backward is small
     ("forward: tile 2048", {"TILE": 2048}),
     ("forward: tile 1024", {"TILE": 1024}),
     ("forward: tile 2048, 2 warps", {"TILE": 2048, "FORWARD_WARPS": 2}),
@@ -63,7 +67,9 @@ def relative_error(expected: torch.Tensor, actual: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp(min=1e-30)).item()
 
 
-def sweep(shape: Shape, dtype: torch.dtype, ids: str, repeats: int, settings=SETTINGS) -> list[dict]:
+def sweep(shape: Shape, dtype: torch.dtype, ids: str, repeats: int, settings=SETTINGS,
+          on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """One row per setting; ``on_row(rows so far)`` after each (a run stopped midway keeps its rows)."""
     device = torch.device("cuda" if CUDA else "cpu")
     tables = [TableConfig(f"t{i}", rows, shape.dim) for i, rows in enumerate(shape.rows)]
     ebc = EmbeddingBagCollection(tables, optimizer="rowwise_adagrad", lr=0.01, device=device, dtype=dtype,
@@ -119,6 +125,8 @@ def sweep(shape: Shape, dtype: torch.dtype, ids: str, repeats: int, settings=SET
         finally:
             for name, value in DEFAULTS.items():
                 setattr(embedding_bag, name, value)
+            if on_row:
+                on_row(rows)
     return rows
 
 
@@ -134,7 +142,12 @@ def main() -> None:
     info = machine()
     if CUDA:
         info["copy_bandwidth_GB/s"] = f"{copy_bandwidth() / 1e9:.0f}"
-    rows = sweep(shape, getattr(torch, args.dtype), args.ids, repeats=10 if CUDA else 1)
+    def on_row(rows: list[dict]) -> None:
+        print(f"[tune] {rows[-1]}", flush=True)
+        if args.json_path:  # replaced by the full report at the end
+            Path(args.json_path).write_text(json.dumps({"partial": True, "machine": info, "rows": rows}, indent=2))
+
+    rows = sweep(shape, getattr(torch, args.dtype), args.ids, repeats=10 if CUDA else 1, on_row=on_row)
     table = [{k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()} for row in rows]
     columns = ("setting", "status", "forward_ms", "forward_GB/s", "backward_ms", "backward_GB/s", "forward_error",
                "weights_error")

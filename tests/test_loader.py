@@ -168,12 +168,15 @@ def test_an_abandoned_epoch_stops_its_threads(files):
 
 @pytest.mark.gpu
 def test_batches_land_on_the_gpu_without_host_synchronization(files):
-    cpu = [(rows_of(b), b.values.tolist()) for b in ChunkLoader(files, SCHEMA, 128, seed=0).epoch(0)]
+    cpu = [(rows_of(b), b.values.tolist(), b.offsets.tolist(), b.dense.tolist(), b.label.tolist())
+           for b in ChunkLoader(files, SCHEMA, 128, seed=0).epoch(0)]
     torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
     try:
         batches = list(ChunkLoader(files, SCHEMA, 128, device="cuda", seed=0, pad_values_to=256).epoch(0))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(b.values.is_cuda and b.dense.is_cuda for b in batches)
-    gpu = [(rows_of(b), b.values[:int(b.offsets[-1])].tolist()) for b in batches]
+    # the same rows, ids and columns: staged column-major on the host, transposed to rows on the device
+    gpu = [(rows_of(b), b.values[:int(b.offsets[-1])].tolist(), b.offsets.tolist(), b.dense.tolist(), b.label.tolist())
+           for b in batches]
     assert gpu == cpu

@@ -170,8 +170,8 @@ class EmbeddingBagCollection(nn.Module):
         capture's warm-up, those small tensors would live in the graph's private memory pool without being
         its outputs, which the graph trees refuse ("tensors in the cudagraph pool not tracked as outputs").
         """
-        if self.weights.is_cuda:
-            device_layout(self._layout, self.weights.device)
+        if self.weights.is_cuda:  # held here too: replayed graphs read them, whatever the cache evicts
+            self._graph_layout = device_layout(self._layout, self.weights.device)
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
