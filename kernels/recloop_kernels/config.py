@@ -61,7 +61,10 @@ class TableConfig:
 
     def initialize(self, rows: torch.Tensor, generator: torch.Generator | None = None) -> None:
         """Fill ``rows`` (n, dim), in place, with this table's initial values (drawn on ``generator``'s device,
-        which is ``rows``'s when a collection calls it)."""
+        which is ``rows``'s when a collection calls it).
+
+        The same seed gives other values on a GPU than on a CPU (each device has its own generator); a
+        callable ``init`` gets ``rows`` on the collection's device."""
         where = generator.device if generator is not None else rows.device
         if callable(self.init):
             self.init(rows)
