@@ -96,25 +96,26 @@ WARM_STEPS = 3  # steps left out of the steady rate: compilation, CUDA-graph cap
 
 
 class SteadyClock:
-    """Times an epoch's steady part: from the end of step ``WARM_STEPS`` (compilation, CUDA-graph capture and
+    """Times an epoch's steady part: from the end of step ``warm_steps`` (compilation, CUDA-graph capture and
     allocator warm-up done) to the end of its last full batch (the partial one after it runs eagerly),
     synchronizing the GPU at both marks."""
 
-    def __init__(self, rows: int, batch_size: int):
+    def __init__(self, rows: int, batch_size: int, warm_steps: int = WARM_STEPS):
+        self.warm = warm_steps
         self.last = rows // batch_size  # the last full batch (shuffle buffers hold whole epochs here)
-        if self.last <= WARM_STEPS:
-            raise ValueError(f"{rows} rows at batch {batch_size}: no full batch after the first {WARM_STEPS}")
+        if self.last <= warm_steps:
+            raise ValueError(f"{rows} rows at batch {batch_size}: no full batch after the first {warm_steps}")
         self.marks: dict[int, tuple[float, int]] = {}
 
     def __call__(self, step: int, samples: int) -> None:
-        if step in (WARM_STEPS, self.last):
+        if step in (self.warm, self.last):
             if CUDA:
                 torch.cuda.synchronize()
             self.marks[step] = (time.perf_counter(), samples)
 
     def steady(self) -> tuple[int, float]:
         """(samples, seconds) between the two marks."""
-        (began, first), (ended, last) = self.marks[WARM_STEPS], self.marks[self.last]
+        (began, first), (ended, last) = self.marks[self.warm], self.marks[self.last]
         return last - first, ended - began
 
 
@@ -184,7 +185,7 @@ def world_rows(work: Path, events: int):
 
 def measure(train_files: list[Path], valid_files: list[Path], schema: FeatureSchema, batch_size: int,
             embedding_dim: int = 16, backend: str = "auto", step_config: StepConfig | None = None,
-            stock: bool = True) -> dict:
+            stock: bool = True, warm_steps: int = WARM_STEPS) -> dict:
     """One epoch of recloop and of the stock baseline on the same rows; samples/s and validation AUC
     (``stock=False``: recloop's alone)."""
     config = ModelConfig(embedding_dim=embedding_dim, embedding_optimizer="adagrad", embedding_lr=EMBEDDING_LR,
@@ -199,7 +200,7 @@ def measure(train_files: list[Path], valid_files: list[Path], schema: FeatureSch
     pad = 1 << 14 if CUDA and schema.multi_hot else None  # bucketed ids: few shapes for CUDA graphs
     loader = ChunkLoader(train_files, schema, batch_size, device=DEVICE, seed=0, pad_values_to=pad)
     step = TrainStep(ours, dense_optimizer(ours, dense_lr, DEVICE), step_config, DEVICE)
-    clock = SteadyClock(loader.num_rows, batch_size)
+    clock = SteadyClock(loader.num_rows, batch_size, warm_steps)
     summary = fit(step, loader.epoch(0), dense_lr, on_step=clock)
     results["recloop"] = (summary["samples"], summary["seconds"], _auc(ours, valid_files, schema), *clock.steady())
     ours = step = None
@@ -209,7 +210,7 @@ def measure(train_files: list[Path], valid_files: list[Path], schema: FeatureSch
         return {"batch_size": batch_size, **{f"recloop_{n}": v for n, v in zip(FIELDS, results["recloop"], strict=True)}}
     stock_batches = torch.utils.data.DataLoader(RowDataset(train_files, schema), batch_size=batch_size, shuffle=True,
                                                 collate_fn=collate, generator=torch.Generator().manual_seed(0))
-    clock = SteadyClock(loader.num_rows, batch_size)
+    clock = SteadyClock(loader.num_rows, batch_size, warm_steps)
     samples, seconds = train_stock(stock, stock_batches, dense_lr, clock)
     results["stock"] = (samples, seconds, _auc(stock, valid_files, schema), *clock.steady())
     if results["recloop"][0] != samples:
