@@ -213,7 +213,9 @@ def step_train(figures: Figures, smoke: bool, quick: bool) -> None:
     from recloop.model import StepConfig
 
     small, large = (128, 256) if smoke else (16384, 65536)
-    warm = 1 if smoke else train.WARM_STEPS  # smoke: 512 rows, 4 and 2 steps (Triton's interpreter is slow)
+    # smoke: 512 rows, 4 and 2 steps, the kernels' PyTorch reference ("auto" on a CPU): this step's plumbing;
+    # the Triton kernels in the interpreter are the embedding step's (and tests/test_kernels.py's)
+    warm = 1 if smoke else train.WARM_STEPS
     with tempfile.TemporaryDirectory() as work:
         rows = 512 if smoke else (1_000_000 if quick else 2_000_000)  # 4M rows ran past 140 s (H100 machine)
         began = time.perf_counter()
@@ -222,7 +224,7 @@ def step_train(figures: Figures, smoke: bool, quick: bool) -> None:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         r = train.measure(train_files, valid_files, schema, small, embedding_dim=8 if smoke else 16,
-                          backend="triton" if smoke else "auto", step_config=StepConfig(), warm_steps=warm)
+                          backend="auto", step_config=StepConfig(), warm_steps=warm)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         print(f"[train] batch {small:,}: recloop {r['recloop_seconds']:.1f} s, stock {r['stock_seconds']:.1f} s "
               f"(epochs, with warm-up)", flush=True)
@@ -244,7 +246,7 @@ def step_train(figures: Figures, smoke: bool, quick: bool) -> None:
         # issue 16's last step: the same epoch at batch 64K (bf16 autocast: StepConfig's default), recloop alone
         torch._dynamo.reset()
         big = train.measure(train_files, valid_files, schema, large, embedding_dim=8 if smoke else 16,
-                            backend="triton" if smoke else "auto", step_config=StepConfig(), stock=False,
+                            backend="auto", step_config=StepConfig(), stock=False,
                             warm_steps=warm)
     rate = big["recloop_steady_samples"] / big["recloop_steady_seconds"]
     figures.add("train", f"recloop training samples/s at batch {large:,} (bf16 autocast on a GPU)", rate, "samples/s",
