@@ -260,44 +260,34 @@ class ChunkLoader:
         return _Staged(slot, tensors, host_lengths)
 
     def _to_device(self, decoded, stream, consumer, staging: _Staging | None):
-        """A decoded chunk on the device, and the event its copies complete at (None on a CPU)."""
-        if staging is None:
-            host = decoded
+        """A decoded chunk on the device, and the event its copies complete at (None on a CPU).
 
-            def move(name: str) -> torch.Tensor:
-                tensor = torch.from_numpy(np.require(host[name], requirements=["C", "W"]))
-                if stream is None:
-                    return tensor
-                with torch.cuda.stream(stream):  # on a GPU (staging off): a copy from pageable memory
-                    tensor = tensor.to(self.device)
-                tensor.record_stream(consumer)
-                return tensor
-
-            chunk = self._chunk(move, [host[f"lengths:{c}"] for c in self.schema.multi_hot])
-            if stream is None:
-                return chunk, None
-            event = torch.cuda.Event()
-            event.record(stream)
-            return chunk, event
+        ``decoded``: a ``_Staged`` chunk (in staging slot, column-major blocks), or host arrays in rows."""
+        staged = staging is not None
 
         def move(name: str) -> torch.Tensor:
-            staged = decoded.tensors[name]
-            rows_first = name in ("dense", "categorical")  # column-major in the slot: transposed here
-            if stream is None:  # a CPU: copied out of the slot, which is reused
-                return (staged.t() if rows_first else staged).clone(memory_format=torch.contiguous_format)
-            with torch.cuda.stream(stream):
-                tensor = staged.to(self.device, non_blocking=True)
+            if staged:
+                tensor, rows_first = decoded.tensors[name], name in ("dense", "categorical")
+            else:
+                tensor, rows_first = torch.from_numpy(np.require(decoded[name], requirements=["C", "W"])), False
+            if stream is None:  # a CPU: a staged chunk is copied out of its slot, which is reused
+                return (tensor.t() if rows_first else tensor).clone(memory_format=torch.contiguous_format) \
+                    if staged else tensor
+            with torch.cuda.stream(stream):  # pinned when staged; else a copy from pageable memory
+                tensor = tensor.to(self.device, non_blocking=staged)
                 if rows_first:
                     tensor = tensor.t().contiguous()
             tensor.record_stream(consumer)  # freed while the consumer may still read it: wait for that
             return tensor
 
-        chunk = self._chunk(move, decoded.host_lengths)
+        host_lengths = decoded.host_lengths if staged else [decoded[f"lengths:{c}"] for c in self.schema.multi_hot]
+        chunk = self._chunk(move, host_lengths)
         event = None
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
-        staging.done(decoded.slot, event)
+        if staged:
+            staging.done(decoded.slot, event)
         return chunk, event
 
     def _chunk(self, move, host_lengths: list[np.ndarray]) -> _Chunk:
