@@ -3,6 +3,7 @@
 #
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh 1     # tests, ptx, embedding, loader (~6 min)
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh 2     # train, kernel settings, Nsight (~6 min)
+#   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh check # after a kernel change (see below)
 #
 # Each step runs under its own time limit, so one slow step cannot take the others' time; gpu_suite.py
 # saves its JSON after every figure, so a step stopped at its limit keeps what it measured. Everything
@@ -16,7 +17,7 @@
 # Between the calls, here: mkdir -p gpu-in && cp <call 1's files_at>/gpu_suite.json gpu-in/ (ignored), and
 # name gpu-in in call 2's carry, so that part 2 adds its steps to part 1's JSON.
 set -u
-part=${1:?which part: 1 or 2}
+part=${1:?which part: 1, 2 or check}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -35,7 +36,20 @@ step() {  # step LIMIT_SECONDS COMMAND...: run it under its limit, log it, say h
 
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | tee -a "$log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$log"
-if [ "$part" = 1 ]; then
+if [ "$part" = check ]; then
+    # after a kernel change, on the merged JSON of parts 1 and 2 (carried in gpu-in/): the tests and every
+    # embedding shape again, the launch settings on three shapes, the profile (~4 min)
+    [ -f gpu-in/gpu_suite.json ] && cp gpu-in/gpu_suite.json "$suite"
+    step 90 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
+    step 180 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
+    step 45 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"
+    step 45 python3 benchmarks/tune_embedding.py --ids zipf --json "$OUT/tune_criteo_fp32_zipf.json"
+    step 45 python3 benchmarks/tune_embedding.py --shape wide --json "$OUT/tune_wide_fp32.json"
+    step 40 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
+        --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
+        "$OUT/ncu_criteo_fp32.csv"
+elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"
     step 150 python3 benchmarks/gpu_suite.py --only embedding --quick --out "$suite"

@@ -54,10 +54,13 @@ SETTINGS = [
     ("forward: tile 2048, 2 warps", {"TILE": 2048, "FORWARD_WARPS": 2}),
     ("forward: tile 8192, 8 warps", {"TILE": 8192, "FORWARD_WARPS": 8}),
     ("forward: 8 warps", {"FORWARD_WARPS": 8}),
+    # the segment pass's occurrences a step: the default follows the mean run length (backward_tiles)
     ("segment: 1 occurrence a step", {"SEGMENT_BLOCK_N": 1}),
-    ("segment: 4 occurrences a step", {"SEGMENT_BLOCK_N": 4}),
+    ("segment: 2 a step", {"SEGMENT_BLOCK_N": 2}),
+    ("segment: 4 a step", {"SEGMENT_BLOCK_N": 4}),
+    ("segment: 8 a step", {"SEGMENT_BLOCK_N": 8}),
+    ("segment: 16 a step", {"SEGMENT_BLOCK_N": 16}),
     ("segment: 4 a step, 2 warps", {"SEGMENT_BLOCK_N": 4, "SEGMENT_WARPS": 2}),
-    ("segment: 8 a step, 4 warps", {"SEGMENT_BLOCK_N": 8, "SEGMENT_WARPS": 4}),
     ("defaults, again", {}),
 ]
 

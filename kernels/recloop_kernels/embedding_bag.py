@@ -94,12 +94,19 @@ def forward_tiles(block_d: int, average_pooling: float) -> tuple[int, int]:
     return bags, block_n
 
 
-def backward_tiles(block_d: int) -> tuple[int, int]:
+def backward_tiles(block_d: int, nnz: int, total_rows: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of the segment pass: occurrences gathered per step, warps per program.
 
-    A warp per row up to D=128 (as FBGEMM's short-run kernel), so that a row is 16 bytes a thread.
+    A warp per row up to D=128 (as FBGEMM's short-run kernel), so that a row is 16 bytes a thread. BLOCK_N
+    follows the mean run length the batch can have (ids per distinct row, at most ``total_rows`` distinct):
+    a one-hot batch over large tables holds runs of about one occurrence, where a 16-occurrence tile only
+    costs registers (H100, 2026-11-25: 107 a thread, occupancy 25 %); many ids over small tables gather
+    more a step. H200, 2026-11-26, Criteo-like fp32 (benchmarks/tune_embedding.py): backward 2.2 ms with
+    16 a step, 1.71 ms with 1.
     """
-    block_n, warps = max(1, min(32, 2048 // block_d)), max(1, block_d // 128)
+    mean_run = nnz / max(1, min(nnz, total_rows))
+    block_n = max(1, min(32, 2048 // block_d, _next_power_of_2(math.ceil(mean_run))))
+    warps = max(1, block_d // 128)
     return SEGMENT_BLOCK_N or block_n, SEGMENT_WARPS or warps
 
 
@@ -450,7 +457,7 @@ def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, 
     shape = dict(DIM=dim, STRIDE=layout.strides[0] if uniform else 0, ALIGN=layout.align, CHUNK=CHUNK, BLOCK_D=block_d)
     rest1, rest2 = 1 - beta1, 1 - beta2  # in fp64 here: the kernel's fp32 beta2 = 0.999 leaves 1 - beta2 1.3e-5 off
     hyper = (lr, eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2)
-    segment_n, warps = backward_tiles(block_d)
+    segment_n, warps = backward_tiles(block_d, nnz, total_rows)
     max_items = min(nnz, total_rows + 1 + chunks)  # runs (≤ distinct keys) plus chunk boundaries
     _segment_kernel[(max_items,)](
         weight, state1, state2, step, grad_output, sorted_keys, perm, info, item_start, scan, partials, offsets,
