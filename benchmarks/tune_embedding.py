@@ -7,7 +7,7 @@ Why: on an H100 (2026-11-25, Nsight Compute, Criteo-like fp32) the forward used 
 (occupancy 18.75 %) at 63 % of DRAM peak, and the backward's segment pass 107 registers (occupancy 25 %,
 one warp a row, 16 occurrences gathered a step although one-hot runs hold one) at 22 %. Both are limited
 by registers; the settings below trade work per program for occupancy. Each setting is one assignment to
-``recloop_kernels.embedding_bag``'s module-level knobs (TILE, FORWARD_WARPS, SEGMENT_BLOCK_N,
+``recloop_kernels.embedding_bag``'s module-level knobs (TILE, FORWARD_WARPS, FORWARD_BLOCK_N, SEGMENT_BLOCK_N,
 SEGMENT_WARPS); the defaults run first and last (the spread between the two is the noise).
 
 Correct first: from the same starting weights, each setting's forward output and its weights after one
@@ -43,9 +43,14 @@ SHAPES = {
     "criteo": Shape("Criteo-like: 26 tables (capped at 5M rows), dim 128, one-hot, batch 64K",
                     tuple(min(r, ROW_CAP) for r in CRITEO_ROWS), 128, 1, 65536),
     "wide": Shape("100 features x 10-hot, vocab 8192, dim 64, batch 8K", (8192,) * 100, 64, 10, 8192),
+    # long bags (BENCHMARKS.md's 64-hot shapes): H200, 2026-11-26, the forward at D=32 ran at 341 GB/s against
+    # nn.EmbeddingBag's 834, at D=64 760 against 1,254
+    **{f"long{d}": Shape(f"1 table 10M rows, dim {d}, 64-hot, batch 8K", (10_000_000,), d, 64, 8192)
+       for d in (128, 64, 32)},
     "smoke": Shape("smoke: 3 tables, dim 16, 2-hot, batch 64", (50, 7, 300), 16, 2, 64),
 }
-DEFAULTS = {name: getattr(embedding_bag, name) for name in ("TILE", "FORWARD_WARPS", "SEGMENT_BLOCK_N", "SEGMENT_WARPS")}
+KNOBS = ("TILE", "FORWARD_WARPS", "FORWARD_BLOCK_N", "SEGMENT_BLOCK_N", "SEGMENT_WARPS")
+DEFAULTS = {name: getattr(embedding_bag, name) for name in KNOBS}
 SETTINGS = [
     ("defaults", {}),
     # TILE also sizes the backward's linearize pass (forward_tiles at D=16); its share of the backward is small
@@ -54,6 +59,11 @@ SETTINGS = [
     ("forward: tile 2048, 2 warps", {"TILE": 2048, "FORWARD_WARPS": 2}),
     ("forward: tile 8192, 8 warps", {"TILE": 8192, "FORWARD_WARPS": 8}),
     ("forward: 8 warps", {"FORWARD_WARPS": 8}),
+    ("forward: tile 16384, 8 warps", {"TILE": 16384, "FORWARD_WARPS": 8}),
+    ("forward: 8 ids a step", {"FORWARD_BLOCK_N": 8}),
+    ("forward: 16 ids a step", {"FORWARD_BLOCK_N": 16}),
+    ("forward: 64 ids a step, tile 8192", {"FORWARD_BLOCK_N": 64, "TILE": 8192}),
+    ("forward: 16 ids, tile 8192, 8 warps", {"FORWARD_BLOCK_N": 16, "TILE": 8192, "FORWARD_WARPS": 8}),
     # the segment pass's occurrences a step: the default follows the mean run length (backward_tiles)
     ("segment: 1 occurrence a step", {"SEGMENT_BLOCK_N": 1}),
     ("segment: 2 a step", {"SEGMENT_BLOCK_N": 2}),

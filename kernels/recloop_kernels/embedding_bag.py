@@ -55,6 +55,7 @@ TILE = 4096  # fp32 elements of a forward tile (BAGS × BLOCK_N × BLOCK_D): 32 
 # H100, Criteo-like fp32 (Nsight Compute, 2026-11-25): the forward used 147 registers a thread (occupancy
 # 18.75 %, 63 % of DRAM peak); the segment pass 107 (25 %), one warp a row, 22 % of DRAM peak.
 FORWARD_WARPS = 4
+FORWARD_BLOCK_N: int | None = None  # ids a bag per step of the forward (None: forward_tiles, from the pooling)
 SEGMENT_BLOCK_N: int | None = None  # occurrences gathered per step of the segment pass (None: backward_tiles)
 SEGMENT_WARPS: int | None = None  # warps a segment program (None: backward_tiles)
 
@@ -89,7 +90,7 @@ def forward_tiles(block_d: int, average_pooling: float) -> tuple[int, int]:
 
     One-hot bags take many bags per program (a row each per step); long bags take more ids per bag.
     """
-    block_n = min(_next_power_of_2(math.ceil(max(average_pooling, 1.0))), 32)
+    block_n = FORWARD_BLOCK_N or min(_next_power_of_2(math.ceil(max(average_pooling, 1.0))), 32)
     bags = max(1, min(64, TILE // (block_n * block_d)))
     return bags, block_n
 
