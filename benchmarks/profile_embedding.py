@@ -2,7 +2,7 @@
 
     ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats -k 'regex:_(forward|segment|split|linearize)_kernel' --csv --page details \
-        python benchmarks/profile_embedding.py [--shape criteo|wide] [--dtype float32|bfloat16] [--ids uniform|zipf]
+        python benchmarks/profile_embedding.py [--shape criteo|wide|long64|long32] [--dtype float32|bfloat16] [--ids uniform|zipf]
 
 It builds one of benchmarks/embedding.py's shapes (``criteo``: 26 tables at dim 128, one-hot, batch 64K, the
 tables capped at 1M rows here so that Nsight's kernel replay, which saves and restores what a kernel writes,
@@ -27,6 +27,8 @@ SHAPES = {
     "criteo": Shape("Criteo-like: 26 tables (capped at 1M rows), dim 128, one-hot, batch 64K",
                     tuple(min(r, 1_000_000) for r in CRITEO_ROWS), 128, 1, 65536),
     "wide": Shape("100 features x 10-hot, vocab 8192, dim 64, batch 8K", (8192,) * 100, 64, 10, 8192),
+    # long bags at small D, where the timed forward (benchmarks/tune_embedding.py) swung 2x between repeats
+    **{f"long{d}": Shape(f"1 table 1M rows, dim {d}, 64-hot, batch 8K", (1_000_000,), d, 64, 8192) for d in (64, 32)},
 }
 
 
