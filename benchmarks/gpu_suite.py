@@ -17,9 +17,10 @@ Steps, each recorded whether it succeeds or fails (a failing step records its er
 6. ``cudf``       entity statistics on cuDF vs pandas (only where cuDF imports).
                   The GPU machine has no cuDF and no network: carry its wheels in parts (each call carries
                   at most 64 MiB). Here, ``python benchmarks/gpu_wheels.py prepare`` (downloads ~363 MB into
-                  the ignored .whl-cudf/, 7 parts of <= 56 MiB), then ``python benchmarks/gpu_wheels.py
+                  the ignored .whl-cudf/, 6 parts of <= 61 MiB), then ``python benchmarks/gpu_wheels.py
                   commands`` prints the device calls, one per part, each within 30 s of the last (the
                   machine keeps /tmp only while warm); the last installs into /tmp/site and runs this step.
+                  H200 machine, 2026-11-26: the six calls took 93 s of device time (each warm call ~5 s).
 
 Every figure carries: name, value, unit, baseline, ratio (value / baseline), limit (the physical one
 where there is one), target, met (None where not measurable, e.g. speed on a CPU), device, driver,

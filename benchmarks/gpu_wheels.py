@@ -35,6 +35,12 @@ PINS = (
 OPTIONAL = ("numba-cuda-mlir==0.6.0",)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# H200 machine, 2026-11-26: ``import cudf`` failed in the device image's numba-cuda ("module 'numpy' has no
+# attribute 'row_stack'": numpy 2.4 removed the alias that numba-cuda still registers an overload for).
+# install writes this into the target folder, which Python imports at start-up from PYTHONPATH.
+NUMPY_SHIM = ("import numpy\n"
+              "if not hasattr(numpy, 'row_stack'):  # removed in numpy 2.4; numba-cuda (cudf's UDFs) still names it\n"
+              "    numpy.row_stack = numpy.vstack\n")
 MANIFEST = "manifest.json"
 DIR = ".whl-cudf"
 STASH = "/tmp/recloop-wheels"
@@ -142,11 +148,13 @@ def commands(directory: str) -> list[tuple[str, list[str]]]:
     for i, part in enumerate(parts):
         rel = f"{directory}/{part.name}"
         cmd = f"python3 benchmarks/gpu_wheels.py stash {rel} --to {STASH}"
-        if i == len(parts) - 1:
+        if i == len(parts) - 1:  # the suite's JSON so far, carried in gpu-in/ (if any), gets the cudf step
             cmd += (f" && python3 benchmarks/gpu_wheels.py install --from {STASH} --target {TARGET}"
-                    f" && PYTHONPATH={TARGET}:$PYTHONPATH python3 benchmarks/gpu_suite.py --only cudf")
+                    " && { [ ! -f gpu-in/gpu_suite.json ] || cp gpu-in/gpu_suite.json $OUT/; }"
+                    f" && PYTHONPATH={TARGET}:$PYTHONPATH python3 benchmarks/gpu_suite.py --only cudf"
+                    " --out $OUT/gpu_suite.json")
         assert len(cmd) <= 2000, cmd
-        calls.append((cmd, [rel]))
+        calls.append((cmd, [rel, "gpu-in"] if i == len(parts) - 1 else [rel]))
     return calls
 
 
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="download PINS here and pack them into parts")
     p.add_argument("--dir", default=DIR)
-    p.add_argument("--part-mib", type=float, default=56.0, help="per part; the repo (~2 MB) travels too")
+    p.add_argument("--part-mib", type=float, default=61.0, help="per part; the repo (~2.2 MB) travels too")
     p.add_argument("--with-mlir", action="store_true", help="also carry " + ", ".join(OPTIONAL))
     p = sub.add_parser("stash", help="device: copy one carried part into the stash folder")
     p.add_argument("part")
@@ -189,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", args.target, *map(str, wheels)], check=True)
+        (Path(args.target) / "sitecustomize.py").write_text(NUMPY_SHIM)
         check = "import cudf, pandas; print('cudf', cudf.__version__, 'pandas', pandas.__version__)"
         env = dict(os.environ)
         env["PYTHONPATH"] = args.target + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,19 @@ def test_commands_fit_the_device_tool(tmp_path: Path, wheels: list[Path], monkey
     calls = gw.commands(".whl-cudf")
     assert len(calls) == len(gw.parts_of(tmp_path / ".whl-cudf"))
     for i, (cmd, carry) in enumerate(calls, 1):
-        assert carry == [f".whl-cudf/p{i}"] and len(cmd) <= 2000 and f"stash .whl-cudf/p{i}" in cmd
-    assert "install" in calls[-1][0] and "gpu_suite.py --only cudf" in calls[-1][0]
+        assert carry[0] == f".whl-cudf/p{i}" and len(cmd) <= 2000 and f"stash .whl-cudf/p{i}" in cmd
+    # the last call also carries the suite's JSON so far and writes the merged one where the tool returns it
+    assert calls[-1][1][1:] == ["gpu-in"] and all(len(carry) == 1 for _, carry in calls[:-1])
+    assert "install" in calls[-1][0] and "gpu_suite.py --only cudf --out $OUT/gpu_suite.json" in calls[-1][0]
     assert all("install" not in cmd for cmd, _ in calls[:-1])
+
+
+def test_the_numpy_shim_restores_row_stack_only_where_it_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the device image's numpy 2.4 lacks row_stack, which its numba-cuda needs for ``import cudf``
+    old, new = types.ModuleType("numpy"), types.ModuleType("numpy")
+    old.vstack = new.vstack = object()
+    old.row_stack = object()
+    for fake in (old, new):
+        monkeypatch.setitem(sys.modules, "numpy", fake)
+        exec(gw.NUMPY_SHIM, {})
+    assert new.row_stack is new.vstack and old.row_stack is not old.vstack
