@@ -20,7 +20,7 @@ Steps, each recorded whether it succeeds or fails (a failing step records its er
                   the ignored .whl-cudf/, 6 parts of <= 61 MiB), then ``python benchmarks/gpu_wheels.py
                   commands`` prints the device calls, one per part, each within 30 s of the last (the
                   machine keeps /tmp only while warm); the last installs into /tmp/site and runs this step.
-                  H200 machine, 2026-11-26: the six calls took 93 s of device time (each warm call ~5 s).
+                  H200 machine, 2026-11-26: the six calls took ~80 s of device time (a start ~30 s, each warm call ~5 s).
 
 Every figure carries: name, value, unit, baseline, ratio (value / baseline), limit (the physical one
 where there is one), target, met (None where not measurable, e.g. speed on a CPU), device, driver,
