@@ -351,33 +351,54 @@ class ChunkLoader:
     # --- batching -----------------------------------------------------------------------------------------
 
     def epoch(self, epoch: int = 0, skip_batches: int = 0) -> Iterator[Batch]:
-        """The batches of one epoch; ``skip_batches`` skips the first ones (to resume a run)."""
+        """The batches of one epoch; ``skip_batches`` skips the first ones (to resume a run).
+
+        Every batch but the epoch's last is full: the rows a group of ``shuffle_chunks`` chunks leaves over
+        after its last full batch join the next group (a smaller batch mid-epoch would run outside the
+        training step's CUDA graphs, and weigh its rows more)."""
         generator = torch.Generator(device="cpu").manual_seed(int(np.random.default_rng([self.seed, epoch, 1])
                                                                   .integers(0, 2**62)))
         pending: list[_Chunk] = []
         produced = 0
+
+        def emit(group: list[_Chunk], last: bool) -> Iterator[Batch | _Chunk]:
+            nonlocal produced
+            for item in self._batches(_concat(group), generator, last):
+                if isinstance(item, _Chunk):  # the remainder, for the next group
+                    yield item
+                    continue
+                produced += 1
+                if produced > skip_batches:
+                    yield item
+
+        carried: _Chunk | None = None  # the previous group's remainder
         for chunk in self._chunks(epoch):
             pending.append(chunk)
             if len(pending) == self.shuffle_chunks:
-                for batch in self._batches(_concat(pending), generator):
-                    produced += 1
-                    if produced > skip_batches:
-                        yield batch
+                group, carried = ([carried] if carried is not None else []) + pending, None
+                for item in emit(group, last=False):
+                    if isinstance(item, _Chunk):
+                        carried = item
+                    else:
+                        yield item
                 pending = []
-        if pending:
-            for batch in self._batches(_concat(pending), generator):
-                produced += 1
-                if produced > skip_batches:
-                    yield batch
+        group = ([carried] if carried is not None else []) + pending
+        if group:
+            yield from emit(group, last=True)
 
-    def _batches(self, chunk: _Chunk, generator: torch.Generator) -> Iterator[Batch]:
+    def _batches(self, chunk: _Chunk, generator: torch.Generator, last: bool = True) -> Iterator[Batch | _Chunk]:
+        """The group's batches; unless it is the epoch's ``last``, its rows past the last full batch come last,
+        as a ``_Chunk``."""
         if self.shuffle:
             chunk = _permute(chunk, torch.randperm(chunk.rows, generator=generator))
         # Where each row's list starts, on the host: batch slices need no value from the device.
         host_offsets = [np.concatenate([[0], np.cumsum(lengths)]) for lengths in chunk.host_lengths]
-        for start in range(0, chunk.rows, self.batch_size):
+        end_of_full = chunk.rows if last else chunk.rows - chunk.rows % self.batch_size
+        for start in range(0, end_of_full, self.batch_size):
             end = min(start + self.batch_size, chunk.rows)
             yield self._assemble(chunk, start, end, host_offsets)
+        if end_of_full < chunk.rows:
+            yield _slice(chunk, end_of_full, chunk.rows, host_offsets)
 
     def _assemble(self, chunk: _Chunk, start: int, end: int, host_offsets: list[np.ndarray]) -> Batch:
         size = end - start
@@ -396,6 +417,15 @@ class ChunkLoader:
         offsets = torch.cat([all_lengths.new_zeros(1), all_lengths.cumsum(0)])
         return Batch(chunk.dense[start:end], chunk.label[start:end], torch.cat(parts), offsets,
                      {k: v[start:end] for k, v in chunk.extra.items()})
+
+
+def _slice(chunk: _Chunk, start: int, end: int, host_offsets: list[np.ndarray]) -> _Chunk:
+    """Rows ``start:end`` of ``chunk`` (views); ``host_offsets``: where each row's list starts, per list column."""
+    lists = [(values[int(offsets[start]):int(offsets[end])], lengths[start:end])
+             for (values, lengths), offsets in zip(chunk.lists, host_offsets, strict=True)]
+    return _Chunk(chunk.dense[start:end], chunk.label[start:end], chunk.categorical[start:end], lists,
+                  [lengths[start:end] for lengths in chunk.host_lengths],
+                  {k: v[start:end] for k, v in chunk.extra.items()})
 
 
 def _concat(chunks: list[_Chunk]) -> _Chunk:
