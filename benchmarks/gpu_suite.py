@@ -206,6 +206,11 @@ def step_loader(figures: Figures, smoke: bool, quick: bool) -> None:
                     note="the same files; baseline: the loader's defaults")
     if r["host_to_device"]:
         figures.add("loader", "host→device bandwidth (pinned)", r["host_to_device"] / 1e9, "GB/s")
+    stages = r["stages"]  # where the default run's epoch went (recloop.data.LoaderStats): the slow stage
+    for name, seconds in stages.items():
+        if name.endswith("_s") and name != "epoch_s":
+            figures.add("loader", f"loader stage {name[:-2]}, share of the epoch", seconds / stages["epoch_s"], "",
+                        note=f"{seconds:.2f} s of {stages['epoch_s']:.2f} s; thread times add up across threads")
 
 
 def step_train(figures: Figures, smoke: bool, quick: bool) -> None:

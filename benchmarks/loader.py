@@ -27,6 +27,7 @@ from common import machine, report, use_source_tree
 
 use_source_tree()
 from recloop.data import ChunkLoader, FeatureSchema  # noqa: E402
+from recloop.features.job import TRAINING_PARQUET  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -34,7 +35,9 @@ SCHEMA = FeatureSchema(dense=tuple(f"d_{i}" for i in range(13)), categorical={f"
                        multi_hot={})
 
 
-def write_files(folder: Path, rows: int, files: int) -> list[Path]:
+def write_files(folder: Path, rows: int, files: int, **parquet) -> list[Path]:
+    """Criteo-shaped training files, written as the feature job writes them (``TRAINING_PARQUET``) unless
+    ``parquet`` says otherwise."""
     rng = np.random.default_rng(0)
     paths = []
     per_file = max(1, rows // files)
@@ -45,7 +48,7 @@ def write_files(folder: Path, rows: int, files: int) -> list[Path]:
         for i in range(26):
             columns[f"c_{i}"] = (rng.random(per_file) ** 6 * 1_000_000).astype(np.int64)
         path = folder / f"part-{f:03d}.parquet"
-        pq.write_table(pa.table(columns), path, row_group_size=1 << 17)
+        pq.write_table(pa.table(columns), path, row_group_size=1 << 17, **(parquet or TRAINING_PARQUET))
         paths.append(path)
     return paths
 
@@ -89,9 +92,14 @@ def run(batches, check: bool = False) -> tuple[int, float, np.ndarray]:
     return rows, time.perf_counter() - started, sums
 
 
-def recloop_batches(files: list[Path], batch_size: int, workers: int | None = None, **options):
-    for batch in ChunkLoader(files, SCHEMA, batch_size, device=DEVICE, seed=0, workers=workers, **options).epoch(0):
+def recloop_batches(files: list[Path], batch_size: int, workers: int | None = None, stats: dict | None = None,
+                    **options):
+    """recloop's batches; ``stats`` (if given) gets the epoch's stage times (``LoaderStats``) at its end."""
+    loader = ChunkLoader(files, SCHEMA, batch_size, device=DEVICE, seed=0, workers=workers, **options)
+    for batch in loader.epoch(0):
         yield batch.dense, batch.label, batch.values, batch.offsets
+    if stats is not None:
+        stats.update(loader.stats.as_dict())
 
 
 def host_to_device_bandwidth() -> float:
@@ -123,20 +131,27 @@ def measure(rows: int, baseline_rows: int, batch_size: int, workers: int | None 
         if base_rows != small_rows or not np.allclose(base_sums, small_sums, rtol=1e-6):
             raise RuntimeError(f"loaders disagree: {base_rows} vs {small_rows} rows, sums {base_sums} vs {small_sums}")
         run(recloop_batches(subset, batch_size, workers))  # warm-up (CUDA context, page cache)
-        ours_rows, seconds, _ = run(recloop_batches(files, batch_size, workers))
+        stages: dict = {}
+        ours_rows, seconds, _ = run(recloop_batches(files, batch_size, workers, stats=stages))
         # The same files through other settings of the loader, for the record: staging flipped (on by
-        # default on a GPU), and one decoding thread per core.
+        # default on a GPU), and one decoding thread per core; then the same rows in pyarrow's default
+        # encoding (snappy, dictionary pages), as training files were written before TRAINING_PARQUET.
         variants = {}
         for label, options in ((f"staging {'off' if CUDA else 'on'}", {"staging": not CUDA, "workers": workers}),
                                (f"{os.cpu_count()} decoding threads", {"workers": os.cpu_count()})):
             variant_rows, variant_s, _ = run(recloop_batches(files, batch_size, **options))
             variants[label] = variant_rows / variant_s
+        default_encoding = work / "snappy-dictionary"
+        default_encoding.mkdir()
+        old_files = write_files(default_encoding, rows, len(files), compression="snappy", use_dictionary=True)
+        variant_rows, variant_s, _ = run(recloop_batches(old_files, batch_size, workers))
+        variants["files in pyarrow's default encoding (snappy, dictionary)"] = variant_rows / variant_s
         bandwidth = host_to_device_bandwidth() if CUDA else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {"rows": ours_rows, "seconds": seconds, "samples_per_s": ours_rows / seconds, "baseline_rows": base_rows,
             "baseline_seconds": base_s, "baseline_samples_per_s": base_rows / base_s, "batch_size": batch_size,
-            "host_to_device": bandwidth, "bytes_per_row": BYTES_PER_ROW, "variants": variants}
+            "host_to_device": bandwidth, "bytes_per_row": BYTES_PER_ROW, "variants": variants, "stages": stages}
 
 
 def main() -> None:
@@ -165,6 +180,11 @@ def main() -> None:
                      "vs row-by-row": f"{rate / theirs:.1f}x", "target": "-"} for label, rate in result["variants"].items()]
     report(f"loader: Criteo-shaped rows into {DEVICE.type} memory, batch {args.batch_size}", report_rows, info,
            args.json_path)
+    stages = result["stages"]
+    print(f"\nrecloop ChunkLoader, where its epoch went ({stages['epoch_s']:.2f} s; thread times add up):")
+    for name, value in stages.items():
+        if name.endswith("_s") and name != "epoch_s":
+            print(f"  {name:18s} {value:8.2f} s  {value / stages['epoch_s']:6.1%} of the epoch")
 
 
 if __name__ == "__main__":

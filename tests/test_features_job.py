@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pyarrow.dataset as ds
 import pytest
 
@@ -53,6 +54,12 @@ def test_features_cover_every_event_once_with_the_schema(home: Settings):
     dense = np.column_stack([training[c].to_numpy() for c in training.column_names if c.startswith("d_")])
     assert np.isfinite(dense).all()
     assert (read(home, "user_stats")["user_events_total"].to_numpy() >= 1).all()
+    # training rows in the loader's encoding (TRAINING_PARQUET: LZ4, no dictionary pages)
+    first = sorted((FeatureLayout.for_settings(home).root / "training").glob("*.parquet"))[0]
+    chunks = [pq.ParquetFile(first).metadata.row_group(0).column(i)
+              for i in range(pq.ParquetFile(first).metadata.num_columns)]
+    # pyarrow names parquet's LZ4_RAW codec "LZ4" (Arrow's raw LZ4 block format)
+    assert {c.compression for c in chunks} == {"LZ4"} and not any(c.has_dictionary_page for c in chunks)
 
 
 def test_split_windows_give_the_same_entity_state_as_one_window(home: Settings, tmp_path: Path):

@@ -167,6 +167,37 @@ def test_an_abandoned_epoch_stops_its_threads(files):
     assert not any(t.is_alive() for t in leftover)
 
 
+@pytest.mark.parametrize("staging", [False, True])
+def test_stage_times_name_the_slow_stage(files, monkeypatch, staging):
+    import time
+
+    loader = ChunkLoader(files, SCHEMA, 64, seed=0, shuffle_chunks=2, workers=1, staging=staging)
+    assert sum(b.size for b in loader.epoch(0)) == 1000
+    stats = loader.stats
+    assert (stats.rows, stats.chunks) == (1000, 10) and stats.decode_s > 0 and stats.batching_s > 0
+    assert 0 < stats.consumer_wait_s < stats.epoch_s
+
+    name = "_read_staged" if staging else "_read"
+    read = getattr(ChunkLoader, name)
+
+    def slow_read(self, *args):
+        time.sleep(0.03)
+        return read(self, *args)
+
+    monkeypatch.setattr(ChunkLoader, name, slow_read)  # slow decoding: the consumer waits for chunks
+    list(loader.epoch(0))
+    slow_decode = loader.stats
+    assert slow_decode.decode_s >= 10 * 0.03 and slow_decode.consumer_wait_s > 0.5 * slow_decode.epoch_s
+    assert slow_decode.decode_wait_s > slow_decode.handover_wait_s
+
+    monkeypatch.setattr(ChunkLoader, name, read)
+    for _ in loader.epoch(0):  # a slow consumer: the producer waits to hand chunks over
+        time.sleep(0.02)
+    slow_consumer = loader.stats
+    assert slow_consumer.handover_wait_s > slow_consumer.consumer_wait_s
+    assert slow_consumer.handover_wait_s > 0.3 * slow_consumer.epoch_s
+
+
 @pytest.mark.gpu
 def test_batches_land_on_the_gpu_without_host_synchronization(files):
     cpu = [(rows_of(b), b.values.tolist(), b.offsets.tolist(), b.dense.tolist(), b.label.tolist())

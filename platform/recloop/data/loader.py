@@ -90,6 +90,30 @@ class Batch:
 
 
 @dataclass
+class LoaderStats:
+    """Where an epoch's time went, by stage (seconds; thread times add up across threads).
+
+    Read against ``epoch_s``: a consumer that waited most of the epoch (``consumer_wait_s``) had a slow
+    producer; a producer that waited for decoded chunks (``decode_wait_s``) had too few or slow decoding
+    threads (``decode_s`` is their busy time, summed); a producer blocked handing chunks over
+    (``handover_wait_s``) had a slow consumer."""
+
+    epoch_s: float = 0.0
+    chunks: int = 0
+    rows: int = 0
+    decode_s: float = 0.0  # decoding threads: parquet row group → host arrays or staging slot (sum over threads)
+    slot_wait_s: float = 0.0  # producer: waiting for a staging slot's last copies to finish
+    decode_wait_s: float = 0.0  # producer: waiting for the next chunk in epoch order to be decoded
+    move_s: float = 0.0  # producer: issuing the chunk's copies to the device (and transposes)
+    handover_wait_s: float = 0.0  # producer: waiting for room in the prefetch queue
+    consumer_wait_s: float = 0.0  # consumer: waiting for the next chunk
+    batching_s: float = 0.0  # consumer: concatenating, permuting and slicing groups into batches
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dict(self.__dict__)
+
+
+@dataclass
 class _Chunk:
     """Rows on the device, columnar; multi-hot columns as (values, lengths) with the lengths on the host too."""
 
@@ -195,6 +219,8 @@ class ChunkLoader:
         self.workers = workers if workers is not None else max(1, min(8, (os.cpu_count() or 2) // 2))
         self.pad_values_to = pad_values_to
         self.staging = self.device.type == "cuda" if staging is None else staging
+        self.stats = LoaderStats()  # the last (or current) epoch's stage times
+        self._stats_lock = threading.Lock()
         self._pieces = [(f, g) for f in self.files for g in range(pq.ParquetFile(f).num_row_groups)]
         self.num_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
         if self.num_rows == 0:
@@ -307,22 +333,46 @@ class ChunkLoader:
         staging = _Staging(self.workers + self.prefetch + 2, pinned=cuda) if self.staging else None
         buffer: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
+        stats, clock = self.stats, time.perf_counter
+
+        def decode(piece: tuple[Path, int], slot: int | None):  # in a decoding thread
+            began = clock()
+            try:
+                return self._read(piece) if slot is None else self._read_staged(piece, staging, slot)
+            finally:
+                with self._stats_lock:
+                    stats.decode_s += clock() - began
+
+        def hand_over(future) -> None:  # the next chunk in epoch order: to the device, then to the consumer
+            began = clock()
+            decoded = future.result()
+            decoded_at = clock()
+            moved = self._to_device(decoded, stream, consumer, staging)
+            moved_at = clock()
+            buffer.put(moved)
+            stats.decode_wait_s += decoded_at - began
+            stats.move_s += moved_at - decoded_at
+            stats.handover_wait_s += clock() - moved_at
+            stats.chunks += 1
+            stats.rows += moved[0].rows
 
         def produce() -> None:
             try:
                 with ThreadPoolExecutor(self.workers, thread_name_prefix="recloop-decode") as pool:
                     pending: deque = deque()
                     for i in order:
-                        if staging is None:
-                            pending.append(pool.submit(self._read, self._pieces[i]))
-                        else:
-                            pending.append(pool.submit(self._read_staged, self._pieces[i], staging, staging.take()))
+                        slot = None
+                        if staging is not None:
+                            began = clock()
+                            slot = staging.take()
+                            stats.slot_wait_s += clock() - began
+                        pending.append(pool.submit(decode, self._pieces[i], slot))
                         if len(pending) > self.workers + self.prefetch:
                             if stop.is_set():
                                 return
-                            buffer.put(self._to_device(pending.popleft().result(), stream, consumer, staging))
+                            hand_over(pending.popleft())
                     while pending and not stop.is_set():
-                        buffer.put(self._to_device(pending.popleft().result(), stream, consumer, staging))
+                        hand_over(pending.popleft())
                 buffer.put(None)
             except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
                 buffer.put(err)
@@ -331,7 +381,9 @@ class ChunkLoader:
         worker.start()
         try:
             while True:
+                began = clock()
                 item = buffer.get()
+                stats.consumer_wait_s += clock() - began
                 if item is None:
                     return
                 if isinstance(item, BaseException):
@@ -358,12 +410,17 @@ class ChunkLoader:
         training step's CUDA graphs, and weigh its rows more)."""
         generator = torch.Generator(device="cpu").manual_seed(int(np.random.default_rng([self.seed, epoch, 1])
                                                                   .integers(0, 2**62)))
+        self.stats = stats = LoaderStats()
+        started = time.perf_counter()
         pending: list[_Chunk] = []
         produced = 0
 
         def emit(group: list[_Chunk], last: bool) -> Iterator[Batch | _Chunk]:
             nonlocal produced
-            for item in self._batches(_concat(group), generator, last):
+            began = time.perf_counter()
+            joined = _concat(group)
+            stats.batching_s += time.perf_counter() - began
+            for item in self._batches(joined, generator, last):
                 if isinstance(item, _Chunk):  # the remainder, for the next group
                     yield item
                     continue
@@ -385,18 +442,25 @@ class ChunkLoader:
         group = ([carried] if carried is not None else []) + pending
         if group:
             yield from emit(group, last=True)
+        stats.epoch_s = time.perf_counter() - started
 
     def _batches(self, chunk: _Chunk, generator: torch.Generator, last: bool = True) -> Iterator[Batch | _Chunk]:
         """The group's batches; unless it is the epoch's ``last``, its rows past the last full batch come last,
         as a ``_Chunk``."""
+        stats, clock = self.stats, time.perf_counter
+        began = clock()
         if self.shuffle:
             chunk = _permute(chunk, torch.randperm(chunk.rows, generator=generator))
         # Where each row's list starts, on the host: batch slices need no value from the device.
         host_offsets = [np.concatenate([[0], np.cumsum(lengths)]) for lengths in chunk.host_lengths]
         end_of_full = chunk.rows if last else chunk.rows - chunk.rows % self.batch_size
+        stats.batching_s += clock() - began
         for start in range(0, end_of_full, self.batch_size):
             end = min(start + self.batch_size, chunk.rows)
-            yield self._assemble(chunk, start, end, host_offsets)
+            began = clock()
+            batch = self._assemble(chunk, start, end, host_offsets)
+            stats.batching_s += clock() - began
+            yield batch
         if end_of_full < chunk.rows:
             yield _slice(chunk, end_of_full, chunk.rows, host_offsets)
 

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recloop.data.loader import FeatureSchema
+from recloop.features.job import TRAINING_PARQUET
 
 
 def write_training_rows(folder: Path, rows: int, files: int, categorical: dict[str, int],
@@ -66,7 +67,7 @@ def write_training_rows(folder: Path, rows: int, files: int, categorical: dict[s
         columns["p_click"] = probability
         columns["label"] = (rng.random(count) < probability).astype(np.float32)
         path = folder / f"{part}-{f:04d}.parquet"
-        pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+        pq.write_table(pa.table(columns), path, row_group_size=row_group_size, **TRAINING_PARQUET)
         paths.append(path)
     schema = FeatureSchema(dense=tuple(f"d_{i}" for i in range(dense)), categorical=dict(categorical),
                            multi_hot=dict(multi_hot))
