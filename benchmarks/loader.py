@@ -27,7 +27,7 @@ from common import machine, report, use_source_tree
 
 use_source_tree()
 from recloop.data import ChunkLoader, FeatureSchema  # noqa: E402
-from recloop.features.job import TRAINING_PARQUET  # noqa: E402
+from recloop.formats import TRAINING_PARQUET  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

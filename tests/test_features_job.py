@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 
 from recloop.features.config import FeatureConfig

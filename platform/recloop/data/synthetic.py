@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recloop.data.loader import FeatureSchema
-from recloop.features.job import TRAINING_PARQUET
+from recloop.formats import TRAINING_PARQUET
 
 
 def write_training_rows(folder: Path, rows: int, files: int, categorical: dict[str, int],
