@@ -37,11 +37,13 @@ step() {  # step LIMIT_SECONDS COMMAND...: run it under its limit, log it, say h
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | tee -a "$log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$log"
 if [ "$part" = check ]; then
-    # after a kernel change, on the merged JSON of parts 1 and 2 (carried in gpu-in/): the tests and every
-    # embedding shape again, the launch settings on three shapes, the profile (~4 min)
+    # after a kernel or loader change, on the merged JSON so far (carried in gpu-in/: after parts 1 and 2,
+    # or benchmarks/results/gpu_suite.json): the tests, every embedding shape, the loader, the launch
+    # settings on three shapes, the profile (H200, 2026-11-26: 133 s without the loader's ~30 s)
     [ -f gpu-in/gpu_suite.json ] && cp gpu-in/gpu_suite.json "$suite"
     step 90 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 180 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
+    step 75 python3 benchmarks/gpu_suite.py --only loader --out "$suite"  # with its stage times (LoaderStats)
     step 45 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"
     step 45 python3 benchmarks/tune_embedding.py --ids zipf --json "$OUT/tune_criteo_fp32_zipf.json"
     step 45 python3 benchmarks/tune_embedding.py --shape wide --json "$OUT/tune_wide_fp32.json"
