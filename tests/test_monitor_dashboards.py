@@ -57,6 +57,39 @@ def test_a_category_missing_from_a_small_reference_is_not_drift():
     assert evidently_drift(reference, current, ["category"], chi, categorical={"category"})[1] == ["category"]
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # chi-square over empty reference cells
+def test_the_drift_tests_without_the_report_give_the_reports_figures():
+    """``snapshot=False`` runs each column's test as the report's ValueDrift does, without its plots: every
+    share, verdict, score, method and threshold the same, for inferred, typed, overridden and drifted columns."""
+    rng = np.random.default_rng(5)
+    shares = np.geomspace(1, 0.01, 26) / np.geomspace(1, 0.01, 26).sum()
+
+    def window(rows: int, shift: float) -> pd.DataFrame:
+        return pd.DataFrame({"category": rng.choice(26, rows, p=shares), "price": rng.normal(shift, 1, rows),
+                             "slot": rng.integers(0, 5, rows), "code": rng.integers(0, 50, rows).astype(float),
+                             "country": rng.choice(["fr", "de", None], rows)})
+
+    reference, current = window(600, 0.0), window(1500, 0.8)  # price drifts
+    columns = ["category", "price", "slot", "code", "country"]
+    configs = [MonitorConfig(), MonitorConfig(per_column_method={"category": "chisquare", "price": "psi"},
+                                              per_column_threshold={"code": 0.01, "price": 0.05})]
+    for config in configs:
+        typed = {"categorical": {"category", "country"}, "numeric": {"slot"}}
+        share, drifted, scores, snapshot = evidently_drift(reference, current, columns, config, **typed)
+        fast = evidently_drift(reference, current, columns, config, **typed, snapshot=False)
+        assert fast[:2] == (share, drifted) and fast[3] is None and "price" in drifted
+        assert fast[2] == pytest.approx(scores, rel=1e-12)
+        from recloop.monitor.drift import dataset_frame, value_drift
+
+        frames = [dataset_frame(f, columns, typed["categorical"]) for f in (reference, current)]
+        reported = column_drift(snapshot)
+        for column in columns:
+            alone = value_drift(*frames, column, column in ("price", "slot", "code"),
+                                {"category": "jensenshannon", "country": "jensenshannon",
+                                 **config.per_column_method}.get(column), config.per_column_threshold.get(column))
+            assert alone == reported[column], column
+
+
 def test_each_check_records_its_decision_with_the_thresholds(tmp_path):
     from recloop.monitor import dashboards
 

@@ -134,7 +134,8 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
     inputs = served_inputs(settings, current_champion.version, reference, current, config.sample_rows) \
         if current_champion else None
     snapshots: list = []
-    decision = compare_windows(settings, spec, reference, current, config, kpis, baseline, snapshots.append,
+    decision = compare_windows(settings, spec, reference, current, config, kpis, baseline,
+                               snapshots.append if log else None,
                                None if inputs is None else tuple(frame["prediction"].to_numpy() for frame in inputs),
                                concept)
     served = None
@@ -142,7 +143,7 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
         # The model's inputs as served (entity state, recency, counts shift by nature as time passes):
         # reported per column for review, not decided on; the scores they produce are (prediction drift).
         columns = [c for c in inputs[0].columns if c != "prediction"]
-        share, drifted, _, _ = evidently_drift(inputs[0], inputs[1], columns, config)
+        share, drifted, _, _ = evidently_drift(inputs[0], inputs[1], columns, config, snapshot=False)
         served = {"drift_share": share, "drifted_columns": drifted}
     report = MonitorReport(decision, current_champion.version if current_champion else None, reference, current,
                            baseline or {}, served)
@@ -198,7 +199,8 @@ def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, cu
         share, drifted, scores, snapshot = evidently_drift(
             ref, cur, healthy, config, timestamp=current[1],
             categorical=[c for c in healthy if roles[c] == "categorical"],
-            numeric=[c for c in healthy if roles[c] == "numeric"])
+            numeric=[c for c in healthy if roles[c] == "numeric"],
+            snapshot=on_snapshot is not None)  # the report (its plots) only for the workspace
     if snapshot is not None and on_snapshot is not None:
         on_snapshot(snapshot)
     new_ids, figures = new_id_findings(ref, cur, keys, config)
