@@ -263,6 +263,9 @@ def step_train(figures: Figures, smoke: bool, quick: bool) -> None:
 
 
 def step_cudf(figures: Figures, smoke: bool, quick: bool) -> None:
+    from gpu_wheels import restore_numpy_row_stack
+
+    restore_numpy_row_stack()  # the device image's numba-cuda needs numpy's row_stack, gone in numpy 2.4
     try:
         import cudf  # noqa: F401
     except Exception as err:  # noqa: BLE001 - any failure to import means there is nothing to compare

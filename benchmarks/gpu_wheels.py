@@ -37,10 +37,18 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
              "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # H200 machine, 2026-11-26: ``import cudf`` failed in the device image's numba-cuda ("module 'numpy' has no
 # attribute 'row_stack'": numpy 2.4 removed the alias that numba-cuda still registers an overload for).
-# install writes this into the target folder, which Python imports at start-up from PYTHONPATH.
-NUMPY_SHIM = ("import numpy\n"
-              "if not hasattr(numpy, 'row_stack'):  # removed in numpy 2.4; numba-cuda (cudf's UDFs) still names it\n"
-              "    numpy.row_stack = numpy.vstack\n")
+# gpu_suite.py's cudf step calls this before ``import cudf``, as does the install's check.
+NUMPY_ALIAS = "import numpy; numpy.row_stack = getattr(numpy, 'row_stack', numpy.vstack)"
+
+
+def restore_numpy_row_stack() -> None:
+    """Give numpy back ``row_stack`` (= ``vstack``) where it lacks it (numpy >= 2.4), for numba-cuda."""
+    import numpy
+
+    if not hasattr(numpy, "row_stack"):
+        numpy.row_stack = numpy.vstack
+
+
 MANIFEST = "manifest.json"
 DIR = ".whl-cudf"
 STASH = "/tmp/recloop-wheels"
@@ -197,8 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", args.target, *map(str, wheels)], check=True)
-        (Path(args.target) / "sitecustomize.py").write_text(NUMPY_SHIM)
-        check = "import cudf, pandas; print('cudf', cudf.__version__, 'pandas', pandas.__version__)"
+        check = NUMPY_ALIAS + "; import cudf, pandas; print('cudf', cudf.__version__, 'pandas', pandas.__version__)"
         env = dict(os.environ)
         env["PYTHONPATH"] = args.target + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         result = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)

@@ -96,12 +96,16 @@ def test_commands_fit_the_device_tool(tmp_path: Path, wheels: list[Path], monkey
     assert all("install" not in cmd for cmd, _ in calls[:-1])
 
 
-def test_the_numpy_shim_restores_row_stack_only_where_it_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_numpys_row_stack_is_restored_only_where_it_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     # the device image's numpy 2.4 lacks row_stack, which its numba-cuda needs for ``import cudf``
     old, new = types.ModuleType("numpy"), types.ModuleType("numpy")
     old.vstack = new.vstack = object()
     old.row_stack = object()
     for fake in (old, new):
         monkeypatch.setitem(sys.modules, "numpy", fake)
-        exec(gw.NUMPY_SHIM, {})
+        gw.restore_numpy_row_stack()
     assert new.row_stack is new.vstack and old.row_stack is not old.vstack
+    monkeypatch.setitem(sys.modules, "numpy", types.ModuleType("numpy"))
+    sys.modules["numpy"].vstack = marker = object()
+    exec(gw.NUMPY_ALIAS, {})  # the install's check, in its own process
+    assert sys.modules["numpy"].row_stack is marker

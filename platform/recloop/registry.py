@@ -110,10 +110,14 @@ def artifact_location(settings: Settings, name: str, tracking_uri: str) -> str |
 
 
 def _client(settings: Settings):
+    """A client of this installation's tracking store and registry, named explicitly: MLflow's process-wide
+    URIs (``configure``) are another installation's while a second one runs in the same process (tests: two
+    servers; a server thread of one could read the other's aliases)."""
     from mlflow import MlflowClient
 
     configure(settings)
-    return MlflowClient()
+    uri = endpoints.with_connect_timeout(settings.resolved_mlflow_tracking_uri(), endpoints.limits_for(settings))
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def _flatten(prefix: str, value, out: dict) -> dict:

@@ -95,8 +95,9 @@ class LoaderStats:
 
     Read against ``epoch_s``: a consumer that waited most of the epoch (``consumer_wait_s``) had a slow
     producer; a producer that waited for decoded chunks (``decode_wait_s``) had too few or slow decoding
-    threads (``decode_s`` is their busy time, summed); a producer blocked handing chunks over
-    (``handover_wait_s``) had a slow consumer."""
+    threads (``decode_s`` is their busy time, summed, so it can exceed the epoch); a producer blocked handing
+    chunks over (``handover_wait_s``) had a slow consumer. All are host times: on a GPU, ``move_s`` and
+    ``batching_s`` are the time to issue copies and kernels, not the device's time to run them."""
 
     epoch_s: float = 0.0
     chunks: int = 0
@@ -419,8 +420,11 @@ class ChunkLoader:
             nonlocal produced
             began = time.perf_counter()
             joined = _concat(group)
+            group.clear()  # the chunks are in ``joined`` now: free them while its batches are assembled
             stats.batching_s += time.perf_counter() - began
-            for item in self._batches(joined, generator, last):
+            batches = self._batches(joined, generator, last, stats)
+            del joined  # once shuffled, the unshuffled rows are garbage
+            for item in batches:
                 if isinstance(item, _Chunk):  # the remainder, for the next group
                     yield item
                     continue
@@ -429,25 +433,29 @@ class ChunkLoader:
                     yield item
 
         carried: _Chunk | None = None  # the previous group's remainder
-        for chunk in self._chunks(epoch):
-            pending.append(chunk)
-            if len(pending) == self.shuffle_chunks:
-                group, carried = ([carried] if carried is not None else []) + pending, None
-                for item in emit(group, last=False):
-                    if isinstance(item, _Chunk):
-                        carried = item
-                    else:
-                        yield item
-                pending = []
-        group = ([carried] if carried is not None else []) + pending
-        if group:
-            yield from emit(group, last=True)
-        stats.epoch_s = time.perf_counter() - started
+        try:
+            for chunk in self._chunks(epoch):
+                pending.append(chunk)
+                if len(pending) == self.shuffle_chunks:
+                    group, carried = ([carried] if carried is not None else []) + pending, None
+                    pending = []
+                    for item in emit(group, last=False):
+                        if isinstance(item, _Chunk):
+                            carried = item
+                        else:
+                            yield item
+            group = ([carried] if carried is not None else []) + pending
+            pending, carried = [], None
+            if group:
+                yield from emit(group, last=True)
+        finally:  # an epoch left early (a resumed run's skip, a calibration) still says how long it ran
+            stats.epoch_s = time.perf_counter() - started
 
-    def _batches(self, chunk: _Chunk, generator: torch.Generator, last: bool = True) -> Iterator[Batch | _Chunk]:
+    def _batches(self, chunk: _Chunk, generator: torch.Generator, last: bool,
+                 stats: LoaderStats) -> Iterator[Batch | _Chunk]:
         """The group's batches; unless it is the epoch's ``last``, its rows past the last full batch come last,
-        as a ``_Chunk``."""
-        stats, clock = self.stats, time.perf_counter
+        as a ``_Chunk`` (a copy: fewer than ``batch_size`` rows, which must not keep the group alive)."""
+        clock = time.perf_counter
         began = clock()
         if self.shuffle:
             chunk = _permute(chunk, torch.randperm(chunk.rows, generator=generator))
@@ -484,12 +492,13 @@ class ChunkLoader:
 
 
 def _slice(chunk: _Chunk, start: int, end: int, host_offsets: list[np.ndarray]) -> _Chunk:
-    """Rows ``start:end`` of ``chunk`` (views); ``host_offsets``: where each row's list starts, per list column."""
-    lists = [(values[int(offsets[start]):int(offsets[end])], lengths[start:end])
+    """Rows ``start:end`` of ``chunk``, copied (a view would keep the whole chunk's memory alive);
+    ``host_offsets``: where each row's list starts, per list column."""
+    lists = [(values[int(offsets[start]):int(offsets[end])].clone(), lengths[start:end].clone())
              for (values, lengths), offsets in zip(chunk.lists, host_offsets, strict=True)]
-    return _Chunk(chunk.dense[start:end], chunk.label[start:end], chunk.categorical[start:end], lists,
-                  [lengths[start:end] for lengths in chunk.host_lengths],
-                  {k: v[start:end] for k, v in chunk.extra.items()})
+    return _Chunk(chunk.dense[start:end].clone(), chunk.label[start:end].clone(), chunk.categorical[start:end].clone(),
+                  lists, [lengths[start:end].copy() for lengths in chunk.host_lengths],
+                  {k: v[start:end].clone() for k, v in chunk.extra.items()})
 
 
 def _concat(chunks: list[_Chunk]) -> _Chunk:

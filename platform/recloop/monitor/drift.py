@@ -147,7 +147,8 @@ def column_drift(snapshot) -> dict[str, ColumnDrift]:
         config = metric.get("config") or {}
         if str(config.get("type", "")).endswith(":ValueDrift"):
             columns[config["column"]] = ColumnDrift(str(config.get("method")), float(metric["value"]),
-                                                    float(config.get("threshold") or math.nan),
+                                                    math.nan if config.get("threshold") is None
+                                                    else float(config["threshold"]),
                                                     config["column"] in failed)
     return columns
 
