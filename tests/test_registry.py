@@ -129,6 +129,10 @@ def test_the_training_run_is_open_while_it_trains_and_a_crash_resumes_into_it(ho
     assert steps[0] == 10 and steps[1:] == [s for s, _ in resumed.loss_curve]
     epochs = client.get_metric_history(again.run_id, "epoch")  # each epoch's end, at its step
     assert [m.value for m in epochs] == [1.0, 2.0] and epochs[-1].step == resumed.steps
+    # each epoch's share of time the loop waited for the loader's chunks, and spent batching (LoaderStats)
+    for name in ("loader_wait_share", "loader_batching_share"):
+        shares = client.get_metric_history(again.run_id, name)
+        assert [m.step for m in shares] == [m.step for m in epochs] and all(0 < m.value < 1 for m in shares), name
     logged = registry.log_training(home, resumed, example_rows(home))
     assert logged.run_id == again.run_id  # the model goes into the run that trained it
 

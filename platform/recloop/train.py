@@ -537,8 +537,11 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
                 on_step(position["step"])
         position.update(epoch=epoch + 1, batch=0)
         if tracker is not None:
+            stats = loader.stats  # where the epoch went: a loop that waited for chunks was data-bound
             tracker.progress(position["step"], {"epoch": epoch + 1, "samples_per_s": round(
-                (position["samples"] - first_samples) / max(time.perf_counter() - started, 1e-9), 1)})
+                (position["samples"] - first_samples) / max(time.perf_counter() - started, 1e-9), 1),
+                "loader_wait_share": round(stats.consumer_wait_s / max(stats.epoch_s, 1e-9), 4),
+                "loader_batching_share": round(stats.batching_s / max(stats.epoch_s, 1e-9), 4)})
     step.finish()
     if tracker is not None:
         _tell_losses(tracker, step.loss_curve, told)
