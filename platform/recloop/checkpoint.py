@@ -294,17 +294,17 @@ def _model_name() -> str:
 
 def _download(settings: Settings, name: str, version: str, target: Path) -> Path:
     import mlflow
-    from mlflow import MlflowClient
 
     from recloop import registry
 
-    registry.configure(settings)
-    recorded = MlflowClient().get_model_version(name, version).tags.get(MANIFEST_TAG)
+    uri = registry.tracking_uri(settings)  # named, not process-wide: a server thread of another home may move it
+    recorded = registry.client(settings).get_model_version(name, version).tags.get(MANIFEST_TAG)
     expected = json.loads(recorded) if recorded else None
     staging = target.with_name(f".v{version}.{os.getpid()}.{threading.get_ident()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(staging))
+        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(staging),
+                                            tracking_uri=uri, registry_uri=uri)
         problem = verify(_step_folder(staging, version), expected)
         if problem:
             raise CheckpointError(f"model version {version}: the registry's copy of its checkpoint is damaged "

@@ -109,15 +109,23 @@ def artifact_location(settings: Settings, name: str, tracking_uri: str) -> str |
     return base if name == EXPERIMENT else f"{base.rstrip('/')}/{name}"
 
 
-def _client(settings: Settings):
+def tracking_uri(settings: Settings) -> str:
+    """This installation's tracking (and registry) URI, as ``configure`` sets it process-wide."""
+    return endpoints.with_connect_timeout(settings.resolved_mlflow_tracking_uri(), endpoints.limits_for(settings))
+
+
+def client(settings: Settings):
     """A client of this installation's tracking store and registry, named explicitly: MLflow's process-wide
     URIs (``configure``) are another installation's while a second one runs in the same process (tests: two
-    servers; a server thread of one could read the other's aliases)."""
+    servers; a server thread of one read the other's aliases, then failed to load that version from its own)."""
     from mlflow import MlflowClient
 
     configure(settings)
-    uri = endpoints.with_connect_timeout(settings.resolved_mlflow_tracking_uri(), endpoints.limits_for(settings))
+    uri = tracking_uri(settings)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+_client = client
 
 
 def _flatten(prefix: str, value, out: dict) -> dict:

@@ -82,7 +82,6 @@ class Wanted:
 def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted:
     """Aliases and the challenger's ``canary`` tag (share, mode, salt) of a registered model (default: the
     ranker), from MLflow. A challenger without one (its canary not started) gets no traffic."""
-    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     from recloop import registry
@@ -97,8 +96,7 @@ def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted
     model_name = model_name or registry.MODEL_NAME
     # Once per poll (``registry.version_by_alias`` configures again on each call, a few ms of CPU each:
     # every watcher's poll holds the GIL that long, and a request arriving meanwhile waits).
-    registry.configure(settings)
-    client = MlflowClient()
+    client = registry.client(settings)
     champion, challenger = by_alias("champion"), by_alias("challenger")
     share, mode, salt = 0.0, "canary", None
     if challenger is not None:
