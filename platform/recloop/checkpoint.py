@@ -298,7 +298,7 @@ def _download(settings: Settings, name: str, version: str, target: Path) -> Path
     from recloop import registry
 
     uri = registry.tracking_uri(settings)  # named, not process-wide: a server thread of another home may move it
-    recorded = registry.client(settings).get_model_version(name, version).tags.get(MANIFEST_TAG)
+    recorded = registry.mlflow_client(settings).get_model_version(name, version).tags.get(MANIFEST_TAG)
     expected = json.loads(recorded) if recorded else None
     staging = target.with_name(f".v{version}.{os.getpid()}.{threading.get_ident()}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -74,7 +74,8 @@ def configure(settings: Settings) -> str:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # Logging a model copies its artifacts with a tqdm bar on stderr: noise in every command's output.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    uri = endpoints.with_connect_timeout(endpoints.require_mlflow(settings), endpoints.limits_for(settings))
+    endpoints.require_mlflow(settings)
+    uri = tracking_uri(settings)
     settings.home.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
@@ -114,7 +115,7 @@ def tracking_uri(settings: Settings) -> str:
     return endpoints.with_connect_timeout(settings.resolved_mlflow_tracking_uri(), endpoints.limits_for(settings))
 
 
-def client(settings: Settings):
+def mlflow_client(settings: Settings):
     """A client of this installation's tracking store and registry, named explicitly: MLflow's process-wide
     URIs (``configure``) are another installation's while a second one runs in the same process (tests: two
     servers; a server thread of one read the other's aliases, then failed to load that version from its own)."""
@@ -123,9 +124,6 @@ def client(settings: Settings):
     configure(settings)
     uri = tracking_uri(settings)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
-
-
-_client = client
 
 
 def _flatten(prefix: str, value, out: dict) -> dict:
@@ -372,7 +370,7 @@ def register(settings: Settings, model_uri: str, run_id: str | None = None, atte
     """
     from mlflow.exceptions import MlflowException
 
-    client = _client(settings)
+    client = mlflow_client(settings)
     with exclusive_lock(settings.home.resolve() / "mlflow-register.lock"):
         for attempt in range(attempts):
             try:
@@ -394,7 +392,7 @@ def version_by_alias(settings: Settings, alias: str, model_name: str = MODEL_NAM
     from mlflow.exceptions import MlflowException
 
     try:
-        return str(_client(settings).get_model_version_by_alias(model_name, alias).version)
+        return str(mlflow_client(settings).get_model_version_by_alias(model_name, alias).version)
     except MlflowException:
         return None
 
@@ -405,7 +403,7 @@ def aliases(settings: Settings, model_name: str = MODEL_NAME) -> dict[str, str |
 
 def set_alias(settings: Settings, alias: str, version: str, *, who: str | None = None, why: str = "",
               model_name: str = MODEL_NAME) -> None:
-    client = _client(settings)
+    client = mlflow_client(settings)
     client.set_registered_model_alias(model_name, alias, version)
     tag(settings, version, {f"alias.{alias}": json.dumps({  # one tag per alias: who moved it, why, when
         "by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
@@ -430,11 +428,11 @@ def set_challenger(settings: Settings, version: str, *, who: str | None = None, 
 
 
 def remove_alias(settings: Settings, alias: str, model_name: str = MODEL_NAME) -> None:
-    _client(settings).delete_registered_model_alias(model_name, alias)
+    mlflow_client(settings).delete_registered_model_alias(model_name, alias)
 
 
 def tag(settings: Settings, version: str, tags: dict[str, str], model_name: str = MODEL_NAME) -> None:
-    client = _client(settings)
+    client = mlflow_client(settings)
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, str(value))
 
@@ -468,7 +466,7 @@ def gate_record(tags: dict[str, str]) -> dict | None:
 
 
 def describe(settings: Settings, version: str, description: str, model_name: str = MODEL_NAME) -> None:
-    _client(settings).update_model_version(model_name, version, description=description)
+    mlflow_client(settings).update_model_version(model_name, version, description=description)
 
 
 @dataclass(frozen=True)
@@ -490,7 +488,7 @@ class VersionInfo:
 
 
 def version_info(settings: Settings, version: str, model_name: str = MODEL_NAME) -> VersionInfo:
-    client = _client(settings)
+    client = mlflow_client(settings)
     found = client.get_model_version(model_name, version)
     run_tags = client.get_run(found.run_id).data.tags if found.run_id else {}
 
@@ -509,7 +507,7 @@ class UnknownVersion(LookupError):
 
 def require_version(settings: Settings, version: str, model_name: str = MODEL_NAME) -> None:
     """Raises ``UnknownVersion`` unless ``version`` of ``model_name`` is registered."""
-    client = _client(settings)
+    client = mlflow_client(settings)
     numbers = sorted(int(v.version) for v in client.search_model_versions(f"name='{model_name}'"))
     if str(version).isdigit() and int(version) in numbers:
         return

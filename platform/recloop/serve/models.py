@@ -96,7 +96,7 @@ def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted
     model_name = model_name or registry.MODEL_NAME
     # Once per poll (``registry.version_by_alias`` configures again on each call, a few ms of CPU each:
     # every watcher's poll holds the GIL that long, and a request arriving meanwhile waits).
-    client = registry.client(settings)
+    client = registry.mlflow_client(settings)
     champion, challenger = by_alias("champion"), by_alias("challenger")
     share, mode, salt = 0.0, "canary", None
     if challenger is not None:
