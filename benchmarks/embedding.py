@@ -10,9 +10,10 @@ rows; Criteo-like 26 tables at dim 128, one-hot, batch 64K), weight dtype (fp32,
 - baseline: one ``nn.EmbeddingBag`` per table + ``torch.optim.Adagrad``, dense gradients, then sparse
   gradients. Table bounds are host integers (no host synchronization in the baselines either).
 
-Timing: CUDA events around the pass alone (the forward feeding a backward runs untimed), median of
-``--repeats``; the backward is ``torch.autograd.backward(out, grad)`` (+ ``optimizer.step()`` for the
-baselines). Models are freed between measurements; row counts are capped at 5M per table so that recloop
+Timing: CUDA events around the pass alone (the forward feeding a backward runs untimed), with the GPU's
+queue held so that they time the device's work, not the host's (``timed``), median of ``--repeats``; the
+forward is also timed with the host's time per call included (``forward_host_s``). The backward is
+``torch.autograd.backward(out, grad)`` (+ ``optimizer.step()`` for the baselines). Models are freed between measurements; row counts are capped at 5M per table so that recloop
 and a dense baseline (weight, gradient, Adagrad state) fit in 80 GB together. Achieved GB/s count the
 fewest bytes a pass must move (RESULTS.md: byte accounting), next to the device-to-device copy bandwidth
 measured in the same run. Also reported: the longest run (occurrences of the most used row of a
@@ -107,16 +108,30 @@ def run_statistics(shape: Shape, values: torch.Tensor) -> tuple[int, int]:
     return unique, longest
 
 
-def timed(run, setup=None, repeats: int = 10) -> float:
-    """Median seconds of ``run`` (CUDA events around it alone on a GPU); ``setup`` before each, untimed."""
+def timed(run, setup=None, repeats: int = 10, hold_queue: bool = True) -> float:
+    """Median seconds of ``run`` (CUDA events around it alone on a GPU); ``setup`` before each, untimed.
+
+    ``hold_queue`` (GPU): before each timed call the GPU is kept busy (``torch.cuda._sleep``) for about twice
+    the host time of one call, so that the call's launches queue up behind it and the events time the device
+    work alone, not the host's Python and dispatch in between (H200, 2026-11-26: without it the same forward
+    kernel timed 0.61 to 0.72 ms across one sweep, and a 34 µs long-bag kernel 150 to 360 µs). A call that
+    synchronizes with the host inside still pays for it. ``hold_queue=False``: the host time is included.
+    """
+    host_s = 0.0
     for _ in range(2 if CUDA else 1):
         state = setup() if setup else None
+        if CUDA:
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
         run(state)
+        host_s = time.perf_counter() - begin
     times = []
     for _ in range(repeats):
         state = setup() if setup else None
         if CUDA:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if hold_queue:
+                torch.cuda._sleep(int(_sleep_cycles_per_second() * min(0.05, 2 * host_s + 50e-6)))
             start.record()
             run(state)
             end.record()
@@ -127,6 +142,22 @@ def timed(run, setup=None, repeats: int = 10) -> float:
             run(state)
             times.append(time.perf_counter() - begin)
     return statistics.median(times)
+
+
+_SLEEP_RATE: list[float] = []
+
+
+def _sleep_cycles_per_second() -> float:
+    """``torch.cuda._sleep``'s cycles per second on this GPU (measured once)."""
+    if not _SLEEP_RATE:
+        torch.cuda._sleep(1_000_000)  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        torch.cuda.synchronize()
+        _SLEEP_RATE.append(10_000_000 / (start.elapsed_time(end) / 1000))
+    return _SLEEP_RATE[0]
 
 
 def copy_bandwidth() -> float:
@@ -247,6 +278,7 @@ def measure(shape: Shape, dtype: torch.dtype, ids: str, bandwidth: float | None,
         torch.autograd.backward(out, upstream)
 
     forward_s = timed(forward, repeats=repeats)
+    forward_host_s = timed(forward, repeats=repeats, hold_queue=False)  # with the host's time per call
     backward_s = timed(backward, setup=lambda: ebc(values, offsets), repeats=repeats)
     with LaunchCounter() as forward_launches:
         forward(None)
@@ -291,7 +323,8 @@ def measure(shape: Shape, dtype: torch.dtype, ids: str, bandwidth: float | None,
     backward_bytes = upstream.numel() * 4 + nnz * values.element_size() + unique * (2 * shape.dim * elem + 2 * 4)
     return {
         "shape": shape.name, "key": shape.key, "dtype": str(dtype).replace("torch.", ""), "ids": ids, "nnz": nnz, "unique_rows": unique,
-        "longest_run": longest, "forward_s": forward_s, "backward_s": backward_s, "forward_bytes": forward_bytes,
+        "longest_run": longest, "forward_s": forward_s, "forward_host_s": forward_host_s, "backward_s": backward_s,
+        "forward_bytes": forward_bytes,
         "backward_bytes": backward_bytes, "forward_launches": forward_launches.count,
         "backward_launches": backward_launches.count, "bandwidth": bandwidth, "baselines": baselines,
         "criteo": shape.name.startswith("Criteo"),
@@ -318,6 +351,7 @@ def rows_of(result: dict) -> list[dict]:
             "ms": f"{seconds * 1e3:.3f}", "GB/s": f"{achieved / 1e9:.0f}" if CUDA else "-",
             "of copy BW": f"{achieved / result['bandwidth']:.0%}" if result["bandwidth"] else "-",
             "vs dense": f"{dense / seconds:.1f}x", "vs sparse": f"{sparse / seconds:.1f}x",
+            "with host ms": f"{result['forward_host_s'] * 1e3:.3f}" if key == "forward" else "-",
             "launches": result[f"{key}_launches"], "longest run": result["longest_run"],
         })
     return out

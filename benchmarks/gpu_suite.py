@@ -166,7 +166,9 @@ def _embedding_figures(figures: Figures, label: str, r: dict, bandwidth: float |
                     baseline=moved / dense / 1e9 if dense == dense else None,
                     limit=bandwidth / 1e9 if bandwidth else None, target=f">= {share:.0%} of copy bandwidth",
                     met=achieved >= share * bandwidth / 1e9 if bandwidth else None,
-                    note=f"{seconds * 1e3:.3f} ms; {moved / 1e6:.1f} MB (the fewest bytes, RESULTS.md)")
+                    note=f"{seconds * 1e3:.3f} ms (device time); {moved / 1e6:.1f} MB (the fewest bytes, RESULTS.md)"
+                         + (f"; {r['forward_host_s'] * 1e3:.3f} ms with the host's time per call"
+                            if key == "forward" and "forward_host_s" in r else ""))
         for name, base, target in (("dense", dense, 20), ("sparse", sparse, 5)):
             error = r["baselines"].get(f"{name}_error", "")
             figures.add("embedding", f"{label} {key}: vs {name}-gradient baseline",

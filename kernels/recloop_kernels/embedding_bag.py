@@ -56,6 +56,7 @@ TILE = 4096  # fp32 elements of a forward tile (BAGS × BLOCK_N × BLOCK_D): 32 
 # 18.75 %, 63 % of DRAM peak); the segment pass 107 (25 %), one warp a row, 22 % of DRAM peak.
 FORWARD_WARPS = 4
 FORWARD_BLOCK_N: int | None = None  # ids a bag per step of the forward (None: forward_tiles, from the pooling)
+FORWARD_NARROW = True  # 32-bit index arithmetic in the forward where it fits (narrow_indices)
 SEGMENT_BLOCK_N: int | None = None  # occurrences gathered per step of the segment pass (None: backward_tiles)
 SEGMENT_WARPS: int | None = None  # warps a segment program (None: backward_tiles)
 
@@ -111,6 +112,11 @@ def backward_tiles(block_d: int, nnz: int, total_rows: int) -> tuple[int, int]:
     return SEGMENT_BLOCK_N or block_n, SEGMENT_WARPS or warps
 
 
+def narrow_indices(layout: Layout, nnz: int) -> bool:
+    """Whether every position in ``values`` and every element offset within a table fits in int32."""
+    return nnz < 2**31 and all(c * s < 2**31 for c, s in zip(layout.capacities, layout.strides, strict=True))
+
+
 def column_alignment(layout: Layout) -> int:
     """The largest power of two (≤ 16) dividing every table's first output column and the output width."""
     return min(16, math.gcd(*layout.col_offsets) & -math.gcd(*layout.col_offsets)) if layout.total_dim else 1
@@ -122,39 +128,46 @@ if triton is not None:
     def _forward_kernel(weight_ptr, values_ptr, offsets_ptr, psw_ptr, out_ptr, errors_ptr, group_tables_ptr,
                         rows_ptr, elem_offsets_ptr, col_offsets_ptr, poolings_ptr, batch_size, blocks_per_table,
                         num_tables, out_stride, DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr,
-                        COL_ALIGN: tl.constexpr, BAGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PSW: tl.constexpr):
+                        COL_ALIGN: tl.constexpr, BAGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        HAS_PSW: tl.constexpr, NARROW: tl.constexpr):
+        # NARROW: positions in ``values`` and element offsets within one table fit in int32, so per-bag and
+        # per-id index arithmetic is 32-bit (the table's base stays a 64-bit scalar): half the registers for
+        # starts, lengths, ids and addresses (H200, 2026-11-26: 147 registers a thread held the SM to 3 blocks).
         pid = tl.program_id(0)
         t = tl.load(group_tables_ptr + pid // blocks_per_table)
         b = (pid % blocks_per_table) * BAGS + tl.arange(0, BAGS)  # (BAGS,) rows of the batch
         b_mask = b < batch_size
         bag = t * batch_size + b
-        start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
-        length = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64) - start
+        start = tl.load(offsets_ptr + bag, mask=b_mask, other=0)
+        length = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0) - start
+        if NARROW:
+            start, length = start.to(tl.int32), length.to(tl.int32)
+        else:
+            start, length = start.to(tl.int64), length.to(tl.int64)
         num_rows = tl.load(rows_ptr + t)
-        base = tl.multiple_of(tl.load(elem_offsets_ptr + t), ALIGN)
+        table_ptr = weight_ptr + tl.multiple_of(tl.load(elem_offsets_ptr + t), ALIGN)  # a scalar: the table's row 0
         d = tl.arange(0, BLOCK_D)
         d_load = d < STRIDE  # the padded width: constant over each 16 bytes, so loads stay vectors
         n = tl.arange(0, BLOCK_N)
         acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
         bad_count = tl.zeros([BAGS], dtype=tl.int32)
-        bad_high = tl.full([BAGS], -2147483648, tl.int64)
-        bad_low = tl.full([BAGS], 2147483647, tl.int64)
         for i in range(0, tl.max(length, axis=0), BLOCK_N):
             k = i + n
             valid = k[None, :] < length[:, None]  # (BAGS, BLOCK_N)
             position = start[:, None] + k[None, :]
-            ids = tl.load(values_ptr + position, mask=valid, other=0).to(tl.int64)
-            bad = valid & ((ids < 0) | (ids >= num_rows))
+            ids = tl.load(values_ptr + position, mask=valid, other=0)
             ok = valid & (ids >= 0) & (ids < num_rows)
-            rows = tl.load(weight_ptr + base + ids[:, :, None] * STRIDE + d[None, None, :],
+            bad_count += tl.sum((valid & ~ok).to(tl.int32), axis=1)
+            if NARROW:
+                element = ids.to(tl.int32) * STRIDE
+            else:
+                element = ids.to(tl.int64) * STRIDE
+            rows = tl.load(table_ptr + element[:, :, None] + d[None, None, :],
                            mask=ok[:, :, None] & d_load[None, None, :], other=0.0).to(tl.float32)
             if HAS_PSW:
                 scale = tl.load(psw_ptr + position, mask=ok, other=0.0).to(tl.float32)
                 rows = rows * scale[:, :, None]
             acc += tl.sum(rows, axis=1)
-            bad_count += tl.sum(bad.to(tl.int32), axis=1)
-            bad_high = tl.maximum(bad_high, tl.max(tl.where(bad, ids, -2147483648), axis=1))
-            bad_low = tl.minimum(bad_low, tl.min(tl.where(bad, ids, 2147483647), axis=1))
         if tl.load(poolings_ptr + t) == 1:  # mean
             acc = acc / tl.maximum(length, 1).to(tl.float32)[:, None]
         col = tl.multiple_of(tl.load(col_offsets_ptr + t), COL_ALIGN)
@@ -162,7 +175,16 @@ if triton is not None:
         tl.store(out_ptr + b[:, None] * out_stride + col + d[None, :], acc,
                  mask=b_mask[:, None] & (d < DIM)[None, :])
         count = tl.sum(bad_count, axis=0)
-        if count > 0:  # rare: record the table's bad ids for the module to raise
+        if count > 0:  # rare: walk the bags again for the extremes of their bad ids, for the module to raise
+            bad_high = tl.full([BAGS], -2147483648, tl.int64)
+            bad_low = tl.full([BAGS], 2147483647, tl.int64)
+            for i in range(0, tl.max(length, axis=0), BLOCK_N):
+                k = i + n
+                valid = k[None, :] < length[:, None]
+                ids = tl.load(values_ptr + start[:, None] + k[None, :], mask=valid, other=0).to(tl.int64)
+                bad = valid & ((ids < 0) | (ids >= num_rows))
+                bad_high = tl.maximum(bad_high, tl.max(tl.where(bad, ids, -2147483648), axis=1))
+                bad_low = tl.minimum(bad_low, tl.min(tl.where(bad, ids, 2147483647), axis=1))
             tl.atomic_add(errors_ptr + t, count)
             tl.atomic_max(errors_ptr + num_tables + t, tl.minimum(tl.max(bad_high, axis=0), 2147483647).to(tl.int32))
             tl.atomic_min(errors_ptr + 2 * num_tables + t,
@@ -405,7 +427,8 @@ def embedding_bags(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Te
             out, errors, tables, meta["rows"], meta["elem_offsets"], meta["col_offsets"], meta["poolings"],
             batch_size, blocks, layout.num_tables, out.stride(0), DIM=dim, STRIDE=stride, ALIGN=align,
             COL_ALIGN=column_alignment(layout), BAGS=bags,
-            BLOCK_N=block_n, BLOCK_D=block_d, HAS_PSW=per_sample_weights is not None, num_warps=FORWARD_WARPS,
+            BLOCK_N=block_n, BLOCK_D=block_d, HAS_PSW=per_sample_weights is not None,
+            NARROW=FORWARD_NARROW and narrow_indices(layout, values.numel()), num_warps=FORWARD_WARPS,
         )
     return out
 
