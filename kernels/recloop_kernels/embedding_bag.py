@@ -158,10 +158,7 @@ if triton is not None:
             ids = tl.load(values_ptr + position, mask=valid, other=0)
             ok = valid & (ids >= 0) & (ids < num_rows)
             bad_count += tl.sum((valid & ~ok).to(tl.int32), axis=1)
-            if NARROW:
-                element = ids.to(tl.int32) * STRIDE
-            else:
-                element = ids.to(tl.int64) * STRIDE
+            element = ids.to(tl.int32 if NARROW else tl.int64) * STRIDE
             rows = tl.load(table_ptr + element[:, :, None] + d[None, None, :],
                            mask=ok[:, :, None] & d_load[None, None, :], other=0.0).to(tl.float32)
             if HAS_PSW:
