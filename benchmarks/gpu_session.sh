@@ -42,6 +42,7 @@ if [ "$part" = check ]; then
     # settings on three shapes, the profile (H200, 2026-11-26: 133 s without the loader's ~30 s)
     [ -f gpu-in/gpu_suite.json ] && cp gpu-in/gpu_suite.json "$suite"
     step 90 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
+    step 30 python3 benchmarks/gpu_suite.py --only ptx --out "$suite"  # access widths, registers, occupancy
     step 180 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
     step 75 python3 benchmarks/gpu_suite.py --only loader --out "$suite"  # with its stage times (LoaderStats)
     step 45 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"

@@ -124,6 +124,10 @@ def step_ptx(figures: Figures, smoke: bool, quick: bool) -> None:
         figures.add("ptx", f"{row['kernel']} {row['dtype']} dim {row['dim']} {row['hotness']}-hot: 16-byte loads",
                     wide, "instructions", target="> 0 (rows loaded as 16-byte vectors)", met=wide > 0,
                     note=f"loads {row['loads']} stores {row['stores']}")
+        if "registers" in row:
+            figures.add("ptx", f"{row['kernel']} {row['dtype']} dim {row['dim']} {row['hotness']}-hot: registers",
+                        row["registers"], "a thread", note=f"{row['num_warps']} warps; theoretical occupancy "
+                        f"{row['occupancy']:.1%} (Hopper); spills {row['spill_bytes']} bytes")
 
 
 def step_embedding(figures: Figures, smoke: bool, quick: bool) -> None:

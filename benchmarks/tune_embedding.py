@@ -7,8 +7,9 @@ Why: on an H100 (2026-11-25, Nsight Compute, Criteo-like fp32) the forward used 
 (occupancy 18.75 %) at 63 % of DRAM peak, and the backward's segment pass 107 registers (occupancy 25 %,
 one warp a row, 16 occurrences gathered a step although one-hot runs hold one) at 22 %. Both are limited
 by registers; the settings below trade work per program for occupancy. Each setting is one assignment to
-``recloop_kernels.embedding_bag``'s module-level knobs (TILE, FORWARD_WARPS, FORWARD_BLOCK_N, SEGMENT_BLOCK_N,
-SEGMENT_WARPS); the defaults run first and last (the spread between the two is the noise).
+``recloop_kernels.embedding_bag``'s module-level knobs (TILE, FORWARD_WARPS, FORWARD_BLOCK_N, FORWARD_NARROW,
+SEGMENT_BLOCK_N, SEGMENT_WARPS, SEGMENT_RUNS); the defaults run first, in the middle and last (their spread
+is the noise).
 
 Correct first: from the same starting weights, each setting's forward output and its weights after one
 backward + fused row-wise Adagrad must match the defaults' (relative error under 1e-5 in fp32: the same
@@ -49,7 +50,8 @@ SHAPES = {
        for d in (128, 64, 32)},
     "smoke": Shape("smoke: 3 tables, dim 16, 2-hot, batch 64", (50, 7, 300), 16, 2, 64),
 }
-KNOBS = ("TILE", "FORWARD_WARPS", "FORWARD_BLOCK_N", "FORWARD_NARROW", "SEGMENT_BLOCK_N", "SEGMENT_WARPS")
+KNOBS = ("TILE", "FORWARD_WARPS", "FORWARD_BLOCK_N", "FORWARD_NARROW", "SEGMENT_BLOCK_N", "SEGMENT_WARPS",
+         "SEGMENT_RUNS")
 DEFAULTS = {name: getattr(embedding_bag, name) for name in KNOBS}
 SETTINGS = [
     ("defaults", {}),
@@ -67,6 +69,7 @@ SETTINGS = [
     ("forward: 16 ids a step", {"FORWARD_BLOCK_N": 16}),
     ("forward: 64 ids a step, tile 8192", {"FORWARD_BLOCK_N": 64, "TILE": 8192}),
     ("forward: 16 ids, tile 8192, 8 warps", {"FORWARD_BLOCK_N": 16, "TILE": 8192, "FORWARD_WARPS": 8}),
+    ("defaults, in the middle", {}),
     # the segment pass's occurrences a step: the default follows the mean run length (backward_tiles)
     ("segment: 1 occurrence a step", {"SEGMENT_BLOCK_N": 1}),
     ("segment: 2 a step", {"SEGMENT_BLOCK_N": 2}),
@@ -74,6 +77,13 @@ SETTINGS = [
     ("segment: 8 a step", {"SEGMENT_BLOCK_N": 8}),
     ("segment: 16 a step", {"SEGMENT_BLOCK_N": 16}),
     ("segment: 4 a step, 2 warps", {"SEGMENT_BLOCK_N": 4, "SEGMENT_WARPS": 2}),
+    # runs side by side in one program (backward_tiles: 4 where runs are short, 1 where long); one a program is
+    # the setting the H200 measured on 2026-11-26 (ptx_check, Criteo fp32: 38 registers, 1 warp, occupancy
+    # capped at 50 % by the 32 blocks an SM; 4 a program: 39 registers, 4 warps, 75 %)
+    ("segment: 1 run a program", {"SEGMENT_RUNS": 1}),
+    ("segment: 2 runs a program", {"SEGMENT_RUNS": 2}),
+    ("segment: 8 runs a program", {"SEGMENT_RUNS": 8}),
+    ("segment: 16 runs a program, 8 warps", {"SEGMENT_RUNS": 16, "SEGMENT_WARPS": 8}),
     ("defaults, again", {}),
 ]
 

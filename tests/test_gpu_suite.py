@@ -44,7 +44,11 @@ def test_the_smoke_suite_passes_without_service_packages(tmp_path: Path):
     for figure in figures:
         assert {"name", "value", "unit", "baseline", "ratio", "limit", "target", "met", "device", "driver", "torch",
                 "triton", "commit"} <= set(figure)
-    assert all(f["met"] for f in figures if f["step"] == "ptx"), "row loads are not 16-byte vectors"
+    widths = [f for f in figures if f["step"] == "ptx" and f["name"].endswith("16-byte loads")]
+    assert widths and all(f["met"] for f in widths), "row loads are not 16-byte vectors"
+    registers = [f for f in figures if f["step"] == "ptx" and f["name"].endswith("registers")]
+    assert {f["name"].split()[0] for f in registers} == {"forward_kernel", "segment_kernel"}
+    assert all(0 < f["value"] <= 255 and "occupancy" in f["note"] for f in registers)
     assert any("longest run" in f["name"] for f in figures)
     assert "| met" in result.stdout  # the table, printed last
 

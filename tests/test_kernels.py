@@ -247,6 +247,40 @@ def test_a_row_in_hundreds_of_bags_is_split_deterministic_and_matches(optimizer,
         assert_close("state", reference_s, first_s, 1e-5)
 
 
+@TRITON
+@pytest.mark.parametrize(("runs", "optimizer", "dtype", "tables"), [
+    (4, "rowwise_adagrad", torch.float32, "mixed"), (2, "adam", torch.float32, "hot"),
+    (8, "adagrad", torch.float16, "hot"), (4, "sgd", torch.float32, "one"),
+])
+def test_several_runs_a_program_update_like_the_reference(runs, optimizer, dtype, tables, monkeypatch):
+    """The segment pass with RUNS work items side by side in one program (``SEGMENT_RUNS``): runs of
+    different lengths, tables and dims in one program, programs past the last item, split runs (CHUNK
+    lowered to 32) and stochastic rounding give the reference's weights and state, and one program's
+    neighbours do not leak into its rows."""
+    monkeypatch.setattr(embedding_bag, "CHUNK", 32)
+    monkeypatch.setattr(embedding_bag, "SEGMENT_RUNS", runs)
+    assert embedding_bag.backward_tiles(16, 100, 10)[2] == runs
+    if tables == "hot":
+        config, (values, offsets, weights, upstream), batch_size = HOT, hot_row_batch(96, seed=5), 96
+    else:
+        config = MIXED if tables == "mixed" else ONE
+        batch_size = 7
+        values, offsets, weights = make_batch(config, batch_size, seed=21, ids="zipf", weighted=True)
+        upstream = torch.randn(batch_size, sum(t.dim for t in config))
+    modules = [EmbeddingBagCollection(config, optimizer=optimizer, lr=0.05, weight_decay=0.01, dtype=dtype,
+                                      backend=backend, seed=2) for backend in ("reference", "triton")]
+    for ebc in modules:
+        for _ in range(2):
+            (ebc(values, offsets, weights) * upstream).sum().backward()
+    reference, triton_ = modules
+    assert not torch.equal(reference.weights, EmbeddingBagCollection(config, dtype=dtype, seed=2).weights)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-3
+    assert_close("weights", reference.weights.float(), triton_.weights.float(), tolerance)
+    for name in ("state1", "state2"):
+        if getattr(reference, name).numel():
+            assert_close(name, getattr(reference, name), getattr(triton_, name), 1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ids_out_of_range_raise_and_write_nothing(backend):
     """Ids at and beyond a table's bounds pool as zeros, update no row of any table, and raise later."""

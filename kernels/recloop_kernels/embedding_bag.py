@@ -17,8 +17,8 @@ gradient, no atomics on weights, deterministic), with no host synchronization::
                 inside a row's run) does a split run start here? — packed in one int64  (1 launch)
     scan        inclusive cumsum of those flags: item and split ids, and their counts   (torch)
     scatter     item starts and split starts into dense lists                           (1 launch)
-    segment     one program per item: gathers up to CHUNK occurrences' gradient rows as
-                (BLOCK_N, D) tiles, scaled once per occurrence (per-sample weight, 1/length for
+    segment     one program per RUNS items: gathers up to CHUNK occurrences' gradient rows as
+                (RUNS, BLOCK_N, D) tiles, scaled once per occurrence (per-sample weight, 1/length for
                 mean pooling); a run that fits in one item is reduced and updated right here, a
                 longer one writes an fp32 partial sum per item                          (1 launch)
     split       one program per long run: sums its partials in order (deterministic), updates (1 launch)
@@ -59,6 +59,7 @@ FORWARD_BLOCK_N: int | None = None  # ids a bag per step of the forward (None: f
 FORWARD_NARROW = True  # 32-bit index arithmetic in the forward where it fits (narrow_indices)
 SEGMENT_BLOCK_N: int | None = None  # occurrences gathered per step of the segment pass (None: backward_tiles)
 SEGMENT_WARPS: int | None = None  # warps a segment program (None: backward_tiles)
+SEGMENT_RUNS: int | None = None  # work items side by side in one segment program (None: backward_tiles)
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -96,8 +97,8 @@ def forward_tiles(block_d: int, average_pooling: float) -> tuple[int, int]:
     return bags, block_n
 
 
-def backward_tiles(block_d: int, nnz: int, total_rows: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) of the segment pass: occurrences gathered per step, warps per program.
+def backward_tiles(block_d: int, nnz: int, total_rows: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, RUNS) of the segment pass: occurrences gathered per step, warps and runs a program.
 
     A warp per row up to D=128 (as FBGEMM's short-run kernel), so that a row is 16 bytes a thread. BLOCK_N
     follows the mean run length the batch can have (ids per distinct row, at most ``total_rows`` distinct):
@@ -105,11 +106,18 @@ def backward_tiles(block_d: int, nnz: int, total_rows: int) -> tuple[int, int]:
     costs registers (H100, 2026-11-25: 107 a thread, occupancy 25 %); many ids over small tables gather
     more a step. H200, 2026-11-26, Criteo-like fp32 (benchmarks/tune_embedding.py): backward 2.2 ms with
     16 a step, 1.71 ms with 1.
+
+    RUNS: where runs are short (one or two occurrences a step), four work items side by side in one program
+    of four warps. One-warp programs hold a Hopper SM to 32 blocks, 50 % occupancy, however few registers
+    they use (H200: 26.5 % achieved over 1.7M programs); four a program, 39 registers, allow 75 %
+    (benchmarks/ptx_check.py). A prediction until a GPU measures it: ``SEGMENT_RUNS = 1`` is the setting
+    measured on 2026-11-26. Longer runs keep one a program: their tile is already (BLOCK_N, D).
     """
     mean_run = nnz / max(1, min(nnz, total_rows))
-    block_n = max(1, min(32, 2048 // block_d, _next_power_of_2(math.ceil(mean_run))))
-    warps = max(1, block_d // 128)
-    return SEGMENT_BLOCK_N or block_n, SEGMENT_WARPS or warps
+    block_n = SEGMENT_BLOCK_N or max(1, min(32, 2048 // block_d, _next_power_of_2(math.ceil(mean_run))))
+    runs = SEGMENT_RUNS or (4 if block_n <= 2 else 1)
+    warps = max(1, min(8, runs * block_d // 128))  # a warp per 128 elements of D, over the program's runs
+    return block_n, SEGMENT_WARPS or warps, runs
 
 
 def narrow_indices(layout: Layout, nnz: int) -> bool:
@@ -243,60 +251,65 @@ if triton is not None:
         tl.store(item_start_ptr + items, (tl.zeros([BLOCK], tl.int64) + nnz).to(tl.int32), mask=m & (j == nnz - 1))
 
     @triton.jit
-    def _row_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr, elem_offsets_ptr, row_offsets_ptr, j0,
-                batch_size, d, DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr):
-        """Global row, table, first element, mask of the dim and 1/dim of the run at sorted position j0."""
-        key = tl.load(sorted_ptr + j0).to(tl.int64)
-        t = tl.load(info_ptr + tl.load(perm_ptr + j0)) // batch_size
+    def _rows_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr, elem_offsets_ptr, row_offsets_ptr, j0, active,
+                 batch_size, d, DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr):
+        """Per run starting at sorted position ``j0`` (a vector; ``active`` masks it): its global row, table,
+        first element, the mask of its dim (runs × BLOCK_D, false on inactive runs) and 1/dim."""
+        key = tl.load(sorted_ptr + j0, mask=active, other=0).to(tl.int64)
+        t = tl.load(info_ptr + tl.load(perm_ptr + j0, mask=active, other=0), mask=active, other=0) // batch_size
         if DIM > 0:  # one dim for all tables: a compile-time constant
             stride = STRIDE
-            d_mask = d < DIM
+            d_mask = (d[None, :] < DIM) & active[:, None]
             inv_dim = 1.0 / DIM
         else:
-            stride = tl.multiple_of(tl.load(strides_ptr + t), ALIGN)
-            dim = tl.load(dims_ptr + t)
-            d_mask = d < dim
+            stride = tl.multiple_of(tl.load(strides_ptr + t, mask=active, other=ALIGN), ALIGN)
+            dim = tl.load(dims_ptr + t, mask=active, other=1)
+            d_mask = (d[None, :] < dim[:, None]) & active[:, None]
             inv_dim = 1.0 / dim.to(tl.float32)
-        elem = tl.multiple_of(tl.load(elem_offsets_ptr + t) + (key - tl.load(row_offsets_ptr + t)) * stride, ALIGN)
-        return key, t, elem, d_mask, inv_dim
+        first = tl.load(elem_offsets_ptr + t, mask=active, other=0) + \
+            (key - tl.load(row_offsets_ptr + t, mask=active, other=0)) * stride
+        return key, t, tl.multiple_of(first, ALIGN), d_mask, inv_dim
 
     @triton.jit
-    def _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask, inv_dim, lr, eps,
-                      weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2, OPT: tl.constexpr,
+    def _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask, row_mask, inv_dim, lr,
+                      eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2, OPT: tl.constexpr,
                       ROUNDING_BITS: tl.constexpr):
-        """Apply the optimizer to one row given its summed gradient ``g`` (fp32) and write it back."""
+        """Apply the optimizer to rows given their summed gradients ``g`` (runs × BLOCK_D, fp32) and write them
+        back; ``row_mask`` (runs) says which rows to update, ``d_mask`` (runs × BLOCK_D) their elements."""
+        at = elem[:, None] + d[None, :]
         if OPT == 0:  # plain gradient into a dense fp32 buffer
-            tl.store(state1_ptr + elem + d, g, mask=d_mask)
+            tl.store(state1_ptr + at, g, mask=d_mask)
         else:
-            w = tl.load(weight_ptr + elem + d, mask=d_mask, other=0.0).to(tl.float32)
+            w = tl.load(weight_ptr + at, mask=d_mask, other=0.0).to(tl.float32)
             g = g + weight_decay * w
             if OPT == 1:  # sgd
                 w = w - lr * g
             elif OPT == 2:  # adagrad
-                s = tl.load(state1_ptr + elem + d, mask=d_mask, other=0.0) + g * g
-                tl.store(state1_ptr + elem + d, s, mask=d_mask)
+                s = tl.load(state1_ptr + at, mask=d_mask, other=0.0) + g * g
+                tl.store(state1_ptr + at, s, mask=d_mask)
                 w = w - lr * g / (tl.sqrt(s) + eps)
             elif OPT == 3:  # rowwise_adagrad
-                m = tl.load(state1_ptr + row) + tl.sum(tl.where(d_mask, g * g, 0.0), axis=0) * inv_dim
-                tl.store(state1_ptr + row, m)
-                w = w - lr * g / (tl.sqrt(m) + eps)
+                m = tl.load(state1_ptr + row, mask=row_mask, other=0.0) + \
+                    tl.sum(tl.where(d_mask, g * g, 0.0), axis=1) * inv_dim
+                tl.store(state1_ptr + row, m, mask=row_mask)
+                w = w - lr * g / (tl.sqrt(m)[:, None] + eps)
             else:  # adam, lazy: touched rows only; bias correction by the global step
                 step = tl.load(step_ptr).to(tl.float64)  # fp64: beta**step loses digits in fp32
                 bias1 = (1 - tl.exp(step * log_beta1)).to(tl.float32)
                 bias2 = (1 - tl.exp(step * log_beta2)).to(tl.float32)
-                m = beta1 * tl.load(state1_ptr + elem + d, mask=d_mask, other=0.0) + rest1 * g
-                v = beta2 * tl.load(state2_ptr + elem + d, mask=d_mask, other=0.0) + rest2 * g * g
-                tl.store(state1_ptr + elem + d, m, mask=d_mask)
-                tl.store(state2_ptr + elem + d, v, mask=d_mask)
+                m = beta1 * tl.load(state1_ptr + at, mask=d_mask, other=0.0) + rest1 * g
+                v = beta2 * tl.load(state2_ptr + at, mask=d_mask, other=0.0) + rest2 * g * g
+                tl.store(state1_ptr + at, m, mask=d_mask)
+                tl.store(state2_ptr + at, v, mask=d_mask)
                 w = w - lr * (m / bias1) / (tl.sqrt(v / bias2) + eps)
             if ROUNDING_BITS > 0:
                 # Stochastic rounding to a half type: add random low bits to the fp32 pattern, then
                 # truncate them; the result converts to the half type exactly (reference.stochastic_round).
                 mask = (1 << ROUNDING_BITS) - 1
-                noise = tl.randint(tl.load(step_ptr), (elem + d).to(tl.uint32)).to(tl.int32) & mask
+                noise = tl.randint(tl.load(step_ptr), at.to(tl.uint32)).to(tl.int32) & mask
                 bits = w.to(tl.int32, bitcast=True)
                 w = ((bits + noise) & ~mask).to(tl.float32, bitcast=True)
-            tl.store(weight_ptr + elem + d, w.to(weight_ptr.dtype.element_ty), mask=d_mask)
+            tl.store(weight_ptr + at, w.to(weight_ptr.dtype.element_ty), mask=d_mask)
 
     @triton.jit
     def _segment_kernel(
@@ -305,46 +318,54 @@ if triton is not None:
         col_offsets_ptr, poolings_ptr, nnz, batch_size, grad_stride, sentinel, lr, eps, weight_decay, beta1, beta2,
         rest1, rest2, log_beta1, log_beta2, OPT: tl.constexpr, HAS_PSW: tl.constexpr, ROUNDING_BITS: tl.constexpr,
         DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, CHUNK: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        RUNS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        i = tl.program_id(0)
+        # RUNS work items a program, side by side (one warp each at D 128 fp32): several independent rows in
+        # flight per program and RUNS times fewer programs (FBGEMM's short-run kernel: a warp per run, several
+        # warps a block). One program per item holds the SM to 32 one-warp blocks (occupancy ≤ 50 % on Hopper).
         num_items = tl.load(scan_ptr + nnz - 1) & 0xFFFFFFFF
-        if i < num_items:
-            j0 = tl.load(item_start_ptr + i)
-            j1 = tl.load(item_start_ptr + i + 1)
-            if tl.load(sorted_ptr + j0) != sentinel:
-                d = tl.arange(0, BLOCK_D)
-                row, t, elem, d_mask, inv_dim = _row_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr,
-                                                        elem_offsets_ptr, row_offsets_ptr, j0, batch_size, d, DIM,
-                                                        STRIDE, ALIGN)
-                col = tl.multiple_of(tl.load(col_offsets_ptr + t), COL_ALIGN)
-                mean = tl.load(poolings_ptr + t) == 1
-                n = tl.arange(0, BLOCK_N)
-                g = tl.zeros([BLOCK_D], dtype=tl.float32)
-                for k0 in range(j0, j1, BLOCK_N):  # at most CHUNK occurrences, BLOCK_N at a time
-                    k = k0 + n
-                    k_mask = k < j1
-                    p = tl.load(perm_ptr + k, mask=k_mask, other=0)
-                    bag = tl.load(info_ptr + p, mask=k_mask, other=0)
-                    scale = tl.where(k_mask, 1.0, 0.0)
-                    if HAS_PSW:
-                        scale = scale * tl.load(psw_ptr + p, mask=k_mask, other=0.0).to(tl.float32)
-                    if mean:
-                        length = tl.load(offsets_ptr + bag + 1, mask=k_mask, other=1) - \
-                            tl.load(offsets_ptr + bag, mask=k_mask, other=0)
-                        scale = scale / tl.maximum(length, 1).to(tl.float32)
-                    b = (bag - t * batch_size).to(tl.int64)
-                    rows = tl.load(grad_ptr + b[:, None] * tl.multiple_of(grad_stride, COL_ALIGN) + col + d[None, :],
-                                   mask=k_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-                    g += tl.sum(rows * scale[:, None], axis=0)
-                run_first = (j0 == 0) | (tl.load(sorted_ptr + tl.maximum(j0 - 1, 0)) != row)
-                continues = (j1 < nnz) & (tl.load(sorted_ptr + tl.minimum(j1, nnz - 1)) == row)
-                if run_first & (continues == 0):  # the whole run: update the row now
-                    _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask, inv_dim, lr,
-                                  eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2, OPT, ROUNDING_BITS)
-                else:  # part of a split run: slot 1 = its first item, slot 0 = an item at a chunk start
-                    slot = tl.where(run_first, 1, 0)
-                    tl.store(partials_ptr + ((j0 // CHUNK) * 2 + slot) * BLOCK_D + d, g)
+        if tl.program_id(0) * RUNS < num_items:
+            i = tl.program_id(0) * RUNS + tl.arange(0, RUNS)
+            live = i < num_items
+            j0 = tl.load(item_start_ptr + i, mask=live, other=0)
+            j1 = tl.load(item_start_ptr + i + 1, mask=live, other=0)
+            active = live & (tl.load(sorted_ptr + j0, mask=live, other=sentinel) != sentinel)
+            d = tl.arange(0, BLOCK_D)
+            row, t, elem, d_mask, inv_dim = _rows_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr,
+                                                     elem_offsets_ptr, row_offsets_ptr, j0, active, batch_size, d,
+                                                     DIM, STRIDE, ALIGN)
+            col = tl.multiple_of(tl.load(col_offsets_ptr + t, mask=active, other=0), COL_ALIGN)
+            mean = tl.load(poolings_ptr + t, mask=active, other=0) == 1
+            count = tl.where(active, j1 - j0, 0)
+            n = tl.arange(0, BLOCK_N)
+            g = tl.zeros([RUNS, BLOCK_D], dtype=tl.float32)
+            for k0 in range(0, tl.max(count, axis=0), BLOCK_N):  # at most CHUNK occurrences, BLOCK_N at a time
+                step = k0 + n
+                k_mask = step[None, :] < count[:, None]  # (RUNS, BLOCK_N)
+                k = j0[:, None] + step[None, :]
+                p = tl.load(perm_ptr + k, mask=k_mask, other=0)
+                bag = tl.load(info_ptr + p, mask=k_mask, other=0)
+                scale = tl.where(k_mask, 1.0, 0.0)
+                if HAS_PSW:
+                    scale = scale * tl.load(psw_ptr + p, mask=k_mask, other=0.0).to(tl.float32)
+                averaged = k_mask & mean[:, None]
+                length = tl.load(offsets_ptr + bag + 1, mask=averaged, other=1) - \
+                    tl.load(offsets_ptr + bag, mask=averaged, other=0)
+                scale = scale / tl.maximum(length, 1).to(tl.float32)
+                b = (bag - t[:, None] * batch_size).to(tl.int64)
+                rows = tl.load(grad_ptr + b[:, :, None] * tl.multiple_of(grad_stride, COL_ALIGN) + col[:, None, None]
+                               + d[None, None, :], mask=k_mask[:, :, None] & d_mask[:, None, :], other=0.0)
+                g += tl.sum(rows.to(tl.float32) * scale[:, :, None], axis=1)
+            run_first = (j0 == 0) | (tl.load(sorted_ptr + tl.maximum(j0 - 1, 0), mask=active, other=0) != row)
+            continues = (j1 < nnz) & (tl.load(sorted_ptr + tl.minimum(j1, nnz - 1), mask=active, other=0) == row)
+            whole = active & run_first & (continues == 0)  # the whole run: update the row now
+            _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask & whole[:, None],
+                          whole, inv_dim, lr, eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2, OPT,
+                          ROUNDING_BITS)
+            # part of a split run: slot 1 = its first item, slot 0 = an item at a chunk start
+            slot = tl.where(run_first, 1, 0)
+            tl.store(partials_ptr + ((j0 // CHUNK) * 2 + slot)[:, None] * BLOCK_D + d[None, :], g,
+                     mask=(active & (whole == 0))[:, None])
 
     @triton.jit
     def _split_kernel(
@@ -357,11 +378,13 @@ if triton is not None:
         num_splits = tl.load(scan_ptr + nnz - 1) >> 32
         if s < num_splits:
             j0 = tl.load(split_start_ptr + s)
-            if tl.load(sorted_ptr + j0) != sentinel:
+            row = tl.load(sorted_ptr + j0)
+            if row != sentinel:
                 d = tl.arange(0, BLOCK_D)
-                row, t, elem, d_mask, inv_dim = _row_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr,
-                                                        elem_offsets_ptr, row_offsets_ptr, j0, batch_size, d, DIM,
-                                                        STRIDE, ALIGN)
+                one = tl.full([1], 1, tl.int1)  # the helpers take vectors of runs: here, one
+                key, t, elem, d_mask, inv_dim = _rows_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr,
+                                                         elem_offsets_ptr, row_offsets_ptr, j0 + tl.zeros([1], tl.int32),
+                                                         one, batch_size, d, DIM, STRIDE, ALIGN)
                 chunk = j0 // CHUNK
                 g = tl.load(partials_ptr + (chunk * 2 + 1) * BLOCK_D + d)
                 chunk += 1
@@ -370,8 +393,9 @@ if triton is not None:
                     g += tl.load(partials_ptr + chunk * 2 * BLOCK_D + d)
                     chunk += 1
                     more = (chunk * CHUNK < nnz) & (tl.load(sorted_ptr + tl.minimum(chunk * CHUNK, nnz - 1)) == row)
-                _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g, row, elem, d, d_mask, inv_dim, lr,
-                              eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2, OPT, ROUNDING_BITS)
+                _apply_update(weight_ptr, state1_ptr, state2_ptr, step_ptr, g[None, :], key, elem, d, d_mask, one,
+                              inv_dim, lr, eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2, OPT,
+                              ROUNDING_BITS)
 
 
 @lru_cache(maxsize=64)
@@ -478,18 +502,19 @@ def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, 
     shape = dict(DIM=dim, STRIDE=layout.strides[0] if uniform else 0, ALIGN=layout.align, CHUNK=CHUNK, BLOCK_D=block_d)
     rest1, rest2 = 1 - beta1, 1 - beta2  # in fp64 here: the kernel's fp32 beta2 = 0.999 leaves 1 - beta2 1.3e-5 off
     hyper = (lr, eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2)
-    segment_n, warps = backward_tiles(block_d, nnz, total_rows)
+    segment_n, warps, runs = backward_tiles(block_d, nnz, total_rows)
     max_items = min(nnz, total_rows + 1 + chunks)  # runs (≤ distinct keys) plus chunk boundaries
-    _segment_kernel[(max_items,)](
+    _segment_kernel[(triton.cdiv(max_items, runs),)](
         weight, state1, state2, step, grad_output, sorted_keys, perm, info, item_start, scan, partials, offsets,
         per_sample_weights if per_sample_weights is not None else grad_output, meta["dims"], meta["strides"],
         meta["elem_offsets"], meta["row_offsets"], meta["col_offsets"], meta["poolings"], nnz, batch_size,
         grad_output.stride(0), sentinel, *hyper, OPT=opt_code, HAS_PSW=per_sample_weights is not None,
-        ROUNDING_BITS=rounding, COL_ALIGN=column_alignment(layout), BLOCK_N=segment_n, num_warps=warps, **shape)
+        ROUNDING_BITS=rounding, COL_ALIGN=column_alignment(layout), RUNS=runs, BLOCK_N=segment_n, num_warps=warps,
+        **shape)
     _split_kernel[(max(1, min(chunks, total_rows + 1)),)](
         weight, state1, state2, step, sorted_keys, perm, info, split_start, scan, partials, meta["dims"],
         meta["strides"], meta["elem_offsets"], meta["row_offsets"], nnz, batch_size, sentinel, *hyper,
-        OPT=opt_code, ROUNDING_BITS=rounding, num_warps=warps, **shape)
+        OPT=opt_code, ROUNDING_BITS=rounding, num_warps=max(1, block_d // 128), **shape)
 
 
 @torch.library.custom_op("recloop::embedding_bags_weight_grad", mutates_args=())
