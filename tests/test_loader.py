@@ -81,6 +81,23 @@ def test_shuffling_changes_order_not_content_and_is_deterministic(files):
     assert order(3, 1) != first and order(4, 0) != first
 
 
+@pytest.mark.parametrize(("batch_size", "shuffle_chunks"), [(97, 3), (64, 1), (128, 2), (1000, 16)])
+def test_permutations_are_drawn_ahead_for_the_groups_the_epoch_forms(files, batch_size, shuffle_chunks):
+    """A thread draws each group's permutation ahead of the consumer, sized from the row groups' metadata
+    (a size that did not match the group would raise); an epoch left early stops it."""
+    import threading
+
+    loader = ChunkLoader(files, SCHEMA, batch_size, seed=7, shuffle_chunks=shuffle_chunks)
+    sizes = loader._group_sizes(0)
+    assert sum(sizes) - sum(size % batch_size for size in sizes[:-1]) == 1000  # remainders counted twice
+    seen = [r for b in loader.epoch(0) for r in rows_of(b)]
+    assert sorted(seen) == list(range(1000)) and seen != list(range(1000))
+    assert loader.stats.shuffle_s > 0
+    for _ in loader.epoch(1):
+        break  # left after one batch
+    assert not [t for t in threading.enumerate() if t.name == "recloop-shuffle"]
+
+
 def test_skipping_batches_resumes_the_same_epoch(files):
     loader = ChunkLoader(files, SCHEMA, 50, seed=2)
     full = [rows_of(b) for b in loader.epoch(0)]
