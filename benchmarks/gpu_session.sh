@@ -39,7 +39,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ "$part" = check ]; then
     # after a kernel or loader change, on the merged JSON so far (carried in gpu-in/: after parts 1 and 2,
     # or benchmarks/results/gpu_suite.json): the tests, every embedding shape, the loader, the launch
-    # settings on three shapes, the profile (H200, 2026-11-26: 133 s without the loader's ~30 s)
+    # settings on three shapes, the profile, the segment pass's previous setting profiled too (H200,
+    # 2026-11-26: 133 s without the loader's ~30 s, the ptx step and the second profile)
     [ -f gpu-in/gpu_suite.json ] && cp gpu-in/gpu_suite.json "$suite"
     step 90 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --out "$suite"  # access widths, registers, occupancy
@@ -52,6 +53,11 @@ if [ "$part" = check ]; then
         --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
         --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
         "$OUT/ncu_criteo_fp32.csv"
+    # the segment pass as measured on 2026-11-26 (one run a program), for the side-by-side counters
+    step 40 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats -k "regex:_segment_kernel" --launch-skip 1 --launch-count 1 --csv \
+        --page details python3 benchmarks/profile_embedding.py --set SEGMENT_RUNS=1 > "$0"' \
+        "$OUT/ncu_criteo_fp32_one_run.csv"
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"

@@ -3,11 +3,14 @@
     ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
         --section WarpStateStats -k 'regex:_(forward|segment|split|linearize)_kernel' --csv --page details \
         python benchmarks/profile_embedding.py [--shape criteo|wide|long64|long32] [--dtype float32|bfloat16] [--ids uniform|zipf]
+        [--set KNOB=VALUE ...]
 
 It builds one of benchmarks/embedding.py's shapes (``criteo``: 26 tables at dim 128, one-hot, batch 64K, the
 tables capped at 1M rows here so that Nsight's kernel replay, which saves and restores what a kernel writes,
 stays quick; ``wide``: 100 features × 10-hot over 8192 rows at dim 64), runs one untimed warm-up pass (Triton
-compiles) and then the profiled pass. Nothing is timed here: the figures are the profiler's counters
+compiles) and then the profiled pass. ``--set`` assigns one of ``recloop_kernels.embedding_bag``'s launch
+knobs first (``--set SEGMENT_RUNS=1``: the segment pass as measured on 2026-11-26), so that two settings can be
+profiled side by side (benchmarks/tune_embedding.py names them). Nothing is timed here: the figures are the profiler's counters
 (achieved DRAM throughput, registers, occupancy, warp stall reasons). Without ncu it runs as a plain script.
 """
 
@@ -21,7 +24,7 @@ from common import use_source_tree
 use_source_tree()
 from embedding import CRITEO_ROWS, Shape, make_ids  # noqa: E402
 
-from recloop_kernels import EmbeddingBagCollection, TableConfig  # noqa: E402
+from recloop_kernels import EmbeddingBagCollection, TableConfig, embedding_bag  # noqa: E402
 
 SHAPES = {
     "criteo": Shape("Criteo-like: 26 tables (capped at 1M rows), dim 128, one-hot, batch 64K",
@@ -32,12 +35,23 @@ SHAPES = {
 }
 
 
+KNOBS = embedding_bag.KNOBS
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="criteo")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--ids", choices=("uniform", "zipf"), default="uniform")
+    parser.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                        help="a launch knob of recloop_kernels.embedding_bag (TILE, FORWARD_WARPS, SEGMENT_RUNS...)")
     args = parser.parse_args()
+    for assignment in args.set:
+        name, _, value = assignment.partition("=")
+        if name not in KNOBS:
+            parser.error(f"--set {assignment}: the knobs are {', '.join(KNOBS)}")
+        setattr(embedding_bag, name, {"None": None, "True": True, "False": False}.get(value) if value in
+                ("None", "True", "False") else int(value))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = SHAPES[args.shape]
     tables = [TableConfig(f"t{i}", rows, shape.dim) for i, rows in enumerate(shape.rows)]
@@ -49,7 +63,8 @@ def main() -> None:
         torch.autograd.backward(ebc(values, offsets), upstream)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    print(f"profiled: {shape.name}, {args.dtype}, {args.ids} ids, {values.numel():,} ids")
+    print(f"profiled: {shape.name}, {args.dtype}, {args.ids} ids, {values.numel():,} ids"
+          + (f"; {', '.join(args.set)}" if args.set else ""))
 
 
 if __name__ == "__main__":

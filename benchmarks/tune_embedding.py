@@ -50,8 +50,7 @@ SHAPES = {
        for d in (128, 64, 32)},
     "smoke": Shape("smoke: 3 tables, dim 16, 2-hot, batch 64", (50, 7, 300), 16, 2, 64),
 }
-KNOBS = ("TILE", "FORWARD_WARPS", "FORWARD_BLOCK_N", "FORWARD_NARROW", "SEGMENT_BLOCK_N", "SEGMENT_WARPS",
-         "SEGMENT_RUNS")
+KNOBS = embedding_bag.KNOBS
 DEFAULTS = {name: getattr(embedding_bag, name) for name in KNOBS}
 SETTINGS = [
     ("defaults", {}),

@@ -60,6 +60,9 @@ FORWARD_NARROW = True  # 32-bit index arithmetic in the forward where it fits (n
 SEGMENT_BLOCK_N: int | None = None  # occurrences gathered per step of the segment pass (None: backward_tiles)
 SEGMENT_WARPS: int | None = None  # warps a segment program (None: backward_tiles)
 SEGMENT_RUNS: int | None = None  # work items side by side in one segment program (None: backward_tiles)
+# The knobs above, by name: what benchmarks/tune_embedding.py sweeps and profile_embedding.py --set assigns.
+KNOBS = ("TILE", "FORWARD_WARPS", "FORWARD_BLOCK_N", "FORWARD_NARROW", "SEGMENT_BLOCK_N", "SEGMENT_WARPS",
+         "SEGMENT_RUNS")
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -107,16 +110,16 @@ def backward_tiles(block_d: int, nnz: int, total_rows: int) -> tuple[int, int, i
     more a step. H200, 2026-11-26, Criteo-like fp32 (benchmarks/tune_embedding.py): backward 2.2 ms with
     16 a step, 1.71 ms with 1.
 
-    RUNS: where runs are short (one or two occurrences a step), four work items side by side in one program
-    of four warps. One-warp programs hold a Hopper SM to 32 blocks, 50 % occupancy, however few registers
+    RUNS: where runs are short (one or two occurrences a step) and rows at most 256 wide, four work items
+    side by side in one program (four warps at D 128). One-warp programs hold a Hopper SM to 32 blocks, 50 % occupancy, however few registers
     they use (H200: 26.5 % achieved over 1.7M programs); four a program, 39 registers, allow 75 %
     (benchmarks/ptx_check.py). A prediction until a GPU measures it: ``SEGMENT_RUNS = 1`` is the setting
     measured on 2026-11-26. Longer runs keep one a program: their tile is already (BLOCK_N, D).
     """
     mean_run = nnz / max(1, min(nnz, total_rows))
     block_n = SEGMENT_BLOCK_N or max(1, min(32, 2048 // block_d, _next_power_of_2(math.ceil(mean_run))))
-    runs = SEGMENT_RUNS or (4 if block_n <= 2 else 1)
-    warps = max(1, min(8, runs * block_d // 128))  # a warp per 128 elements of D, over the program's runs
+    runs = SEGMENT_RUNS or (4 if block_n <= 2 and block_d <= 256 else 1)  # wide rows fill a program alone
+    warps = max(1, runs * block_d // 128)  # a warp per 128 elements of D, over the program's runs
     return block_n, SEGMENT_WARPS or warps, runs
 
 
@@ -364,7 +367,7 @@ if triton is not None:
                           ROUNDING_BITS)
             # part of a split run: slot 1 = its first item, slot 0 = an item at a chunk start
             slot = tl.where(run_first, 1, 0)
-            tl.store(partials_ptr + ((j0 // CHUNK) * 2 + slot)[:, None] * BLOCK_D + d[None, :], g,
+            tl.store(partials_ptr + ((j0 // CHUNK).to(tl.int64) * 2 + slot)[:, None] * BLOCK_D + d[None, :], g,
                      mask=(active & (whole == 0))[:, None])
 
     @triton.jit
@@ -385,7 +388,7 @@ if triton is not None:
                 key, t, elem, d_mask, inv_dim = _rows_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr,
                                                          elem_offsets_ptr, row_offsets_ptr, j0 + tl.zeros([1], tl.int32),
                                                          one, batch_size, d, DIM, STRIDE, ALIGN)
-                chunk = j0 // CHUNK
+                chunk = (j0 // CHUNK).to(tl.int64)  # partials index: int64 past 2^31 elements
                 g = tl.load(partials_ptr + (chunk * 2 + 1) * BLOCK_D + d)
                 chunk += 1
                 more = (chunk * CHUNK < nnz) & (tl.load(sorted_ptr + tl.minimum(chunk * CHUNK, nnz - 1)) == row)
