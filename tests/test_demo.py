@@ -48,3 +48,18 @@ def test_the_demo_runs_every_stage_each_day(prefect_server, tmp_path: Path):
     assert "plotly" in report and "served / oracle" in report and "oracle recall@100" in report
     workspace, found = project(settings)
     assert len(workspace.list_runs(found.id)) >= 2  # a drift snapshot per monitoring run (and KPIs)
+
+
+def test_the_table_says_why_a_finding_started_no_full_retrain():
+    """The retrain column of a day whose drift check found something but asked for no full retrain names the
+    trigger's reason (the demo's day 3 read "kpi_decay · incremental" with no word of the cool-down)."""
+    from recloop.demo import _held
+    from recloop.monitor.decision import MonitorDecision, TriggerConfig, should_retrain
+
+    config = TriggerConfig(cooldown_seconds=6 * 3600)
+    held = should_retrain(MonitorDecision("kpi_decay", ("ctr",), 0.0, ()), 0.0, 3600.0, config,
+                          last_outcome="deployed", outcome_at=1800.0)
+    broken = should_retrain(MonitorDecision("data_quality", ("nulls",), 0.0, ()), None, 0.0, config)
+    assert not held.retrain and not broken.retrain
+    assert _held(held.reason) == "full held: cool-down"
+    assert _held(broken.reason) == "no retrain on broken data"

@@ -124,6 +124,7 @@ class DayRecord:
     requests: int = 0
     drift: str = "-"
     drift_reasons: list[str] = field(default_factory=list)
+    trigger: str = "-"  # the retrain trigger's verdict on the drift check (why a finding did or did not retrain)
     retrain: str = "-"
     candidate_version: str | None = None
     candidate_auc: float | None = None
@@ -228,6 +229,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                                         retrain_inline=True, retrain_parameters={
                                             **train_args, "days": day + 1, "epochs": config.full_epochs})
             record.drift, record.drift_reasons = drift["decision"], list(drift["reasons"])
+            record.trigger = drift["trigger"]["reason"]
             if "retrain" in drift:
                 outcome, kind = drift["retrain"], f"full ({drift['decision']})"
                 last_full_day = day
@@ -238,7 +240,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                                            replay_fraction=config.replay_fraction,
                                            full_every_hours=config.full_every_days * 24 or None,
                                            full_epochs=config.full_epochs, **train_args)
-                kind = "incremental"
+                kind = "incremental" + (f" ({_held(record.trigger)})" if drift["decision"] != "ok" else "")
                 if outcome.get("mode") == "full":
                     kind, last_full_day = "full (periodic)", day
             _record_training(record, outcome, kind)
@@ -314,6 +316,15 @@ def _land_day(world: World, day: int, settings: Settings) -> int:
         tmp.rename(folder / f"events-{date}T{hour:02d}.parquet")
         events += table.num_rows
     return events
+
+
+def _held(trigger_reason: str) -> str:
+    """Why a finding of the drift check started no full retrain, in a few words (the trigger says it whole)."""
+    if "cool-down" in trigger_reason:
+        return "full held: cool-down"
+    if trigger_reason.startswith("data quality"):
+        return "no retrain on broken data"
+    return "no full retrain requested"
 
 
 def _record_training(record: DayRecord, outcome: dict, kind: str) -> None:
