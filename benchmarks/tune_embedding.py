@@ -7,8 +7,8 @@ Why: on an H100 (2026-11-25, Nsight Compute, Criteo-like fp32) the forward used 
 (occupancy 18.75 %) at 63 % of DRAM peak, and the backward's segment pass 107 registers (occupancy 25 %,
 one warp a row, 16 occurrences gathered a step although one-hot runs hold one) at 22 %. Both are limited
 by registers; the settings below trade work per program for occupancy. Each setting is one assignment to
-``recloop_kernels.embedding_bag``'s module-level knobs (TILE, FORWARD_WARPS, FORWARD_BLOCK_N, FORWARD_NARROW,
-SEGMENT_BLOCK_N, SEGMENT_WARPS, SEGMENT_RUNS); the defaults run first, in the middle and last (their spread
+``recloop_kernels.embedding_bag``'s module-level knobs (``KNOBS``: TILE, FORWARD_WARPS, FORWARD_BLOCK_N,
+FORWARD_NARROW, FORWARD_PIPELINE, SEGMENT_BLOCK_N, SEGMENT_WARPS, SEGMENT_RUNS); the defaults run first, in the middle and last (their spread
 is the noise).
 
 Correct first: from the same starting weights, each setting's forward output and its weights after one
@@ -58,6 +58,11 @@ SETTINGS = [
     # 32-bit index arithmetic (the default where it fits) against 64-bit: ptx_check, fp32 D 128 one-hot,
     # 126 against 128 registers; bf16 72 against 95; 64-hot D 32 71 against 84
     ("forward: 64-bit indices", {"FORWARD_NARROW": False}),
+    # blocks of bags a program, each block's rows in flight with the next block's ids (FORWARD_PIPELINE):
+    # ptx_check, fp32 D 128 one-hot: 125 registers (25 %), 82 (31 %) and 64 (50 %)
+    ("forward: 2 blocks pipelined, tile 2048", {"FORWARD_PIPELINE": 2, "TILE": 2048}),
+    ("forward: 4 blocks pipelined, tile 1024", {"FORWARD_PIPELINE": 4, "TILE": 1024}),
+    ("forward: 2 blocks pipelined, tile 1024", {"FORWARD_PIPELINE": 2, "TILE": 1024}),
     ("forward: tile 2048", {"TILE": 2048}),
     ("forward: tile 1024", {"TILE": 1024}),
     ("forward: tile 2048, 2 warps", {"TILE": 2048, "FORWARD_WARPS": 2}),

@@ -115,6 +115,31 @@ def test_forward_matches_nn_embedding_bag(backend, tables, ids, weighted, index_
         assert (out[t0, : tables[0].dim] == 0).all(), "empty bags pool to zeros"
 
 
+@TRITON
+@pytest.mark.parametrize(("pipeline", "batch_size"), [(2, 7), (3, 11), (4, 13)])
+def test_a_pipelined_forward_pools_like_the_oracle(pipeline, batch_size, monkeypatch):
+    """``FORWARD_PIPELINE`` blocks of bags a program (TILE lowered so that a small batch makes several blocks a
+    table, the last program with blocks past the batch): the pooled rows of nn.EmbeddingBag, mean pooling and
+    per-sample weights included, and ids outside their table still counted and reported."""
+    monkeypatch.setattr(embedding_bag, "TILE", 64)
+    monkeypatch.setattr(embedding_bag, "FORWARD_PIPELINE", pipeline)
+    ebc = EmbeddingBagCollection(MIXED, backend="triton", seed=3)
+    values, offsets, weights = make_batch(MIXED, batch_size, seed=9, ids="zipf", weighted=True)
+    expected = oracle_forward(oracle_bags(ebc), MIXED, values, offsets, weights, batch_size)
+    out = ebc(values, offsets, weights)
+    assert_close("forward", expected, out, 1e-6)
+    bags, _ = embedding_bag.forward_tiles(8, values.numel() / (3 * batch_size))
+    assert -(-batch_size // bags) > pipeline, "a table's blocks must span programs"
+    bad = values.clone()
+    lengths = offsets[1:] - offsets[:-1]
+    last = int(lengths[2 * batch_size:].nonzero().max()) + 2 * batch_size  # the last table's ('ctx', 9 rows) last bag
+    assert last >= 2 * batch_size + bags  # in a later block than the first
+    bad[int(offsets[last])] = 9
+    ebc(bad, offsets, weights)
+    with pytest.raises(IndexError, match=r"'ctx' has 9 rows; got ids in \[9, 9\] \(1 out of range"):
+        ebc.raise_id_errors()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense-grad", "sparse-grad"])
 def test_gradient_without_optimizer_matches_autograd(backend, sparse):

@@ -3,8 +3,9 @@
 Forward (one launch per distinct table dim; one in the usual case where all tables share it): each
 program pools ``BAGS`` consecutive bags of one table. It walks their ids ``BLOCK_N`` at a time, gathering
 a (BAGS, BLOCK_N, D) tile of rows per step (many row loads in flight), accumulates in fp32 and writes the
-pooled rows once into the concatenated (B, ΣD) output. Rows are padded to 16 bytes and the dim is a
-compile-time constant, so every row load is a 16-byte vector. Ids outside a table pool as zeros and are
+pooled rows once into the concatenated (B, ΣD) output (with ``FORWARD_PIPELINE`` > 1, several such blocks of
+bags one after the other, each block's rows loaded while the next block's ids arrive). Rows are padded to 16
+bytes and the dim is a compile-time constant, so every row load is a 16-byte vector. Ids outside a table pool as zeros and are
 recorded in a small error tensor on the device (no host synchronization; the module raises).
 
 Backward with a fused optimizer, in the structure of FBGEMM's table-batched embedding backward (no dense
@@ -57,12 +58,13 @@ TILE = 4096  # fp32 elements of a forward tile (BAGS × BLOCK_N × BLOCK_D): 32 
 FORWARD_WARPS = 4
 FORWARD_BLOCK_N: int | None = None  # ids a bag per step of the forward (None: forward_tiles, from the pooling)
 FORWARD_NARROW = True  # 32-bit index arithmetic in the forward where it fits (narrow_indices)
+FORWARD_PIPELINE = 1  # blocks of bags a forward program pools one after the other, loads pipelined across them
 SEGMENT_BLOCK_N: int | None = None  # occurrences gathered per step of the segment pass (None: backward_tiles)
 SEGMENT_WARPS: int | None = None  # warps a segment program (None: backward_tiles)
 SEGMENT_RUNS: int | None = None  # work items side by side in one segment program (None: backward_tiles)
 # The knobs above, by name: what benchmarks/tune_embedding.py sweeps and profile_embedding.py --set assigns.
-KNOBS = ("TILE", "FORWARD_WARPS", "FORWARD_BLOCK_N", "FORWARD_NARROW", "SEGMENT_BLOCK_N", "SEGMENT_WARPS",
-         "SEGMENT_RUNS")
+KNOBS = ("TILE", "FORWARD_WARPS", "FORWARD_BLOCK_N", "FORWARD_NARROW", "FORWARD_PIPELINE", "SEGMENT_BLOCK_N",
+         "SEGMENT_WARPS", "SEGMENT_RUNS")
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -136,67 +138,110 @@ def column_alignment(layout: Layout) -> int:
 if triton is not None:
 
     @triton.jit
+    def _bag_bounds(offsets_ptr, bag, mask, NARROW: tl.constexpr):
+        """Where each bag's ids start in ``values`` and how many it has (int32 when NARROW)."""
+        start = tl.load(offsets_ptr + bag, mask=mask, other=0)
+        length = tl.load(offsets_ptr + bag + 1, mask=mask, other=0) - start
+        return start.to(tl.int32 if NARROW else tl.int64), length.to(tl.int32 if NARROW else tl.int64)
+
+    @triton.jit
+    def _ids_at(values_ptr, psw_ptr, start, length, k, HAS_PSW: tl.constexpr):
+        """Step ``k`` (BLOCK_N positions) of each bag: ids, which are inside the bag, per-sample weights."""
+        valid = k[None, :] < length[:, None]  # (BAGS, BLOCK_N)
+        position = start[:, None] + k[None, :]
+        ids = tl.load(values_ptr + position, mask=valid, other=0)
+        if HAS_PSW:
+            scale = tl.load(psw_ptr + position, mask=valid, other=0.0).to(tl.float32)
+        else:
+            scale = valid.to(tl.float32)  # unused: compiled away
+        return ids, valid, scale
+
+    @triton.jit
+    def _pool_rows(table_ptr, ids, valid, scale, num_rows, d, d_load, STRIDE: tl.constexpr, HAS_PSW: tl.constexpr,
+                   NARROW: tl.constexpr):
+        """The rows of one step's ids summed per bag (fp32; ids outside the table add nothing) and how many
+        ids were outside."""
+        ok = valid & (ids >= 0) & (ids < num_rows)
+        element = ids.to(tl.int32 if NARROW else tl.int64) * STRIDE
+        rows = tl.load(table_ptr + element[:, :, None] + d[None, None, :],
+                       mask=ok[:, :, None] & d_load[None, None, :], other=0.0).to(tl.float32)
+        if HAS_PSW:
+            rows = rows * scale[:, :, None]
+        return tl.sum(rows, axis=1), tl.sum((valid & ~ok).to(tl.int32), axis=1)
+
+    @triton.jit
     def _forward_kernel(weight_ptr, values_ptr, offsets_ptr, psw_ptr, out_ptr, errors_ptr, group_tables_ptr,
                         rows_ptr, elem_offsets_ptr, col_offsets_ptr, poolings_ptr, batch_size, blocks_per_table,
                         num_tables, out_stride, DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr,
                         COL_ALIGN: tl.constexpr, BAGS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                        HAS_PSW: tl.constexpr, NARROW: tl.constexpr):
+                        HAS_PSW: tl.constexpr, NARROW: tl.constexpr, PIPELINE: tl.constexpr):
         # NARROW: positions in ``values`` and element offsets within one table fit in int32, so per-bag and
         # per-id index arithmetic is 32-bit (the table's base stays a 64-bit scalar): half the registers for
         # starts, lengths, ids and addresses (H200, 2026-11-26: 147 registers a thread held the SM to 3 blocks).
+        # PIPELINE: blocks of BAGS bags a program, one after the other, each block's row loads in flight with
+        # the next block's first ids and the bounds of the one after (a bag's offsets → its ids → their rows
+        # is a chain of three dependent loads; pipelined, a block waits on about one). 1: no pipelining.
         pid = tl.program_id(0)
-        t = tl.load(group_tables_ptr + pid // blocks_per_table)
-        b = (pid % blocks_per_table) * BAGS + tl.arange(0, BAGS)  # (BAGS,) rows of the batch
-        b_mask = b < batch_size
-        bag = t * batch_size + b
-        start = tl.load(offsets_ptr + bag, mask=b_mask, other=0)
-        length = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0) - start
-        if NARROW:
-            start, length = start.to(tl.int32), length.to(tl.int32)
-        else:
-            start, length = start.to(tl.int64), length.to(tl.int64)
+        programs_per_table = tl.cdiv(blocks_per_table, PIPELINE)
+        t = tl.load(group_tables_ptr + pid // programs_per_table)
         num_rows = tl.load(rows_ptr + t)
         table_ptr = weight_ptr + tl.multiple_of(tl.load(elem_offsets_ptr + t), ALIGN)  # a scalar: the table's row 0
         d = tl.arange(0, BLOCK_D)
         d_load = d < STRIDE  # the padded width: constant over each 16 bytes, so loads stay vectors
         n = tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
-        bad_count = tl.zeros([BAGS], dtype=tl.int32)
-        for i in range(0, tl.max(length, axis=0), BLOCK_N):
-            k = i + n
-            valid = k[None, :] < length[:, None]  # (BAGS, BLOCK_N)
-            position = start[:, None] + k[None, :]
-            ids = tl.load(values_ptr + position, mask=valid, other=0)
-            ok = valid & (ids >= 0) & (ids < num_rows)
-            bad_count += tl.sum((valid & ~ok).to(tl.int32), axis=1)
-            element = ids.to(tl.int32 if NARROW else tl.int64) * STRIDE
-            rows = tl.load(table_ptr + element[:, :, None] + d[None, None, :],
-                           mask=ok[:, :, None] & d_load[None, None, :], other=0.0).to(tl.float32)
-            if HAS_PSW:
-                scale = tl.load(psw_ptr + position, mask=ok, other=0.0).to(tl.float32)
-                rows = rows * scale[:, :, None]
-            acc += tl.sum(rows, axis=1)
-        if tl.load(poolings_ptr + t) == 1:  # mean
-            acc = acc / tl.maximum(length, 1).to(tl.float32)[:, None]
-        col = tl.multiple_of(tl.load(col_offsets_ptr + t), COL_ALIGN)
-        out_stride = tl.multiple_of(out_stride, COL_ALIGN)
-        tl.store(out_ptr + b[:, None] * out_stride + col + d[None, :], acc,
-                 mask=b_mask[:, None] & (d < DIM)[None, :])
-        count = tl.sum(bad_count, axis=0)
-        if count > 0:  # rare: walk the bags again for the extremes of their bad ids, for the module to raise
-            bad_high = tl.full([BAGS], -2147483648, tl.int64)
-            bad_low = tl.full([BAGS], 2147483647, tl.int64)
-            for i in range(0, tl.max(length, axis=0), BLOCK_N):
-                k = i + n
-                valid = k[None, :] < length[:, None]
-                ids = tl.load(values_ptr + start[:, None] + k[None, :], mask=valid, other=0).to(tl.int64)
-                bad = valid & ((ids < 0) | (ids >= num_rows))
-                bad_high = tl.maximum(bad_high, tl.max(tl.where(bad, ids, -2147483648), axis=1))
-                bad_low = tl.minimum(bad_low, tl.min(tl.where(bad, ids, 2147483647), axis=1))
-            tl.atomic_add(errors_ptr + t, count)
-            tl.atomic_max(errors_ptr + num_tables + t, tl.minimum(tl.max(bad_high, axis=0), 2147483647).to(tl.int32))
-            tl.atomic_min(errors_ptr + 2 * num_tables + t,
-                          tl.maximum(tl.min(bad_low, axis=0), -2147483648).to(tl.int32))
+        b = (pid % programs_per_table) * (PIPELINE * BAGS) + tl.arange(0, BAGS)  # (BAGS,) rows of the batch
+        start, length = _bag_bounds(offsets_ptr, t * batch_size + b, b < batch_size, NARROW)
+        if PIPELINE > 1:  # the first block's first ids, the second block's bounds
+            ids, valid, scale = _ids_at(values_ptr, psw_ptr, start, length, n, HAS_PSW)
+            after = b + BAGS
+            next_start, next_length = _bag_bounds(offsets_ptr, t * batch_size + after, after < batch_size, NARROW)
+        for q in tl.static_range(PIPELINE):
+            if q + 1 < PIPELINE:  # issued before this block's rows are waited on
+                next_ids, next_valid, next_scale = _ids_at(values_ptr, psw_ptr, next_start, next_length, n, HAS_PSW)
+            if q + 2 < PIPELINE:
+                later = b + 2 * BAGS
+                later_start, later_length = _bag_bounds(offsets_ptr, t * batch_size + later, later < batch_size,
+                                                        NARROW)
+            if PIPELINE > 1:  # the step whose ids came with the previous block
+                acc, bad_count = _pool_rows(table_ptr, ids, valid, scale, num_rows, d, d_load, STRIDE, HAS_PSW,
+                                            NARROW)
+            else:
+                acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
+                bad_count = tl.zeros([BAGS], dtype=tl.int32)
+            # the (remaining) steps of BLOCK_N ids: every step unpipelined, the bags longer than one step pipelined
+            for i in range(BLOCK_N if PIPELINE > 1 else 0, tl.max(length, axis=0), BLOCK_N):
+                step_ids, step_valid, step_scale = _ids_at(values_ptr, psw_ptr, start, length, i + n, HAS_PSW)
+                part, bad = _pool_rows(table_ptr, step_ids, step_valid, step_scale, num_rows, d, d_load, STRIDE,
+                                       HAS_PSW, NARROW)
+                acc += part
+                bad_count += bad
+            if tl.load(poolings_ptr + t) == 1:  # mean (loaded here, not held in a register through the loop)
+                acc = acc / tl.maximum(length, 1).to(tl.float32)[:, None]
+            col = tl.multiple_of(tl.load(col_offsets_ptr + t), COL_ALIGN)
+            tl.store(out_ptr + b[:, None] * tl.multiple_of(out_stride, COL_ALIGN) + col + d[None, :], acc,
+                     mask=(b < batch_size)[:, None] & (d < DIM)[None, :])
+            count = tl.sum(bad_count, axis=0)
+            if count > 0:  # rare: walk the bags again for the extremes of their bad ids, for the module to raise
+                bad_high = tl.full([BAGS], -2147483648, tl.int64)
+                bad_low = tl.full([BAGS], 2147483647, tl.int64)
+                for i in range(0, tl.max(length, axis=0), BLOCK_N):
+                    k = i + n
+                    inside = k[None, :] < length[:, None]
+                    found = tl.load(values_ptr + start[:, None] + k[None, :], mask=inside, other=0).to(tl.int64)
+                    bad = inside & ((found < 0) | (found >= num_rows))
+                    bad_high = tl.maximum(bad_high, tl.max(tl.where(bad, found, -2147483648), axis=1))
+                    bad_low = tl.minimum(bad_low, tl.min(tl.where(bad, found, 2147483647), axis=1))
+                tl.atomic_add(errors_ptr + t, count)
+                tl.atomic_max(errors_ptr + num_tables + t,
+                              tl.minimum(tl.max(bad_high, axis=0), 2147483647).to(tl.int32))
+                tl.atomic_min(errors_ptr + 2 * num_tables + t,
+                              tl.maximum(tl.min(bad_low, axis=0), -2147483648).to(tl.int32))
+            if q + 1 < PIPELINE:  # the next block's bags become this block's
+                b = b + BAGS
+                start, length = next_start, next_length
+                ids, valid, scale = next_ids, next_valid, next_scale
+            if q + 2 < PIPELINE:
+                next_start, next_length = later_start, later_length
 
     @triton.jit
     def _linearize_kernel(values_ptr, offsets_ptr, keys_ptr, info_ptr, rows_ptr, row_offsets_ptr, batch_size,
@@ -446,13 +491,15 @@ def embedding_bags(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Te
         block_d = _next_power_of_2(stride)
         bags, block_n = forward_tiles(block_d, average_pooling)
         blocks = triton.cdiv(batch_size, bags)
-        _forward_kernel[(tables.numel() * blocks,)](
+        pipeline = max(1, min(FORWARD_PIPELINE, blocks))
+        _forward_kernel[(tables.numel() * triton.cdiv(blocks, pipeline),)](
             weight.contiguous(), values, offsets, per_sample_weights if per_sample_weights is not None else values,
             out, errors, tables, meta["rows"], meta["elem_offsets"], meta["col_offsets"], meta["poolings"],
             batch_size, blocks, layout.num_tables, out.stride(0), DIM=dim, STRIDE=stride, ALIGN=align,
             COL_ALIGN=column_alignment(layout), BAGS=bags,
             BLOCK_N=block_n, BLOCK_D=block_d, HAS_PSW=per_sample_weights is not None,
-            NARROW=FORWARD_NARROW and narrow_indices(layout, values.numel()), num_warps=FORWARD_WARPS,
+            NARROW=FORWARD_NARROW and narrow_indices(layout, values.numel()), PIPELINE=pipeline,
+            num_warps=FORWARD_WARPS,
         )
     return out
 
