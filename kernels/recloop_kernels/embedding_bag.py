@@ -165,8 +165,8 @@ if triton is not None:
         element = ids.to(tl.int32 if NARROW else tl.int64) * STRIDE
         rows = tl.load(table_ptr + element[:, :, None] + d[None, None, :],
                        mask=ok[:, :, None] & d_load[None, None, :], other=0.0).to(tl.float32)
-        if HAS_PSW:
-            rows = rows * scale[:, :, None]
+        if HAS_PSW:  # the weight of an id outside the table is not read into the sum (0 × inf would be NaN)
+            rows = rows * tl.where(ok, scale, 0.0)[:, :, None]
         return tl.sum(rows, axis=1), tl.sum((valid & ~ok).to(tl.int32), axis=1)
 
     @triton.jit
