@@ -117,12 +117,27 @@ def test_a_crashed_run_resumes_to_the_same_weights(home: Settings, tmp_path: Pat
     with pytest.raises(KeyboardInterrupt):
         train(other, deterministic, on_step=crash)
     resumed = train(other, deterministic)
-    assert resumed.resumed_from_step == 12 and resumed.steps == uninterrupted.steps
+    assert resumed.resumed_from_step == 12 and resumed.steps == uninterrupted.steps and not resumed.resume_note
     a = load_file(Path(uninterrupted.checkpoint) / "model.safetensors")
     b = load_file(Path(resumed.checkpoint) / "model.safetensors")
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert resumed.auc == pytest.approx(uninterrupted.auc)
+
+    # The same crash under a loader that batched rows differently (a checkpoint written before the batch plan
+    # was recorded): its 12 batches name other rows now, so the epoch restarts and trains them again.
+    older = Settings(home=tmp_path / "older", frame_backend="pandas")
+    shutil.copytree(home.home, older.home, ignore=shutil.ignore_patterns("checkpoints"))  # the run not done yet
+    with pytest.raises(KeyboardInterrupt):
+        train(older, deterministic, on_step=crash)
+    state_file = Path(read_checkpoint(next((older.home / "checkpoints").iterdir()))["path"]) / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["position"].pop("batch_plan") == 2 and state["position"]["batch"] == 12
+    state_file.write_text(json.dumps(state))
+    replayed = train(older, deterministic)
+    assert replayed.resumed_from_step == 12 and replayed.steps == uninterrupted.steps + 12
+    assert "epoch 0 restarts from its first batch" in replayed.resume_note
+    assert "batch plan 1, now 2" in replayed.resume_note
 
 
 def test_training_compiles_around_the_embedding_kernels(home: Settings):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -43,7 +44,7 @@ import torch
 from safetensors.torch import load_file
 
 from recloop import checkpoint, distributed
-from recloop.data import ChunkLoader, FeatureSchema, training_files
+from recloop.data import BATCH_PLAN, ChunkLoader, FeatureSchema, training_files
 from recloop.evaluate import metrics, predict, slice_metrics
 from recloop.features.job import FeatureLayout
 from recloop.gate import baselines
@@ -57,6 +58,7 @@ from recloop.model import (
 )
 from recloop.settings import Settings
 
+log = logging.getLogger("recloop.train")
 ORACLE_COLUMNS = ("p_click",)
 # Columns of the training rows the validation is sliced by (when present): new vs returning users,
 # device, item category. The gate compares candidate and champion on each slice.
@@ -178,6 +180,7 @@ class TrainSummary:
     warm_start: str | None = None
     grown_tables: dict[str, list[int]] = field(default_factory=dict)
     resumed_from_step: int = 0
+    resume_note: str = ""  # a resume that could not continue its epoch where it stopped says why
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -318,6 +321,25 @@ def fit_to_data(config: TrainConfig, windows: Windows, device: torch.device) -> 
     return config, windows
 
 
+def resume_position(resumed: dict | None) -> tuple[dict, str]:
+    """Where a run takes up (a new one: the start) and, when its epoch has to start over, why.
+
+    A checkpoint's batch count names the same rows only under the loader's batch plan that wrote it
+    (``recloop.data.loader.BATCH_PLAN``): skipping that many batches of another plan would skip some of the
+    epoch's rows and repeat others. Such an epoch restarts from its first batch instead (its rows trained
+    before the checkpoint get a second pass), and the summary says so."""
+    if not resumed:
+        return {"step": 0, "epoch": 0, "batch": 0, "samples": 0, "batch_plan": BATCH_PLAN}, ""
+    position = {**resumed, "batch_plan": BATCH_PLAN}
+    plan = resumed.get("batch_plan", 1)  # checkpoints before the plan was recorded: plan 1
+    if resumed["batch"] == 0 or plan == BATCH_PLAN:
+        return position, ""
+    position["batch"] = 0
+    return position, (f"epoch {resumed['epoch']} restarts from its first batch: the checkpoint at step "
+                      f"{resumed['step']} was written {resumed['batch']} batches into it by a loader that batched "
+                      f"rows differently (batch plan {plan}, now {BATCH_PLAN})")
+
+
 def unseen(files: list[Path], base: dict) -> list[Path]:
     """The hourly files a checkpoint has not trained on (from its ``trained_until`` hour on)."""
     return [f for f in files if f.stem >= base["trained_until"]]
@@ -396,7 +418,9 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = distributed.device_for(config.device, ranks)
     model, optimizer, grown, resumed = _build(config, schema, device, run_dir, base)
-    position = dict(resumed) if resumed else {"step": 0, "epoch": 0, "batch": 0, "samples": 0}
+    position, resume_note = resume_position(resumed)
+    if resume_note:
+        log.warning("%s: %s", run_id, resume_note)
     sharded = config.data_shards > 1 or ranks.world > 1
     trained = distributed.wrap(model, ranks, config.row_wise_above or None) if sharded else model
 
@@ -449,7 +473,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
             train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
             trained_until=checkpoint.hour_after(windows.train[-1].stem), full_trained_until=full_trained_until,
             state_version=schema.state_version, warm_start=base["path"] if base else None, grown_tables=grown,
-            resumed_from_step=resumed["step"] if resumed else 0, loss_curve=loss_curve,
+            resumed_from_step=resumed["step"] if resumed else 0, resume_note=resume_note, loss_curve=loss_curve,
         )
         summary.checkpoint = str(run_dir / f"{checkpoint.STEP_PREFIX}{position['step']:07d}")
         save(completed=True, summary=summary, gathered=True)

@@ -47,6 +47,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+# How an epoch's rows become batches. A mid-epoch checkpoint records it with its batch count, which names the
+# same rows only under the same plan. 1: a group of ``shuffle_chunks`` chunks ended in a smaller batch; 2 (since
+# 2026-11-26): a group's rows past its last full batch join the next group, every batch full but an epoch's last.
+BATCH_PLAN = 2
+
 
 @dataclass(frozen=True)
 class FeatureSchema:
