@@ -356,7 +356,7 @@ class ChunkLoader:
         same draws as in the consumer, so the same order), pinned on a GPU: drawing 2M (a group of 16 row
         groups of 128K rows) took 45 ms on a 2-core EPYC, time the consumer made no batches in.
 
-        Returns ``(next_permutation, stop)``."""
+        Returns ``(next_permutation, halt)``: the next one (waiting for it), and the stop of the thread."""
         ready: queue.Queue = queue.Queue(maxsize=2)
         stop = threading.Event()
         pin = self.device.type == "cuda"
