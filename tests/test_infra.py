@@ -4,6 +4,7 @@ template are valid and agree with the code (services, ports, metric names)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -47,7 +48,11 @@ def _compose_available() -> bool:
 
 @pytest.mark.skipif(not _compose_available(), reason="docker compose is not installed here")
 def test_compose_config_with_docker():
-    subprocess.run(["docker", "compose", "-f", str(INFRA / "compose.yaml"), "config", "-q"], check=True)
+    command = ["docker", "compose", "-f", str(INFRA / "compose.yaml"), "config", "-q"]
+    environment = {k: v for k, v in os.environ.items() if k != "RECLOOP_ADMIN_TOKEN"}
+    refused = subprocess.run(command, capture_output=True, text=True, env=environment)
+    assert refused.returncode != 0 and "RECLOOP_ADMIN_TOKEN" in refused.stderr  # no shipped token to fall back on
+    subprocess.run(command, check=True, env={**environment, "RECLOOP_ADMIN_TOKEN": "a-secret-of-this-test"})
 
 
 MANIFESTS = ("recloop.yaml", "serving-autoscaling.yaml")

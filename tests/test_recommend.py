@@ -343,6 +343,9 @@ def test_admin_routes_act_on_the_model_they_name(http: httpx.Client, home: Setti
     challenger = twin(home)
     registry.set_alias(home, "challenger", challenger, who="test", model_name=RETRIEVER_NAME)
     auth = {"Authorization": f"Bearer {TOKEN}"}
+    interleave = http.post("/admin/canary", json={"share": 0.3, "mode": "interleave", "model": RETRIEVER_NAME},
+                           headers=auth)  # it would serve no one: /recommend routes canary and shadow only
+    assert interleave.status_code == 422 and "cannot interleave" in interleave.json()["detail"]
     answer = http.post("/admin/canary", json={"share": 0.3, "model": RETRIEVER_NAME}, headers=auth)
     assert answer.status_code == 200 and answer.json()["version"] == challenger
     assert http.get("/healthz").json()["retriever"]["share"] == 0.3

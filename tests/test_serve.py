@@ -144,6 +144,17 @@ def run_canary(home: Settings, http: httpx.Client, server, version: str, users: 
     ('{"user_id": 1, "item_ids": [1], "context": {"price": Infinity}}', "finite number"),
     ('{"user_id": 1, "item_ids": [1], "context": {"price": 1e999}}', "finite number"),
     ('{"user_id": 1, "item_ids": [1, 2], "context": {"price": [1.0, NaN]}}', "finite number"),
+    # text no column can store (JSON's escape of a lone surrogate), as a value and as a key
+    ('{"user_id": 1, "item_ids": [1], "context": {"device": "\\ud800"}}', "lone surrogate"),
+    ('{"user_id": 1, "item_ids": [1], "context": {"\\ud800": 1}}', "unicode string"),
+    # what ingestion would quarantine: the spec's pattern, nullability, integers and numbers exact, event time
+    ({"user_id": 1, "item_ids": [1], "context": {"country": "xx-yy"}}, "does not match '^[A-Z]{2}$'"),
+    ({"user_id": 1, "item_ids": [1], "context": {"category": None}}, "context 'category' cannot be null"),
+    ({"user_id": 1, "item_ids": [1], "context": {"category": -2}}, "outside the spec's range"),
+    ({"user_id": 1, "item_ids": [1], "context": {"position": 1.5}}, "1.5 is not an integer"),
+    ({"user_id": 1, "item_ids": [1], "context": {"price": True}}, "True is not a number"),
+    ({"user_id": 1, "item_ids": [1], "ts": "1999-12-31T00:00:00Z"}, "before the spec's minimum"),
+    ({"user_id": 1, "item_ids": [1], "ts": "2999-01-01T00:00:00Z"}, "in the future"),
 ])
 def test_rank_refuses_bad_requests_with_a_clear_4xx(client: httpx.Client, body, fragment):
     """Each bad request answers 422 naming its problem (a raw string is sent as it is: JSON with
@@ -177,7 +188,15 @@ def test_feedback_is_validated_against_its_request(client: httpx.Client):
     unknown = client.post("/feedback", json={"request_id": uuid.uuid4().hex, "impressions": [1]})
     assert unknown.status_code == 404 and "unknown request id" in unknown.json()["detail"]
     stranger = client.post("/feedback", json={"request_id": rid, "impressions": [1, 99]})
-    assert stranger.status_code == 422 and "[99] were not candidates" in stranger.json()["detail"]
+    assert stranger.status_code == 422 and "[99] were not shown" in stranger.json()["detail"]
+    # a candidate the answer did not list (top_k cut it) was never an impression: it would land as a
+    # training event with no position (the synthetic spec's `position` comes from the served order)
+    cut = client.post("/rank", json={"user_id": 3, "item_ids": [1, 2, 3], "top_k": 1}).json()
+    listed = cut["items"][0]["item_id"]
+    hidden = next(i for i in (1, 2, 3) if i != listed)
+    refused = client.post("/feedback", json={"request_id": cut["request_id"], "impressions": [listed, hidden]})
+    assert refused.status_code == 422 and f"[{hidden}] were not shown" in refused.json()["detail"]
+    assert client.post("/feedback", json={"request_id": cut["request_id"], "impressions": [listed]}).status_code == 200
     unshown = client.post("/feedback", json={"request_id": rid, "impressions": [1], "clicks": [2]})
     assert unshown.status_code == 422 and "not among the impressions" in unshown.json()["detail"]
     malformed = client.post("/feedback", json={"request_id": "../../etc", "impressions": [1]})
@@ -203,6 +222,10 @@ def test_admin_endpoints_are_off_without_a_configured_token(home: Settings, tmp_
         response = local.post("/admin/reload", headers={"Authorization": "Bearer "})
         assert response.status_code in (401, 403)
         assert local.post("/admin/reload", headers=AUTH).status_code == 403
+    placeholder = Settings(home=home.home, frame_backend="pandas", serve_poll_seconds=60, admin_token="change-me")
+    with TestClient(create_app(placeholder)) as local:  # the shipped manifests' token opens nothing
+        response = local.post("/admin/reload", headers={"Authorization": "Bearer change-me"})
+        assert response.status_code == 403 and "placeholder" in response.json()["detail"]
 
 
 def test_health_and_metrics(client: httpx.Client):

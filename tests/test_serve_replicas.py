@@ -201,3 +201,44 @@ def test_both_stores_answer_the_same(store: str, tmp_path: Path, request):
         assert landed.set_index("event_id")["position"].to_dict()[f"{0:032x}-7"] == 2
     finally:
         journal.close()
+
+
+def test_the_journal_keeps_requests_its_store_refused_and_lands_past_a_bad_row(tmp_path: Path, monkeypatch):
+    """A store that fails for a moment (a database restarting) loses no request row and does not stop the
+    writer; a feedback row whose item the answer did not list (a journal from before feedback was checked
+    against the answer) lands with no position, for ingestion to quarantine, instead of blocking every
+    landing after it."""
+    import sqlite3
+    import time
+
+    from recloop.schema import load_spec
+
+    journal = SqliteJournal(tmp_path / "journal.db", load_spec("synthetic"))
+    try:
+        write, failures = journal._write_requests, []
+
+        def flaky(requests, evaluations):
+            if len(failures) < 2:
+                failures.append(len(requests))
+                raise sqlite3.OperationalError("database is locked")
+            write(requests, evaluations)
+
+        monkeypatch.setattr(journal, "_write_requests", flaky)
+        payload = '{"item_ids": [5, 6, 7], "context": {}, "per_candidate": {}, "scores": {"1": [0.9, 0.1, 0.5]}, ' \
+                  '"ranked": [5]}'
+        for n in range(3):
+            journal.record((f"{n:032x}", time.time(), 1_767_225_600_000_000, 10 + n, "champion", "1", 3.0, payload),
+                           [(f"{n:032x}", "1", "served", "ok", 2.0, time.time())])
+        eventually(lambda: all(journal._request(f"{n:032x}") for n in range(3)), 10, "the refused rows never landed")
+        assert len(failures) == 2 and journal._writer.is_alive()
+
+        assert journal.add_feedback(f"{0:032x}", [5], [5])["accepted"] == 1
+        with pytest.raises(Exception, match=r"\[6\] were not shown"):
+            journal.add_feedback(f"{1:032x}", [5, 6], [])
+        # the row an older journal let in: item 6 was a candidate, never listed
+        journal._insert_new_feedback([(f"{1:032x}-6", f"{1:032x}", 6, 0, time.time(), "1", "{}", None)])
+        path, rows = journal.land_feedback(tmp_path / "landing")
+        landed = ds.dataset(path).to_table().to_pandas().set_index("event_id")["position"]
+        assert rows == 2 and landed[f"{0:032x}-5"] == 1 and landed.isna()[f"{1:032x}-6"]
+    finally:
+        journal.close()

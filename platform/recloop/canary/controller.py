@@ -57,6 +57,10 @@ class NoCanary(RuntimeError):
     """There is no challenger to act on."""
 
 
+class CanaryModeError(ValueError):
+    """A mode the model's challenger cannot serve in."""
+
+
 def load_config(path: str | Path | None) -> CanaryConfig:
     """A CanaryConfig from YAML/JSON (keys as the dataclass fields); defaults for what the file leaves out."""
     from recloop.config_files import load_dataclass
@@ -191,6 +195,9 @@ def set_share(settings: Settings, share: float, mode: Mode | None = None, who: s
     challenger, _, tags = _challenger(settings, check_model(model_name))
     current = CanaryTag.from_tags(tags)
     mode = mode or (current.mode if current else "canary")
+    if mode == "interleave" and model_name != MODEL_NAME:
+        raise CanaryModeError(f"{model_name}'s challenger cannot interleave: interleaving merges two rankings, "
+                              "the ranker's; use canary or shadow")
     _update(settings, challenger, model_name, share=share, mode=mode, step_started_at=time.time(), share_set_by=who)
     return {"version": challenger, "share": share, "mode": mode}
 

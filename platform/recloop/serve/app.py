@@ -63,7 +63,20 @@ MAX_CANDIDATES = 1000
 INT64_MAX = 2**63 - 1
 EXACT_INT = 2**53  # integers beyond this lose precision as float64, which is what the model computes in
 MAX_TEXT = 1024
+PLACEHOLDER_TOKENS = frozenset({"change-me"})  # what infra/k8s/recloop.yaml ships: anyone could send it
 Id = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+def _text(value: str) -> str:
+    """Text of at most ``MAX_TEXT`` characters that is valid Unicode (JSON's ``"\\ud800"`` escape decodes to a
+    lone surrogate, which no column can store)."""
+    if len(value) > MAX_TEXT:
+        raise ValueError(f"text of {len(value)} characters: at most {MAX_TEXT}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"text with a lone surrogate at character {err.start}: not valid Unicode") from None
+    return value
 
 
 def _context_value(value: Any, depth: int = 0) -> Any:
@@ -85,9 +98,7 @@ def _context_value(value: Any, depth: int = 0) -> Any:
             raise ValueError(f"must be a finite number, not {value}")
         return value
     if isinstance(value, str):
-        if len(value) > MAX_TEXT:
-            raise ValueError(f"text of {len(value)} characters: at most {MAX_TEXT}")
-        return value
+        return _text(value)
     if isinstance(value, list) and depth < 2:
         if len(value) > MAX_CANDIDATES:
             raise ValueError(f"a list of {len(value)} values: at most {MAX_CANDIDATES}")
@@ -96,6 +107,7 @@ def _context_value(value: Any, depth: int = 0) -> Any:
 
 
 ContextValue = Annotated[Any, AfterValidator(_context_value)]
+ContextKey = Annotated[str, Field(max_length=128), AfterValidator(_text)]
 
 
 class RankRequest(BaseModel):
@@ -106,7 +118,7 @@ class RankRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False)
     user_id: Id
     item_ids: list[Id] = Field(min_length=1, max_length=MAX_CANDIDATES)
-    context: dict[str, ContextValue] = Field(default_factory=dict, max_length=64)
+    context: dict[ContextKey, ContextValue] = Field(default_factory=dict, max_length=64)
     ts: datetime | None = None
     top_k: int | None = Field(default=None, ge=1, le=MAX_CANDIDATES)
 
@@ -368,6 +380,9 @@ def require_admin(svc: ServiceDep,
     token = svc.settings.admin_token.get_secret_value()
     if not token:
         raise HTTPException(403, "admin endpoints are disabled: set RECLOOP_ADMIN_TOKEN")
+    if token in PLACEHOLDER_TOKENS:
+        raise HTTPException(403, "admin endpoints are disabled: RECLOOP_ADMIN_TOKEN is the placeholder of the "
+                                 "shipped manifests; set a secret of your own")
     if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), token.encode()):
         raise HTTPException(401, "a valid admin bearer token is required", headers={"WWW-Authenticate": "Bearer"})
 
@@ -443,6 +458,10 @@ def set_canary(body: CanaryRequest, svc: ServiceDep) -> dict:
         state = controller.set_share(svc.settings, body.share, body.mode, who="admin-api", model_name=body.model)
     except controller.NoCanary as err:
         raise HTTPException(409, str(err)) from err
+    except controller.CanaryModeError as err:
+        raise HTTPException(422, str(err)) from err
+    except ServiceUnavailable as err:
+        raise HTTPException(503, str(err)) from err
     if body.model == "recloop-retriever":
         live = svc.retrievers.set_share(state["share"], state["mode"])
         svc.metrics.retriever_deployment(live.versions, live.share)
@@ -459,6 +478,8 @@ def _manual(action: Literal["promote", "rollback"], body: ReasonRequest, svc: Se
         result = controller.manual(svc.settings, action, body.reason, who="admin-api", model_name=body.model)
     except controller.NoCanary as err:
         raise HTTPException(409, str(err)) from err
+    except ServiceUnavailable as err:
+        raise HTTPException(503, str(err)) from err
     # the aliases moved; a version that does not load is reported by /healthz
     (svc.retrievers if body.model == "recloop-retriever" else svc.pool).try_sync()
     return result.to_dict()

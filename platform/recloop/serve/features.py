@@ -18,7 +18,9 @@ Example::
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -351,6 +353,7 @@ class RequestFeatures:
         unknown = sorted(set(context) - set(self._context_columns))
         if unknown:
             raise RequestError(f"unknown context columns {unknown}; allowed: {sorted(self._context_columns)}")
+        _check_timestamp(spec, ts_us)
         columns: dict[str, pa.Array] = {
             spec.event_id: pa.array([""] * n, pa.string()),
             spec.timestamp: pa.array(np.full(n, ts_us), pa.timestamp("us", tz="UTC")),
@@ -365,6 +368,8 @@ class RequestFeatures:
             columns[name] = _broadcast(name, value, n, ARROW_TYPES[column.dtype])
             if column.role == "numeric":
                 _check_numeric(column, columns[name])
+            elif column.role == "categorical" and name in context:  # left out: unknown to the model (its OOV row)
+                _check_categorical(column, columns[name])
         for oracle in spec.by_role("oracle"):
             columns[oracle.name] = pa.nulls(n, ARROW_TYPES[oracle.dtype])
         columns["_ts_us"] = pa.array(np.full(n, ts_us, dtype=np.int64))
@@ -396,12 +401,65 @@ def _check_numeric(column: ColumnSpec, values: pa.Array) -> None:
 
 
 def _broadcast(name: str, value: Any, n: int, arrow_type: pa.DataType) -> pa.Array:
-    """A context value as a column of ``n``: one value for every candidate, or one per candidate."""
+    """A context value as a column of ``n``: one value for every candidate, or one per candidate. Numbers
+    convert only exactly: Arrow would cut 1.5 to an integer 1 and read true as 1.0."""
     values = value if per_candidate(value, arrow_type) else [value] * n
     if len(values) != n:
         raise RequestError(f"context {name!r} has {len(values)} values for {n} candidates "
                            "(give one value, or one per candidate)")
+    element = arrow_type.value_type if pa.types.is_list(arrow_type) else arrow_type
+    if pa.types.is_integer(element) or pa.types.is_floating(element):
+        for scalar in _scalars(values):
+            if isinstance(scalar, bool) or (pa.types.is_integer(element) and isinstance(scalar, float)
+                                            and not scalar.is_integer()):
+                kind = "an integer" if pa.types.is_integer(element) else "a number"
+                raise RequestError(f"context {name!r}: {scalar!r} is not {kind}")
     try:
         return pa.array(values, arrow_type)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as err:
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, UnicodeEncodeError) as err:
         raise RequestError(f"context {name!r}: {err}") from err
+
+
+def _scalars(values: list) -> Any:
+    """The scalars of a context value's list (its lists' elements too)."""
+    for value in values:
+        if isinstance(value, list):
+            yield from _scalars(value)
+        else:
+            yield value
+
+
+def _check_categorical(column: ColumnSpec, values: pa.Array) -> None:
+    """Refuse a value the request gives that ingestion would have quarantined: a null where the spec allows
+    none, a value outside ``allowed`` or the bounds, text that does not match the spec's pattern."""
+    if not column.nullable and values.null_count:
+        raise RequestError(f"context {column.name!r} cannot be null")
+    present = [v for v in values.to_pylist() if v is not None]
+    if column.allowed is not None:
+        refused = [v for v in present if v not in column.allowed]
+        if refused:
+            raise RequestError(f"context {column.name!r}: {refused[0]!r} is not one of {column.allowed}")
+    if column.pattern is not None:
+        pattern = re.compile(column.pattern)
+        refused = [v for v in present if not pattern.fullmatch(v)]
+        if refused:
+            raise RequestError(f"context {column.name!r}: {refused[0]!r} does not match {column.pattern!r}")
+    if column.dtype != "string":
+        for bound, outside in ((column.min, lambda v, b: v < b), (column.max, lambda v, b: v > b)):
+            refused = [v for v in present if bound is not None and outside(v, bound)]
+            if refused:
+                raise RequestError(f"context {column.name!r}: {refused[0]!r} is outside the spec's range "
+                                   f"[{column.min}, {column.max}]")
+
+
+def _check_timestamp(spec: DatasetSpec, ts_us: int) -> None:
+    """Refuse an event time ingestion would have quarantined: before the spec's minimum, after its maximum,
+    or further in the future than ``max_future_seconds``."""
+    low, high = spec.column(spec.timestamp).timestamp_bounds()
+    limit_us = int((time.time() + spec.max_future_seconds) * 1e6)
+    for bound, outside, what in ((low, lambda b: ts_us < b, "before"), (high, lambda b: ts_us > b, "after")):
+        if bound is not None and outside(int(bound.timestamp() * 1e6)):
+            raise RequestError(f"ts is {what} the spec's {'minimum' if what == 'before' else 'maximum'} "
+                               f"{bound.isoformat()}")
+    if ts_us > limit_us:
+        raise RequestError(f"ts is more than {spec.max_future_seconds} s in the future")

@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import sqlite3
 import threading
@@ -51,6 +52,8 @@ from recloop.canary.decision import VariantStats
 from recloop.evaluate import auc
 from recloop.ingest.validate import ARROW_TYPES
 from recloop.schema import DatasetSpec
+
+log = logging.getLogger("recloop.serve.journal")
 
 if TYPE_CHECKING:
     from recloop.settings import Settings
@@ -102,6 +105,8 @@ class Journal(ABC):
         self.spec = spec
         self.request_wait_seconds = request_wait_seconds
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._unwritten: list[tuple] = []  # a batch whose write failed: first in the next one
+        self._flushing = threading.Lock()
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="recloop-journal", daemon=True)
 
@@ -144,26 +149,45 @@ class Journal(ABC):
         self._queue.put((request, evaluations))
 
     def flush(self) -> None:
-        """Write every queued request now."""
-        batch = []
-        while True:
+        """Write every queued request now. If the store refuses (a database gone for a moment), the batch is
+        kept, first in the next write, and the error raised: a request row is never dropped."""
+        with self._flushing:
+            batch, self._unwritten = self._unwritten, []
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if not batch:
+                return
             try:
-                batch.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        if batch:
-            self._write_requests([r for r, _ in batch], [e for _, es in batch for e in es])
+                self._write_requests([r for r, _ in batch], [e for _, es in batch for e in es])
+            except BaseException:
+                self._unwritten = batch
+                raise
 
     def _write_loop(self) -> None:
-        while not self._stop.wait(0.05):
-            self.flush()
+        failures = 0
+        while not self._stop.wait(min(0.05 * 2 ** failures, 5.0)):  # backs off while the store fails
+            try:
+                self.flush()
+                failures = 0
+            except Exception as err:  # noqa: BLE001 - the rows are kept; the thread must live on
+                failures = min(failures + 1, 7)
+                log.warning("journal: writing %d request rows failed (kept, retried): %s",
+                            len(self._unwritten), err)
 
     def close(self) -> None:
         self._stop.set()
         if self._writer.is_alive():
             self._writer.join(timeout=5)
-        self.flush()
-        self._close_store()
+        try:
+            self.flush()
+        except Exception:
+            log.error("journal: %d request rows could not be written before closing", len(self._unwritten))
+            raise
+        finally:
+            self._close_store()
 
     # --- feedback -------------------------------------------------------------------------------------
 
@@ -179,9 +203,10 @@ class Journal(ABC):
             raise UnknownRequest(f"unknown request id {request_id!r}")
         payload, served_version = json.loads(row[0]), row[1]
         candidates = {item: i for i, item in enumerate(payload["item_ids"])}
-        strangers = sorted({i for i in impressions if i not in candidates})
+        shown = set(payload.get("ranked", payload["item_ids"]))  # what the answer listed (top_k may cut it)
+        strangers = sorted({i for i in impressions if i not in shown})
         if strangers:
-            raise FeedbackError(f"items {strangers[:10]} were not candidates of request {request_id}")
+            raise FeedbackError(f"items {strangers[:10]} were not shown in the answer to request {request_id}")
         unshown = sorted(set(clicks) - set(impressions))
         if unshown:
             raise FeedbackError(f"clicks on items {unshown[:10]} that are not among the impressions")
@@ -229,7 +254,9 @@ class Journal(ABC):
             for name, value in payload["context"].items():
                 values[name] = value[index] if payload["per_candidate"].get(name) else value
             if "position" in columns and "position" not in payload["context"]:
-                values["position"] = payload["ranked"].index(item) + 1
+                ranked = payload.get("ranked", ())  # an item it does not list (a journal from before feedback
+                # was checked against it) lands with no position: ingestion quarantines it, with its reason
+                values["position"] = ranked.index(item) + 1 if item in ranked else None
             for name, column in columns.items():
                 column.append(values.get(name))
         arrays = {}

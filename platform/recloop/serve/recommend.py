@@ -58,7 +58,7 @@ from recloop.retrieval.rules import (
     order_interleaved,
     order_items,
 )
-from recloop.serve.app import ContextValue, Id, Service, ServiceDep, journal_scores
+from recloop.serve.app import ContextKey, ContextValue, Id, Service, ServiceDep, journal_scores
 from recloop.serve.features import RequestError
 from recloop.serve.journal import retriever_key
 
@@ -74,7 +74,7 @@ class RecommendRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     user_id: Id
-    context: dict[str, ContextValue] = Field(default_factory=dict, max_length=64)
+    context: dict[ContextKey, ContextValue] = Field(default_factory=dict, max_length=64)
     k: int = Field(default=10, ge=1, le=MAX_K)
     exclude: list[Id] = Field(default_factory=list, max_length=MAX_EXCLUDE)
     ts: datetime | None = None
