@@ -286,6 +286,21 @@ def test_served_rows_equal_the_training_rows_of_the_same_events(home: Settings, 
 # --- feedback closes the loop ---------------------------------------------------------------------------------
 
 
+def test_a_failed_admin_flush_says_why_and_keeps_the_events(client: httpx.Client, server, monkeypatch):
+    service = server.server.config.app.state.service
+    answer = client.post("/rank", json={"user_id": 4, "item_ids": [1, 2]}).json()
+    assert client.post("/feedback", json={"request_id": answer["request_id"], "impressions": [1]}).status_code == 200
+
+    def disk_full(landing_dir, limit=200_000):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(service.journal, "land_feedback", disk_full)
+    failed = client.post("/admin/flush", headers=AUTH)
+    assert failed.status_code == 503 and "No space left on device" in failed.json()["detail"]
+    monkeypatch.undo()
+    assert client.post("/admin/flush", headers=AUTH).json()["landed"] >= 1  # still in the journal: lands now
+
+
 def test_feedback_lands_exactly_once(client: httpx.Client, home: Settings, tmp_path: Path):
     users = SimulatedUsers(replayed_world(), day=3.1, seed=5)
     sent = {}

@@ -240,5 +240,18 @@ def test_the_journal_keeps_requests_its_store_refused_and_lands_past_a_bad_row(t
         path, rows = journal.land_feedback(tmp_path / "landing")
         landed = ds.dataset(path).to_table().to_pandas().set_index("event_id")["position"]
         assert rows == 2 and landed[f"{0:032x}-5"] == 1 and landed.isna()[f"{1:032x}-6"]
+
+        # feedback naming a request that never was waits (for another replica to write it) only while few do
+        looked = []
+        monkeypatch.setattr(journal, "_request", lambda request_id: looked.append(request_id))
+        journal.request_wait_seconds = 0.2
+        with pytest.raises(Exception, match="unknown request"):
+            journal.add_feedback(f"{7:032x}", [5], [])
+        assert len(looked) > 1  # it waited, asking again
+        held = [journal._waiting.acquire(blocking=False) for _ in range(2)]  # two calls already waiting
+        looked.clear()
+        with pytest.raises(Exception, match="unknown request"):
+            journal.add_feedback(f"{8:032x}", [5], [])
+        assert held == [True, True] and len(looked) == 1  # answered at once: no serving thread held
     finally:
         journal.close()

@@ -242,11 +242,15 @@ class Service:
         self.land_feedback()
         self.journal.close()
 
-    def land_feedback(self) -> int:
+    def land_feedback(self, raise_errors: bool = False) -> int:
+        """Write the feedback not landed yet to the landing zone; returns its rows. A failure keeps it in the
+        journal for the next flush: logged (the periodic flush), or raised (``raise_errors``: the admin's)."""
         try:
             _, rows = self.journal.land_feedback(self.settings.landing_dir)
-        except Exception as err:  # noqa: BLE001 - kept in the journal; the next flush retries
+        except Exception as err:
             log.error("writing feedback to the landing zone failed: %s", err)
+            if raise_errors:
+                raise
             return 0
         self.metrics.landed.inc(rows)
         return rows
@@ -497,7 +501,11 @@ def rollback(body: ReasonRequest, svc: ServiceDep) -> dict:
 
 @admin.post("/flush", dependencies=[Depends(require_admin)])
 def flush(svc: ServiceDep) -> dict:
-    return {"landed": svc.land_feedback()}
+    try:
+        return {"landed": svc.land_feedback(raise_errors=True)}
+    except Exception as err:  # noqa: BLE001 - the operator asked: say why, the events stay in the journal
+        raise HTTPException(503, f"landing feedback failed (kept in the journal, retried at the next flush): "
+                                 f"{type(err).__name__}: {err}") from err
 
 
 async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:

@@ -107,6 +107,9 @@ class Journal(ABC):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._unwritten: list[tuple] = []  # a batch whose write failed: first in the next one
         self._flushing = threading.Lock()
+        # feedback calls that may wait for a request another replica has not written yet: few at once, so
+        # that calls naming requests that never were cannot hold every serving thread
+        self._waiting = threading.BoundedSemaphore(2)
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="recloop-journal", daemon=True)
 
@@ -195,10 +198,14 @@ class Journal(ABC):
         """Record one event per impression (label 1 if clicked); returns counts of new and repeated events."""
         self.flush()  # the request may still be queued
         row = self._request(request_id)
-        deadline = time.monotonic() + self.request_wait_seconds
-        while row is None and time.monotonic() < deadline:  # served by another replica, not written yet
-            time.sleep(0.02)
-            row = self._request(request_id)
+        if row is None and self.request_wait_seconds > 0 and self._waiting.acquire(blocking=False):
+            try:
+                deadline = time.monotonic() + self.request_wait_seconds
+                while row is None and time.monotonic() < deadline:  # served by another replica, not written yet
+                    time.sleep(0.02)
+                    row = self._request(request_id)
+            finally:
+                self._waiting.release()
         if row is None:
             raise UnknownRequest(f"unknown request id {request_id!r}")
         payload, served_version = json.loads(row[0]), row[1]
