@@ -50,8 +50,8 @@ def main() -> None:
         name, _, value = assignment.partition("=")
         if name not in KNOBS:
             parser.error(f"--set {assignment}: the knobs are {', '.join(KNOBS)}")
-        setattr(embedding_bag, name, {"None": None, "True": True, "False": False}.get(value) if value in
-                ("None", "True", "False") else int(value))
+        words = {"None": None, "True": True, "False": False}
+        setattr(embedding_bag, name, words[value] if value in words else int(value))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = SHAPES[args.shape]
     tables = [TableConfig(f"t{i}", rows, shape.dim) for i, rows in enumerate(shape.rows)]

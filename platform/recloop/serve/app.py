@@ -107,7 +107,7 @@ def _context_value(value: Any, depth: int = 0) -> Any:
 
 
 ContextValue = Annotated[Any, AfterValidator(_context_value)]
-ContextKey = Annotated[str, Field(max_length=128), AfterValidator(_text)]
+ContextKey = Annotated[str, Field(max_length=128)]  # pydantic's str already refuses a lone surrogate
 
 
 class RankRequest(BaseModel):
