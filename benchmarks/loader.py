@@ -27,7 +27,7 @@ from common import machine, report, use_source_tree
 
 use_source_tree()
 from recloop.data import ChunkLoader, FeatureSchema  # noqa: E402
-from recloop.formats import TRAINING_PARQUET  # noqa: E402
+from recloop.formats import TRAINING_PARQUET, id_dtype  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -35,9 +35,9 @@ SCHEMA = FeatureSchema(dense=tuple(f"d_{i}" for i in range(13)), categorical={f"
                        multi_hot={})
 
 
-def write_files(folder: Path, rows: int, files: int, **parquet) -> list[Path]:
-    """Criteo-shaped training files, written as the feature job writes them (``TRAINING_PARQUET``) unless
-    ``parquet`` says otherwise."""
+def write_files(folder: Path, rows: int, files: int, ids: np.dtype = id_dtype(1_000_000), **parquet) -> list[Path]:
+    """Criteo-shaped training files, written as the feature job writes them (``TRAINING_PARQUET``, ids as
+    ``id_dtype``: int32 for these tables) unless ``ids`` and ``parquet`` say otherwise."""
     rng = np.random.default_rng(0)
     paths = []
     per_file = max(1, rows // files)
@@ -46,7 +46,7 @@ def write_files(folder: Path, rows: int, files: int, **parquet) -> list[Path]:
         for i in range(13):
             columns[f"d_{i}"] = rng.standard_normal(per_file).astype(np.float32)
         for i in range(26):
-            columns[f"c_{i}"] = (rng.random(per_file) ** 6 * 1_000_000).astype(np.int64)
+            columns[f"c_{i}"] = (rng.random(per_file) ** 6 * 1_000_000).astype(ids)
         path = folder / f"part-{f:03d}.parquet"
         pq.write_table(pa.table(columns), path, row_group_size=1 << 17, **(parquet or TRAINING_PARQUET))
         paths.append(path)
@@ -115,7 +115,7 @@ def host_to_device_bandwidth() -> float:
     return 10 * host.numel() / (time.perf_counter() - started)
 
 
-BYTES_PER_ROW = (13 + 1) * 4 + 26 * 8
+BYTES_PER_ROW = (13 + 1) * 4 + 26 * 8  # a row as delivered (int64 ids); int32 ids on disk and on the wire
 
 
 def measure(rows: int, baseline_rows: int, batch_size: int, workers: int | None = None) -> dict:
@@ -141,14 +141,18 @@ def measure(rows: int, baseline_rows: int, batch_size: int, workers: int | None 
                                (f"{os.cpu_count()} decoding threads", {"workers": os.cpu_count()})):
             variant_rows, variant_s, _ = run(recloop_batches(files, batch_size, **options))
             variants[label] = variant_rows / variant_s
-        # (half the rows, both encodings timed on them: writing the files is most of this step's time)
+        # (half the rows, each encoding timed on them: writing the files is most of this step's time)
         half = max(1, len(files) // 2)
-        default_encoding = work / "snappy-dictionary"
+        wide, default_encoding = work / "int64-ids", work / "snappy-dictionary"
+        wide.mkdir()
         default_encoding.mkdir()
-        old_files = write_files(default_encoding, rows * half // len(files), half, compression="snappy",
-                                use_dictionary=True)
+        wide_files = write_files(wide, rows * half // len(files), half, ids=np.dtype(np.int64))
+        old_files = write_files(default_encoding, rows * half // len(files), half, ids=np.dtype(np.int64),
+                                compression="snappy", use_dictionary=True)
         for label, chosen in (("half the files", files[:half]),
-                              ("the same rows in pyarrow's default encoding (snappy, dictionary)", old_files)):
+                              ("the same rows with int64 ids (LZ4, as written before int32 ids)", wide_files),
+                              ("the same rows in pyarrow's default encoding (snappy, dictionary, int64 ids)",
+                               old_files)):
             variant_rows, variant_s, _ = run(recloop_batches(chosen, batch_size, workers))
             variants[label] = variant_rows / variant_s
         bandwidth = host_to_device_bandwidth() if CUDA else None

@@ -60,6 +60,10 @@ def test_features_cover_every_event_once_with_the_schema(home: Settings):
               for i in range(pq.ParquetFile(first).metadata.num_columns)]
     # pyarrow names parquet's LZ4_RAW codec "LZ4" (Arrow's raw LZ4 block format)
     assert {c.compression for c in chunks} == {"LZ4"} and not any(c.has_dictionary_page for c in chunks)
+    # ids as int32 (their tables fit: formats.id_dtype), one-hot and multi-hot alike
+    written = pq.read_schema(first)
+    assert all(written.field(c).type == pa.int32() for c in written.names if c.startswith("c_"))
+    assert written.field("m_history").type.value_type == pa.int32()
 
 
 def test_split_windows_give_the_same_entity_state_as_one_window(home: Settings, tmp_path: Path):

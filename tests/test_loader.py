@@ -171,6 +171,39 @@ def test_staged_decoding_delivers_the_same_batches(files, workers):
     assert sum(len(b[0]) for b in staged) == 1000
 
 
+def test_int32_ids_are_staged_narrow_and_delivered_as_int64(files, tmp_path: Path):
+    # Training files hold int32 ids (recloop.formats.id_dtype): they are staged and copied as int32 and
+    # widened to the kernels' int64 after the copy. Files written before (int64 ids) still read, in the
+    # same epoch as int32 ones.
+    from recloop.data.loader import _Staging
+
+    narrow = []
+    for i, path in enumerate(files):
+        table = pq.read_table(path)
+        if i != 1:  # the middle file keeps its int64 ids
+            table = table.cast(pa.schema([pa.field(f.name, pa.int32() if f.name in ("c_x", "c_y") else
+                                                   pa.list_(pa.int32()) if f.name == "m_h" else f.type)
+                                          for f in table.schema]))
+        narrow.append(tmp_path / f"narrow{i}.parquet")
+        pq.write_table(table, narrow[-1], row_group_size=128)
+
+    loader = ChunkLoader(narrow, SCHEMA, 64, seed=5, staging=True)
+    staging = _Staging(2, pinned=False)
+    staged = [loader._read_staged((narrow[i], 0), staging, i) for i in (0, 1)]
+    assert staged[0].tensors["categorical"].dtype == torch.int32
+    assert staged[0].tensors["values:m_h"].dtype == torch.int32
+    assert staged[1].tensors["categorical"].dtype == torch.int64  # the int64 file
+
+    def batches(paths, staging):
+        loader = ChunkLoader(paths, SCHEMA, 64, seed=5, workers=2, prefetch=1, staging=staging, shuffle_chunks=2)
+        return [(b.values.dtype, rows_of(b), b.values.tolist(), b.offsets.tolist()) for b in loader.epoch(1)]
+
+    expected = batches(files, False)
+    assert expected[0][0] == torch.int64
+    assert batches(narrow, True) == expected
+    assert batches(narrow, False) == expected
+
+
 def test_an_abandoned_epoch_stops_its_threads(files):
     import threading
 
@@ -229,3 +262,10 @@ def test_batches_land_on_the_gpu_without_host_synchronization(files):
     gpu = [(rows_of(b), b.values[:int(b.offsets[-1])].tolist(), b.offsets.tolist(), b.dense.tolist(), b.label.tolist())
            for b in batches]
     assert gpu == cpu
+
+
+def test_ids_are_written_as_int32_where_their_table_fits():
+    from recloop.formats import id_dtype
+
+    assert id_dtype(1_000_000) == np.int32 and id_dtype(2**31) == np.int32  # ids 0 .. 2**31 - 1
+    assert id_dtype(2**31 + 1) == np.int64

@@ -30,6 +30,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from recloop import endpoints
@@ -289,7 +290,14 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             tracking.run_id = run_id
             tracking.trained(summary)
     with mlflow.start_run(run_id=run_id) as run:
-        inputs = example[[c for c in example.columns if c.startswith(("d_", "c_", "m_"))]]
+        inputs = example[[c for c in example.columns if c.startswith(("d_", "c_", "m_"))]].copy()
+        # Ids are int64 (MLflow's "long") in the signature, as the model takes them; training files hold int32
+        # where a table fits (formats.id_dtype), which the signature accepts as well.
+        for c in inputs.columns:
+            if c.startswith("c_"):
+                inputs[c] = inputs[c].astype("int64")
+            elif c.startswith("m_"):
+                inputs[c] = inputs[c].map(lambda ids: np.asarray(ids, dtype=np.int64))
         with warnings.catch_warnings():  # its hint about integer columns: ours are indices, never missing
             warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
             info = mlflow.pyfunc.log_model(

@@ -179,6 +179,17 @@ class _Staging:
         self._busy[slot] = False
 
 
+# Ids are staged and copied to the device as they are on disk, int32 where the writer could (training files
+# hold int32 ids: ``recloop.formats.id_type``), and widened to the kernels' int64 on the device.
+_WIDE = {torch.int32: torch.int64}
+
+
+def _id_dtype(types) -> type:
+    """How a chunk's ids are staged: int32 when every column's on-disk type fits in it, else int64."""
+    return np.int32 if all(pa.types.is_integer(t) and t.bit_width <= 32 and not (
+        pa.types.is_unsigned_integer(t) and t.bit_width == 32) for t in types) else np.int64
+
+
 @dataclass
 class _Staged:
     """A chunk decoded into a staging slot: column-major dense and categorical blocks, lists, extras."""
@@ -248,8 +259,8 @@ class ChunkLoader:
             "dense": np.stack([table[c].to_numpy().astype(np.float32, copy=False) for c in schema.dense], axis=1)
             if schema.dense else np.zeros((table.num_rows, 0), np.float32),
             "label": table[schema.label].to_numpy().astype(np.float32, copy=False),
-            "categorical": np.stack([table[c].to_numpy().astype(np.int64, copy=False) for c in schema.categorical],
-                                    axis=1) if schema.categorical else np.zeros((table.num_rows, 0), np.int64),
+            "categorical": np.stack([table[c].to_numpy() for c in schema.categorical], axis=1, dtype=np.int64)
+            if schema.categorical else np.zeros((table.num_rows, 0), np.int64),  # int32 ids widened in the copy
         }
         for c in schema.multi_hot:
             lists = table[c].combine_chunks()
@@ -271,9 +282,10 @@ class ChunkLoader:
         columns = [*schema.dense, schema.label, *schema.categorical, *schema.multi_hot, *schema.extra]
         table = pq.ParquetFile(path).read_row_group(group, columns=columns)
         rows = table.num_rows
+        ids = _id_dtype(table.schema.field(c).type for c in schema.categorical)
         tensors = {"dense": staging.buffer(slot, "dense", (len(schema.dense), rows), np.float32),
                    "label": staging.buffer(slot, "label", (rows,), np.float32),
-                   "categorical": staging.buffer(slot, "categorical", (len(schema.categorical), rows), np.int64)}
+                   "categorical": staging.buffer(slot, "categorical", (len(schema.categorical), rows), ids)}
         for block, names in (("dense", schema.dense), ("categorical", schema.categorical)):
             target = tensors[block].numpy()
             for i, c in enumerate(names):
@@ -282,10 +294,11 @@ class ChunkLoader:
         host_lengths = []
         for c in schema.multi_hot:
             lists = table[c].combine_chunks()
-            values = pc.list_flatten(lists).to_numpy()
+            values = pc.list_flatten(lists)
             lengths = pc.list_value_length(lists).fill_null(0).to_numpy().astype(np.int64)
-            for name, array in ((f"values:{c}", values), (f"lengths:{c}", lengths)):
-                tensors[name] = staging.buffer(slot, name, array.shape, np.int64)
+            for name, array, dtype in ((f"values:{c}", values.to_numpy(), _id_dtype([values.type])),
+                                       (f"lengths:{c}", lengths, np.int64)):
+                tensors[name] = staging.buffer(slot, name, array.shape, dtype)
                 tensors[name].numpy()[:] = array
             host_lengths.append(lengths)
         for c in schema.extra:
@@ -307,12 +320,14 @@ class ChunkLoader:
             else:
                 tensor, rows_first = torch.from_numpy(np.require(decoded[name], requirements=["C", "W"])), False
             if stream is None:  # a CPU: a staged chunk is copied out of its slot, which is reused
-                return (tensor.t() if rows_first else tensor).clone(memory_format=torch.contiguous_format) \
+                return (tensor.t() if rows_first else tensor).to(_WIDE.get(tensor.dtype, tensor.dtype), copy=True,
+                                                                 memory_format=torch.contiguous_format) \
                     if staged else tensor
             with torch.cuda.stream(stream):  # pinned when staged; else a copy from pageable memory
                 tensor = tensor.to(self.device, non_blocking=staged)
-                if rows_first:
-                    tensor = tensor.t().contiguous()
+                if rows_first or tensor.dtype == torch.int32:  # one kernel: transposed and ids widened
+                    tensor = (tensor.t() if rows_first else tensor).to(_WIDE.get(tensor.dtype, tensor.dtype),
+                                                                       memory_format=torch.contiguous_format)
             tensor.record_stream(consumer)  # freed while the consumer may still read it: wait for that
             return tensor
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recloop.data.loader import FeatureSchema
-from recloop.formats import TRAINING_PARQUET
+from recloop.formats import TRAINING_PARQUET, id_dtype
 
 
 def write_training_rows(folder: Path, rows: int, files: int, categorical: dict[str, int],
@@ -53,7 +53,7 @@ def write_training_rows(folder: Path, rows: int, files: int, categorical: dict[s
             columns[f"d_{i}"] = dense_values[:, i]
         for name, size in categorical.items():
             ids = ranks[name][_zipf(rng, size, count, zipf)]
-            columns[name] = ids
+            columns[name] = ids.astype(id_dtype(size))
             logit += effects[name][ids]
         for name, size in multi_hot.items():
             lengths = rng.integers(0, 2 * hotness + 1, count)
@@ -62,7 +62,7 @@ def write_training_rows(folder: Path, rows: int, files: int, categorical: dict[s
             running = np.concatenate([[0.0], np.cumsum(effects[name][flat])])
             sums = running[starts[1:]] - running[starts[:-1]]
             logit += np.where(lengths > 0, sums / np.maximum(lengths, 1), 0.0)
-            columns[name] = pa.ListArray.from_arrays(pa.array(starts, pa.int32()), pa.array(flat, pa.int64()))
+            columns[name] = pa.ListArray.from_arrays(pa.array(starts, pa.int32()), pa.array(flat.astype(id_dtype(size))))
         probability = 1 / (1 + np.exp(-logit))
         columns["p_click"] = probability
         columns["label"] = (rng.random(count) < probability).astype(np.float32)

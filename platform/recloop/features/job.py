@@ -41,7 +41,7 @@ from recloop.features.backend import FrameBackend, get_backend
 from recloop.features.config import CategoricalFeature, FeatureConfig
 from recloop.features.state import FeatureState, StateStore
 from recloop.features.vocab import Vocabulary, count_values
-from recloop.formats import TRAINING_PARQUET
+from recloop.formats import TRAINING_PARQUET, id_dtype
 from recloop.ingest import lake
 from recloop.schema import DatasetSpec
 from recloop.settings import Settings
@@ -431,6 +431,7 @@ def training_rows(backend: FrameBackend, config: FeatureConfig, spec: DatasetSpe
         columns[f"d_{name}"] = pa.array(host(values).astype(np.float32))
 
     indices: dict[str, Any] = {}
+    capacity: dict[str, int] = {}  # each id column's table size, which sets its type on disk (formats.id_dtype)
     for feature in config.categorical:
         column = window[feature.column]
         if feature.hash_buckets:
@@ -439,12 +440,15 @@ def training_rows(backend: FrameBackend, config: FeatureConfig, spec: DatasetSpe
             values = xp.asarray(column.fill_null(0).to_numpy())
             nulls = xp.asarray(column.is_null().to_numpy(zero_copy_only=False))
             indices[feature.column] = ops.hash_bucket(xp, values, feature.hash_buckets, nulls)
+            capacity[feature.column] = feature.hash_buckets + 2
         else:
             indices[feature.column] = xp.asarray(vocabularies[feature.column].lookup_arrow(column).to_numpy())
+            capacity[feature.column] = vocabularies[feature.column].size
     for cross in config.crosses:
         indices[cross.name] = ops.hashed_cross(xp, indices[cross.columns[0]], indices[cross.columns[1]], cross.buckets)
+        capacity[cross.name] = cross.buckets + 2
     for name, values in indices.items():
-        columns[f"c_{name}"] = pa.array(host(values).astype(np.int64))
+        columns[f"c_{name}"] = pa.array(host(values).astype(id_dtype(capacity[name])))
 
     for feature in config.multi_hot:
         columns[f"m_{feature.column}"] = _map_lists(window[feature.column], vocabularies[feature.vocabulary],
@@ -463,7 +467,7 @@ def _map_lists(lists: pa.ChunkedArray, vocab: Vocabulary, max_length: int) -> pa
     position = np.arange(len(mapped)) - np.repeat(starts, lengths)
     keep = position >= np.repeat(keep_from - starts, lengths)
     offsets = np.concatenate([[0], np.cumsum(kept_lengths)]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(mapped[keep], pa.int64()))
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(mapped[keep].astype(id_dtype(vocab.size))))
 
 
 def entity_table(backend: FrameBackend, states: ops.EntityStates, key: str, start_us: int, end_us: int) -> pa.Table:

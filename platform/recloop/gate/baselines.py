@@ -101,7 +101,9 @@ def _read(files: Sequence[Path], columns: list[str], max_rows: int | None = None
     if not files:
         return pa.table({})
     present = [c for c in columns if c in pq.read_schema(files[-1]).names]
-    table = ds.dataset([str(f) for f in files], format="parquet").to_table(columns=present)
+    # One schema for all: files with int32 ids (formats.id_dtype) next to older int64 ones read as int64.
+    schema = pa.unify_schemas([pq.read_schema(f) for f in files], promote_options="permissive")
+    table = ds.dataset([str(f) for f in files], schema=schema, format="parquet").to_table(columns=present)
     return table.slice(max(0, table.num_rows - max_rows)) if max_rows is not None else table
 
 

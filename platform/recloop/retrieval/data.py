@@ -175,7 +175,7 @@ def read_rows(files: list[Path], features: RetrievalFeatures, clicked_only: bool
         tables.append(table)
     if not tables:
         raise ValueError("no training files given")
-    table = pa.concat_tables(tables, promote_options="default")
+    table = pa.concat_tables(tables, promote_options="permissive")  # int32 ids next to int64 ones: widened
     columns, lists = {}, {}
     for name in table.column_names:
         column = table[name].combine_chunks()
