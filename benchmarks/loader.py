@@ -115,7 +115,8 @@ def host_to_device_bandwidth() -> float:
     return 10 * host.numel() / (time.perf_counter() - started)
 
 
-BYTES_PER_ROW = (13 + 1) * 4 + 26 * 8  # a row as delivered (int64 ids); int32 ids on disk and on the wire
+BYTES_PER_ROW = (13 + 1) * 4 + 26 * 8  # a row as delivered (int64 ids)
+WIRE_BYTES_PER_ROW = (13 + 1) * 4 + 26 * 4  # a row as copied to the device (int32 ids, widened there)
 
 
 def measure(rows: int, baseline_rows: int, batch_size: int, workers: int | None = None) -> dict:
@@ -134,11 +135,13 @@ def measure(rows: int, baseline_rows: int, batch_size: int, workers: int | None 
         stages: dict = {}
         ours_rows, seconds, _ = run(recloop_batches(files, batch_size, workers, stats=stages))
         # The same files through other settings of the loader, for the record: staging flipped (on by
-        # default on a GPU), and one decoding thread per core; then the same rows in pyarrow's default
-        # encoding (snappy, dictionary pages), as training files were written before TRAINING_PARQUET.
+        # default on a GPU), one decoding thread per core, Arrow's own threads off; then the same rows with
+        # int64 ids, and in pyarrow's default encoding (snappy, dictionary pages), as written before.
         variants = {}
         for label, options in ((f"staging {'off' if CUDA else 'on'}", {"staging": not CUDA, "workers": workers}),
-                               (f"{os.cpu_count()} decoding threads", {"workers": os.cpu_count()})):
+                               (f"{os.cpu_count()} decoding threads", {"workers": os.cpu_count()}),
+                               ("Arrow's thread pool off (each row group decoded by its thread alone)",
+                                {"workers": workers, "arrow_threads": False})):
             variant_rows, variant_s, _ = run(recloop_batches(files, batch_size, **options))
             variants[label] = variant_rows / variant_s
         # (half the rows, each encoding timed on them: writing the files is most of this step's time)
@@ -160,7 +163,8 @@ def measure(rows: int, baseline_rows: int, batch_size: int, workers: int | None 
         shutil.rmtree(work, ignore_errors=True)
     return {"rows": ours_rows, "seconds": seconds, "samples_per_s": ours_rows / seconds, "baseline_rows": base_rows,
             "baseline_seconds": base_s, "baseline_samples_per_s": base_rows / base_s, "batch_size": batch_size,
-            "host_to_device": bandwidth, "bytes_per_row": BYTES_PER_ROW, "variants": variants, "stages": stages}
+            "host_to_device": bandwidth, "bytes_per_row": BYTES_PER_ROW,
+            "wire_bytes_per_row": WIRE_BYTES_PER_ROW, "variants": variants, "stages": stages}
 
 
 def main() -> None:

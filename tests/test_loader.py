@@ -146,13 +146,14 @@ def test_batches_are_assembled_without_reading_tensor_values(files):
         assert (padded.values[nnz:] == 0).all()
 
 
-@pytest.mark.parametrize("workers", [1, 4])
-def test_decoding_threads_change_nothing(files, workers):
-    def batches(workers):
+@pytest.mark.parametrize("workers, arrow_threads", [(1, True), (4, True), (2, False)])
+def test_decoding_threads_change_nothing(files, workers, arrow_threads):
+    def batches(workers, arrow_threads=True):
         return [(rows_of(b), b.values.tolist(), b.offsets.tolist())
-                for b in ChunkLoader(files, SCHEMA, 64, seed=5, workers=workers, prefetch=1).epoch(2)]
+                for b in ChunkLoader(files, SCHEMA, 64, seed=5, workers=workers, prefetch=1,
+                                     arrow_threads=arrow_threads).epoch(2)]
 
-    assert batches(workers) == batches(2)
+    assert batches(workers, arrow_threads) == batches(2)
 
 
 @pytest.mark.parametrize("workers", [1, 3])

@@ -212,6 +212,8 @@ class ChunkLoader:
         shuffle_chunks: chunks mixed together before batching.
         prefetch: chunks moved to the device ahead of the consumer.
         workers: threads decoding parquet row groups (default: up to 8, one per two cores).
+        arrow_threads: each row group's columns are decoded in parallel on Arrow's own thread pool (one thread
+            a core, shared by the workers); off, each worker decodes its row group alone.
         pad_values_to: pad each batch's values to a multiple of this (None: no padding).
         staging: decoding threads write each chunk, column by column, into a ring of reused host buffers
             (pinned on a GPU), and the chunk is transposed to rows on the device. Default: on a GPU. Off,
@@ -222,7 +224,8 @@ class ChunkLoader:
 
     def __init__(self, files: list[Path], schema: FeatureSchema, batch_size: int, device: str | torch.device = "cpu",
                  seed: int = 0, shuffle: bool = True, shuffle_chunks: int = 16, prefetch: int = 2,
-                 workers: int | None = None, pad_values_to: int | None = None, staging: bool | None = None):
+                 workers: int | None = None, pad_values_to: int | None = None, staging: bool | None = None,
+                 arrow_threads: bool = True):
         if not files:
             raise ValueError("no training files: the window holds no rows")
         if batch_size < 1:
@@ -238,6 +241,7 @@ class ChunkLoader:
         self.workers = workers if workers is not None else max(1, min(8, (os.cpu_count() or 2) // 2))
         self.pad_values_to = pad_values_to
         self.staging = self.device.type == "cuda" if staging is None else staging
+        self.arrow_threads = arrow_threads
         self.stats = LoaderStats()  # the last (or current) epoch's stage times
         self._stats_lock = threading.Lock()
         metadata = {f: pq.ParquetFile(f).metadata for f in self.files}
@@ -254,7 +258,7 @@ class ChunkLoader:
         path, group = piece
         schema = self.schema
         columns = [*schema.dense, schema.label, *schema.categorical, *schema.multi_hot, *schema.extra]
-        table = pq.ParquetFile(path).read_row_group(group, columns=columns)
+        table = pq.ParquetFile(path).read_row_group(group, columns=columns, use_threads=self.arrow_threads)
         host = {
             "dense": np.stack([table[c].to_numpy().astype(np.float32, copy=False) for c in schema.dense], axis=1)
             if schema.dense else np.zeros((table.num_rows, 0), np.float32),
@@ -280,7 +284,7 @@ class ChunkLoader:
         path, group = piece
         schema = self.schema
         columns = [*schema.dense, schema.label, *schema.categorical, *schema.multi_hot, *schema.extra]
-        table = pq.ParquetFile(path).read_row_group(group, columns=columns)
+        table = pq.ParquetFile(path).read_row_group(group, columns=columns, use_threads=self.arrow_threads)
         rows = table.num_rows
         ids = _id_dtype(table.schema.field(c).type for c in schema.categorical)
         tensors = {"dense": staging.buffer(slot, "dense", (len(schema.dense), rows), np.float32),
