@@ -152,6 +152,8 @@ def run_canary(home: Settings, http: httpx.Client, server, version: str, users: 
     ({"user_id": 1, "item_ids": [1], "context": {"category": None}}, "context 'category' cannot be null"),
     ({"user_id": 1, "item_ids": [1], "context": {"category": -2}}, "outside the spec's range"),
     ({"user_id": 1, "item_ids": [1], "context": {"position": 1.5}}, "1.5 is not an integer"),
+    ({"user_id": 1, "item_ids": [1], "context": {"history": [3, -4]}}, "context 'history': -4 is outside"),
+    ({"user_id": 1, "item_ids": [1, 2], "context": {"history": [[3], [5, -1]]}}, "-1 is outside the spec's range"),
     ({"user_id": 1, "item_ids": [1], "context": {"price": True}}, "True is not a number"),
     ({"user_id": 1, "item_ids": [1], "ts": "1999-12-31T00:00:00Z"}, "before the spec's minimum"),
     ({"user_id": 1, "item_ids": [1], "ts": "2999-01-01T00:00:00Z"}, "in the future"),

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from recloop.features import ops
 from recloop.features.backend import get_backend
@@ -370,6 +371,8 @@ class RequestFeatures:
                 _check_numeric(column, columns[name])
             elif column.role == "categorical" and name in context:  # left out: unknown to the model (its OOV row)
                 _check_categorical(column, columns[name])
+            elif column.role == "multi_hot" and name in context:
+                _check_multi_hot(column, columns[name])
         for oracle in spec.by_role("oracle"):
             columns[oracle.name] = pa.nulls(n, ARROW_TYPES[oracle.dtype])
         columns["_ts_us"] = pa.array(np.full(n, ts_us, dtype=np.int64))
@@ -451,6 +454,20 @@ def _check_categorical(column: ColumnSpec, values: pa.Array) -> None:
         if refused:
             raise RequestError(f"context {column.name!r}: {refused[0]!r} is outside the spec's range "
                                f"[{column.min}, {column.max}]")
+
+
+def _check_multi_hot(column: ColumnSpec, values: pa.ListArray) -> None:
+    """Refuse a list ingestion would have quarantined: a null list where the spec allows none, an element
+    outside the spec's bounds (``ingest.validate`` checks the same)."""
+    if not column.nullable and values.null_count:
+        raise RequestError(f"context {column.name!r} cannot be null")
+    elements = pc.list_flatten(values).drop_null().to_numpy(zero_copy_only=False)
+    low = -np.inf if column.min is None else float(column.min)
+    high = np.inf if column.max is None else float(column.max)
+    refused = elements[(elements < low) | (elements > high)]
+    if len(refused):
+        raise RequestError(f"context {column.name!r}: {int(refused[0])} is outside the spec's range "
+                           f"[{column.min}, {column.max}]")
 
 
 def _check_timestamp(spec: DatasetSpec, ts_us: int) -> None:
