@@ -54,10 +54,12 @@ if [ "$part" = check ]; then
         --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
         --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
         "$OUT/ncu_criteo_fp32.csv"
-    # the segment pass as measured on 2026-11-26 (one run a program), for the side-by-side counters
+    # the segment pass as measured on 2026-11-26 (one run a program, a program per item, no long-item
+    # path), for the side-by-side counters
     step 40 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats -k "regex:_segment_kernel" --launch-skip 1 --launch-count 1 --csv \
-        --page details python3 benchmarks/profile_embedding.py --set SEGMENT_RUNS=1 > "$0"' \
+        --page details python3 benchmarks/profile_embedding.py --set SEGMENT_RUNS=1 --set SEGMENT_WAVES=0 \
+        --set SEGMENT_LONG_N=0 > "$0"' \
         "$OUT/ncu_criteo_fp32_one_run.csv"
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"

@@ -35,9 +35,10 @@ SCHEMA = FeatureSchema(dense=tuple(f"d_{i}" for i in range(13)), categorical={f"
                        multi_hot={})
 
 
-def write_files(folder: Path, rows: int, files: int, ids: np.dtype = id_dtype(1_000_000), **parquet) -> list[Path]:
+def write_files(folder: Path, rows: int, files: int, ids: np.dtype | None = None, **parquet) -> list[Path]:
     """Criteo-shaped training files, written as the feature job writes them (``TRAINING_PARQUET``, ids as
     ``id_dtype``: int32 for these tables) unless ``ids`` and ``parquet`` say otherwise."""
+    ids = id_dtype(1_000_000) if ids is None else ids
     rng = np.random.default_rng(0)
     paths = []
     per_file = max(1, rows // files)

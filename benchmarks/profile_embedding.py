@@ -9,7 +9,7 @@ It builds one of benchmarks/embedding.py's shapes (``criteo``: 26 tables at dim 
 tables capped at 1M rows here so that Nsight's kernel replay, which saves and restores what a kernel writes,
 stays quick; ``wide``: 100 features × 10-hot over 8192 rows at dim 64), runs one untimed warm-up pass (Triton
 compiles) and then the profiled pass. ``--set`` assigns one of ``recloop_kernels.embedding_bag``'s launch
-knobs first (``--set SEGMENT_RUNS=1``: the segment pass as measured on 2026-11-26), so that two settings can be
+knobs first (``--set SEGMENT_RUNS=1 --set SEGMENT_WAVES=0 --set SEGMENT_LONG_N=0``: the segment pass as measured on 2026-11-26), so that two settings can be
 profiled side by side (benchmarks/tune_embedding.py names them). Nothing is timed here: the figures are the profiler's counters
 (achieved DRAM throughput, registers, occupancy, warp stall reasons). Without ncu it runs as a plain script.
 """

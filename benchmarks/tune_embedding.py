@@ -8,7 +8,7 @@ Why: on an H100 (2026-11-25, Nsight Compute, Criteo-like fp32) the forward used 
 one warp a row, 16 occurrences gathered a step although one-hot runs hold one) at 22 %. Both are limited
 by registers; the settings below trade work per program for occupancy. Each setting is one assignment to
 ``recloop_kernels.embedding_bag``'s module-level knobs (``KNOBS``: TILE, FORWARD_WARPS, FORWARD_BLOCK_N,
-FORWARD_NARROW, FORWARD_PIPELINE, SEGMENT_BLOCK_N, SEGMENT_WARPS, SEGMENT_RUNS); the defaults run first, in the middle and last (their spread
+FORWARD_NARROW, FORWARD_PIPELINE, SEGMENT_BLOCK_N, SEGMENT_WARPS, SEGMENT_RUNS, SEGMENT_LONG_N, SEGMENT_WAVES); the defaults run first, in the middle and last (their spread
 is the noise).
 
 Correct first: from the same starting weights, each setting's forward output and its weights after one
@@ -65,14 +65,10 @@ SETTINGS = [
     ("forward: 2 blocks pipelined, tile 1024", {"FORWARD_PIPELINE": 2, "TILE": 1024}),
     ("forward: tile 2048", {"TILE": 2048}),
     ("forward: tile 1024", {"TILE": 1024}),
-    ("forward: tile 2048, 2 warps", {"TILE": 2048, "FORWARD_WARPS": 2}),
     ("forward: tile 8192, 8 warps", {"TILE": 8192, "FORWARD_WARPS": 8}),
     ("forward: 8 warps", {"FORWARD_WARPS": 8}),
-    ("forward: tile 16384, 8 warps", {"TILE": 16384, "FORWARD_WARPS": 8}),
     ("forward: 8 ids a step", {"FORWARD_BLOCK_N": 8}),
     ("forward: 16 ids a step", {"FORWARD_BLOCK_N": 16}),
-    ("forward: 64 ids a step, tile 8192", {"FORWARD_BLOCK_N": 64, "TILE": 8192}),
-    ("forward: 16 ids, tile 8192, 8 warps", {"FORWARD_BLOCK_N": 16, "TILE": 8192, "FORWARD_WARPS": 8}),
     ("defaults, in the middle", {}),
     # the segment pass's occurrences a step: the default follows the mean run length (backward_tiles)
     ("segment: 1 occurrence a step", {"SEGMENT_BLOCK_N": 1}),
@@ -81,13 +77,25 @@ SETTINGS = [
     ("segment: 8 a step", {"SEGMENT_BLOCK_N": 8}),
     ("segment: 16 a step", {"SEGMENT_BLOCK_N": 16}),
     ("segment: 4 a step, 2 warps", {"SEGMENT_BLOCK_N": 4, "SEGMENT_WARPS": 2}),
-    # runs side by side in one program (backward_tiles: 4 where runs are short, 1 where long); one a program is
-    # the setting the H200 measured on 2026-11-26 (ptx_check, Criteo fp32: 38 registers, 1 warp, occupancy
-    # capped at 50 % by the 32 blocks an SM; 4 a program: 39 registers, 4 warps, 75 %)
+    # runs side by side in one program (backward_tiles: 4 where runs are short, 1 where long); one a program, a
+    # program per item and no long-item path is the setting the H200 measured on 2026-11-26 (ptx_check, Criteo
+    # fp32: 38 registers, 1 warp, occupancy capped at 50 % by the 32 blocks an SM; 4 a program: 39, 4 warps, 75 %)
+    ("segment: as measured 2026-11-26 (1 run a program, a program per item, no long-item path)",
+     {"SEGMENT_RUNS": 1, "SEGMENT_WAVES": 0, "SEGMENT_LONG_N": 0}),
     ("segment: 1 run a program", {"SEGMENT_RUNS": 1}),
     ("segment: 2 runs a program", {"SEGMENT_RUNS": 2}),
     ("segment: 8 runs a program", {"SEGMENT_RUNS": 8}),
     ("segment: 16 runs a program, 8 warps", {"SEGMENT_RUNS": 16, "SEGMENT_WARPS": 8}),
+    # the grid: a program per RUNS items (most exit at once: Criteo's 0.53M items against a bound of 1.7M), or
+    # SEGMENT_WAVES full SMs' worth of programs, each taking every grid-th group of items (default 4)
+    ("segment: a program per RUNS items", {"SEGMENT_WAVES": 0}),
+    ("segment: 1 wave of programs", {"SEGMENT_WAVES": 1}),
+    ("segment: 16 waves of programs", {"SEGMENT_WAVES": 16}),
+    # items longer than BLOCK_N alone, SEGMENT_LONG_N occurrences a step (default 8; ptx_check, Criteo fp32:
+    # 0 → 40 registers, 4 → 48, 8 → 56, 16 → 72 with spills)
+    ("segment: no long-item path", {"SEGMENT_LONG_N": 0}),
+    ("segment: long items 4 a step", {"SEGMENT_LONG_N": 4}),
+    ("segment: long items 16 a step", {"SEGMENT_LONG_N": 16}),
     ("defaults, again", {}),
 ]
 

@@ -274,17 +274,25 @@ def test_a_row_in_hundreds_of_bags_is_split_deterministic_and_matches(optimizer,
 
 
 @TRITON
-@pytest.mark.parametrize(("runs", "optimizer", "dtype", "tables"), [
-    (4, "rowwise_adagrad", torch.float32, "mixed"), (2, "adam", torch.float32, "hot"),
-    (8, "adagrad", torch.float16, "hot"), (4, "sgd", torch.float32, "one"),
+@pytest.mark.parametrize(("runs", "optimizer", "dtype", "tables", "programs", "long_n"), [
+    (4, "rowwise_adagrad", torch.float32, "mixed", None, 16), (2, "adam", torch.float32, "hot", 3, 16),
+    (8, "adagrad", torch.float16, "hot", None, 0), (4, "sgd", torch.float32, "one", 2, 16),
+    (1, "rowwise_adagrad", torch.float32, "hot", 5, 8), (4, "rowwise_adagrad", torch.float32, "hot", 1, 0),
 ])
-def test_several_runs_a_program_update_like_the_reference(runs, optimizer, dtype, tables, monkeypatch):
+def test_several_runs_a_program_update_like_the_reference(runs, optimizer, dtype, tables, programs, long_n,
+                                                          monkeypatch):
     """The segment pass with RUNS work items side by side in one program (``SEGMENT_RUNS``): runs of
     different lengths, tables and dims in one program, programs past the last item, split runs (CHUNK
     lowered to 32) and stochastic rounding give the reference's weights and state, and one program's
-    neighbours do not leak into its rows."""
+    neighbours do not leak into its rows. With few programs (``programs``), each takes many groups of
+    items in turn (grid-stride); items longer than BLOCK_N are summed alone, ``long_n`` a step (0: with the
+    short ones)."""
     monkeypatch.setattr(embedding_bag, "CHUNK", 32)
     monkeypatch.setattr(embedding_bag, "SEGMENT_RUNS", runs)
+    monkeypatch.setattr(embedding_bag, "SEGMENT_BLOCK_N", 1 if long_n else None)
+    monkeypatch.setattr(embedding_bag, "SEGMENT_LONG_N", long_n)
+    if programs is not None:
+        monkeypatch.setattr(embedding_bag, "segment_programs", lambda device, max_items, runs, warps: programs)
     assert embedding_bag.backward_tiles(16, 100, 10)[2] == runs
     if tables == "hot":
         config, (values, offsets, weights, upstream), batch_size = HOT, hot_row_batch(96, seed=5), 96

@@ -18,10 +18,11 @@ gradient, no atomics on weights, deterministic), with no host synchronization::
                 inside a row's run) does a split run start here? — packed in one int64  (1 launch)
     scan        inclusive cumsum of those flags: item and split ids, and their counts   (torch)
     scatter     item starts and split starts into dense lists                           (1 launch)
-    segment     one program per RUNS items: gathers up to CHUNK occurrences' gradient rows as
-                (RUNS, BLOCK_N, D) tiles, scaled once per occurrence (per-sample weight, 1/length for
-                mean pooling); a run that fits in one item is reduced and updated right here, a
-                longer one writes an fp32 partial sum per item                          (1 launch)
+    segment     RUNS items at a time per program (grid-stride over the items, a grid sized to the
+                GPU): gathers up to CHUNK occurrences' gradient rows as (RUNS, BLOCK_N, D) tiles, and
+                an item longer than BLOCK_N alone in (LONG_N, D) tiles, scaled once per occurrence
+                (per-sample weight, 1/length for mean pooling); a run that fits in one item is reduced
+                and updated right here, a longer one writes an fp32 partial sum per item (1 launch)
     split       one program per long run: sums its partials in order (deterministic), updates (1 launch)
 
 Grids are bounded by host-known numbers (occurrences, table rows) and programs past the device-side
@@ -62,9 +63,11 @@ FORWARD_PIPELINE = 1  # blocks of bags a forward program pools one after the oth
 SEGMENT_BLOCK_N: int | None = None  # occurrences gathered per step of the segment pass (None: backward_tiles)
 SEGMENT_WARPS: int | None = None  # warps a segment program (None: backward_tiles)
 SEGMENT_RUNS: int | None = None  # work items side by side in one segment program (None: backward_tiles)
+SEGMENT_LONG_N = 8  # occurrences a step for an item longer than BLOCK_N, one item at a time (≤ BLOCK_N: off)
+SEGMENT_WAVES = 4  # segment programs launched: this many full SMs' worth of warps a SM (0: one per RUNS items)
 # The knobs above, by name: what benchmarks/tune_embedding.py sweeps and profile_embedding.py --set assigns.
 KNOBS = ("TILE", "FORWARD_WARPS", "FORWARD_BLOCK_N", "FORWARD_NARROW", "FORWARD_PIPELINE", "SEGMENT_BLOCK_N",
-         "SEGMENT_WARPS", "SEGMENT_RUNS")
+         "SEGMENT_WARPS", "SEGMENT_RUNS", "SEGMENT_LONG_N", "SEGMENT_WAVES")
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -123,6 +126,25 @@ def backward_tiles(block_d: int, nnz: int, total_rows: int) -> tuple[int, int, i
     runs = SEGMENT_RUNS or (4 if block_n <= 2 and block_d <= 256 else 1)  # wide rows fill a program alone
     warps = max(1, runs * block_d // 128)  # a warp per 128 elements of D, over the program's runs
     return block_n, SEGMENT_WARPS or warps, runs
+
+
+@lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def segment_programs(device: torch.device, max_items: int, runs: int, warps: int) -> int:
+    """Programs the segment pass launches: enough for every item (``max_items`` bounds their count, which only
+    the device knows), at most ``SEGMENT_WAVES`` times what fills every SM (64 warps an SM on Hopper).
+
+    The bound is loose: a Criteo-like batch (1.7M ids, 26 tables of up to 5M rows) holds 0.53M items against
+    a bound of 1.7M, so a program per item left about 1.2M programs (69 % of the grid) to start, load one
+    count and exit; H200, 2026-11-26: achieved occupancy 26.5 % of a theoretical 50 %. Each program now
+    takes every ``programs``-th group of ``runs`` items (grid-stride); a few waves balance the tail."""
+    wanted = triton.cdiv(max_items, runs)
+    if not SEGMENT_WAVES:
+        return max(1, wanted)
+    return max(1, min(wanted, _multiprocessors(device) * SEGMENT_WAVES * max(1, 64 // warps)))
 
 
 def narrow_indices(layout: Layout, nnz: int) -> bool:
@@ -366,28 +388,33 @@ if triton is not None:
         col_offsets_ptr, poolings_ptr, nnz, batch_size, grad_stride, sentinel, lr, eps, weight_decay, beta1, beta2,
         rest1, rest2, log_beta1, log_beta2, OPT: tl.constexpr, HAS_PSW: tl.constexpr, ROUNDING_BITS: tl.constexpr,
         DIM: tl.constexpr, STRIDE: tl.constexpr, ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, CHUNK: tl.constexpr,
-        RUNS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        RUNS: tl.constexpr, BLOCK_N: tl.constexpr, LONG_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         # RUNS work items a program, side by side (one warp each at D 128 fp32): several independent rows in
-        # flight per program and RUNS times fewer programs (FBGEMM's short-run kernel: a warp per run, several
-        # warps a block). One program per item holds the SM to 32 one-warp blocks (occupancy ≤ 50 % on Hopper).
+        # flight per program (FBGEMM's short-run kernel: a warp per run, several warps a block). The grid is
+        # sized to the GPU, not to the items (their count is on the device): each program takes every
+        # num_programs-th group of RUNS items, so no program is launched only to find nothing to do.
         num_items = tl.load(scan_ptr + nnz - 1) & 0xFFFFFFFF
-        if tl.program_id(0) * RUNS < num_items:
-            i = tl.program_id(0) * RUNS + tl.arange(0, RUNS)
+        lane = tl.arange(0, RUNS)
+        d = tl.arange(0, BLOCK_D)
+        n = tl.arange(0, BLOCK_N)
+        for first in range(tl.program_id(0) * RUNS, num_items, tl.num_programs(0) * RUNS):
+            i = first + lane
             live = i < num_items
             j0 = tl.load(item_start_ptr + i, mask=live, other=0)
             j1 = tl.load(item_start_ptr + i + 1, mask=live, other=0)
             active = live & (tl.load(sorted_ptr + j0, mask=live, other=sentinel) != sentinel)
-            d = tl.arange(0, BLOCK_D)
             row, t, elem, d_mask, inv_dim = _rows_of(sorted_ptr, perm_ptr, info_ptr, dims_ptr, strides_ptr,
                                                      elem_offsets_ptr, row_offsets_ptr, j0, active, batch_size, d,
                                                      DIM, STRIDE, ALIGN)
             col = tl.multiple_of(tl.load(col_offsets_ptr + t, mask=active, other=0), COL_ALIGN)
             mean = tl.load(poolings_ptr + t, mask=active, other=0) == 1
             count = tl.where(active, j1 - j0, 0)
-            n = tl.arange(0, BLOCK_N)
             g = tl.zeros([RUNS, BLOCK_D], dtype=tl.float32)
-            for k0 in range(0, tl.max(count, axis=0), BLOCK_N):  # at most CHUNK occurrences, BLOCK_N at a time
+            # The items' occurrences BLOCK_N at a time, all RUNS items together: with a wide tile for long
+            # items (LONG_N > BLOCK_N), only their first BLOCK_N here, the rest below.
+            stop = tl.minimum(tl.max(count, axis=0), BLOCK_N) if LONG_N > BLOCK_N else tl.max(count, axis=0)
+            for k0 in range(0, stop, BLOCK_N):  # at most CHUNK occurrences, BLOCK_N at a time
                 step = k0 + n
                 k_mask = step[None, :] < count[:, None]  # (RUNS, BLOCK_N)
                 k = j0[:, None] + step[None, :]
@@ -404,6 +431,13 @@ if triton is not None:
                 rows = tl.load(grad_ptr + b[:, :, None] * tl.multiple_of(grad_stride, COL_ALIGN) + col[:, None, None]
                                + d[None, None, :], mask=k_mask[:, :, None] & d_mask[:, None, :], other=0.0)
                 g += tl.sum(rows.to(tl.float32) * scale[:, :, None], axis=1)
+            if LONG_N > BLOCK_N:  # noqa: SIM102 - compiled away when off (a constexpr); the inner test runs
+                if stop == BLOCK_N:  # some item is longer: each such one alone, LONG_N occurrences a step
+                    for r in range(0, RUNS):  # a loop: unrolled, the copies cost registers (spills at bf16)
+                        g = _long_item(g, lane == r, first + r, num_items, grad_ptr, item_start_ptr, sorted_ptr,
+                                       perm_ptr, info_ptr, offsets_ptr, psw_ptr, dims_ptr, col_offsets_ptr,
+                                       poolings_ptr, batch_size, grad_stride, sentinel, d, HAS_PSW, DIM, COL_ALIGN,
+                                       BLOCK_N, LONG_N, BLOCK_D)
             run_first = (j0 == 0) | (tl.load(sorted_ptr + tl.maximum(j0 - 1, 0), mask=active, other=0) != row)
             continues = (j1 < nnz) & (tl.load(sorted_ptr + tl.minimum(j1, nnz - 1), mask=active, other=0) == row)
             whole = active & run_first & (continues == 0)  # the whole run: update the row now
@@ -414,6 +448,45 @@ if triton is not None:
             slot = tl.where(run_first, 1, 0)
             tl.store(partials_ptr + ((j0 // CHUNK).to(tl.int64) * 2 + slot)[:, None] * BLOCK_D + d[None, :], g,
                      mask=(active & (whole == 0))[:, None])
+
+    @triton.jit
+    def _long_item(g, pick, i, num_items, grad_ptr, item_start_ptr, sorted_ptr, perm_ptr, info_ptr, offsets_ptr,
+                   psw_ptr, dims_ptr, col_offsets_ptr, poolings_ptr, batch_size, grad_stride, sentinel, d,
+                   HAS_PSW: tl.constexpr, DIM: tl.constexpr, COL_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LONG_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """``g`` with item ``i``'s occurrences past its first BLOCK_N added to its row (``pick``), LONG_N a step.
+
+        A long item (a hot row: Criteo's tables of 3 to 30 rows take a 64K batch in runs of thousands) would
+        otherwise take one dependent gather a step at the BLOCK_N of short ones; its scalars are loaded
+        again here (cached) rather than picked out of the program's vectors across warps."""
+        j0 = tl.load(item_start_ptr + i, mask=i < num_items, other=0)
+        j1 = tl.load(item_start_ptr + i + 1, mask=i < num_items, other=0)
+        count = tl.where((i < num_items) & (tl.load(sorted_ptr + j0) != sentinel), j1 - j0, 0)
+        if count > BLOCK_N:
+            t = tl.load(info_ptr + tl.load(perm_ptr + j0)) // batch_size
+            col = tl.multiple_of(tl.load(col_offsets_ptr + t), COL_ALIGN)
+            d_mask = d < (DIM if DIM > 0 else tl.load(dims_ptr + t))
+            m = tl.arange(0, LONG_N)
+            mean = (tl.load(poolings_ptr + t) + tl.zeros_like(m)) == 1  # (a vector: a mask of the tile's rows)
+            acc = tl.zeros([LONG_N, BLOCK_D], dtype=tl.float32)
+            for k0 in range(BLOCK_N, count, LONG_N):
+                step = k0 + m
+                k_mask = step < count
+                p = tl.load(perm_ptr + j0 + step, mask=k_mask, other=0)
+                bag = tl.load(info_ptr + p, mask=k_mask, other=0)
+                scale = tl.where(k_mask, 1.0, 0.0)
+                if HAS_PSW:
+                    scale = scale * tl.load(psw_ptr + p, mask=k_mask, other=0.0).to(tl.float32)
+                averaged = k_mask & mean
+                length = tl.load(offsets_ptr + bag + 1, mask=averaged, other=1) - \
+                    tl.load(offsets_ptr + bag, mask=averaged, other=0)
+                scale = scale / tl.maximum(length, 1).to(tl.float32)
+                b = (bag - t * batch_size).to(tl.int64)
+                rows = tl.load(grad_ptr + b[:, None] * tl.multiple_of(grad_stride, COL_ALIGN) + col + d[None, :],
+                               mask=k_mask[:, None] & d_mask[None, :], other=0.0)
+                acc += rows.to(tl.float32) * scale[:, None]
+            g += tl.where(pick[:, None], tl.sum(acc, axis=0)[None, :], 0.0)
+        return g
 
     @triton.jit
     def _split_kernel(
@@ -554,13 +627,13 @@ def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, 
     hyper = (lr, eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2)
     segment_n, warps, runs = backward_tiles(block_d, nnz, total_rows)
     max_items = min(nnz, total_rows + 1 + chunks)  # runs (≤ distinct keys) plus chunk boundaries
-    _segment_kernel[(triton.cdiv(max_items, runs),)](
+    _segment_kernel[(segment_programs(device, max_items, runs, warps),)](
         weight, state1, state2, step, grad_output, sorted_keys, perm, info, item_start, scan, partials, offsets,
         per_sample_weights if per_sample_weights is not None else grad_output, meta["dims"], meta["strides"],
         meta["elem_offsets"], meta["row_offsets"], meta["col_offsets"], meta["poolings"], nnz, batch_size,
         grad_output.stride(0), sentinel, *hyper, OPT=opt_code, HAS_PSW=per_sample_weights is not None,
-        ROUNDING_BITS=rounding, COL_ALIGN=column_alignment(layout), RUNS=runs, BLOCK_N=segment_n, num_warps=warps,
-        **shape)
+        ROUNDING_BITS=rounding, COL_ALIGN=column_alignment(layout), RUNS=runs, BLOCK_N=segment_n,
+        LONG_N=SEGMENT_LONG_N, num_warps=warps, **shape)
     _split_kernel[(max(1, min(chunks, total_rows + 1)),)](
         weight, state1, state2, step, sorted_keys, perm, info, split_start, scan, partials, meta["dims"],
         meta["strides"], meta["elem_offsets"], meta["row_offsets"], nnz, batch_size, sentinel, *hyper,
