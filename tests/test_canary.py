@@ -40,6 +40,14 @@ CASES = [
     ("worse-ctr-rolls-back", stats(clicks=40), BAKED, "rollback", 0.0, "online CTR 0.0667"),
     ("worse-auc-rolls-back", stats(online_auc=0.65), BAKED, "rollback", 0.0, "online AUC 0.6500"),
     ("last-step-promotes", HEALTHY, CanaryState(1.0, 0.0), "promote", 1.0, "held every guardrail up to 100%"),
+    # a failed guardrail rolls back whenever its figures are in: the bake and the counts only hold steps back
+    ("errors-roll-back-while-baking", stats(errors=30), CanaryState(0.05, 700.0), "rollback", 0.0, "error rate"),
+    # every request failed (and fell back to the champion, so the challenger has no feedback of its own)
+    ("failing-without-feedback-rolls-back", stats(errors=1000, impressions=0, clicks=0), BAKED, "rollback", 0.0,
+     "error rate 100.00%"),
+    ("worse-auc-rolls-back-while-baking", stats(online_auc=0.65), CanaryState(0.05, 700.0), "rollback", 0.0,
+     "online AUC"),
+    ("slow-while-baking-holds", stats(p99_ms=45.0), CanaryState(0.05, 700.0), "hold", 0.05, "baking"),
 ]
 
 
@@ -87,3 +95,17 @@ def test_the_retrievers_ab_evidence_rolls_back_on_harm_and_promotes_on_the_guard
     assert ranker.action == "hold" and "not yet shown within 5%" in ranker.reasons[0]
     rolled = decide(stats, worse_raw, last, config, now=10.0, evidence=harm, require_non_inferiority=False)
     assert rolled.action == "rollback" and "significantly worse" in rolled.reasons[0]
+
+
+def test_guardrails_roll_back_while_the_evidence_is_still_inconclusive():
+    """At the last step a challenger waits for non-inferiority; a guardrail it fails meanwhile rolls it back
+    (it was held, at 95 % of users, until max_users)."""
+    from recloop.evidence.sequential import Difference
+
+    unsure = Difference(estimate=0.0, variance=0.01, low=-0.2, high=0.2, units=5000, method="interleaving")
+    last = CanaryState(0.95, 0.0)
+    assert decide(CHAMPION, HEALTHY, last, CONFIG, NOW, evidence=unsure).action == "hold"
+    for bad, reason in ((stats(errors=400), "error rate"), (stats(p99_ms=100.0), "p99 latency"),
+                        (stats(online_auc=0.6), "online AUC")):
+        decision = decide(CHAMPION, bad, last, CONFIG, NOW, evidence=unsure)
+        assert decision.action == "rollback" and reason in decision.reasons[0], decision.reasons

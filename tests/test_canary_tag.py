@@ -166,3 +166,18 @@ def test_a_challenger_replaced_before_its_decision_is_marked_superseded(home: Se
     registry.set_challenger(home, newer, who="gate", why="again")  # the same version: nothing superseded
     assert canary_tags(home, newer)[1] is None
     registry.remove_alias(home, "challenger")
+
+
+def test_a_challenger_the_scheduled_step_starts_runs_in_the_configured_mode(home: Settings, challenger: str):
+    """A challenger set without its canary started (``recloop gate``, a failed start) is started by the next
+    scheduled step in the configured mode: a shadow configuration serves it to nobody (it started A/B)."""
+    from dataclasses import replace
+
+    shadow = replace(QUICK, mode="shadow")
+    assert controller.status(home, shadow).mode == "shadow"
+    started = controller.step(home, shadow, now=1000.0)
+    assert started.action == "start", started.decision
+    _, tag = canary_tags(home, challenger)
+    assert (tag.mode, tag.share) == ("shadow", 0.0)
+    assert registry_wanted(home) == Wanted("1", challenger, 0.0, "shadow", tag.salt)
+    controller.manual(home, "rollback", "test over", who="test")

@@ -173,15 +173,19 @@ def _update(settings: Settings, version: str, model_name: str, **changes) -> Can
     return updated
 
 
+def _mode_for(mode: Mode, model_name: str) -> Mode:
+    """``mode`` as ``model_name``'s canary can run it: interleaving merges two rankings, the ranker's; a
+    retriever's canary is then an A/B split."""
+    return "canary" if mode == "interleave" and model_name != MODEL_NAME else mode
+
+
 def start(settings: Settings, config: CanaryConfig, *, mode: Mode | None = None, now: float | None = None,
           model_name: str = MODEL_NAME) -> CanaryStep:
     """Put the challenger at the first step (the retrain flow does it after a passed gate), with a new
     salt for this experiment's split of users; ``mode`` defaults to the config's (interleave)."""
     challenger, champion, _ = _challenger(settings, check_model(model_name))
     now = time.time() if now is None else now
-    mode = mode or config.mode
-    if mode == "interleave" and model_name != MODEL_NAME:  # interleaving merges two rankings: the ranker's
-        mode = "canary"
+    mode = _mode_for(mode or config.mode, model_name)
     decision = first_step(config, mode)
     registry.tag(settings, challenger, CanaryTag(share=decision.share, mode=mode, salt=experiment_salt(challenger, now),
                                                  started_at=now, step_started_at=now).to_tag(), model_name)
@@ -222,7 +226,7 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
     tag = CanaryTag.from_tags(tags)
     started = tag.step_started_at if tag and tag.step_started_at is not None else now
     state = CanaryState(tag.share if tag else config.steps[0], started)
-    mode: Mode = tag.mode if tag else "canary"
+    mode: Mode = tag.mode if tag else _mode_for(config.mode, model_name)  # not started: as it will start
     canary_started = tag.started_at if tag and tag.started_at is not None else started
     journal = open_journal(settings)  # every replica's traffic when the journal is PostgreSQL
     evidence = None

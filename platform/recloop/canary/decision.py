@@ -5,9 +5,11 @@ Routing is sticky: a user's place in [0, 1) is a hash of their id, and the chall
 users below the current share. Raising the share only adds users, so nobody flips back and forth
 between models as the canary grows (5 % → 25 % → 50 % → 100 %).
 
-The controller compares the challenger with the champion over the same period, after a bake time and
-enough requests and feedback, on guardrails: error rate, p99 latency, online CTR and online AUC. Any
-NaN answer from the challenger rolls it back at once.
+The controller compares the challenger with the champion over the same period on guardrails: error
+rate (judged once the challenger has ``min_requests``), p99 latency (the same, after the bake time),
+online CTR and online AUC (once it has ``min_feedback``). A failed guardrail rolls it back whenever it is
+known; the bake time, the counts and the evidence only hold back a step or a promotion. Any NaN answer
+from the challenger rolls it back at once.
 
 Online CTR is judged on paired evidence (``evidence``, a ``recloop.evidence.sequential.Difference``) when
 the controller has it: by default the canary *interleaves* (team-draft) the two rankings for the share of
@@ -185,21 +187,47 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
         return verdict("rollback", [f"challenger does not load in serving: {load_error}"], 0.0)
     if challenger.nan_responses:
         return verdict("rollback", [f"challenger returned NaN scores {challenger.nan_responses} times"], 0.0)
+    # A guardrail is judged as soon as its own figures rest on enough traffic, whatever else is still
+    # awaited: the evidence and the counts only hold back a step or a promotion, never a rollback (a
+    # challenger failing 40 % of its requests is rolled back at once, not held at its share until
+    # max_users). A challenger's failed request is answered by the champion, so the feedback it gets is
+    # the champion's: the error guardrail must not wait for feedback. Latency waits for the bake (a model
+    # just loaded answers its first requests slowly).
+    enough_requests = challenger.requests >= config.min_requests
+    enough_feedback = challenger.impressions >= config.min_feedback
     baked = now - state.step_started_at
-    waiting = []
-    if baked < config.bake_seconds:
-        waiting.append(f"baking: {config.bake_seconds - baked:.0f} s left at {state.share:.0%}")
-    if challenger.requests < config.min_requests:
-        waiting.append(f"{challenger.requests}/{config.min_requests} challenger requests")
-    if challenger.impressions < config.min_feedback:
-        waiting.append(f"{challenger.impressions}/{config.min_feedback} challenger feedback events")
+    failures = []
+    if enough_requests and challenger.error_rate - champion.error_rate > config.max_error_rate_increase:
+        failures.append(f"error rate {challenger.error_rate:.2%} vs champion {champion.error_rate:.2%}")
+    if enough_requests and baked >= config.bake_seconds and champion.p99_ms > 0 and \
+            challenger.p99_ms > config.max_p99_ratio * champion.p99_ms:
+        failures.append(f"p99 latency {challenger.p99_ms:.1f} ms vs champion {champion.p99_ms:.1f} ms "
+                        f"(at most {config.max_p99_ratio}x)")
+    if enough_feedback and evidence is None and champion.ctr > 0 and \
+            challenger.ctr < champion.ctr * (1 - config.max_ctr_drop):
+        failures.append(f"online CTR {challenger.ctr:.4f} vs champion {champion.ctr:.4f} "
+                        f"(at most {config.max_ctr_drop:.0%} lower)")
+    if enough_feedback and challenger.online_auc is not None and champion.online_auc is not None and \
+            champion.online_auc - challenger.online_auc > config.max_auc_drop:
+        failures.append(f"online AUC {challenger.online_auc:.4f} vs champion {champion.online_auc:.4f}")
     if evidence is not None:
         figures.update({"ctr_effect": evidence.estimate, "ctr_effect_low": evidence.low,
                         "ctr_effect_high": evidence.high, "evidence_users": evidence.units})
-        if evidence.high < 0 and not waiting:
-            return verdict("rollback", [f"online CTR significantly worse ({evidence.method}): "
-                                        f"{evidence.estimate:+.1%} [{evidence.low:+.1%}, {evidence.high:+.1%}], "
-                                        f"always-valid at alpha {config.alpha}"], 0.0)
+        # always-valid (mSPRT): a look at any time keeps its error rate, so no bake is needed to act on it
+        if evidence.high < 0 and enough_requests and enough_feedback:
+            failures.append(f"online CTR significantly worse ({evidence.method}): {evidence.estimate:+.1%} "
+                            f"[{evidence.low:+.1%}, {evidence.high:+.1%}], always-valid at alpha {config.alpha}")
+    if failures:
+        return verdict("rollback", failures, 0.0)
+
+    waiting = []
+    if baked < config.bake_seconds:
+        waiting.append(f"baking: {config.bake_seconds - baked:.0f} s left at {state.share:.0%}")
+    if not enough_requests:
+        waiting.append(f"{challenger.requests}/{config.min_requests} challenger requests")
+    if not enough_feedback:
+        waiting.append(f"{challenger.impressions}/{config.min_feedback} challenger feedback events")
+    if evidence is not None:
         last_step = not [s for s in config.schedule() if s > state.share + 1e-9]
         if require_non_inferiority and last_step and not evidence.low > -config.min_effect:  # promotion
             if evidence.units >= config.max_users:  # needs non-inferiority shown (steps ride on guardrails)
@@ -210,21 +238,6 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
                            f"not yet shown within {config.min_effect:.0%} of the champion")
     if waiting:
         return verdict("hold", waiting)
-
-    failures = []
-    if challenger.error_rate - champion.error_rate > config.max_error_rate_increase:
-        failures.append(f"error rate {challenger.error_rate:.2%} vs champion {champion.error_rate:.2%}")
-    if champion.p99_ms > 0 and challenger.p99_ms > config.max_p99_ratio * champion.p99_ms:
-        failures.append(f"p99 latency {challenger.p99_ms:.1f} ms vs champion {champion.p99_ms:.1f} ms "
-                        f"(at most {config.max_p99_ratio}x)")
-    if evidence is None and champion.ctr > 0 and challenger.ctr < champion.ctr * (1 - config.max_ctr_drop):
-        failures.append(f"online CTR {challenger.ctr:.4f} vs champion {champion.ctr:.4f} "
-                        f"(at most {config.max_ctr_drop:.0%} lower)")
-    if challenger.online_auc is not None and champion.online_auc is not None and \
-            champion.online_auc - challenger.online_auc > config.max_auc_drop:
-        failures.append(f"online AUC {challenger.online_auc:.4f} vs champion {champion.online_auc:.4f}")
-    if failures:
-        return verdict("rollback", failures, 0.0)
     later = [s for s in config.schedule() if s > state.share + 1e-9]
     if not later:
         return verdict("promote", [f"held every guardrail up to {state.share:.0%} of users"], 1.0)
