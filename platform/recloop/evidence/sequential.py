@@ -150,6 +150,12 @@ def ab_difference(
     if pre_a is not None and pre_b is not None and len(la) > 2 and len(lb) > 2:
         adjusted, _ = cuped(np.concatenate([la, lb]), np.concatenate([pre_a, pre_b]))
         la, lb = adjusted[: len(la)], adjusted[len(la) :]
+        # The linearized values have mean zero per arm; after CUPED each arm's mean is its CTR's adjustment
+        # (-theta times its covariate's distance from the pooled mean). The estimate takes it too: an
+        # adjusted variance around the raw ratio made the interval narrower than the estimate's spread
+        # (identical arms: 1.1 % "significantly worse" at one look against alpha's share of 0.1 %).
+        ra, rb = ra + float(la.mean()), rb + float(lb.mean())
+        la, lb = la - la.mean(), lb - lb.mean()
         method = "ratio, user clusters, CUPED"
     if ra <= 0 or len(la) < 2 or len(lb) < 2:
         return Difference(float("nan"), float("inf"), -np.inf, np.inf, len(la) + len(lb), method)
