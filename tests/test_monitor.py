@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import numpy as np
 import pytest
 
 from recloop.monitor import MonitorConfig, choose_windows, decide, kpi_findings
@@ -29,6 +30,29 @@ def test_decision_order_is_quality_then_kpi_then_drift():
     assert kpi_findings({"ctr": 0.08}, {"ctr": 0.10}, CONFIG) == ["online CTR 0.0800 is 20% below the baseline 0.1000"]
     assert kpi_findings({"ctr": 0.095}, {"ctr": 0.10}, CONFIG) == []
     assert kpi_findings({}, {"ctr": 0.10}, CONFIG) == []
+
+
+def test_unseen_ids_drift_only_beyond_what_an_unchanged_world_shows():
+    """A skewed catalog sampled twice from the same popularity shows many ids the reference missed (45 % at
+    300 events a window): no drift. A new catalog taking half the events is drift at any size."""
+    import pandas as pd
+
+    from recloop.monitor.decision import new_id_findings
+
+    rng = np.random.default_rng(0)
+    popularity = 1.0 / np.arange(1, 2001)
+    popularity /= popularity.sum()
+    for events in (300, 3000, 50_000):
+        reference = pd.DataFrame({"item_id": rng.choice(2000, events, p=popularity)})
+        same = pd.DataFrame({"item_id": rng.choice(2000, events, p=popularity)})
+        findings, figures = new_id_findings(reference, same, ["item_id"], CONFIG)
+        assert findings == [], (events, figures)
+        assert abs(figures["item_id_unseen_share"] - figures["item_id_unseen_expected"]) < 0.1
+        new_catalog = same.copy()
+        half = rng.random(events) < 0.5
+        new_catalog.loc[half, "item_id"] = 10_000 + rng.choice(2000, half.sum(), p=popularity)
+        findings, _ = new_id_findings(reference, new_catalog, ["item_id"], CONFIG)
+        assert findings and findings[0].startswith("item_id: "), (events, findings)
 
 
 @pytest.mark.parametrize(("scenario", "decision", "columns"), [

@@ -108,7 +108,8 @@ def test_each_check_records_its_decision_with_the_thresholds(tmp_path):
         decision="drift",
         columns=("item_category", "price"),
         config=MonitorConfig(new_id_share=0.25),
-        figures={"user_id_unseen_share": 0.4, "item_id_unseen_share": 0.1, "drift_share": 0.5},
+        figures={"user_id_unseen_share": 0.4, "item_id_unseen_share": 0.1, "user_id_unseen_expected": 0.05,
+                 "drift_share": 0.5},
     )
     workspace, found = dashboards.project(settings)
     runs = workspace.list_runs(found.id)
@@ -119,6 +120,7 @@ def test_each_check_records_its_decision_with_the_thresholds(tmp_path):
             if str(result.display_name).startswith("Mean value of "):
                 values[result.display_name.removeprefix("Mean value of ").strip("'")] = float(result.value)
     assert values["user_id_unseen_share"] == 0.4 and values["new_id_share_threshold"] == 0.25
+    assert values["user_id_unseen_limit"] == pytest.approx(0.05 + 0.25 * 0.95)  # a stable world's + new ids
     assert (
         values["decision_code"] == 1.0
         and values["drift_share"] == 0.5

@@ -59,12 +59,11 @@ def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, 
         tab="Drift")
     created.dashboard.add_panel(line_plot_panel(
         "Unseen-id share vs its threshold", [
-            *(PanelMetric(legend=f"{key} unseen", metric="MeanValue",
-                          metric_labels={"column": f"{key}_unseen_share"}) for key in keys),
-            PanelMetric(legend="threshold", metric="MeanValue",
-                        metric_labels={"column": "new_id_share_threshold"})],
-        description="share of recent events on user or item ids unseen in the reference; drift at or above the "
-        "threshold (new_id_share): the figure that most often asks for a full retrain"), tab="Drift")
+            *(PanelMetric(legend=f"{key} {what}", metric="MeanValue", metric_labels={"column": f"{key}_unseen_{column}"})
+              for key in keys for what, column in (("unseen", "share"), ("drifts above", "limit")))],
+        description="share of recent events on user or item ids unseen in the reference; drift at or above its "
+        "limit: what an unchanged world would show (e, Good-Turing: the reference's events on ids seen once) "
+        "with a share new_id_share of the events from new ids, e + new_id_share (1 - e)"), tab="Drift")
     created.dashboard.add_panel(line_plot_panel(
         "Drift share vs its threshold", [
             PanelMetric(legend="drift share", metric="MeanValue", metric_labels={"column": "drift_share"}),
@@ -111,6 +110,8 @@ def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: s
     drift_snapshot._tags = [*(drift_snapshot._tags or []), *tags]
     reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M}")
     loop = {**{f"{key}_unseen_share": float(figures[f"{key}_unseen_share"]) for key in keys},
+            **{f"{key}_unseen_limit": _unseen_limit(float(figures.get(f"{key}_unseen_expected", 0.0)),
+                                                    config.new_id_share) for key in keys},
             "new_id_share_threshold": float(config.new_id_share), "drift_share_threshold": float(config.drift_share),
             "drift_share": float(figures.get("drift_share", drift_share_of(drift_snapshot))),
             "decision_code": DECISION_CODES.get(decision, 0.0),
@@ -135,3 +136,9 @@ def drift_share_of(snapshot) -> float:
         if str(metric.get("metric_name") or metric.get("metric_id")).startswith("DriftedColumnsCount"):
             return float(metric["value"]["share"])
     return float("nan")
+
+
+def _unseen_limit(expected: float, new_id_share: float) -> float:
+    """The unseen share at which a key drifts (``decision.new_id_findings``): an unchanged world's share
+    ``expected`` with ``new_id_share`` of the events on new ids."""
+    return expected + new_id_share * (1 - expected)
