@@ -144,7 +144,7 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
     result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)
     if monitor_clock is not None:  # the monitor's trigger learns the verdict: cool-down only after a pass
         runner.record_retrain_outcome(settings_from(settings), deployed=bool(gate["passed"]), now=monitor_clock,
-                                      gate_reasons=gate.get("reasons", []))
+                                      gate_reasons=gate.get("reasons", []), version=str(version))
     if gate["alias"] == "challenger":
         result["canary"] = canary_flow(config_path=canary_config, start=True, settings=settings)
     verdict = "passed" if gate["passed"] else "failed"

@@ -181,3 +181,20 @@ def test_a_challenger_the_scheduled_step_starts_runs_in_the_configured_mode(home
     assert (tag.mode, tag.share) == ("shadow", 0.0)
     assert registry_wanted(home) == Wanted("1", challenger, 0.0, "shadow", tag.salt)
     controller.manual(home, "rollback", "test over", who="test")
+
+
+def test_the_monitor_asks_no_new_retrain_while_the_last_ones_challenger_is_in_canary(home: Settings, challenger: str):
+    """A drift retrain deployed as the challenger: the champion keeps serving during its canary, so the
+    drift persists; the monitor holds (asking again would supersede the canary and reset its evidence),
+    and asks again once the canary has ended without promotion."""
+    from recloop.monitor import MonitorDecision, TriggerConfig
+    from recloop.monitor.runner import record_retrain_outcome, request_retrain
+
+    config = TriggerConfig(cooldown_seconds=3600)
+    drift = MonitorDecision("drift", ("item_id: 63% unseen",), 0.5, ("item_id",))
+    assert request_retrain(home, drift, now=0.0, config=config).retrain
+    record_retrain_outcome(home, deployed=True, now=100.0, version=challenger)
+    held = request_retrain(home, drift, now=100.0 + 7200, config=config)  # past the cool-down
+    assert not held.retrain and f"v{challenger}, the last full retrain, is still in its canary" in held.reason
+    controller.manual(home, "rollback", "worse online", who="test")
+    assert request_retrain(home, drift, now=100.0 + 7300, config=config).retrain

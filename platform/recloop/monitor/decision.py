@@ -13,8 +13,9 @@ Findings, in the order they decide:
    (changed tastes move it while the inputs look the same);
 3. **drift** — Evidently's ``DataDriftPreset`` over the context and item columns (per-column methods and
    thresholds as Evidently chooses them for the sample size), judged by the share of drifted columns;
-   and, for entity keys, the share of recent events on ids the reference never saw (a new catalog wave
-   is that, more than any distribution distance over thousands of ids); and **prediction drift**: the
+   and, for entity keys, the share of recent events on ids the reference never saw beyond what an
+   unchanged world shows (a new catalog wave is that, more than any distribution distance over thousands
+   of ids; ``new_id_findings``); and **prediction drift**: the
    champion's scores on the recent window's feature rows against its scores on the reference window's
    (the same Evidently test, on the one ``prediction`` column) — reported in ``notes``, and deciding
    only when ``prediction_drift_decides`` is set (see ``MonitorConfig``);
@@ -23,7 +24,8 @@ Findings, in the order they decide:
 Then the trigger (``should_retrain``): ``drift`` and ``kpi_decay`` request a full retrain, ``data_quality``
 alerts and does not retrain (training on a broken column teaches the model the breakage). The cool-down
 starts when a retrain is *deployed* (passed the gate), so a drift that persists until the new model is
-out cannot start a storm of retrains; a retrain the gate *refused* blocks nothing: the next check asks
+out cannot start a storm of retrains, and while the version it made is still the challenger (its canary
+running, the old champion serving) nothing more is asked; a retrain the gate *refused* blocks nothing: the next check asks
 again, with the gate's reasons attached. A request whose outcome is not known yet (in flight, or run
 elsewhere) holds further requests for the cool-down from the request.
 
@@ -298,13 +300,17 @@ class TriggerVerdict:
 
 def should_retrain(decision: MonitorDecision, last_requested_at: float | None, now: float,
                    config: TriggerConfig, last_outcome: str | None = None, outcome_at: float | None = None,
-                   gate_reasons: tuple[str, ...] | list[str] = ()) -> TriggerVerdict:
+                   gate_reasons: tuple[str, ...] | list[str] = (), in_canary: str | None = None) -> TriggerVerdict:
     """Whether a monitoring decision requests a full retrain now (see the module docstring).
 
     Args:
         last_requested_at: when the last retrain was requested.
         last_outcome: what became of it: ``deployed`` (passed the gate), ``refused`` (the gate said no), or
             None (not known yet); ``outcome_at``: when; ``gate_reasons``: the gate's reasons for a refusal.
+        in_canary: the version the last (deployed) retrain made, while it is still the challenger. The
+            champion it is meant to replace keeps serving meanwhile, so the drift measured against it persists:
+            asking again would supersede that canary and reset its evidence (after every cool-down, so a
+            canary needing more than one might never finish). Its canary decides first.
     """
     outcome, detail = decision.decision, "; ".join(decision.reasons)
     if outcome == "data_quality":
@@ -315,6 +321,9 @@ def should_retrain(decision: MonitorDecision, last_requested_at: float | None, n
         why = "; ".join(gate_reasons) or "no reason recorded"
         return TriggerVerdict(True, outcome == "kpi_decay", f"{outcome}: full retrain, retrying: the last retrain "
                                                             f"was refused by the gate ({why}) ({detail})", outcome)
+    if last_outcome == "deployed" and in_canary is not None:
+        return TriggerVerdict(False, False, f"{outcome}, but v{in_canary}, the last full retrain, is still in its "
+                                            "canary: judged online first", outcome)
     if last_outcome == "deployed" and outcome_at is not None:
         if now - outcome_at < config.cooldown_seconds:
             left = config.cooldown_seconds - (now - outcome_at)

@@ -367,7 +367,7 @@ def request_retrain(settings: Settings, decision: MonitorDecision, now: float,
         deployed = [t["outcome_at"] for t in past if t.get("outcome") == "deployed" and t.get("outcome_at")]
         verdict = should_retrain(decision, last.get("at"), now, config, last_outcome=last.get("outcome"),
                                  outcome_at=max(deployed, default=None) if last.get("outcome") == "deployed" else None,
-                                 gate_reasons=last.get("gate_reasons", ()))
+                                 gate_reasons=last.get("gate_reasons", ()), in_canary=_still_in_canary(settings, last))
         if verdict.retrain:
             past.append({"at": now, "decision": decision.decision, "reasons": list(decision.reasons),
                          "outcome": None, "retry_of_refused": last.get("outcome") == "refused"})
@@ -375,10 +375,21 @@ def request_retrain(settings: Settings, decision: MonitorDecision, now: float,
     return verdict
 
 
-def record_retrain_outcome(settings: Settings, deployed: bool, now: float, gate_reasons: list[str] | tuple = ()
-                           ) -> dict | None:
+def _still_in_canary(settings: Settings, request: dict) -> str | None:
+    """The version a deployed retrain request made, while it is still the challenger (its canary running)."""
+    if request.get("outcome") != "deployed" or not request.get("version"):
+        return None
+    from recloop import registry
+
+    challenger = registry.aliases(settings).get("challenger")
+    return challenger if challenger == str(request["version"]) else None
+
+
+def record_retrain_outcome(settings: Settings, deployed: bool, now: float, gate_reasons: list[str] | tuple = (),
+                           version: str | None = None) -> dict | None:
     """Record what became of the last requested retrain: ``deployed`` (passed the gate: the cool-down starts
-    now) or ``refused`` (the next check asks again, with these reasons). Returns the updated request."""
+    now; ``version``, the model it made, holds further requests while it is the challenger) or ``refused``
+    (the next check asks again, with these reasons). Returns the updated request."""
     path = _requests_path(settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(path.with_suffix(".lock")):
@@ -386,7 +397,8 @@ def record_retrain_outcome(settings: Settings, deployed: bool, now: float, gate_
         if not past:
             return None
         last = max(past, key=lambda t: t["at"])
-        last.update(outcome="deployed" if deployed else "refused", outcome_at=now, gate_reasons=list(gate_reasons))
+        last.update(outcome="deployed" if deployed else "refused", outcome_at=now, gate_reasons=list(gate_reasons),
+                    version=version)
         _write_requests(path, past)
     return last
 
