@@ -169,3 +169,43 @@ def test_a_sparse_log_gets_day_or_week_files_and_only_periods_with_events():
     assert choose_period_hours(decades) == 168
     sparse = np.arange(0, 22 * 365 * 24 * hour, 24 * hour * 3)  # one every three days for 22 years
     assert choose_period_hours(sparse) == 168
+
+
+def test_late_events_get_their_rows_and_count_in_the_totals_after_them(lake_home: Path, tmp_path: Path):
+    """Events that land after the job has built their period (late data) are not left out: the next run
+    builds again from their period, so every event has its training row and the entity statistics of
+    every later row count them, as if they had landed on time (the ids keep the latest vocabulary)."""
+    from recloop.ingest import ingest, lake
+
+    events = lake.read_window(Settings(home=lake_home), SPEC, None, None).select([c.name for c in SPEC.columns])
+    ts = events["ts"].cast(pa.int64()).to_numpy()
+    ten, eleven = (lake.to_us(datetime(2026, 1, 1, h, tzinfo=UTC)) for h in (10, 11))
+    late = (ts >= ten) & (ts < eleven + 1_800_000_000) & (np.arange(len(ts)) % 2 == 0)  # 10:00-11:30, half
+    files = tmp_path / "files"
+    files.mkdir()
+    for name, rows in (("all", events), ("first", events.filter(pa.array(~late))), ("late", events.filter(pa.array(late)))):
+        pq.write_table(rows, files / f"{name}.parquet")
+    now = datetime(2026, 1, 4, tzinfo=UTC)
+
+    on_time = Settings(home=tmp_path / "on-time", frame_backend="pandas")
+    ingest(files / "all.parquet", SPEC, on_time, now=now)
+    build_features(on_time, SPEC, CONFIG)
+    delayed = Settings(home=tmp_path / "delayed", frame_backend="pandas")
+    ingest(files / "first.parquet", SPEC, delayed, now=now)
+    build_features(delayed, SPEC, CONFIG)
+    ingest(files / "late.parquet", SPEC, delayed, now=now)
+    again = build_features(delayed, SPEC, CONFIG)
+    assert again.late_from == datetime(2026, 1, 1, 10, tzinfo=UTC).isoformat()
+
+    expected, got = (read(s, "training").sort_by("event_id") for s in (on_time, delayed))
+    assert got.num_rows == expected.num_rows == len(ts) and late.sum() > 30
+    assert got["event_id"].equals(expected["event_id"])
+    # the entity counts and recency (standardized numbers and the CTRs' prior keep the first window's
+    # statistics, as on any later run)
+    entity = [f"d_{prefix}_{stat}" for prefix in ("user", "item")
+              for stat in ("recency", "events_1h", "events_24h", "events_total")]
+    for column in entity:
+        assert np.allclose(got[column].to_numpy(), expected[column].to_numpy(), equal_nan=True), column
+    assert StateStore(FeatureLayout.for_settings(delayed).state).latest().as_of_us == \
+        StateStore(FeatureLayout.for_settings(on_time).state).latest().as_of_us
+    assert build_features(delayed, SPEC, CONFIG).late_from is None  # nothing new: nothing rebuilt

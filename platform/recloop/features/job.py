@@ -81,6 +81,11 @@ class FeatureLayout:
     def partition(self) -> Path:
         return self.root / "partition.json"
 
+    @property
+    def lake_files(self) -> Path:
+        """The committed lake files the job has read (``build_features``: late events come in new ones)."""
+        return self.root / "lake_files.json"
+
     def period_hours(self) -> int | None:
         """The period of this home's feature files (None before the first run)."""
         if not self.partition.is_file():
@@ -101,6 +106,7 @@ class FeatureRunSummary:
     seconds: float = 0.0
     message: str = ""
     windows: int = 1  # a long window is built as several (see MAX_WINDOW_ROWS)
+    late_from: str | None = None  # rebuilt from this period's start: it holds an event that landed late
     period_hours: int = 1  # the feature files' period
     feast_applied: bool = False  # set by the pipeline when it publishes the window through Feast
     materialized: list[str] = field(default_factory=list)
@@ -192,23 +198,32 @@ def build_features(
     settings: Settings, spec: DatasetSpec, config: FeatureConfig, *, start: datetime | None = None,
     end: datetime | None = None, backend: FrameBackend | None = None, max_window_rows: int = MAX_WINDOW_ROWS,
 ) -> FeatureRunSummary:
-    """Build features for ``[start, end)`` (default: from the latest state to the newest event).
+    """Build features for ``[start, end)`` (default: from the latest state to the newest event, and from
+    the period of the earliest late event: one landed since the last run with a time before its state).
 
     The engine is ``settings.features_engine``: ``local`` (this process) or ``dask`` (partitions by hash of
     entity key on a Dask cluster, ``recloop.features.dask_engine``); both give the same files.
     Returns a summary; an empty window is not an error (``rows == 0`` and a message).
+
+    Late events: the periods from the earliest one's to the latest state are built again with them (their
+    training rows, entity tables and corrected states, whose totals then count them), keeping the latest
+    vocabularies (ids keep their indices; a late event's ids are not counted toward admission).
     """
     began = time.perf_counter()
     backend = backend or get_backend(settings.frame_backend)
     layout = FeatureLayout.for_settings(settings)
     store = StateStore(layout.state)
     latest = store.latest()
+    lake_files = lake.window_files(settings)  # what this run can read: recorded as read at its end
 
     bounds = lake.time_bounds(settings, spec)
     if bounds is None:
         return FeatureRunSummary("", "", backend.name, message="the lake has no events yet: run `recloop ingest`")
     lake_first, lake_last = bounds
+    late_us = _late_events(settings, spec, layout, lake_files, latest) if start is None and latest else None
     start_us = lake.to_us(start) if start else (latest.as_of_us if latest else lake_first)
+    if late_us is not None:
+        start_us = min(start_us, late_us)
     end_us = lake.to_us(end) if end else lake_last + 1
     engine = settings.features_engine
     name = backend.name if engine == "local" else f"dask/{settings.frame_backend}"
@@ -226,9 +241,15 @@ def build_features(
     start_us = _period_start(start_us, period_us)
     end_us = _period_start(end_us - 1, period_us) + period_us
     points = _split_points(ts_us, start_us, end_us, period_us, max_window_rows)
-    total = FeatureRunSummary(_iso(start_us), _iso(end_us), name)
+    rebuild_until = None
+    if late_us is not None and latest is not None:  # the rebuilt periods end where the latest state is
+        rebuild_until = latest.as_of_us
+        points = sorted({*points, rebuild_until} if start_us < rebuild_until < end_us else set(points))
+    total = FeatureRunSummary(_iso(start_us), _iso(end_us), name,
+                              late_from=_iso(start_us) if late_us is not None else None)
     for part_start, part_end in zip(points[:-1], points[1:], strict=True):
-        part = _build_window(settings, spec, config, backend, layout, store, part_start, part_end, period_us)
+        part = _build_window(settings, spec, config, backend, layout, store, part_start, part_end, period_us,
+                             rebuild_until)
         total.rows += part.rows
         total.hours_written += part.hours_written
         for prefix, count in part.entity_rows.items():
@@ -238,14 +259,46 @@ def build_features(
         total.message = part.message if not total.rows else ""
     total.windows = len(points) - 1
     total.period_hours = period_hours
+    if start is None:  # every late event among these files is in now (an explicit start may have skipped some)
+        _record_lake_files(layout, settings, lake_files)
     total.seconds = round(time.perf_counter() - began, 3)
     return total
 
 
+def _late_events(settings: Settings, spec: DatasetSpec, layout: FeatureLayout, lake_files: list[str],
+                 latest: FeatureState) -> int | None:
+    """The time of the earliest event landed since the job last ran (in a lake file it had not read) that
+    is before the latest state, or None. A home without the record (built before it existed) has none."""
+    if not layout.lake_files.is_file():
+        return None
+    read = set(json.loads(layout.lake_files.read_text())["files"])
+    earliest = None
+    for path in lake_files:
+        if _relative(path, settings) in read:
+            continue
+        table = lake.read_window_file(settings, spec, path, None, latest.as_of_us, columns=[spec.timestamp])
+        if table.num_rows:
+            first = pc.min(table[spec.timestamp].cast(pa.int64())).as_py()
+            earliest = first if earliest is None else min(earliest, first)
+    return earliest
+
+
+def _relative(path: str, settings: Settings) -> str:
+    return str(Path(path).resolve().relative_to(settings.home.resolve()))
+
+
+def _record_lake_files(layout: FeatureLayout, settings: Settings, lake_files: list[str]) -> None:
+    layout.root.mkdir(parents=True, exist_ok=True)
+    tmp = layout.lake_files.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"files": sorted(_relative(f, settings) for f in lake_files)}) + "\n")
+    os.replace(tmp, layout.lake_files)
+
+
 def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, backend: FrameBackend,
-                  layout: FeatureLayout, store: StateStore, start_us: int, end_us: int, period_us: int
-                  ) -> FeatureRunSummary:
-    """One window ``[start_us, end_us)`` (period-aligned) of ``build_features``."""
+                  layout: FeatureLayout, store: StateStore, start_us: int, end_us: int, period_us: int,
+                  rebuild_until: int | None = None) -> FeatureRunSummary:
+    """One window ``[start_us, end_us)`` (period-aligned) of ``build_features``; a window before
+    ``rebuild_until`` (late events) saves a corrected state at its end, for the windows after it."""
     latest = store.latest()
     engine = settings.features_engine
     summary = FeatureRunSummary(_iso(start_us), _iso(end_us), backend.name if engine == "local" else
@@ -275,10 +328,12 @@ def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, 
         _write_periods(layout.entity_table(prefix), table, "_ts_us", start_us, end_us, period_us)
     summary.hours_written = written
 
-    if new_state:
+    correcting = not new_state and rebuild_until is not None and end_us <= rebuild_until
+    if new_state or correcting:  # a corrected state keeps the latest vocabularies and statistics
         snapshots = {prefix: _snapshot(backend, s, base.snapshots.get(prefix) if base else None)
                      for prefix, s in computed.states.items()}
-        saved = store.save(FeatureState(end_us, computed.vocabularies, computed.stats, snapshots))
+        saved = store.save(FeatureState(end_us, computed.vocabularies, computed.stats, snapshots),
+                           publish=new_state or end_us == rebuild_until)
     else:
         saved = latest
     summary.state_version = saved.version

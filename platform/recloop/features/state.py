@@ -100,16 +100,23 @@ class StateStore:
         except json.JSONDecodeError as err:
             raise FeatureStateError(f"feature state manifest {path} is corrupt: {err}") from err
 
-    def latest(self) -> FeatureState | None:
+    def _as_of(self, version: int) -> int:
+        return int(self._manifest(version)["as_of_us"])
+
+    def latest_version(self) -> int | None:
+        """The newest state: the latest ``as_of``, and of equal ones the last written (a rebuild for late
+        events writes corrected states for earlier times after it: ``recloop.features.job``)."""
         versions = self.versions()
-        return self.load(versions[-1]) if versions else None
+        return max(versions, key=lambda v: (self._as_of(v), v)) if versions else None
+
+    def latest(self) -> FeatureState | None:
+        version = self.latest_version()
+        return self.load(version) if version is not None else None
 
     def at_or_before(self, t_us: int) -> FeatureState | None:
-        """The newest version whose ``as_of`` is not after ``t_us``."""
-        for version in reversed(self.versions()):
-            if self._manifest(version)["as_of_us"] <= t_us:
-                return self.load(version)
-        return None
+        """The newest state whose ``as_of`` is not after ``t_us`` (of equal ones, the last written)."""
+        found = [(as_of, v) for v in self.versions() if (as_of := self._as_of(v)) <= t_us]
+        return self.load(max(found)[1]) if found else None
 
     def load(self, version: int) -> FeatureState:
         manifest = self._manifest(version)
@@ -124,8 +131,9 @@ class StateStore:
         }
         return FeatureState(manifest["as_of_us"], vocabularies, manifest["stats"], snapshots, version)
 
-    def save(self, state: FeatureState) -> FeatureState:
-        """Write ``state`` as the next version; returns it with its version number."""
+    def save(self, state: FeatureState, publish: bool = True) -> FeatureState:
+        """Write ``state`` as the next version (announced to readers unless ``publish`` is False: a corrected
+        earlier state); returns it with its version number."""
         version = (self.versions() or [0])[-1] + 1
         final = self.root / f"v{version:06d}"
         staging = self.root / f".v{version:06d}.tmp"
@@ -146,7 +154,8 @@ class StateStore:
                                              "sha256": _write(table, staging / name)}
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(staging, final)
-        self.publish(version)
+        if publish:
+            self.publish(version)
         return FeatureState(state.as_of_us, state.vocabularies, state.stats, state.snapshots, version)
 
 

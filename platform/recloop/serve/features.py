@@ -267,11 +267,11 @@ class RequestFeatures:
     def refresh(self) -> bool:
         """Load the newest feature state if the feature job wrote one since; returns whether it did."""
         stamp = self._states.marker_stamp()
-        versions = self._states.versions()
-        if not versions or (self._state and self._state.version == versions[-1]):
+        newest = self._states.latest_version()
+        if newest is None or (self._state and self._state.version == newest):
             self._stamp = stamp
             return False
-        state = self._states.load(versions[-1])
+        state = self._states.load(newest)
         with self._lock:
             self._state = state
             self._stamp = stamp
