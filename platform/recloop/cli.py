@@ -265,6 +265,9 @@ def _run_features(settings: Settings, dataset, window: dict, quiet: bool, materi
 def _print_features(summary: dict) -> None:
     if summary["message"]:
         console.print(summary["message"])
+    if summary.get("late_from"):
+        console.print(f"late events: built again from {summary['late_from']} (events landed since the last run "
+                      "with earlier times)")
     if summary["rows"]:
         console.print(f"features {summary['start']} → {summary['end']}: {summary['rows']:,} training rows, "
                       f"entity rows {summary['entity_rows']}, state v{summary['state_version']}, "
@@ -275,7 +278,8 @@ def _print_features(summary: dict) -> None:
 
 @app.command("features")
 def features_command(
-    start: Annotated[str | None, typer.Option(help="Window start (UTC, ISO); default: where the last run ended.")] = None,
+    start: Annotated[str | None, typer.Option(help="Window start (UTC, ISO); default: where the last run ended "
+                                                   "(or the period of an event landed late since).")] = None,
     end: Annotated[str | None, typer.Option(help="Window end (UTC, ISO); default: after the newest event.")] = None,
     spec: SpecOption = None,
     materialize: Annotated[bool, typer.Option(help="Apply the Feast repo if needed and load the online store.")] = True,
