@@ -209,3 +209,39 @@ def test_late_events_get_their_rows_and_count_in_the_totals_after_them(lake_home
     assert StateStore(FeatureLayout.for_settings(delayed).state).latest().as_of_us == \
         StateStore(FeatureLayout.for_settings(on_time).state).latest().as_of_us
     assert build_features(delayed, SPEC, CONFIG).late_from is None  # nothing new: nothing rebuilt
+
+
+def test_an_id_is_out_of_vocabulary_until_it_was_seen_min_count_times_before_the_event(tmp_path: Path):
+    """User and item ids admit at two sightings: a row takes the id's index only once the id had been seen
+    twice before its event, so one window and the same events split in two agree (with admission at the
+    window's end, the first of a user's two events already said "this user comes back")."""
+    from datetime import timedelta
+
+    from recloop.features.vocab import OOV_INDEX
+    from recloop.ingest import ingest
+
+    base = datetime(2026, 1, 1, tzinfo=UTC)
+    n = 40
+    users = [100 + i for i in range(n)]
+    users[0] = users[-1] = 7  # twice: 00:00 and 01:57
+    users[5] = users[10] = users[30] = 8  # three times: 00:15, 00:30, 01:30
+    table = pa.table({
+        "event_id": [f"e{i}" for i in range(n)],
+        "ts": pa.array([base + timedelta(minutes=3 * i) for i in range(n)], pa.timestamp("us", tz="UTC")),
+        "user_id": users, "item_id": [1] * n, "label": pa.array([0, 1] * (n // 2), pa.int8()),
+        "device": ["d"] * n, "country": ["US"] * n, "category": [1] * n, "price": [1.0] * n, "position": [1] * n,
+        "history": pa.array([[1]] * n, pa.list_(pa.int64())), "p_click": [0.5] * n})
+    pq.write_table(table, tmp_path / "events.parquet")
+    homes = [Settings(home=tmp_path / name, frame_backend="pandas") for name in ("one", "two")]
+    for home in homes:
+        ingest(tmp_path / "events.parquet", SPEC, home, now=base + timedelta(days=2))
+    build_features(homes[0], SPEC, CONFIG)
+    build_features(homes[1], SPEC, CONFIG, end=base + timedelta(hours=1))
+    build_features(homes[1], SPEC, CONFIG)
+    for home in homes:
+        rows = read(home, "training").sort_by("ts").to_pydict()
+        index = dict(zip(rows["event_id"], rows["c_user_id"], strict=True))
+        assert index["e0"] == index["e39"] == OOV_INDEX  # user 7: seen 0, then 1 time before
+        assert index["e5"] == index["e10"] == OOV_INDEX and index["e30"] > OOV_INDEX  # user 8's third event
+        item = rows["c_item_id"]
+        assert item[:2] == [OOV_INDEX, OOV_INDEX] and all(i > OOV_INDEX for i in item[2:])

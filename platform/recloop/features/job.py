@@ -265,6 +265,58 @@ def build_features(
     return total
 
 
+def _keys_admitted_so_far(settings: Settings, spec: DatasetSpec, config: FeatureConfig, training: pa.Table,
+                          base: FeatureState | None, start_us: int) -> pa.Table:
+    """``training`` with each user and item id out of vocabulary (``OOV_INDEX``) in the rows before it had
+    been seen ``min_count`` times: a row's features are what was known before its event.
+
+    The vocabularies admit the ids a window saw often enough at its end, so the window's rows used to take
+    an id's index from its first event on: with ``min_count`` 2, an indexed user in a row said "this user
+    comes back later in the window" (and one window gave other indices than the same events split in two).
+    Counted here: the base state's sightings, the events between it and the window, and the window's own
+    events before the row (time order; lake order within equal times). Keys only: their raw values are in
+    the rows; the other vocabularies admit at one sighting (``min_count`` 1) by default."""
+    from recloop.features.vocab import OOV_INDEX
+
+    keys = [f for f in config.categorical if not f.hash_buckets and f.min_count > 1 and f"c_{f.column}" in
+            training.column_names and f.column in training.column_names and f.column in (spec.user_key, spec.item_key)]
+    if not keys or not training.num_rows:
+        return training
+    since = base.as_of_us if base else None
+    between = lake.read_window(settings, spec, since, start_us, columns=[f.column for f in keys]) \
+        if since is None or since < start_us else pa.table({})
+    order = np.lexsort((np.arange(training.num_rows), training["_ts_us"].to_numpy()))
+    for feature in keys:
+        name, values = f"c_{feature.column}", training[feature.column].to_numpy(zero_copy_only=False)
+        counted = base.vocabularies[feature.column].table if base and feature.column in base.vocabularies else None
+        prior = {} if counted is None else dict(zip(counted["value"].to_pylist(), counted["count"].to_pylist(),
+                                                    strict=True))
+        if between.num_rows:
+            for value, count in zip(*np.unique(between[feature.column].drop_null().to_numpy(), return_counts=True),
+                                    strict=True):
+                prior[value] = prior.get(value, 0) + int(count)
+        ordered = values[order]
+        unique, inverse = np.unique(ordered, return_inverse=True)
+        before = np.array([prior.get(v, 0) for v in unique.tolist()], dtype=np.int64)[inverse]
+        seen = np.empty(len(values), dtype=np.int64)  # sightings before each row
+        seen[order] = before + _earlier_in_group(inverse)
+        index = training[name].to_numpy()
+        masked = np.where((index > OOV_INDEX) & (seen < feature.min_count), OOV_INDEX, index).astype(index.dtype)
+        training = training.set_column(training.column_names.index(name), name, pa.array(masked))
+    return training
+
+
+def _earlier_in_group(groups: np.ndarray) -> np.ndarray:
+    """For each element, how many elements before it belong to its group (pandas' ``cumcount``)."""
+    by_group = np.argsort(groups, kind="stable")
+    sorted_groups = groups[by_group]
+    starts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
+    run_start = np.repeat(starts, np.diff(np.r_[starts, len(groups)]))
+    out = np.empty(len(groups), dtype=np.int64)
+    out[by_group] = np.arange(len(groups)) - run_start
+    return out
+
+
 def _late_events(settings: Settings, spec: DatasetSpec, layout: FeatureLayout, lake_files: list[str],
                  latest: FeatureState) -> int | None:
     """The time of the earliest event landed since the job last ran (in a lake file it had not read) that
@@ -320,8 +372,8 @@ def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, 
         return summary
 
     summary.rows = computed.training.num_rows
-    written = _write_periods(layout.training, computed.training, "_ts_us", start_us, end_us, period_us,
-                             TRAINING_PARQUET)
+    training = _keys_admitted_so_far(settings, spec, config, computed.training, base, start_us)
+    written = _write_periods(layout.training, training, "_ts_us", start_us, end_us, period_us, TRAINING_PARQUET)
     for prefix, entity_states in computed.states.items():
         table = entity_table(backend, entity_states, getattr(spec, _role(prefix)), start_us, end_us)
         summary.entity_rows[prefix] = table.num_rows
