@@ -47,6 +47,9 @@ TimestampFormat = Literal["iso", "epoch_s", "epoch_ms", "epoch_us"]
 EPOCH_UNITS = {"epoch_s": 1_000_000, "epoch_ms": 1_000, "epoch_us": 1}  # microseconds per unit
 _SINGLE_ROLES = ("event_id", "timestamp", "label")
 _AT_MOST_ONE_ROLES = ("user_key", "item_key")
+# Never missing: an event without its id, time or label cannot be trained on, and the feature job ranks
+# the user and item keys to join each event to its entity's state (a null key has no rank).
+_NOT_NULLABLE_ROLES = _SINGLE_ROLES + _AT_MOST_ONE_ROLES
 _ROLE_DTYPES: dict[str, tuple[str, ...]] = {
     "event_id": ("string",),
     "timestamp": ("timestamp",),
@@ -74,7 +77,8 @@ class ColumnSpec(_Frozen):
         name: column name as it appears in the files.
         role: what the column means (see the module docstring).
         dtype: the type values are converted to on ingestion.
-        nullable: whether a missing value is allowed (the event id, timestamp and label never are).
+        nullable: whether a missing value is allowed (the event id, timestamp, label and the user and
+            item keys never are).
         min, max: inclusive bounds for numbers; ISO dates or datetimes for the timestamp. A ``numeric``
             column is a model input and needs both: no value the model sees is unbounded.
         allowed: the only values permitted (for example ``[0, 1]`` for a label).
@@ -123,8 +127,9 @@ class ColumnSpec(_Frozen):
         allowed_dtypes = _ROLE_DTYPES.get(self.role)
         if allowed_dtypes and self.dtype not in allowed_dtypes:
             raise ValueError(f"column {self.name!r}: role {self.role} needs dtype in {allowed_dtypes}, not {self.dtype}")
-        if self.role in _SINGLE_ROLES and self.nullable:
-            raise ValueError(f"column {self.name!r}: the {self.role} column cannot be nullable")
+        if self.role in _NOT_NULLABLE_ROLES and self.nullable:
+            why = " (features join each event to its entity by this key)" if self.role in _AT_MOST_ONE_ROLES else ""
+            raise ValueError(f"column {self.name!r}: the {self.role} column cannot be nullable{why}")
         if self.dtype == "timestamp":
             for bound in (self.min, self.max):
                 if bound is not None:
