@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -109,6 +110,12 @@ def _far_future(events: pa.Table, now: datetime) -> pa.Table:
     return with_column(events, "ts", pa.array(stamps, pa.timestamp("us", tz="UTC")))
 
 
+def _millisecond_beyond_microseconds(events: pa.Table, now: datetime) -> pa.Table:
+    millis = events["ts"].cast(pa.timestamp("ms", tz="UTC"), safe=False).cast(pa.int64()).to_pylist()
+    millis[0] = 2**62  # a valid millisecond count that int64 microseconds cannot hold
+    return with_column(events, "ts", pa.array(millis, pa.int64()).cast(pa.timestamp("ms", tz="UTC")))
+
+
 def _duplicate_within(events: pa.Table, now: datetime) -> pa.Table:
     ids = events["event_id"].to_pylist()
     ids[5] = ids[4]
@@ -181,6 +188,8 @@ CASES = {
                       "non_finite:price"),
     "csv-non-finite-prices": Case(_text("inf.csv", _csv_non_finite_prices), "ingested", 4, "non_finite:price"),
     "unparsable-timestamp": Case(_text("bad_ts.csv", _csv_bad_timestamp), "ingested", 1, "invalid_type:ts"),
+    "timestamp-beyond-microseconds": Case(_parquet("millis.parquet", _millisecond_beyond_microseconds), "ingested", 1,
+                                          "invalid_type:ts"),
     "far-future-timestamp": Case(_parquet("future.parquet", _far_future), "ingested", 1, "future_timestamp:ts"),
     "duplicate-ids-within-file": Case(_parquet("dups.parquet", _duplicate_within), "ingested", 2,
                                       "duplicate_event_id"),
@@ -247,6 +256,17 @@ def test_csv_lands_the_same_events_as_parquet(small_events, settings, now, tmp_p
             np.testing.assert_allclose(landed[name].to_numpy(), expected[name].to_numpy(), rtol=1e-12)
         else:
             assert landed[name].to_pylist() == expected[name].to_pylist(), name
+
+
+def test_nanosecond_timestamps_from_pandas_land_truncated_to_the_microsecond(small_events, settings, now, tmp_path):
+    frame = small_events.to_pandas()
+    frame["ts"] = frame["ts"].astype("datetime64[ns, UTC]") + pd.to_timedelta(789, unit="ns")
+    frame.to_parquet(tmp_path / "pandas.parquet")  # pandas writes timestamp[ns]
+    assert pq.read_schema(tmp_path / "pandas.parquet").field("ts").type.unit == "ns"
+    [result] = ingest(tmp_path / "pandas.parquet", SYNTHETIC, settings, now=now).results
+    assert (result.status, result.rows_landed) == ("ingested", small_events.num_rows), result
+    landed = lake_rows(settings).sort_by("event_id")["ts"]
+    assert landed.to_pylist() == small_events.sort_by("event_id")["ts"].to_pylist()  # the 789 ns dropped
 
 
 def test_duplicates_across_files_and_reingestion_are_noops(small_events, settings, now, tmp_path):

@@ -137,6 +137,9 @@ def coerce_column(col: ColumnSpec, values: pa.ChunkedArray | pa.Array, integral_
 
     ``integral_floats``: an integer column accepts text such as ``2015.0`` (a typed float column with whole
     values is always accepted: the conversion loses nothing).
+
+    Timestamps land in the spec's unit, microseconds: a finer one (pandas writes nanoseconds) is truncated
+    to the microsecond, toward the past (``...:00.123456789`` → ``...:00.123456``), in files and text alike.
     """
     arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
     if pa.types.is_dictionary(arr.type):
@@ -158,7 +161,7 @@ def coerce_column(col: ColumnSpec, values: pa.ChunkedArray | pa.Array, integral_
         return _parse_text(col, arr.cast(pa.string()), target, integral_floats)
     if col.dtype == "timestamp":
         if pa.types.is_timestamp(arr.type):  # naive timestamps are taken as UTC
-            return arr.cast(target), none_bad
+            return _to_micros(arr, target)
         return _all_bad(arr, target)
     if col.dtype == "list<int64>":
         if (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)) and pa.types.is_integer(
@@ -234,6 +237,29 @@ def _from_epoch(arr: pa.Array, unit_us: int, target: pa.DataType) -> tuple[pa.Ar
     return typed.cast(pa.timestamp("us", tz="UTC")).cast(target), present & ~ok
 
 
+def _to_micros(arr: pa.Array, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+    """Typed timestamps (any unit; UTC underneath, whatever the zone) → microseconds, marking the rows that
+    cannot be held.
+
+    Nanoseconds are floored to the microsecond (the spec's unit: the extra digits are below what the lake
+    keeps, and flooring never moves an event later). Seconds and milliseconds are scaled up exactly; one
+    beyond what int64 microseconds hold (about 292,000 years from 1970) is invalid, that row alone.
+    """
+    unit = arr.type.unit
+    if unit == "us":
+        return arr.cast(target), np.zeros(len(arr), dtype=bool)
+    present = np.asarray(arr.is_valid())
+    counts = arr.cast(pa.int64()).fill_null(0).to_numpy()  # (N,) int64, in the file's unit since the epoch
+    if unit == "ns":
+        micros, ok = counts // 1_000, present
+    else:
+        scale = {"s": 1_000_000, "ms": 1_000}[unit]
+        limit = np.iinfo(np.int64).max // scale
+        ok = present & (counts >= -limit) & (counts <= limit)
+        micros = np.where(ok, counts, 0) * scale
+    return pa.array(micros, pa.int64(), mask=~ok).cast(target), present & ~ok
+
+
 def type_hint(col: ColumnSpec, values: pa.ChunkedArray | pa.Array, bad: np.ndarray) -> str | None:
     """What the spec could say to accept the values of ``col`` that failed conversion, if it can tell."""
     arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
@@ -277,7 +303,7 @@ def _parse_text(col: ColumnSpec, text: pa.Array, target: pa.DataType, integral_f
     if col.dtype == "timestamp":
         series = pd.Series(stripped.to_numpy(zero_copy_only=False), dtype=object)
         parsed = pd.to_datetime(series, utc=True, errors="coerce", format="ISO8601")
-        typed = pa.array(parsed, pa.timestamp("ns", tz="UTC")).cast(target, safe=False)
+        typed, _ = _to_micros(pa.array(parsed, pa.timestamp("ns", tz="UTC")), target)
         return typed, present & np.asarray(parsed.isna())
     if col.dtype in _INT_BOUNDS:
         # Exact integers: 18 digits always fit in int64; longer ones are out of range for every int type.
