@@ -104,6 +104,12 @@ def _fractional_user(events: pa.Table, now: datetime) -> pa.Table:
     return with_column(events, "user_id", pa.array(users, pa.float64()))
 
 
+def _integer_prices(events: pa.Table, now: datetime) -> pa.Table:
+    prices = [None if p is None else round(p) for p in events["price"].to_pylist()]
+    prices[0] = 2**53 + 1  # no float64 of its own: it rounds (and is above the spec's max)
+    return with_column(events, "price", pa.array(prices, pa.int64()))
+
+
 def _far_future(events: pa.Table, now: datetime) -> pa.Table:
     stamps = events["ts"].to_pylist()
     stamps[0] = now + timedelta(days=3)
@@ -175,6 +181,17 @@ CASES = {
                            "all", "missing_column:price"),
     "extra-column": Case(_parquet("extra.parquet", lambda e, now: e.append_column("coupon", pa.array(["x"] * len(e)))),
                          "ingested", "all", "unexpected_column:coupon"),
+    "uint64-id-beyond-int64": Case(_parquet("uint64.parquet", _replace_first("user_id", 2**63, pa.uint64())),
+                                   "ingested", 1, "invalid_type:user_id"),
+    "float-id-of-2-pow-63": Case(_parquet("float_id.parquet", _replace_first("user_id", 2.0**63, pa.float64())),
+                                 "ingested", 1, "invalid_type:user_id"),
+    "int64-label-beyond-int8": Case(_parquet("wide_label.parquet", _replace_first("label", 2**60 + 1, pa.int64())),
+                                    "ingested", 1, "invalid_type:label"),
+    "uint64-history-beyond-int64": Case(
+        _parquet("uint64_history.parquet", _replace_first("history", [1, 2**63], pa.list_(pa.uint64()))),
+        "ingested", 1, "invalid_type:history"),
+    "int64-price-beyond-2-pow-53": Case(_parquet("int_price.parquet", _integer_prices), "ingested", 1,
+                                        "out_of_range:price"),
     "null-label": Case(_parquet("null_label.parquet", _replace_first("label", None)), "ingested", 1, "null:label"),
     "label-outside-0-1": Case(_parquet("label2.parquet", _replace_first("label", 2)), "ingested", 1,
                               "not_allowed:label"),
@@ -267,6 +284,17 @@ def test_nanosecond_timestamps_from_pandas_land_truncated_to_the_microsecond(sma
     assert (result.status, result.rows_landed) == ("ingested", small_events.num_rows), result
     landed = lake_rows(settings).sort_by("event_id")["ts"]
     assert landed.to_pylist() == small_events.sort_by("event_id")["ts"].to_pylist()  # the 789 ns dropped
+
+
+def test_integers_beyond_float_precision_land_exactly(small_events, settings, now, tmp_path):
+    users = small_events["user_id"].to_pylist()
+    users[0], users[1] = 2**60 + 1, 2**64 - 1  # exact in int64 | beyond it: only that row is quarantined
+    pq.write_table(with_column(small_events, "user_id", pa.array(users, pa.uint64())), tmp_path / "ids.parquet")
+    [result] = ingest(tmp_path / "ids.parquet", SYNTHETIC, settings, now=now).results
+    assert (result.rows_landed, result.reasons) == (small_events.num_rows - 1, {"invalid_type:user_id": 1})
+    landed = lake_rows(settings).filter(pc.equal(lake_rows(settings)["event_id"], small_events["event_id"][0]))
+    assert landed["user_id"].to_pylist() == [2**60 + 1]
+    assert quarantine_rows(settings)["user_id"].to_pylist() == [str(2**64 - 1)]
 
 
 def test_duplicates_across_files_and_reingestion_are_noops(small_events, settings, now, tmp_path):

@@ -167,15 +167,53 @@ def coerce_column(col: ColumnSpec, values: pa.ChunkedArray | pa.Array, integral_
         if (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)) and pa.types.is_integer(
             arr.type.value_type
         ):
-            return arr.cast(target), none_bad
+            return _int_lists(arr, target)
         return _all_bad(arr, target)
+    if pa.types.is_integer(arr.type) and col.dtype in _INT_BOUNDS:
+        return _from_integers(arr, col.dtype, target)
+    if pa.types.is_integer(arr.type) and col.dtype in FLOAT_DTYPES:
+        # The nearest float, as for text: beyond 2**53 (2**24 for float32) not every integer has one of its
+        # own, and a float column asks for no more; no int64 is outside float32's range.
+        return arr.cast(target, safe=False), none_bad
     if pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type) or pa.types.is_boolean(arr.type):
         try:
             return arr.cast(target), none_bad
         except pa.ArrowInvalid:  # fractional values or out of range for the target: find which rows
-            as_float = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
+            as_float = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)  # floats here: exact in float64
             return _from_floats(col, as_float, target)
     return _all_bad(arr, target)
+
+
+def _from_integers(arr: pa.Array, dtype: str, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+    """Integers of any width to an integer type; a value outside the type's range is invalid, that row
+    alone. Compared as integers: a float64 round trip would refuse (or round) anything beyond 2**53."""
+    try:
+        return arr.cast(target), np.zeros(len(arr), dtype=bool)
+    except pa.ArrowInvalid:
+        pass
+    low, high = _INT_BOUNDS[dtype]
+    present = np.asarray(arr.is_valid())
+    unsigned = pa.types.is_unsigned_integer(arr.type)
+    values = arr.cast(pa.uint64() if unsigned else pa.int64()).fill_null(0).to_numpy()  # (N,) exact
+    ok = present & (values <= high)
+    if not unsigned:
+        ok &= values >= low
+    typed = pa.array(np.where(ok, values, 0).astype(np.int64), mask=~ok).cast(target)
+    return typed, present & ~ok
+
+
+def _int_lists(arr: pa.ListArray, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+    """Lists of integers to ``list<int64>``; a list holding an element beyond int64 (from a uint64 list) is
+    invalid, that row alone."""
+    try:
+        return arr.cast(target), np.zeros(len(arr), dtype=bool)
+    except pa.ArrowInvalid:
+        pass
+    elements = pc.list_flatten(arr).cast(pa.uint64()).fill_null(0).to_numpy()  # only uint64 lists fail the cast
+    parents = pc.list_parent_indices(arr).to_numpy()
+    bad = np.zeros(len(arr), dtype=bool)
+    bad[parents[elements > _INT_BOUNDS["int64"][1]]] = True
+    return pc.if_else(pa.array(bad), pa.scalar(None, arr.type), arr).cast(target), bad
 
 
 def _drop_non_finite(values: pa.Array) -> tuple[pa.Array, np.ndarray]:
@@ -207,8 +245,8 @@ def _from_floats(
     present = parsed if present is None else present
     if col.dtype in _INT_BOUNDS:
         low, high = _INT_BOUNDS[col.dtype]
-        with np.errstate(invalid="ignore"):
-            ok = parsed & (np.floor(values) == values) & (values >= low) & (values <= high)
+        with np.errstate(invalid="ignore"):  # high + 1 is a power of two, exact as a float; high is not
+            ok = parsed & (np.floor(values) == values) & (values >= low) & (values < float(high + 1))
     elif col.dtype == "bool":
         ok = parsed & np.isin(values, (0.0, 1.0))
     else:
@@ -263,6 +301,8 @@ def _to_micros(arr: pa.Array, target: pa.DataType) -> tuple[pa.Array, np.ndarray
 def type_hint(col: ColumnSpec, values: pa.ChunkedArray | pa.Array, bad: np.ndarray) -> str | None:
     """What the spec could say to accept the values of ``col`` that failed conversion, if it can tell."""
     arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    if pa.types.is_nested(arr.type):  # the hints are about numbers and timestamps written as scalars
+        return None
     sample = arr.filter(pa.array(bad)).slice(0, 100)
     text = pc.utf8_trim_whitespace(sample.cast(pa.string())).drop_null().to_pylist()
     if not text:
