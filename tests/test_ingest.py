@@ -398,6 +398,18 @@ def test_extra_columns_can_be_ignored_by_the_spec(small_events, settings, now, t
     assert summary.rows_landed == small_events.num_rows and "coupon" not in lake_rows(settings).column_names
 
 
+@pytest.mark.parametrize("pattern", ["[A-Z]{2}", "US|FR", "^US|FR$", "(?!XX)[A-Z]{2}"],
+                         ids=["unanchored", "alternatives", "anchors-inside-alternatives", "lookahead-python-re"])
+def test_a_pattern_must_match_the_whole_value(pattern, small_events, settings, now, tmp_path):
+    columns = [c.model_copy(update={"pattern": pattern}) if c.name == "country" else c for c in SYNTHETIC.columns]
+    spec = SYNTHETIC.model_copy(update={"columns": tuple(columns)})
+    countries = ["US", "FR", "USA", "xUS", "FRx", "US\n"] + [None] * (small_events.num_rows - 6)
+    pq.write_table(with_column(small_events, "country", pa.array(countries, pa.string())), tmp_path / "c.parquet")
+    [result] = ingest(tmp_path / "c.parquet", spec, settings, now=now).results
+    assert result.reasons == {"pattern_mismatch:country": 4}, result  # as serving's re.fullmatch judges them
+    assert sorted(quarantine_rows(settings)["country"].to_pylist()) == ["FRx", "US\n", "USA", "xUS"]
+
+
 def test_a_spec_can_let_non_finite_values_of_a_column_land(small_events, settings, now, tmp_path):
     columns = [c.model_copy(update={"allow_non_finite": True}) if c.name == "price" else c for c in SYNTHETIC.columns]
     lenient = SYNTHETIC.model_copy(update={"columns": tuple(columns)})

@@ -437,8 +437,26 @@ def _value_checks(col: ColumnSpec, spec: DatasetSpec, now: datetime) -> list[pan
     if col.allowed is not None:
         checks.append(pandera.Check.isin(col.allowed, error="not_allowed"))
     if col.pattern is not None:
-        checks.append(pandera.Check.str_matches(col.pattern, error="pattern_mismatch"))
+        checks.append(pandera.Check(lambda s: _fullmatch(s, col.pattern), error="pattern_mismatch"))
     return checks
+
+
+def _fullmatch(values: pd.Series, pattern: str) -> pd.Series:
+    """Whether each value matches ``pattern`` in full, as serving checks a request (``re.fullmatch``), not
+    only at its start (pandera's ``str_matches``); nulls pass (``nullable`` judges them).
+
+    Arrow's RE2 runs it, anchored around a group (``a|b`` is ``^(?:a|b)$``, not ``^a|b$``: pandas' own
+    ``fullmatch`` on Arrow strings gets that wrong); a pattern RE2 cannot run (a lookahead, a backreference)
+    goes value by value through Python's ``re``, which the spec validated it with.
+    """
+    text = pa.array(values, pa.string())
+    try:
+        matched = pc.match_substring_regex(text, f"^(?:{pattern})$")
+    except pa.ArrowInvalid:
+        compiled = re.compile(pattern)
+        matched = pa.array([None if v is None else compiled.fullmatch(v) is not None for v in text.to_pylist()],
+                           pa.bool_())
+    return pd.Series(np.asarray(matched.fill_null(True)), index=values.index)
 
 
 def _within_or_non_finite(values: pd.Series, low: float, high: float) -> pd.Series:
