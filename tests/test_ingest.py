@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 from collections.abc import Callable
@@ -297,6 +298,15 @@ def test_integers_beyond_float_precision_land_exactly(small_events, settings, no
     assert quarantine_rows(settings)["user_id"].to_pylist() == [str(2**64 - 1)]
 
 
+@pytest.mark.parametrize("name", ["excel.csv", "excel.csv.gz"])
+def test_a_csv_starting_with_a_byte_order_mark_lands(name, small_events, settings, now, tmp_path):
+    data = b"\xef\xbb\xbf" + to_csv(small_events).encode()  # Excel's "CSV UTF-8"
+    (tmp_path / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    [result] = ingest(tmp_path / name, SYNTHETIC, settings, now=now).results
+    assert (result.rows_landed, result.reasons) == (small_events.num_rows, {}), result
+    assert sorted(lake_rows(settings)["event_id"].to_pylist()) == sorted(small_events["event_id"].to_pylist())
+
+
 def test_duplicates_across_files_and_reingestion_are_noops(small_events, settings, now, tmp_path):
     landing = tmp_path / "landing"
     landing.mkdir()
@@ -387,6 +397,18 @@ def test_criteo_ids_and_times_are_derived_and_stable(settings, now, tmp_path):
     shutil.copy(landing / "day_3", tmp_path / "again" / "day_3.tsv")
     ingest(tmp_path / "again", CRITEO, other, now=now)
     assert sorted(lake_rows(other)["event_id"].to_pylist()) == sorted(landed["event_id"].to_pylist())
+
+
+def test_a_criteo_tsv_starting_with_a_byte_order_mark_lands_the_same_ids(settings, now, tmp_path):
+    text = "\n".join(criteo_lines(20)) + "\n"
+    for folder, data in (("plain", text.encode()), ("bom", b"\xef\xbb\xbf" + text.encode())):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "day_0").write_bytes(data)
+    plain = Settings(home=tmp_path / "home-plain")
+    ingest(tmp_path / "plain", CRITEO, plain, now=now)
+    [result] = ingest(tmp_path / "bom", CRITEO, settings, now=now).results
+    assert (result.rows_landed, result.reasons) == (20, {}), result
+    assert sorted(lake_rows(settings)["event_id"].to_pylist()) == sorted(lake_rows(plain)["event_id"].to_pylist())
 
 
 def test_extra_columns_can_be_ignored_by_the_spec(small_events, settings, now, tmp_path):

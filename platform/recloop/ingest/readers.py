@@ -20,6 +20,8 @@ after it was found is either read as it was or refused, never mixed.
 
 Row numbers (``source_row``) count data rows from 0 in file order: parquet rows, CSV lines after the
 header, Criteo lines.
+
+Text files are UTF-8; a byte order mark at the start (Excel's "CSV UTF-8" writes one) is dropped.
 """
 
 from __future__ import annotations
@@ -205,7 +207,8 @@ def _read_csv(handle: BinaryIO, compressed: bool, batch_rows: int) -> Iterator[S
     if not header_line.strip():
         raise FileRejected("no header line")
     try:
-        names = next(csv.reader([header_line.decode("utf-8")]))
+        # utf-8-sig: Excel's "CSV UTF-8" starts with a byte order mark, not part of the first column's name.
+        names = next(csv.reader([header_line.decode("utf-8-sig")]))
     except UnicodeDecodeError as err:
         raise FileRejected(f"not UTF-8 text (header byte {err.start})") from err
     duplicated = sorted({n for n in names if names.count(n) > 1})
@@ -335,7 +338,8 @@ def _read_criteo(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
         for offset, raw in enumerate(raw_lines):
             number = first_line + offset
             try:
-                line = raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8")
+                # A byte order mark (some editors start UTF-8 text with one) is not part of the first field.
+                line = raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8-sig" if number == 0 else "utf-8")
             except UnicodeDecodeError as err:
                 raise FileRejected(f"not UTF-8 text (line {number}, byte {err.start})") from err
             count = line.count("\t")
