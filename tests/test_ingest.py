@@ -21,6 +21,7 @@ import pytest
 from recloop.ingest import ingest
 from recloop.ingest.lake import read_events
 from recloop.ingest.ledger import Ledger
+from recloop.ingest.run import replay_quarantine
 from recloop.schema import DatasetSpec, load_spec
 from recloop.settings import Settings
 
@@ -259,6 +260,26 @@ def test_quarantine_keeps_the_original_values_and_row_numbers(small_events, sett
     assert rows[("bad_ts.csv", 0)]["event_id"] == small_events["event_id"][0].as_py()
     assert rows[("price.parquet", 1)]["price"] == "abc" and rows[("price.parquet", 2)]["price"] == "12,5"
     assert rows[("price.parquet", 1)]["_reason"] == "invalid_type:price"
+
+
+def test_a_bool_from_parquet_lands_when_its_quarantined_row_is_replayed(small_events, settings, now, tmp_path):
+    events = with_column(small_events.slice(0, 3), "label", pa.array([True, False, True]))
+    events = with_column(events, "device", pa.array([True, None, False]))  # a string column takes "true"
+    events = with_column(events, "price", pa.array([-1.0, 1.0, 2.0]))
+    pq.write_table(events, tmp_path / "bools.parquet")
+    first = ingest(tmp_path / "bools.parquet", SYNTHETIC, settings, now=now)
+    assert (first.rows_landed, first.results[0].reasons) == (2, {"out_of_range:price": 1})
+    assert quarantine_rows(settings)["label"].to_pylist() == ["true"]  # shown as the file wrote it
+
+    again = replay_quarantine(settings, SYNTHETIC, now=now)  # nothing fixed yet: quarantined again, still a bool
+    assert again.results[0].reasons == {"out_of_range:price": 1}
+    columns = [c.model_copy(update={"min": -10.0}) if c.name == "price" else c for c in SYNTHETIC.columns]
+    fixed = SYNTHETIC.model_copy(update={"columns": tuple(columns)})
+    replayed = replay_quarantine(settings, fixed, now=now)
+    assert (replayed.rows_landed, replayed.rows_quarantined) == (1, 0), replayed.results
+    lake = lake_rows(settings)
+    row = lake.filter(pc.equal(lake["event_id"], events["event_id"][0])).to_pylist()
+    assert [(r["label"], r["device"], r["price"]) for r in row] == [(1, "true", -1.0)]
 
 
 def test_csv_lands_the_same_events_as_parquet(small_events, settings, now, tmp_path):

@@ -363,6 +363,9 @@ def _utc_dates(timestamps: pa.ChunkedArray) -> pa.Array:
     return timestamps.combine_chunks().cast(pa.date32())
 
 
+_FROM_BOOL = {b"recloop.source_type": b"bool"}  # a quarantined column's field metadata: see _quarantine_table
+
+
 def _quarantine_table(
     batch: SourceBatch, bad_rows: np.ndarray, reasons: np.ndarray, path: Path, now: datetime
 ) -> pa.Table:
@@ -382,7 +385,14 @@ def _quarantine_table(
     padding = pa.nulls(len(batch.unsplittable), pa.string())
     for name in split.column_names:
         columns[name] = pa.concat_arrays([_as_text(split[name].combine_chunks()), padding])
-    return pa.table(columns)
+    table = pa.table(columns)
+    # A bool keeps its text ("true", as a person reading the quarantine expects) and a mark, so a replay
+    # reads it back as the bool it was: the integer parsers rightly refuse the text "true" (a CSV cell),
+    # and without the mark a label=True quarantined for another reason could never land. 1/0 would land,
+    # but as "1" where a string column took the bool as "true".
+    bools = {f.name for f in split.schema if pa.types.is_boolean(f.type)}
+    schema = pa.schema([f.with_metadata(_FROM_BOOL) if f.name in bools else f for f in table.schema])
+    return pa.Table.from_arrays(table.columns, schema=schema)
 
 
 def _as_text(values: pa.Array) -> pa.Array:
@@ -438,6 +448,10 @@ def _replay_file(path: Path, spec: DatasetSpec, settings: Settings, ledger: Ledg
     table = pq.read_table(path)
     split = ~np.asarray(table["_raw_line"].is_valid())
     values = table.select([c for c in table.column_names if not c.startswith("_")])
+    for column in values.schema:
+        if column.metadata == _FROM_BOOL:  # the bools of a typed file: read as bools again
+            values = values.set_column(values.column_names.index(column.name), column.name,
+                                       values[column.name].cast(pa.bool_()))
     for column in spec.by_role("multi_hot"):  # lists from a typed file were kept as JSON text
         if column.name in values.column_names:
             values = values.set_column(values.column_names.index(column.name), column.name,
