@@ -274,12 +274,13 @@ def test_a_row_in_hundreds_of_bags_is_split_deterministic_and_matches(optimizer,
 
 
 @TRITON
-@pytest.mark.parametrize(("runs", "optimizer", "dtype", "tables", "programs", "long_n"), [
-    (4, "rowwise_adagrad", torch.float32, "mixed", None, 16), (2, "adam", torch.float32, "hot", 3, 16),
-    (8, "adagrad", torch.float16, "hot", None, 0), (4, "sgd", torch.float32, "one", 2, 16),
-    (1, "rowwise_adagrad", torch.float32, "hot", 5, 8), (4, "rowwise_adagrad", torch.float32, "hot", 1, 0),
+@pytest.mark.parametrize(("runs", "optimizer", "dtype", "tables", "programs", "long_n", "block_n"), [
+    (4, "rowwise_adagrad", torch.float32, "mixed", None, 16, 1), (2, "adam", torch.float32, "hot", 3, 16, 1),
+    (8, "adagrad", torch.float16, "hot", None, 0, None), (4, "sgd", torch.float32, "one", 2, 16, 1),
+    (1, "rowwise_adagrad", torch.float32, "hot", 5, 8, 1), (4, "rowwise_adagrad", torch.float32, "hot", 1, 0, None),
+    (2, "rowwise_adagrad", torch.float32, "hot", 2, 8, 2),
 ])
-def test_several_runs_a_program_update_like_the_reference(runs, optimizer, dtype, tables, programs, long_n,
+def test_several_runs_a_program_update_like_the_reference(runs, optimizer, dtype, tables, programs, long_n, block_n,
                                                           monkeypatch):
     """The segment pass with RUNS work items side by side in one program (``SEGMENT_RUNS``): runs of
     different lengths, tables and dims in one program, programs past the last item, split runs (CHUNK
@@ -289,7 +290,7 @@ def test_several_runs_a_program_update_like_the_reference(runs, optimizer, dtype
     short ones)."""
     monkeypatch.setattr(embedding_bag, "CHUNK", 32)
     monkeypatch.setattr(embedding_bag, "SEGMENT_RUNS", runs)
-    monkeypatch.setattr(embedding_bag, "SEGMENT_BLOCK_N", 1 if long_n else None)
+    monkeypatch.setattr(embedding_bag, "SEGMENT_BLOCK_N", block_n)
     monkeypatch.setattr(embedding_bag, "SEGMENT_LONG_N", long_n)
     if programs is not None:
         monkeypatch.setattr(embedding_bag, "segment_programs", lambda device, max_items, runs, warps: programs)

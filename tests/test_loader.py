@@ -263,6 +263,9 @@ def test_batches_land_on_the_gpu_without_host_synchronization(files):
     gpu = [(rows_of(b), b.values[:int(b.offsets[-1])].tolist(), b.offsets.tolist(), b.dense.tolist(), b.label.tolist())
            for b in batches]
     assert gpu == cpu
+    # in rows on the device: one group, in file order, is delivered as its chunks are (no gather after them)
+    plain = next(ChunkLoader(files[:1], SCHEMA, 64, device="cuda", shuffle=False, shuffle_chunks=1).epoch(0))
+    assert plain.dense.is_contiguous() and plain.values.dtype == torch.int64
 
 
 def test_ids_are_written_as_int32_where_their_table_fits():

@@ -413,7 +413,8 @@ if triton is not None:
             g = tl.zeros([RUNS, BLOCK_D], dtype=tl.float32)
             # The items' occurrences BLOCK_N at a time, all RUNS items together: with a wide tile for long
             # items (LONG_N > BLOCK_N), only their first BLOCK_N here, the rest below.
-            stop = tl.minimum(tl.max(count, axis=0), BLOCK_N) if LONG_N > BLOCK_N else tl.max(count, axis=0)
+            longest = tl.max(count, axis=0)
+            stop = tl.minimum(longest, BLOCK_N) if LONG_N > BLOCK_N else longest
             for k0 in range(0, stop, BLOCK_N):  # at most CHUNK occurrences, BLOCK_N at a time
                 step = k0 + n
                 k_mask = step[None, :] < count[:, None]  # (RUNS, BLOCK_N)
@@ -432,7 +433,7 @@ if triton is not None:
                                + d[None, None, :], mask=k_mask[:, :, None] & d_mask[:, None, :], other=0.0)
                 g += tl.sum(rows.to(tl.float32) * scale[:, :, None], axis=1)
             if LONG_N > BLOCK_N:  # noqa: SIM102 - compiled away when off (a constexpr); the inner test runs
-                if stop == BLOCK_N:  # some item is longer: each such one alone, LONG_N occurrences a step
+                if longest > BLOCK_N:  # some item is longer: each such one alone, LONG_N occurrences a step
                     for r in range(0, RUNS):  # a loop: unrolled, the copies cost registers (spills at bf16)
                         g = _long_item(g, lane == r, first + r, num_items, grad_ptr, item_start_ptr, sorted_ptr,
                                        perm_ptr, info_ptr, offsets_ptr, psw_ptr, dims_ptr, col_offsets_ptr,

@@ -180,7 +180,7 @@ class _Staging:
 
 
 # Ids are staged and copied to the device as they are on disk, int32 where the writer could (training files
-# hold int32 ids: ``recloop.formats.id_type``), and widened to the kernels' int64 on the device.
+# hold int32 ids: ``recloop.formats.id_dtype``), and widened to the kernels' int64 on the device.
 _WIDE = {torch.int32: torch.int64}
 
 
@@ -331,7 +331,8 @@ class ChunkLoader:
                 tensor = tensor.to(self.device, non_blocking=staged)
                 if rows_first or tensor.dtype == torch.int32:  # one kernel: transposed and ids widened
                     tensor = (tensor.t() if rows_first else tensor).to(_WIDE.get(tensor.dtype, tensor.dtype),
-                                                                       memory_format=torch.contiguous_format)
+                                                                       memory_format=torch.contiguous_format,
+                                                                       copy=True)  # (no copy: a view)
             tensor.record_stream(consumer)  # freed while the consumer may still read it: wait for that
             return tensor
 
