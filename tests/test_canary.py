@@ -40,13 +40,14 @@ CASES = [
     ("worse-ctr-rolls-back", stats(clicks=40), BAKED, "rollback", 0.0, "online CTR 0.0667"),
     ("worse-auc-rolls-back", stats(online_auc=0.65), BAKED, "rollback", 0.0, "online AUC 0.6500"),
     ("last-step-promotes", HEALTHY, CanaryState(1.0, 0.0), "promote", 1.0, "held every guardrail up to 100%"),
-    # a failed guardrail rolls back whenever its figures are in: the bake and the counts only hold steps back
-    ("errors-roll-back-while-baking", stats(errors=30), CanaryState(0.05, 700.0), "rollback", 0.0, "error rate"),
+    # after the bake, a failed guardrail rolls back once its own figures are in, whatever else is awaited:
     # every request failed (and fell back to the champion, so the challenger has no feedback of its own)
     ("failing-without-feedback-rolls-back", stats(errors=1000, impressions=0, clicks=0), BAKED, "rollback", 0.0,
      "error rate 100.00%"),
-    ("worse-auc-rolls-back-while-baking", stats(online_auc=0.65), CanaryState(0.05, 700.0), "rollback", 0.0,
-     "online AUC"),
+    ("errors-without-enough-feedback-roll-back", stats(errors=30, impressions=50, clicks=5), BAKED, "rollback",
+     0.0, "error rate 3.00%"),
+    # a model just loaded may fail or stall its first requests: judged after the bake
+    ("errors-while-baking-hold", stats(errors=30), CanaryState(0.05, 700.0), "hold", 0.05, "baking"),
     ("slow-while-baking-holds", stats(p99_ms=45.0), CanaryState(0.05, 700.0), "hold", 0.05, "baking"),
 ]
 

@@ -5,11 +5,11 @@ Routing is sticky: a user's place in [0, 1) is a hash of their id, and the chall
 users below the current share. Raising the share only adds users, so nobody flips back and forth
 between models as the canary grows (5 % → 25 % → 50 % → 100 %).
 
-The controller compares the challenger with the champion over the same period on guardrails: error
-rate (judged once the challenger has ``min_requests``), p99 latency (the same, after the bake time),
-online CTR and online AUC (once it has ``min_feedback``). A failed guardrail rolls it back whenever it is
-known; the bake time, the counts and the evidence only hold back a step or a promotion. Any NaN answer
-from the challenger rolls it back at once.
+The controller compares the challenger with the champion over the same period on guardrails, each judged
+after the bake time once its own figures rest on enough traffic: error rate and p99 latency
+(``min_requests``), online CTR and online AUC (``min_feedback``). A failed guardrail then rolls it back
+whatever else is still awaited; the other counts and the evidence only hold back a step or a promotion.
+Any NaN answer from the challenger rolls it back at once.
 
 Online CTR is judged on paired evidence (``evidence``, a ``recloop.evidence.sequential.Difference``) when
 the controller has it: by default the canary *interleaves* (team-draft) the two rankings for the share of
@@ -187,27 +187,29 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
         return verdict("rollback", [f"challenger does not load in serving: {load_error}"], 0.0)
     if challenger.nan_responses:
         return verdict("rollback", [f"challenger returned NaN scores {challenger.nan_responses} times"], 0.0)
-    # A guardrail is judged as soon as its own figures rest on enough traffic, whatever else is still
-    # awaited: the evidence and the counts only hold back a step or a promotion, never a rollback (a
-    # challenger failing 40 % of its requests is rolled back at once, not held at its share until
-    # max_users). A challenger's failed request is answered by the champion, so the feedback it gets is
-    # the champion's: the error guardrail must not wait for feedback. Latency waits for the bake (a model
-    # just loaded answers its first requests slowly).
+    # After the bake (a model just loaded answers its first requests slowly, or times out), a guardrail is
+    # judged as soon as its own figures rest on enough traffic, whatever else is still awaited: the
+    # evidence and the other counts only hold back a step or a promotion, never a rollback (a challenger
+    # failing 40 % of its requests was held at 95 % of users until max_users, waiting for non-inferiority).
+    # A challenger's failed request is answered by the champion, so the feedback it gets is the champion's:
+    # the error and latency guardrails must not wait for feedback (a challenger failing every request had
+    # none, and was held for ever).
+    baked = now - state.step_started_at
+    judged = baked >= config.bake_seconds
     enough_requests = challenger.requests >= config.min_requests
     enough_feedback = challenger.impressions >= config.min_feedback
-    baked = now - state.step_started_at
     failures = []
-    if enough_requests and challenger.error_rate - champion.error_rate > config.max_error_rate_increase:
+    if judged and enough_requests and challenger.error_rate - champion.error_rate > config.max_error_rate_increase:
         failures.append(f"error rate {challenger.error_rate:.2%} vs champion {champion.error_rate:.2%}")
-    if enough_requests and baked >= config.bake_seconds and champion.p99_ms > 0 and \
+    if judged and enough_requests and champion.p99_ms > 0 and \
             challenger.p99_ms > config.max_p99_ratio * champion.p99_ms:
         failures.append(f"p99 latency {challenger.p99_ms:.1f} ms vs champion {champion.p99_ms:.1f} ms "
                         f"(at most {config.max_p99_ratio}x)")
-    if enough_feedback and evidence is None and champion.ctr > 0 and \
+    if judged and enough_feedback and evidence is None and champion.ctr > 0 and \
             challenger.ctr < champion.ctr * (1 - config.max_ctr_drop):
         failures.append(f"online CTR {challenger.ctr:.4f} vs champion {champion.ctr:.4f} "
                         f"(at most {config.max_ctr_drop:.0%} lower)")
-    if enough_feedback and challenger.online_auc is not None and champion.online_auc is not None and \
+    if judged and enough_feedback and challenger.online_auc is not None and champion.online_auc is not None and \
             champion.online_auc - challenger.online_auc > config.max_auc_drop:
         failures.append(f"online AUC {challenger.online_auc:.4f} vs champion {champion.online_auc:.4f}")
     if evidence is not None:
