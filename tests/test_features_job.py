@@ -245,3 +245,47 @@ def test_an_id_is_out_of_vocabulary_until_it_was_seen_min_count_times_before_the
         assert index["e5"] == index["e10"] == OOV_INDEX and index["e30"] > OOV_INDEX  # user 8's third event
         item = rows["c_item_id"]
         assert item[:2] == [OOV_INDEX, OOV_INDEX] and all(i > OOV_INDEX for i in item[2:])
+
+
+def test_two_late_arrivals_in_windows_of_a_few_rows_give_the_on_time_features(lake_home: Path, tmp_path: Path):
+    """Late events twice, over a history of several states, rebuilt in many small windows: every row, its
+    entity counts and whether its user and item were admitted yet are those of the on-time home (a second
+    rebuild used to start from a state the first had left stale; corrected states in the middle of a
+    rebuild carried the latest vocabulary counts into the admission of ids)."""
+    from datetime import timedelta
+
+    from recloop.features.vocab import OOV_INDEX
+    from recloop.ingest import ingest, lake
+
+    day = datetime(2026, 1, 1, tzinfo=UTC)
+    events = lake.read_window(Settings(home=lake_home), SPEC, None, day + timedelta(days=1))
+    events = events.select([c.name for c in SPEC.columns])
+    ts = events["ts"].cast(pa.int64()).to_numpy()
+    hour = (ts - lake.to_us(day)) // 3_600_000_000
+    pick = np.arange(len(ts)) % 3 == 0
+    first_late, second_late = pick & (hour == 3), pick & (hour == 9)
+    files = tmp_path / "files"
+    files.mkdir()
+    parts = {"all": np.ones(len(ts), bool), "main": ~(first_late | second_late), "a": first_late, "b": second_late}
+    for name, keep in parts.items():
+        pq.write_table(events.filter(pa.array(keep)), files / f"{name}.parquet")
+    now = datetime(2026, 1, 4, tzinfo=UTC)
+    on_time = Settings(home=tmp_path / "on-time", frame_backend="pandas")
+    ingest(files / "all.parquet", SPEC, on_time, now=now)
+    build_features(on_time, SPEC, CONFIG)
+    delayed = Settings(home=tmp_path / "delayed", frame_backend="pandas")
+    ingest(files / "main.parquet", SPEC, delayed, now=now)
+    for end in (6, 12, 18, None):  # states at 06:00, 12:00, 18:00 and the end
+        build_features(delayed, SPEC, CONFIG, end=day + timedelta(hours=end) if end else None)
+    for late in ("a", "b"):
+        ingest(files / f"{late}.parquet", SPEC, delayed, now=now)
+        assert build_features(delayed, SPEC, CONFIG, max_window_rows=150).late_from is not None
+
+    expected, got = (read(s, "training").sort_by("event_id") for s in (on_time, delayed))
+    assert got["event_id"].equals(expected["event_id"]) and second_late.sum() > 10
+    for prefix in ("user", "item"):
+        for stat in ("recency", "events_1h", "events_24h", "events_total"):
+            column = f"d_{prefix}_{stat}"
+            assert np.allclose(got[column].to_numpy(), expected[column].to_numpy(), equal_nan=True), column
+        admitted = [(r.to_numpy() > OOV_INDEX) for r in (got[f"c_{prefix}_id"], expected[f"c_{prefix}_id"])]
+        assert (admitted[0] == admitted[1]).all(), prefix

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -220,7 +220,8 @@ def build_features(
     if bounds is None:
         return FeatureRunSummary("", "", backend.name, message="the lake has no events yet: run `recloop ingest`")
     lake_first, lake_last = bounds
-    late_us = _late_events(settings, spec, layout, lake_files, latest) if start is None and latest else None
+    late_us, late_vocabularies = _late_events(settings, spec, config, layout, lake_files, latest) \
+        if start is None and latest else (None, None)
     start_us = lake.to_us(start) if start else (latest.as_of_us if latest else lake_first)
     if late_us is not None:
         start_us = min(start_us, late_us)
@@ -241,15 +242,16 @@ def build_features(
     start_us = _period_start(start_us, period_us)
     end_us = _period_start(end_us - 1, period_us) + period_us
     points = _split_points(ts_us, start_us, end_us, period_us, max_window_rows)
-    rebuild_until = None
+    rebuild = None
     if late_us is not None and latest is not None:  # the rebuilt periods end where the latest state is
-        rebuild_until = latest.as_of_us
-        points = sorted({*points, rebuild_until} if start_us < rebuild_until < end_us else set(points))
+        rebuild = {"from_us": start_us, "until_us": latest.as_of_us, "first_version": store.next_version(),
+                   "vocabularies": late_vocabularies}
+        points = sorted({*points, latest.as_of_us} if start_us < latest.as_of_us < end_us else set(points))
     total = FeatureRunSummary(_iso(start_us), _iso(end_us), name,
                               late_from=_iso(start_us) if late_us is not None else None)
     for part_start, part_end in zip(points[:-1], points[1:], strict=True):
         part = _build_window(settings, spec, config, backend, layout, store, part_start, part_end, period_us,
-                             rebuild_until)
+                             rebuild)
         total.rows += part.rows
         total.hours_written += part.hours_written
         for prefix, count in part.entity_rows.items():
@@ -288,16 +290,19 @@ def _keys_admitted_so_far(settings: Settings, spec: DatasetSpec, config: Feature
     order = np.lexsort((np.arange(training.num_rows), training["_ts_us"].to_numpy()))
     for feature in keys:
         name, values = f"c_{feature.column}", training[feature.column].to_numpy(zero_copy_only=False)
-        counted = base.vocabularies[feature.column].table if base and feature.column in base.vocabularies else None
-        prior = {} if counted is None else dict(zip(counted["value"].to_pylist(), counted["count"].to_pylist(),
-                                                    strict=True))
-        if between.num_rows:
-            for value, count in zip(*np.unique(between[feature.column].drop_null().to_numpy(), return_counts=True),
-                                    strict=True):
-                prior[value] = prior.get(value, 0) + int(count)
         ordered = values[order]
         unique, inverse = np.unique(ordered, return_inverse=True)
-        before = np.array([prior.get(v, 0) for v in unique.tolist()], dtype=np.int64)[inverse]
+        prior = np.zeros(len(unique), dtype=np.int64)  # sightings before the window, per distinct id
+        counted = base.vocabularies[feature.column].table if base and feature.column in base.vocabularies else None
+        if counted is not None and counted.num_rows:
+            found = pc.index_in(pa.array(unique).cast(counted["value"].type), value_set=counted["value"])
+            prior += pc.take(counted["count"], found).fill_null(0).to_numpy()
+        earlier, counts = np.unique(between[feature.column].drop_null().to_numpy(), return_counts=True) \
+            if between.num_rows else (np.empty(0), np.empty(0, np.int64))
+        if len(earlier):
+            at = np.searchsorted(earlier, unique).clip(max=len(earlier) - 1)
+            prior += np.where(earlier[at] == unique, counts[at], 0)
+        before = prior[inverse]
         seen = np.empty(len(values), dtype=np.int64)  # sightings before each row
         seen[order] = before + _earlier_in_group(inverse)
         index = training[name].to_numpy()
@@ -317,22 +322,27 @@ def _earlier_in_group(groups: np.ndarray) -> np.ndarray:
     return out
 
 
-def _late_events(settings: Settings, spec: DatasetSpec, layout: FeatureLayout, lake_files: list[str],
-                 latest: FeatureState) -> int | None:
-    """The time of the earliest event landed since the job last ran (in a lake file it had not read) that
-    is before the latest state, or None. A home without the record (built before it existed) has none."""
+def _late_events(settings: Settings, spec: DatasetSpec, config: FeatureConfig, layout: FeatureLayout,
+                 lake_files: list[str], latest: FeatureState) -> tuple[int | None, dict | None]:
+    """Events landed since the job last ran (in lake files it had not read) with times before the latest
+    state: the earliest one's time, and the latest vocabularies with their sightings counted (ids that reach
+    ``min_count`` with them get the next indices). ``(None, None)`` without any, or for a home without the
+    record of files read (built before it existed)."""
     if not layout.lake_files.is_file():
-        return None
+        return None, None
     read = set(json.loads(layout.lake_files.read_text())["files"])
-    earliest = None
-    for path in lake_files:
-        if _relative(path, settings) in read:
-            continue
-        table = lake.read_window_file(settings, spec, path, None, latest.as_of_us, columns=[spec.timestamp])
-        if table.num_rows:
-            first = pc.min(table[spec.timestamp].cast(pa.int64())).as_py()
-            earliest = first if earliest is None else min(earliest, first)
-    return earliest
+    features = vocabulary_features(config)
+    late = [lake.read_window_file(settings, spec, path, None, latest.as_of_us,
+                                  columns=[spec.timestamp, *dict.fromkeys(f.column for f in features)])
+            for path in lake_files if _relative(path, settings) not in read]
+    late = [t for t in late if t.num_rows]
+    if not late:
+        return None, None
+    events = pa.concat_tables(late)
+    earliest = pc.min(events[spec.timestamp].cast(pa.int64())).as_py()
+    vocabularies = update_vocabularies(config, spec, latest, {
+        f.column: count_values(vocabulary_values(events, f.column)) for f in features})
+    return earliest, vocabularies
 
 
 def _relative(path: str, settings: Settings) -> str:
@@ -348,10 +358,13 @@ def _record_lake_files(layout: FeatureLayout, settings: Settings, lake_files: li
 
 def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, backend: FrameBackend,
                   layout: FeatureLayout, store: StateStore, start_us: int, end_us: int, period_us: int,
-                  rebuild_until: int | None = None) -> FeatureRunSummary:
-    """One window ``[start_us, end_us)`` (period-aligned) of ``build_features``; a window before
-    ``rebuild_until`` (late events) saves a corrected state at its end, for the windows after it."""
+                  rebuild: dict | None = None) -> FeatureRunSummary:
+    """One window ``[start_us, end_us)`` (period-aligned) of ``build_features``; a window of a ``rebuild``
+    (late events: ``from_us``, ``until_us``, the ``vocabularies`` with their sightings) maps its ids with
+    those vocabularies and saves a corrected state at its end, for the windows after it."""
     latest = store.latest()
+    if rebuild is not None and latest is not None and latest.as_of_us <= rebuild["until_us"]:
+        latest = replace(latest, vocabularies=rebuild["vocabularies"])
     engine = settings.features_engine
     summary = FeatureRunSummary(_iso(start_us), _iso(end_us), backend.name if engine == "local" else
                                 f"dask/{settings.frame_backend}")
@@ -372,7 +385,8 @@ def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, 
         return summary
 
     summary.rows = computed.training.num_rows
-    training = _keys_admitted_so_far(settings, spec, config, computed.training, base, start_us)
+    training = _keys_admitted_so_far(settings, spec, config, computed.training,
+                                     store.at_or_before(start_us, counted=True), start_us)
     written = _write_periods(layout.training, training, "_ts_us", start_us, end_us, period_us, TRAINING_PARQUET)
     for prefix, entity_states in computed.states.items():
         table = entity_table(backend, entity_states, getattr(spec, _role(prefix)), start_us, end_us)
@@ -380,12 +394,13 @@ def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, 
         _write_periods(layout.entity_table(prefix), table, "_ts_us", start_us, end_us, period_us)
     summary.hours_written = written
 
-    correcting = not new_state and rebuild_until is not None and end_us <= rebuild_until
+    correcting = not new_state and rebuild is not None and end_us <= rebuild["until_us"]
     if new_state or correcting:  # a corrected state keeps the latest vocabularies and statistics
         snapshots = {prefix: _snapshot(backend, s, base.snapshots.get(prefix) if base else None)
                      for prefix, s in computed.states.items()}
+        marker = {k: rebuild[k] for k in ("from_us", "until_us", "first_version")} if correcting else None
         saved = store.save(FeatureState(end_us, computed.vocabularies, computed.stats, snapshots),
-                           publish=new_state or end_us == rebuild_until)
+                           publish=new_state or end_us == rebuild["until_us"], rebuild=marker)
     else:
         saved = latest
     summary.state_version = saved.version

@@ -62,6 +62,7 @@ class StateStore:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self._manifests: dict[int, dict] = {}  # a version's manifest never changes once written
 
     MARKER = "LATEST"  # the newest version's number, rewritten (atomically) each time one is published
 
@@ -92,9 +93,12 @@ class StateStore:
         return sorted(int(p.name[1:]) for p in self.root.iterdir() if p.is_dir() and p.name.startswith("v"))
 
     def _manifest(self, version: int) -> dict:
+        if version in self._manifests:
+            return self._manifests[version]
         path = self.root / f"v{version:06d}" / "manifest.json"
         try:
-            return json.loads(path.read_text())
+            self._manifests[version] = manifest = json.loads(path.read_text())
+            return manifest
         except FileNotFoundError as err:
             raise FeatureStateError(f"feature state manifest {path} is missing") from err
         except json.JSONDecodeError as err:
@@ -103,20 +107,35 @@ class StateStore:
     def _as_of(self, version: int) -> int:
         return int(self._manifest(version)["as_of_us"])
 
-    def latest_version(self) -> int | None:
-        """The newest state: the latest ``as_of``, and of equal ones the last written (a rebuild for late
-        events writes corrected states for earlier times after it: ``recloop.features.job``)."""
+    def _current(self) -> list[int]:
+        """The versions still valid. A rebuild for late events (``recloop.features.job``) writes corrected
+        states for the times from their period to the latest state's; every state written before it for a
+        time in that span missed the late events, and is left out from then on. (The latest state itself
+        stays the latest until the rebuild's last corrected state, for the same time, supersedes it.)"""
         versions = self.versions()
+        rebuilds = [m["rebuild"] for v in versions if (m := self._manifest(v)).get("rebuild")]
+        return [v for v in versions if not any(
+            v < r["first_version"] and r["from_us"] < self._as_of(v) < r["until_us"] for r in rebuilds)]
+
+    def latest_version(self) -> int | None:
+        """The newest state: the latest ``as_of``, and of equal ones the last written."""
+        versions = self._current()
         return max(versions, key=lambda v: (self._as_of(v), v)) if versions else None
 
     def latest(self) -> FeatureState | None:
         version = self.latest_version()
         return self.load(version) if version is not None else None
 
-    def at_or_before(self, t_us: int) -> FeatureState | None:
-        """The newest state whose ``as_of`` is not after ``t_us`` (of equal ones, the last written)."""
-        found = [(as_of, v) for v in self.versions() if (as_of := self._as_of(v)) <= t_us]
+    def at_or_before(self, t_us: int, counted: bool = False) -> FeatureState | None:
+        """The newest valid state whose ``as_of`` is not after ``t_us`` (of equal ones, the last written).
+        ``counted``: only one whose vocabulary counts are as of its own time (a rebuild's corrected states
+        before its end carry the latest counts)."""
+        found = [(as_of, v) for v in self._current() if (as_of := self._as_of(v)) <= t_us and not (
+            counted and (r := self._manifest(v).get("rebuild")) and as_of < r["until_us"])]
         return self.load(max(found)[1]) if found else None
+
+    def next_version(self) -> int:
+        return (self.versions() or [0])[-1] + 1
 
     def load(self, version: int) -> FeatureState:
         manifest = self._manifest(version)
@@ -131,10 +150,11 @@ class StateStore:
         }
         return FeatureState(manifest["as_of_us"], vocabularies, manifest["stats"], snapshots, version)
 
-    def save(self, state: FeatureState, publish: bool = True) -> FeatureState:
+    def save(self, state: FeatureState, publish: bool = True, rebuild: dict | None = None) -> FeatureState:
         """Write ``state`` as the next version (announced to readers unless ``publish`` is False: a corrected
-        earlier state); returns it with its version number."""
-        version = (self.versions() or [0])[-1] + 1
+        earlier state); returns it with its version number. ``rebuild``: a corrected state's rebuild
+        (``from_us``, ``until_us``, ``first_version``: the first version it wrote), see ``_current``."""
+        version = self.next_version()
         final = self.root / f"v{version:06d}"
         staging = self.root / f".v{version:06d}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
@@ -144,6 +164,8 @@ class StateStore:
             "created_at": datetime.now(UTC).isoformat(), "stats": state.stats,
             "vocabularies": {}, "snapshots": {},
         }
+        if rebuild is not None:
+            manifest["rebuild"] = rebuild
         for column, vocab in state.vocabularies.items():
             name = f"vocab-{column}.parquet"
             manifest["vocabularies"][column] = {"file": name, "min_count": vocab.min_count, "size": vocab.size,
