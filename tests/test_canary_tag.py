@@ -187,6 +187,8 @@ def test_the_monitor_asks_no_new_retrain_while_the_last_ones_challenger_is_in_ca
     """A drift retrain deployed as the challenger: the champion keeps serving during its canary, so the
     drift persists; the monitor holds (asking again would supersede the canary and reset its evidence),
     and asks again once the canary has ended without promotion."""
+    from dataclasses import replace
+
     from recloop.monitor import MonitorDecision, TriggerConfig
     from recloop.monitor.runner import record_retrain_outcome, request_retrain
 
@@ -196,5 +198,7 @@ def test_the_monitor_asks_no_new_retrain_while_the_last_ones_challenger_is_in_ca
     record_retrain_outcome(home, deployed=True, now=100.0, version=challenger)
     held = request_retrain(home, drift, now=100.0 + 7200, config=config)  # past the cool-down
     assert not held.retrain and f"v{challenger}, the last full retrain, is still in its canary" in held.reason
+    assert request_retrain(home, drift, now=100.0 + 7200, config=replace(config, canary_hold_seconds=3600)).retrain
+    record_retrain_outcome(home, deployed=True, now=100.0, version=challenger)  # (that request, deployed too)
     controller.manual(home, "rollback", "worse online", who="test")
     assert request_retrain(home, drift, now=100.0 + 7300, config=config).retrain

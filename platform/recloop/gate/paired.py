@@ -18,8 +18,9 @@ per group, overall by its estimate and per slice by a test over users with the f
   better models on the noise of a 632-row slice).
 - **Slice size**: a slice is judged only with enough rows to tell ``max_slice_auc_drop`` apart with
   ``power`` (``evidence.ranking.min_rows_for_auc_difference``, at the slice's own base rate): as the test's
-  margin is that drop too, a drop of twice it is found with ``power`` (one just past it barely more often
-  than ``alpha``); a smaller slice's AUC moves by more than that on noise alone.
+  margin is that drop too, a drop of twice it is found with ``power`` at ``alpha`` (less after Holm's
+  adjustment across slices; one just past it barely more often than ``alpha``); a smaller slice's AUC
+  moves by more than that on noise alone.
 
 Served-feedback rows (the champion's own top-k, without propensities) are left out of the comparison by
 the runner before it gets here; ``HeldOut.served_excluded`` says how many.

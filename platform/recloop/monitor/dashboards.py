@@ -63,7 +63,8 @@ def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, 
               for key in keys for what, column in (("unseen", "share"), ("drifts above", "limit")))],
         description="share of recent events on user or item ids unseen in the reference; drift at or above its "
         "limit: what an unchanged world would show (e, Good-Turing: the reference's events on ids seen once) "
-        "with a share new_id_share of the events from new ids, e + new_id_share (1 - e)"), tab="Drift")
+        "with a share new_id_share of the events from new ids, e + new_id_share (1 - e), when beyond the noise "
+        "too (new_id_z standard errors)"), tab="Drift")
     created.dashboard.add_panel(line_plot_panel(
         "Drift share vs its threshold", [
             PanelMetric(legend="drift share", metric="MeanValue", metric_labels={"column": "drift_share"}),

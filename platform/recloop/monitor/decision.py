@@ -155,7 +155,7 @@ def new_id_findings(reference: pd.DataFrame, current: pd.DataFrame, keys: list[s
     for key in keys:
         seen = reference[key].dropna()
         counts = seen.value_counts()
-        expected = float((counts == 1).sum() / len(seen)) if len(seen) else 1.0
+        expected = float((counts == 1).sum() / len(seen)) if len(seen) else 0.0  # no ids at all: all are new
         unseen = float((~current[key].isin(set(counts.index))).mean())
         figures[f"{key}_unseen_share"] = unseen
         figures[f"{key}_unseen_expected"] = expected
@@ -281,10 +281,13 @@ class TriggerConfig:
     """Args:
     cooldown_seconds: after a requested retrain, no other is requested for this long.
     retrain_on: monitoring decisions that request a full retrain.
+    canary_hold_seconds: while the last deployed retrain's version is still in its canary, no other is
+        requested, for at most this long after it was deployed (a canary without traffic ends nowhere).
     """
 
     cooldown_seconds: float = 6 * 3600
     retrain_on: tuple[str, ...] = ("drift", "kpi_decay")
+    canary_hold_seconds: float = 48 * 3600
 
 
 @dataclass(frozen=True)
@@ -321,7 +324,8 @@ def should_retrain(decision: MonitorDecision, last_requested_at: float | None, n
         why = "; ".join(gate_reasons) or "no reason recorded"
         return TriggerVerdict(True, outcome == "kpi_decay", f"{outcome}: full retrain, retrying: the last retrain "
                                                             f"was refused by the gate ({why}) ({detail})", outcome)
-    if last_outcome == "deployed" and in_canary is not None:
+    if last_outcome == "deployed" and in_canary is not None and (
+            outcome_at is None or now - outcome_at < config.canary_hold_seconds):
         return TriggerVerdict(False, False, f"{outcome}, but v{in_canary}, the last full retrain, is still in its "
                                             "canary: judged online first", outcome)
     if last_outcome == "deployed" and outcome_at is not None:

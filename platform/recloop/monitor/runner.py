@@ -367,7 +367,9 @@ def request_retrain(settings: Settings, decision: MonitorDecision, now: float,
         deployed = [t["outcome_at"] for t in past if t.get("outcome") == "deployed" and t.get("outcome_at")]
         verdict = should_retrain(decision, last.get("at"), now, config, last_outcome=last.get("outcome"),
                                  outcome_at=max(deployed, default=None) if last.get("outcome") == "deployed" else None,
-                                 gate_reasons=last.get("gate_reasons", ()), in_canary=_still_in_canary(settings, last))
+                                 gate_reasons=last.get("gate_reasons", ()),
+                                 in_canary=_still_in_canary(settings, last) if decision.decision in config.retrain_on
+                                 else None)  # (the registry asked only when a retrain is in question)
         if verdict.retrain:
             past.append({"at": now, "decision": decision.decision, "reasons": list(decision.reasons),
                          "outcome": None, "retry_of_refused": last.get("outcome") == "refused"})
