@@ -196,3 +196,44 @@ def test_the_gate_refuses_a_truncated_candidate_and_tags_it_failed(fresh: Settin
     gate = registry.gate_record(tags)
     assert gate["verdict"] == "failed" and "model.safetensors" in gate["reasons"][0]
     assert registry.version_by_alias(home, "champion") == "1"
+
+
+@pytest.mark.timeout(120)
+def test_a_registry_that_cannot_answer_leaves_the_champion_serving(fresh: Settings, tmp_path: Path, copy_home):
+    """An alias lookup that fails (a locked store, a server's 5xx: MLflow raises TEMPORARILY_UNAVAILABLE or
+    INTERNAL_ERROR) is not "no champion": the poll keeps the current models and says why (it installed no
+    champion at all, and every replica answered 503 until a poll went through)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from recloop.serve.models import ModelPool, registry_wanted
+
+    class Busy(BaseHTTPRequestHandler):  # a tracking server that is up and fails the alias lookups
+        def do_GET(self):
+            answers = {"/health": (200, b"OK"), "/api/2.0/mlflow/experiments/get-by-name": (200, (
+                b'{"experiment": {"experiment_id": "1", "name": "recloop", "lifecycle_stage": "active"}}'))}
+            status, body = answers.get(self.path.split("?")[0], (
+                503, b'{"error_code": "TEMPORARILY_UNAVAILABLE", "message": "busy"}'))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    busy = copy_home(fresh, tmp_path / "busy", mlflow_tracking_uri=f"http://127.0.0.1:{server.server_port}")
+    registry_of = {"now": fresh}
+    pool = ModelPool(fresh, source=lambda settings: registry_wanted(registry_of["now"]))
+    try:
+        assert pool.try_sync() and pool.live.champion is not None
+        serving = pool.live.champion.version
+        registry_of["now"] = busy
+        assert not pool.try_sync()
+        assert pool.live.champion is not None and pool.live.champion.version == serving
+        assert pool.last_error and "registered-models/alias" in pool.last_error, pool.last_error
+        assert registry.version_by_alias(fresh, "no-such-alias") is None  # an unset alias is still None
+    finally:
+        server.shutdown()

@@ -90,8 +90,10 @@ def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted
     def by_alias(alias: str) -> str | None:
         try:
             return str(client.get_model_version_by_alias(model_name, alias).version)
-        except MlflowException:
-            return None
+        except MlflowException as err:  # the registry not answering is an error: the current models stay
+            if registry.alias_unset(err):
+                return None
+            raise
 
     model_name = model_name or registry.MODEL_NAME
     # Once per poll (``registry.version_by_alias`` configures again on each call, a few ms of CPU each:
