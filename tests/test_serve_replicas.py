@@ -255,3 +255,27 @@ def test_the_journal_keeps_requests_its_store_refused_and_lands_past_a_bad_row(t
         assert held == [True, True] and len(looked) == 1  # answered at once: no serving thread held
     finally:
         journal.close()
+
+
+def test_a_write_the_store_refused_leaves_the_sqlite_journal_writable(tmp_path: Path):
+    """A write that fails inside its transaction (another process holding the database's write lock past the
+    busy timeout) is rolled back: the next write goes through (the connection stayed inside the failed
+    transaction, and every later write failed until a restart)."""
+    import sqlite3
+    import time
+
+    journal = SqliteJournal(tmp_path / "journal.db")
+    try:
+        journal._db.execute("PRAGMA busy_timeout = 50")  # a short wait for the lock held below
+        row = (f"{3:032x}", time.time(), 1_767_225_600_000_000, 10, "champion", "1", 3.0, "{}")
+        evaluation = (f"{3:032x}", "1", "served", "ok", 2.0, time.time())
+        other = sqlite3.connect(tmp_path / "journal.db", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            journal._write_requests([row], [evaluation])
+        other.execute("ROLLBACK")
+        other.close()
+        journal._write_requests([row], [evaluation])
+        assert journal._request(f"{3:032x}") is not None
+    finally:
+        journal.close()

@@ -489,12 +489,23 @@ class SqliteJournal(Journal):
         self._lock = threading.Lock()
         self._start_writer()
 
+    @contextmanager
+    def _transaction(self, begin: str = "BEGIN") -> Iterator[None]:
+        """One transaction, rolled back when anything in it fails: a failed statement (a busy store, a full
+        disk) left the connection inside its transaction, and every later BEGIN then failed ("cannot start a
+        transaction within a transaction") until a restart."""
+        self._db.execute(begin)
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
     def _write_requests(self, requests: list[tuple], evaluations: list[tuple]) -> None:
-        with self._lock:
-            self._db.execute("BEGIN")
+        with self._lock, self._transaction():
             self._db.executemany("INSERT OR IGNORE INTO requests VALUES (?,?,?,?,?,?,?,?)", requests)
             self._db.executemany("INSERT INTO evaluations VALUES (?,?,?,?,?,?)", evaluations)
-            self._db.execute("COMMIT")
 
     def _request(self, request_id: str) -> tuple[str, str] | None:
         with self._lock:
@@ -502,14 +513,12 @@ class SqliteJournal(Journal):
                                     (request_id,)).fetchone()
 
     def _insert_new_feedback(self, rows: list[tuple]) -> list[tuple]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._lock, self._transaction("BEGIN IMMEDIATE"):
             ids = [r[0] for r in rows]
             seen = {r[0] for r in self._db.execute(
                 f"SELECT event_id FROM feedback WHERE event_id IN ({','.join('?' * len(ids))})", ids)}
             new = [r for r in rows if r[0] not in seen]
             self._db.executemany("INSERT INTO feedback VALUES (?,?,?,?,?,?,?,?)", new)
-            self._db.execute("COMMIT")
         return new
 
     @contextmanager
@@ -520,11 +529,9 @@ class SqliteJournal(Journal):
                 "JOIN requests r USING (request_id) WHERE f.landed_file IS NULL LIMIT ?", (limit,)).fetchall()
 
         def mark(name: str) -> None:
-            with self._lock:
-                self._db.execute("BEGIN")
+            with self._lock, self._transaction():
                 self._db.executemany("UPDATE feedback SET landed_file = ? WHERE event_id = ?",
                                      [(name, r[0]) for r in rows])
-                self._db.execute("COMMIT")
 
         yield rows, mark
 
