@@ -379,3 +379,20 @@ def test_an_incremental_retriever_starts_from_the_retriever_champion(home: Setti
             home, RetrievalTrainConfig(mode="incremental", validation_hours=12, device="cpu")
         )
     assert registry.aliases(home, RETRIEVER_NAME) == versions
+
+
+def test_recommend_answers_without_the_seen_filter_when_the_journal_cannot_be_read(
+        home: Settings, tmp_path: Path, copy_home):
+    """The seen filter reads the journal's store (PostgreSQL across replicas); with the store failing, the
+    answer comes without that filter and says so, instead of a 500 for every user (/rank kept working)."""
+    settings = copy_home(home, tmp_path / "home", feast=True, feedback_flush_seconds=3600)
+    application = create_app(settings)
+    with ServerThread(application) as server:
+        user = known_users(settings, 1)[0]
+        answer = httpx.post(f"{server.url}/recommend", json={"user_id": user, "k": 5}, timeout=30)
+        assert answer.status_code == 200 and answer.json()["skipped_filters"] == []
+        application.state.service.journal._query("DROP TABLE feedback", [])  # the store fails every read of it
+        answer = httpx.post(f"{server.url}/recommend", json={"user_id": user, "k": 5}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["skipped_filters"][0].startswith("seen: the journal could not be read")
+        assert len(answer.json()["items"]) == 5

@@ -100,6 +100,7 @@ class RecommendResponse(BaseModel):
     source: Literal["retrieval", "popularity"]
     fallback_reason: str | None = None
     candidates: dict[str, int]
+    skipped_filters: list[str] = []  # a filter that could not run (its store down): the answer came without it
 
 
 class UnavailableItems:
@@ -227,9 +228,13 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     stage.done("retrieve")
 
     # --- filter ----------------------------------------------------------------------------------------
-    recent = None
+    recent, skipped = None, []
     if settings.recommend_seen_hours > 0:
-        recent = svc.journal.recent_items(body.user_id, ts_us - int(settings.recommend_seen_hours * 3600e6))
+        try:
+            recent = svc.journal.recent_items(body.user_id, ts_us - int(settings.recommend_seen_hours * 3600e6))
+        except Exception as err:  # noqa: BLE001 - the journal's store down: recommend without the seen filter
+            log.warning("seen filter skipped (the journal could not be read): %s: %s", type(err).__name__, err)
+            skipped.append(f"seen: the journal could not be read ({type(err).__name__})")
     kept, dropped = filter_candidates(
         found,
         FilterConfig(seen_hours=settings.recommend_seen_hours),
@@ -344,6 +349,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         source=source,
         fallback_reason=reason,
         candidates=counts,
+        skipped_filters=skipped,
     )
 
 
