@@ -279,3 +279,29 @@ def test_a_write_the_store_refused_leaves_the_sqlite_journal_writable(tmp_path: 
         assert journal._request(f"{3:032x}") is not None
     finally:
         journal.close()
+
+
+def test_the_off_policy_log_reads_explored_requests_only(tmp_path: Path):
+    """A request whose context has the value "exploration" is not an explored one (the text filter matched
+    it, then reading its propensities raised, failing every gate whose window held it)."""
+    import json
+    import time
+
+    from recloop.schema import load_spec
+
+    journal = SqliteJournal(tmp_path / "journal.db", load_spec("synthetic"))
+    try:
+        explored = {"item_ids": [5, 6], "context": {}, "per_candidate": {}, "scores": {"1": [0.9, 0.1]}, "ranked": [5, 6],
+                    "exploration": {"propensities": [0.7, 1.0]}}
+        plain = {"item_ids": [5, 6], "context": {"device": "exploration"}, "per_candidate": {}, "scores": {"1": [0.9, 0.1]},
+                 "ranked": [5, 6]}
+        for n, payload in enumerate((explored, plain)):
+            journal.record((f"{n:032x}", time.time(), 1_767_225_600_000_000, 10 + n, "champion", "1", 3.0,
+                            json.dumps(payload)), [(f"{n:032x}", "1", "served", "ok", 2.0, time.time())])
+        journal.flush()
+        for n in range(2):
+            assert journal.add_feedback(f"{n:032x}", [5, 6], [5])["accepted"] == 2
+        logged = journal.exploration_requests()
+        assert [(r["user_id"], r["top"], r["propensity"], r["label"]) for r in logged] == [(10, 5, 0.7, 1)]
+    finally:
+        journal.close()

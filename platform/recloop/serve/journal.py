@@ -385,6 +385,9 @@ class Journal(ABC):
         out: dict[str, dict] = {}
         for request_id, user_id, ts_us, raw, item, label in rows:
             payload = json.loads(raw)
+            explored = payload.get("exploration")  # the text matched; a context value may say "exploration" too
+            if not isinstance(explored, dict) or not explored.get("propensities"):
+                continue
             if not payload.get("ranked") or item != payload["ranked"][0] or request_id in out:
                 continue
             out[request_id] = {"user_id": user_id, "ts_us": ts_us, "item_ids": payload["item_ids"],
