@@ -305,3 +305,19 @@ def test_the_off_policy_log_reads_explored_requests_only(tmp_path: Path):
         assert [(r["user_id"], r["top"], r["propensity"], r["label"]) for r in logged] == [(10, 5, 0.7, 1)]
     finally:
         journal.close()
+
+
+@pytest.mark.services
+def test_the_postgres_journal_waits_for_a_free_connection_and_keeps_them_open(request):
+    """More concurrent calls than pooled connections wait their turn (psycopg2 raised "connection pool
+    exhausted": a 500), and the pool keeps its connections open between calls (one was kept)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    journal = PostgresJournal(request.getfixturevalue("database"), pool_size=2)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: journal._query("SELECT pg_sleep(0.2), 1", []), range(6)))
+        assert [a[0][1] for a in answers] == [1] * 6
+        assert len(journal._pool._pool) == 2  # both connections idle in the pool, not closed
+    finally:
+        journal.close()

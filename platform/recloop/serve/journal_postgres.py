@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -60,16 +61,23 @@ class PostgresJournal(Journal):
         dsn: a libpq connection string or ``postgresql://`` URL.
         spec: the dataset feedback lands as.
         request_wait_seconds: how long feedback waits for a request another replica has not written yet.
-        pool_size: connections kept open (the request writer, feedback calls, the feedback flusher).
+        pool_size: connections kept open (the request writer, feedback calls, the feedback flusher, queries);
+            a caller finding them all busy waits for one.
+        statement_seconds: the longest a statement may run (a database that hangs holds no serving thread
+            longer than this).
     """
 
     def __init__(self, dsn: str, spec: DatasetSpec | None = None, request_wait_seconds: float = 2.0,
-                 pool_size: int = 8):
+                 pool_size: int = 8, statement_seconds: float = 30.0):
         import psycopg2.pool
 
         super().__init__(spec, request_wait_seconds)
-        self._pool = psycopg2.pool.ThreadedConnectionPool(1, pool_size, dsn,
-                                                          options=f"-c search_path={SCHEMA_NAME}")
+        # minconn = maxconn: psycopg2 closes every returned connection past minconn, so a pool of one kept
+        # opening and closing the others under concurrent calls; and it raises at maxconn instead of waiting
+        self._pool = psycopg2.pool.ThreadedConnectionPool(
+            pool_size, pool_size, dsn,
+            options=f"-c search_path={SCHEMA_NAME} -c statement_timeout={int(statement_seconds * 1000)}")
+        self._slots = threading.BoundedSemaphore(pool_size)
         with self._connection() as connection, connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
             cursor.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA_NAME}")
@@ -78,13 +86,15 @@ class PostgresJournal(Journal):
 
     @contextmanager
     def _connection(self) -> Iterator:
-        """A pooled connection; its transaction commits when the block ends (rolls back on an error)."""
-        connection = self._pool.getconn()
-        try:
-            with connection:
-                yield connection
-        finally:
-            self._pool.putconn(connection)
+        """A pooled connection (waiting for a free one); its transaction commits when the block ends (rolls
+        back on an error)."""
+        with self._slots:
+            connection = self._pool.getconn()
+            try:
+                with connection:
+                    yield connection
+            finally:
+                self._pool.putconn(connection)
 
     def _write_requests(self, requests: list[tuple], evaluations: list[tuple]) -> None:
         from psycopg2.extras import execute_values
