@@ -321,3 +321,28 @@ def test_the_postgres_journal_waits_for_a_free_connection_and_keeps_them_open(re
         assert len(journal._pool._pool) == 2  # both connections idle in the pool, not closed
     finally:
         journal.close()
+
+
+def test_a_retrieval_that_failed_counts_its_feedback_in_the_champions_arm_only(tmp_path: Path):
+    """A retriever challenger that failed, answered by the champion's retrieval: both are journaled as
+    served, and the request's feedback belongs to the champion's arm alone (it counted in both)."""
+    import time
+
+    from recloop.schema import load_spec
+
+    journal = SqliteJournal(tmp_path / "journal.db", load_spec("synthetic"))
+    try:
+        payload = '{"item_ids": [5, 6], "context": {}, "per_candidate": {}, "scores": {"1": [0.9, 0.1]}, "ranked": [5, 6]}'
+        journal.record((f"{0:032x}", time.time(), 1_767_225_600_000_000, 10, "champion", "1", 3.0, payload),
+                       [(f"{0:032x}", "1", "served", "ok", 2.0, time.time()),
+                        (f"{0:032x}", "retriever:2", "served", "error", 1.0, time.time()),
+                        (f"{0:032x}", "retriever:1", "served", "ok", 1.0, time.time())])
+        journal.flush()
+        assert journal.add_feedback(f"{0:032x}", [5, 6], [5])["accepted"] == 2
+        challenger, champion = journal.retriever_stats("2"), journal.retriever_stats("1")
+        assert (challenger.requests, challenger.errors, challenger.impressions) == (1, 1, 0)
+        assert (champion.impressions, champion.clicks) == (2, 1)
+        assert len(journal.retriever_user_clicks("2")[0]) == 0
+        assert journal.retriever_user_clicks("1")[1].tolist() == [1]
+    finally:
+        journal.close()

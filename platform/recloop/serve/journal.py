@@ -427,7 +427,8 @@ class Journal(ABC):
 
     def retriever_stats(self, version: str, since: float | None = None) -> VariantStats:
         """What retriever ``version`` did (its journal name, ``retriever_key``): requests, errors and p99 of
-        its retrievals (served and shadow), and the impressions and clicks of the requests it served.
+        its retrievals (served and shadow), and the impressions and clicks of the requests it served (its
+        retrieval succeeded: a failed one fell back to the champion's).
         The ranker's scores say nothing about a retriever, so there is no online AUC."""
         self.flush()
         key = retriever_key(version)
@@ -438,7 +439,8 @@ class Journal(ABC):
             f"WHERE e.version = ? {since_sql}", [key, *params])
         feedback = self._query(
             f"SELECT f.label FROM feedback f JOIN requests r USING (request_id) JOIN evaluations e "
-            f"ON e.request_id = f.request_id WHERE e.version = ? AND e.role = 'served' {since_sql}", [key, *params])
+            f"ON e.request_id = f.request_id WHERE e.version = ? AND e.role = 'served' AND e.status = 'ok' "
+            f"{since_sql}", [key, *params])
         latencies = np.array([ms for _, ms in evaluations], dtype=np.float64)
         return VariantStats(
             requests=len(evaluations), errors=sum(s == "error" for s, _ in evaluations),
@@ -449,11 +451,13 @@ class Journal(ABC):
     def retriever_user_clicks(self, version: str, since: float | None = None
                               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per user: clicks and impressions of the requests retriever ``version`` served (its A/B arm) with
-        wall-clock time at or after ``since``."""
+        wall-clock time at or after ``since``. A retrieval that failed served nothing: the champion's, which
+        answered instead, holds the request (both were journaled as served, so both arms counted it)."""
         self.flush()
         window, params = _request_window(since)
         return self._per_user("JOIN evaluations e ON e.request_id = f.request_id",
-                              ["e.version = ?", "e.role = 'served'", *window], [retriever_key(version), *params])
+                              ["e.version = ?", "e.role = 'served'", "e.status = 'ok'", *window],
+                              [retriever_key(version), *params])
 
 
 def _request_window(since: float | None = None, until: float | None = None,
