@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from recloop import checkpoint, pipeline, registry
 from recloop.canary import CanaryConfig, controller
-from recloop.serve.journal import SqliteJournal
+from recloop.serve.journal import JournalBusy, SqliteJournal
 from recloop.serve.journal_postgres import PostgresJournal
 from recloop.settings import Settings
 from recloop.simulate import World, WorldConfig
@@ -250,7 +250,7 @@ def test_the_journal_keeps_requests_its_store_refused_and_lands_past_a_bad_row(t
         assert len(looked) > 1  # it waited, asking again
         held = [journal._waiting.acquire(blocking=False) for _ in range(2)]  # two calls already waiting
         looked.clear()
-        with pytest.raises(Exception, match="unknown request"):
+        with pytest.raises(JournalBusy, match="every wait for one is taken: retry"):  # a 503: may exist
             journal.add_feedback(f"{8:032x}", [5], [])
         assert held == [True, True] and len(looked) == 1  # answered at once: no serving thread held
     finally:
@@ -273,10 +273,18 @@ def test_a_write_the_store_refused_leaves_the_sqlite_journal_writable(tmp_path: 
         other.execute("BEGIN IMMEDIATE")
         with pytest.raises(sqlite3.OperationalError, match="locked"):
             journal._write_requests([row], [evaluation])
+        # feedback on a request still queued while the store refuses it: a retry may land it (503, not 404)
+        journal._stop.set()  # (the writer thread out of the way: this thread flushes)
+        journal._writer.join(timeout=5)
+        queued = (f"{4:032x}", *row[1:7], '{"item_ids": [5], "scores": {"1": [0.5]}, "ranked": [5]}')
+        journal.record(queued, [])
+        with pytest.raises(JournalBusy, match="refused the queued requests"):
+            journal.add_feedback(f"{4:032x}", [5], [5])
         other.execute("ROLLBACK")
         other.close()
         journal._write_requests([row], [evaluation])
         assert journal._request(f"{3:032x}") is not None
+        assert journal.add_feedback(f"{4:032x}", [5], [5])["accepted"] == 1
     finally:
         journal.close()
 

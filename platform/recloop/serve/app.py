@@ -52,7 +52,7 @@ from recloop.schema import DatasetSpec
 from recloop.serve.body_limit import BodyLimit
 from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
 from recloop.serve.health import Readiness
-from recloop.serve.journal import FeedbackError, UnknownRequest, open_journal
+from recloop.serve.journal import FeedbackError, JournalBusy, UnknownRequest, open_journal
 from recloop.serve.metrics import ServingMetrics
 from recloop.serve.models import Deployment, LoadFailure, ModelPool, load_retriever, registry_wanted, score
 from recloop.settings import Settings
@@ -408,6 +408,8 @@ def feedback(body: FeedbackRequest, svc: ServiceDep) -> dict:
     except UnknownRequest as err:
         svc.metrics.invalid.labels("/feedback", "404").inc()
         raise HTTPException(404, str(err)) from err
+    except JournalBusy as err:  # may be accepted on a retry: not a client error
+        raise HTTPException(503, str(err), headers={"Retry-After": "1"}) from err
     except FeedbackError as err:
         svc.metrics.invalid.labels("/feedback", "422").inc()
         raise HTTPException(422, str(err)) from err

@@ -86,6 +86,11 @@ class UnknownRequest(FeedbackError):
     pass
 
 
+class JournalBusy(RuntimeError):
+    """Feedback that cannot be judged now, and may be accepted on a retry: the store refused the queued
+    request rows it might name, or every wait for a request another replica has not written is taken."""
+
+
 class Journal(ABC):
     """The journal's interface and everything that does not depend on the store (see the module docstring).
 
@@ -196,9 +201,16 @@ class Journal(ABC):
 
     def add_feedback(self, request_id: str, impressions: list[int], clicks: list[int]) -> dict[str, int]:
         """Record one event per impression (label 1 if clicked); returns counts of new and repeated events."""
-        self.flush()  # the request may still be queued
+        try:
+            self.flush()  # the request may still be queued
+        except Exception as err:  # noqa: BLE001 - kept and retried by the writer; the request may be among them
+            raise JournalBusy(f"the journal's store refused the queued requests ({type(err).__name__}): "
+                              "retry") from err
         row = self._request(request_id)
-        if row is None and self.request_wait_seconds > 0 and self._waiting.acquire(blocking=False):
+        if row is None and self.request_wait_seconds > 0:
+            if not self._waiting.acquire(blocking=False):  # no serving thread held: the client retries
+                raise JournalBusy(f"request {request_id!r} is not written yet and every wait for one is taken: "
+                                  "retry")
             try:
                 deadline = time.monotonic() + self.request_wait_seconds
                 while row is None and time.monotonic() < deadline:  # served by another replica, not written yet
