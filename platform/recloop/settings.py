@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -109,7 +109,7 @@ class Settings(BaseSettings):
     recommend_candidates: int = Field(default=500, ge=1, le=5000)
     recommend_seen_hours: float = Field(default=24.0, ge=0.0)
     recommend_category_cap: int = Field(default=3, ge=0)
-    recommend_boosts: dict[int, float] = Field(default_factory=dict)
+    recommend_boosts: dict[int, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=dict)
 
     @property
     def landing_dir(self) -> Path:
