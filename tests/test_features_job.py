@@ -171,40 +171,51 @@ def test_a_sparse_log_gets_day_or_week_files_and_only_periods_with_events():
     assert choose_period_hours(sparse) == 168
 
 
+# the entity counts and recency (standardized numbers and the CTRs' prior keep the first window's statistics,
+# as on any later run, so late events do not move them)
+ENTITY_COUNTS = [f"d_{prefix}_{stat}" for prefix in ("user", "item")
+                 for stat in ("recency", "events_1h", "events_24h", "events_total")]
+
+
+def late_homes(lake_home: Path, tmp_path: Path, late: dict[str, np.ndarray], end: datetime | None = None):
+    """The lake's events (up to ``end``) as parquet files: all of them, built into an on-time home; and the
+    events no ``late`` mask holds ingested into a second home (``delayed``, not built yet). Returns the
+    files' folder, both homes, the events and their times (µs)."""
+    from recloop.ingest import ingest, lake
+
+    events = lake.read_window(Settings(home=lake_home), SPEC, None, lake.to_us(end) if end else None)
+    events = events.select([c.name for c in SPEC.columns])
+    files = tmp_path / "files"
+    files.mkdir()
+    kept = ~np.logical_or.reduce(list(late.values()))
+    for name, keep in {"all": np.ones(events.num_rows, bool), "main": kept, **late}.items():
+        pq.write_table(events.filter(pa.array(keep)), files / f"{name}.parquet")
+    on_time, delayed = (Settings(home=tmp_path / name, frame_backend="pandas") for name in ("on-time", "delayed"))
+    ingest(files / "all.parquet", SPEC, on_time, now=datetime(2026, 1, 4, tzinfo=UTC))
+    build_features(on_time, SPEC, CONFIG)
+    ingest(files / "main.parquet", SPEC, delayed, now=datetime(2026, 1, 4, tzinfo=UTC))
+    return files, on_time, delayed, events["ts"].cast(pa.int64()).to_numpy()
+
+
 def test_late_events_get_their_rows_and_count_in_the_totals_after_them(lake_home: Path, tmp_path: Path):
     """Events that land after the job has built their period (late data) are not left out: the next run
     builds again from their period, so every event has its training row and the entity statistics of
     every later row count them, as if they had landed on time (the ids keep the latest vocabulary)."""
     from recloop.ingest import ingest, lake
 
-    events = lake.read_window(Settings(home=lake_home), SPEC, None, None).select([c.name for c in SPEC.columns])
-    ts = events["ts"].cast(pa.int64()).to_numpy()
+    ts = lake.read_window(Settings(home=lake_home), SPEC, None, None, columns=["ts"])["ts"].cast(pa.int64()).to_numpy()
     ten, eleven = (lake.to_us(datetime(2026, 1, 1, h, tzinfo=UTC)) for h in (10, 11))
     late = (ts >= ten) & (ts < eleven + 1_800_000_000) & (np.arange(len(ts)) % 2 == 0)  # 10:00-11:30, half
-    files = tmp_path / "files"
-    files.mkdir()
-    for name, rows in (("all", events), ("first", events.filter(pa.array(~late))), ("late", events.filter(pa.array(late)))):
-        pq.write_table(rows, files / f"{name}.parquet")
-    now = datetime(2026, 1, 4, tzinfo=UTC)
-
-    on_time = Settings(home=tmp_path / "on-time", frame_backend="pandas")
-    ingest(files / "all.parquet", SPEC, on_time, now=now)
-    build_features(on_time, SPEC, CONFIG)
-    delayed = Settings(home=tmp_path / "delayed", frame_backend="pandas")
-    ingest(files / "first.parquet", SPEC, delayed, now=now)
+    files, on_time, delayed, _ = late_homes(lake_home, tmp_path, {"late": late})
     build_features(delayed, SPEC, CONFIG)
-    ingest(files / "late.parquet", SPEC, delayed, now=now)
+    ingest(files / "late.parquet", SPEC, delayed, now=datetime(2026, 1, 4, tzinfo=UTC))
     again = build_features(delayed, SPEC, CONFIG)
     assert again.late_from == datetime(2026, 1, 1, 10, tzinfo=UTC).isoformat()
 
     expected, got = (read(s, "training").sort_by("event_id") for s in (on_time, delayed))
     assert got.num_rows == expected.num_rows == len(ts) and late.sum() > 30
     assert got["event_id"].equals(expected["event_id"])
-    # the entity counts and recency (standardized numbers and the CTRs' prior keep the first window's
-    # statistics, as on any later run)
-    entity = [f"d_{prefix}_{stat}" for prefix in ("user", "item")
-              for stat in ("recency", "events_1h", "events_24h", "events_total")]
-    for column in entity:
+    for column in ENTITY_COUNTS:
         assert np.allclose(got[column].to_numpy(), expected[column].to_numpy(), equal_nan=True), column
     assert StateStore(FeatureLayout.for_settings(delayed).state).latest().as_of_us == \
         StateStore(FeatureLayout.for_settings(on_time).state).latest().as_of_us
@@ -258,34 +269,21 @@ def test_two_late_arrivals_in_windows_of_a_few_rows_give_the_on_time_features(la
     from recloop.ingest import ingest, lake
 
     day = datetime(2026, 1, 1, tzinfo=UTC)
-    events = lake.read_window(Settings(home=lake_home), SPEC, None, day + timedelta(days=1))
-    events = events.select([c.name for c in SPEC.columns])
-    ts = events["ts"].cast(pa.int64()).to_numpy()
-    hour = (ts - lake.to_us(day)) // 3_600_000_000
-    pick = np.arange(len(ts)) % 3 == 0
-    first_late, second_late = pick & (hour == 3), pick & (hour == 9)
-    files = tmp_path / "files"
-    files.mkdir()
-    parts = {"all": np.ones(len(ts), bool), "main": ~(first_late | second_late), "a": first_late, "b": second_late}
-    for name, keep in parts.items():
-        pq.write_table(events.filter(pa.array(keep)), files / f"{name}.parquet")
-    now = datetime(2026, 1, 4, tzinfo=UTC)
-    on_time = Settings(home=tmp_path / "on-time", frame_backend="pandas")
-    ingest(files / "all.parquet", SPEC, on_time, now=now)
-    build_features(on_time, SPEC, CONFIG)
-    delayed = Settings(home=tmp_path / "delayed", frame_backend="pandas")
-    ingest(files / "main.parquet", SPEC, delayed, now=now)
+    ts = lake.read_window(Settings(home=lake_home), SPEC, None, lake.to_us(day + timedelta(days=1)),
+                          columns=["ts"])["ts"].cast(pa.int64()).to_numpy()
+    hour, pick = (ts - lake.to_us(day)) // 3_600_000_000, np.arange(len(ts)) % 3 == 0
+    late = {"a": pick & (hour == 3), "b": pick & (hour == 9)}
+    files, on_time, delayed, _ = late_homes(lake_home, tmp_path, late, end=day + timedelta(days=1))
     for end in (6, 12, 18, None):  # states at 06:00, 12:00, 18:00 and the end
         build_features(delayed, SPEC, CONFIG, end=day + timedelta(hours=end) if end else None)
-    for late in ("a", "b"):
-        ingest(files / f"{late}.parquet", SPEC, delayed, now=now)
+    for name in late:
+        ingest(files / f"{name}.parquet", SPEC, delayed, now=datetime(2026, 1, 4, tzinfo=UTC))
         assert build_features(delayed, SPEC, CONFIG, max_window_rows=150).late_from is not None
 
     expected, got = (read(s, "training").sort_by("event_id") for s in (on_time, delayed))
-    assert got["event_id"].equals(expected["event_id"]) and second_late.sum() > 10
+    assert got["event_id"].equals(expected["event_id"]) and late["b"].sum() > 10
+    for column in ENTITY_COUNTS:
+        assert np.allclose(got[column].to_numpy(), expected[column].to_numpy(), equal_nan=True), column
     for prefix in ("user", "item"):
-        for stat in ("recency", "events_1h", "events_24h", "events_total"):
-            column = f"d_{prefix}_{stat}"
-            assert np.allclose(got[column].to_numpy(), expected[column].to_numpy(), equal_nan=True), column
         admitted = [(r.to_numpy() > OOV_INDEX) for r in (got[f"c_{prefix}_id"], expected[f"c_{prefix}_id"])]
         assert (admitted[0] == admitted[1]).all(), prefix
