@@ -206,8 +206,9 @@ def build_features(
     Returns a summary; an empty window is not an error (``rows == 0`` and a message).
 
     Late events: the periods from the earliest one's to the latest state are built again with them (their
-    training rows, entity tables and corrected states, whose totals then count them), keeping the latest
-    vocabularies (ids keep their indices; a late event's ids are not counted toward admission).
+    training rows, entity tables and corrected states, whose totals then count them), with the latest
+    vocabularies and the late sightings counted in them (ids keep their indices; one that reaches
+    ``min_count`` with them gets the next).
     """
     began = time.perf_counter()
     backend = backend or get_backend(settings.frame_backend)
