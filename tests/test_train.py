@@ -237,3 +237,67 @@ def test_a_periodic_full_retrain_is_due_once_the_chain_is_long_and_tried_once_pe
     assert periodic_full_due(settings, Pending(None, None, [], None), 1) is None  # no champion: nothing to restart
     assert chain_origin({"trained_until": "2026-01-02T00", "train": {"mode": "full"}}) == "2026-01-02T00"
     assert chain_origin({"trained_until": "2026-01-02T00", "train": {"mode": "incremental"}}) == ""
+
+
+def test_saving_a_step_again_never_removes_the_checkpoint_latest_points_at(tmp_path: Path, monkeypatch):
+    """A run's completed save at the step of its last periodic one writes a new folder and only then moves
+    ``latest.json``: a crash in between leaves the periodic checkpoint readable (the folder was removed
+    first, and the run could never resume)."""
+    import os
+
+    import torch
+
+    from recloop import checkpoint
+
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    first = checkpoint.save(tmp_path, 150, model, optimizer, {"note": "periodic"}, completed=False)
+    real_replace = os.replace
+
+    def crash_at_the_pointer(src, dst):
+        if str(dst).endswith("latest.json"):
+            raise OSError("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_at_the_pointer)
+    with pytest.raises(OSError, match="killed"):
+        checkpoint.save(tmp_path, 150, model, optimizer, {"note": "completed"}, completed=True)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert checkpoint.read(tmp_path)["note"] == "periodic" and checkpoint.read(tmp_path)["path"] == str(first)
+    again = checkpoint.save(tmp_path, 150, model, optimizer, {"note": "completed"}, completed=True)
+    assert again != first and checkpoint.read(tmp_path)["note"] == "completed"
+
+
+def test_calibration_is_fitted_on_the_newest_training_rows(tmp_path: Path):
+    """The base-rate correction learns the level the model will serve at: the newest rows of the window (it
+    read the oldest of its last 24 files first and stopped at calibration_rows; an incremental run's
+    files start with its replayed hours)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recloop.data import FeatureSchema
+    from recloop.model import ModelConfig, RankingModel
+    from recloop.train import TrainConfig, _fit_calibration
+
+    rng = np.random.default_rng(0)
+    files = []
+    for hour, rate in ((0, 0.05), (1, 0.05), (2, 0.6)):  # the newest hour clicks far more
+        n = 3000
+        table = pa.table({"label": (rng.random(n) < rate).astype(np.float32),
+                          "d_x": rng.standard_normal(n).astype(np.float32), "c_a": rng.integers(0, 5, n)})
+        files.append(tmp_path / f"2026-01-01T{hour:02d}.parquet")
+        pq.write_table(table, files[-1], row_group_size=1000)
+    schema = FeatureSchema(dense=("d_x",), categorical={"c_a": 5}, multi_hot={})
+    model = RankingModel(ModelConfig(embedding_dim=4, bottom_mlp=(8,), top_mlp=(8,)), 1, [("c_a", 5)])
+    config = TrainConfig(calibration_rows=2000, batch_size=500, calibration_slope=False)
+    _, intercept = _fit_calibration(model, files, schema, config, torch.device("cpu"))
+    model.calibration = None
+    with torch.no_grad():
+        newest = pq.read_table(files[-1])
+        raw = torch.sigmoid(model(torch.from_numpy(newest["d_x"].to_numpy()[:, None]),
+                                  torch.from_numpy(newest["c_a"].to_numpy()),
+                                  torch.arange(newest.num_rows + 1))).mean().item()
+    calibrated = 1 / (1 + np.exp(-(np.log(raw / (1 - raw)) + intercept)))  # about the newest hour's rate
+    assert abs(calibrated - 0.6) < 0.1, (raw, intercept, calibrated)

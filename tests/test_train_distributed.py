@@ -145,3 +145,30 @@ def test_the_cli_launches_torchrun(lake: Settings, tmp_path: Path):
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == 1 and reports[0]["steps"] > 0 and 0.5 < reports[0]["auc"] <= 1.0
     assert checkpoint.read(reports[0]["checkpoint"])["train"]["data_shards"] == 2
+
+
+def test_a_shard_of_row_groups_from_many_files_shuffles_and_delivers_each_row_once(tmp_path: Path):
+    """Files of several row groups split between shards: each shard's epoch delivers its own rows once (its
+    shuffle was sized from every row group of its files, and the first group raised "a group of 180 rows got
+    a permutation of 250")."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recloop.data import FeatureSchema
+    from recloop.distributed import ShardLoader
+
+    files = []
+    for f, rows in enumerate((430, 270)):
+        ids = np.arange(f * 1000, f * 1000 + rows)
+        files.append(tmp_path / f"part{f}.parquet")
+        pq.write_table(pa.table({"label": np.zeros(rows, np.float32), "d_x": ids.astype(np.float32),
+                                 "c_a": ids % 7, "row_id": ids}), files[-1], row_group_size=100)
+    schema = FeatureSchema(dense=("d_x",), categorical={"c_a": 7}, multi_hot={}, extra=("row_id",))
+    seen = []
+    for shard in shard_row_groups(files, 2):
+        loader = ShardLoader(shard, schema, 64, seed=3, device=torch.device("cpu"))
+        got = [r for batch in loader.epoch(0) for r in batch.extra["row_id"].tolist()]
+        assert len(got) == loader.num_rows == sum(pq.ParquetFile(p).metadata.row_group(g).num_rows for p, g in shard)
+        seen += got
+    assert sorted(seen) == [*range(430), *range(1000, 1270)]

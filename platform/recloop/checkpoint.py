@@ -78,11 +78,23 @@ def hour_after(hour_stem: str) -> str:
 # --- writing -------------------------------------------------------------------------------------------------
 
 
+def step_folder(run_dir: Path, step: int) -> Path:
+    """The folder ``save`` writes step ``step`` to: ``step-NNNNNNN``, or ``step-NNNNNNN.K`` when a save of the
+    same step is there already (a run's last periodic save and its completed one): the folder ``latest.json``
+    may point at is never removed before the new one is in place."""
+    folder, again = run_dir / f"{STEP_PREFIX}{step:07d}", 0
+    while folder.exists():
+        again += 1
+        folder = run_dir / f"{STEP_PREFIX}{step:07d}.{again}"
+    return folder
+
+
 def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: dict,
          completed: bool) -> Path:
-    """Write a step folder (model, dense optimizer, ``state.json`` = ``info`` + the optimizer's scalars),
-    then point ``latest.json`` at it. A crash at any point leaves the previous checkpoint intact."""
-    step_dir = run_dir / f"{STEP_PREFIX}{step:07d}"
+    """Write a step folder (``step_folder``: model, dense optimizer, ``state.json`` = ``info`` + the
+    optimizer's scalars), then point ``latest.json`` at it. A crash at any point leaves the previous
+    checkpoint intact."""
+    step_dir = step_folder(run_dir, step)
     staging = run_dir / f".{step_dir.name}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -91,7 +103,6 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.opti
     save_file(tensors, staging / "dense_optimizer.safetensors")
     (staging / "state.json").write_text(json.dumps({**info, "optimizer": meta, "completed": completed}, indent=2)
                                         + "\n")
-    shutil.rmtree(step_dir, ignore_errors=True)
     os.replace(staging, step_dir)
     pointer = {"step_dir": step_dir.name, "completed": completed, "finished_at": time.time()}
     (run_dir / "latest.json.tmp").write_text(json.dumps(pointer) + "\n")

@@ -116,7 +116,9 @@ class ShardLoader(ChunkLoader):
         files = sorted({p for p, _ in pieces})
         super().__init__(files, schema, batch_size, device=device, seed=seed)
         self._pieces = list(pieces)
-        self.num_rows = sum(pq.ParquetFile(p).metadata.row_group(g).num_rows for p, g in pieces)
+        # the row groups' sizes, which size each group's shuffle (``_group_sizes``): the shard's own
+        self._piece_rows = [pq.ParquetFile(p).metadata.row_group(g).num_rows for p, g in self._pieces]
+        self.num_rows = sum(self._piece_rows)
 
 
 def concat_batches(batches: list[Batch], num_tables: int) -> Batch:

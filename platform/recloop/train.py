@@ -475,7 +475,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
             state_version=schema.state_version, warm_start=base["path"] if base else None, grown_tables=grown,
             resumed_from_step=resumed["step"] if resumed else 0, resume_note=resume_note, loss_curve=loss_curve,
         )
-        summary.checkpoint = str(run_dir / f"{checkpoint.STEP_PREFIX}{position['step']:07d}")
+        summary.checkpoint = str(checkpoint.step_folder(run_dir, position["step"]))  # where save puts it
         save(completed=True, summary=summary, gathered=True)
         if ranks.world > 1:
             distributed.share_summary(asdict(summary), ranks)
@@ -582,17 +582,23 @@ def _tell_losses(tracker: Tracker, curve: list[list[float]], told: int) -> int:
 def _fit_calibration(model: RankingModel, files: list[Path], schema: FeatureSchema, config: TrainConfig,
                      device: torch.device) -> tuple[float, float] | None:
     """Platt scaling on the newest training rows (up to ``config.calibration_rows``), never the held-out ones."""
-    import itertools
-
     from recloop.evidence.calibration import fit_platt
 
     if config.calibration_rows <= 0 or not files:
         return None
     model.calibration = None
     batch = max(config.batch_size or default_batch_size(device), 8192)
-    loader = ChunkLoader(files[-max(1, min(len(files), 24)):], schema, batch, device=device, shuffle=False)
-    batches = itertools.islice(loader.epoch(0), math.ceil(config.calibration_rows / batch))
-    labels, scores, _ = predict(model, batches)
+    # The newest rows (the base rate the model will serve at): the newest files holding calibration_rows, read
+    # in order with their oldest batches skipped. An incremental run's files start with its replayed hours.
+    newest, rows = [], 0
+    for path in reversed(files[-24:]):
+        newest.insert(0, path)
+        rows += pq.ParquetFile(path).metadata.num_rows
+        if rows >= config.calibration_rows:
+            break
+    loader = ChunkLoader(newest, schema, batch, device=device, shuffle=False)
+    skip = max(0, rows - config.calibration_rows) // batch
+    labels, scores, _ = predict(model, loader.epoch(0, skip_batches=skip))
     if len(labels) < 100 or labels.min() == labels.max() or not np.isfinite(scores).all():
         return None
     return fit_platt(labels, scores, slope=config.calibration_slope)
