@@ -172,3 +172,26 @@ def test_a_shard_of_row_groups_from_many_files_shuffles_and_delivers_each_row_on
         assert len(got) == loader.num_rows == sum(pq.ParquetFile(p).metadata.row_group(g).num_rows for p, g in shard)
         seen += got
     assert sorted(seen) == [*range(430), *range(1000, 1270)]
+
+
+def test_sharded_tables_count_ids_outside_them_and_raise(tmp_path: Path):
+    """The sharded lookup drops or zeroes an id outside its table without a word (the owners' collections do
+    not check); the rank holding it counts it, and the check before a checkpoint raises, as one process
+    does (training files newer than the schema trained silently on zero vectors under torchrun)."""
+    import torch.distributed as dist
+
+    from recloop.model.sharded import ShardedEmbeddings
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        model = RankingModel(ModelConfig(embedding_dim=4, bottom_mlp=(8,), top_mlp=(8,)), 1, [("a", 10), ("b", 1000)])
+        sharded = ShardedEmbeddings(model.embeddings, plan_sharding(model.embeddings, 1), rank=0)
+        offsets = torch.tensor([0, 1, 2, 3, 4])  # batch 2, tables a then b
+        sharded(torch.tensor([3, 7, 999, 12]), offsets)
+        sharded.raise_id_errors()  # all in range: nothing to say
+        sharded(torch.tensor([3, 10, 5, 1000]), offsets)  # a: 10 is past its 10 rows; b: 1000 past its 1000
+        with pytest.raises(IndexError, match=r"table 'a' has 10 rows; 1 ids out of range .* \[10, 10\]"):
+            sharded.raise_id_errors()
+        sharded.raise_id_errors()  # reset by the raise
+    finally:
+        dist.destroy_process_group()

@@ -177,6 +177,10 @@ def fit(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, loaders: lis
     Returns:
         The loss curve, ``[step, mean loss of the global batch]`` every 10 steps.
     """
+    from recloop.model.sharded import ShardedEmbeddings
+
+    # bad ids are checked (collectively) before each checkpoint and at the end: a run that met any saves none
+    check_ids = [m.raise_id_errors for m in trained.modules() if isinstance(m, ShardedEmbeddings)]
     loss_fn = torch.nn.BCEWithLogitsLoss(reduction="sum")
     device = loaders[0].device
     total = sum(loader.num_rows for loader in loaders) * epochs * ranks.world
@@ -212,6 +216,8 @@ def fit(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, loaders: lis
             position.update(step=position["step"] + 1, epoch=epoch, batch=batch_index,
                             samples=position["samples"] + int(global_rows))
             if position["step"] % checkpoint_every == 0:
+                for check in check_ids:
+                    check()
                 save(False)
             if position["step"] % 10 == 0:
                 mean = loss.detach().double() / ranks.world
@@ -231,6 +237,8 @@ def fit(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, loaders: lis
         if on_figures and ranks.leader:
             on_figures(position["step"], {"epoch": epoch + 1, "samples_per_s": round(
                 (position["samples"] - first_samples) / max(time.perf_counter() - started, 1e-9), 1)})
+    for check in check_ids:
+        check()
     return curve
 
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from recloop.model.ranking import RankingModel
 from recloop_kernels import EmbeddingBagCollection, TableConfig
-from recloop_kernels.reference import table_view
+from recloop_kernels.reference import new_errors, record_errors, table_view
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,11 @@ class ShardedEmbeddings(nn.Module):
         super().__init__()
         self.plan, self.rank, self.group = plan, rank, group
         self.dims = list(full.layout.dims)
+        self.table_names, self.table_rows = [c.name for c in full.tables], list(full.layout.rows)
+        # Ids outside their table, counted by the rank whose batch holds them (the owners' lookups drop or
+        # zero them without a word: table-wise shards pool them as zeros, row-wise ones keep none)
+        # (a plain tensor, not a buffer: DistributedDataParallel would overwrite every rank's with rank 0's)
+        self.id_errors = new_errors(len(full.tables), full.weights.device)
         self.mean = [c.pooling == "mean" for c in full.tables]
         mine = plan.ranks[rank]
         optimizer = full.optimizer
@@ -158,6 +163,21 @@ class ShardedEmbeddings(nn.Module):
             if self.local is not None:
                 self.local.step.copy_(full.step)
 
+    def raise_id_errors(self) -> None:
+        """Raise ``IndexError`` on every rank if any rank's batches since the last check held ids outside a
+        table (collective: every rank calls it at the same step), and reset."""
+        errors = self.id_errors.to(torch.int64)
+        counts = errors[0].clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts, group=self.group)
+        if not counts.any():
+            return
+        self.id_errors.copy_(new_errors(len(self.table_names), self.id_errors.device))
+        t = int(torch.nonzero(counts)[0])
+        local = f"; on this rank ids in [{int(errors[2, t])}, {int(errors[1, t])}]" if errors[0, t] else ""
+        raise IndexError(f"table {self.table_names[t]!r} has {self.table_rows[t]} rows; {int(counts[t])} ids out of "
+                         f"range since the last check over every rank{local} (they updated nothing)")
+
     def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Pooled embeddings (b, T·D) of this rank's rows, as ``EmbeddingBagCollection`` would give them."""
         plan, world, group, device = self.plan, self.plan.world, self.group, values.device
@@ -167,6 +187,8 @@ class ShardedEmbeddings(nn.Module):
         bounds = offsets[::batch].tolist() if batch else [0] * (tables + 1)
 
         # 1. Each owner's share of this rank's bags: per destination, its shards' lengths then ids.
+        for t in range(tables):
+            record_errors(self.id_errors, t, values[bounds[t]:bounds[t + 1]], self.table_rows[t])
         send_lengths, send_values, value_counts = [], [], []
         for shards in plan.ranks:
             for shard in shards:
