@@ -164,6 +164,14 @@ def test_bad_input_is_a_clear_error(home: Settings, tmp_path: Path):
     with pytest.raises(TrainError, match="vocabulary version 99"):
         train(home, config(mode="incremental"), warm_start=Path(base.checkpoint))
     state["state_version"] = 1
+    hashed = json.loads((home.home / "features" / "schema.json").read_text())["categorical"]
+    cross = next(name for name, table in hashed.items() if table.get("hashed"))
+    position = [name for name, _ in state["tables"]].index(cross)
+    state["tables"][position][1] -= 1  # fewer buckets then: every hashed id's row moved, though it looks like growth
+    (Path(base.checkpoint) / "state.json").write_text(json.dumps(state))
+    with pytest.raises(TrainError, match=f"hashed \\['{cross}'\\] into other bucket counts"):
+        train(home, config(mode="incremental"), warm_start=Path(base.checkpoint))
+    state["tables"][position][1] += 1
     state["tables"][0][1] = 10**7  # a table larger than the features know: not this lake's checkpoint
     (Path(base.checkpoint) / "state.json").write_text(json.dumps(state))
     with pytest.raises(TrainError, match="does not match the features"):

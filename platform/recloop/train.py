@@ -669,6 +669,11 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
     else:
         old_tables = [tuple(t) for t in source["tables"]]
         current = dict(tables)
+        rehashed = [name for name, rows in old_tables if name in schema.hashed and current.get(name) != rows]
+        if rehashed:  # a vocabulary grows (new ids get new rows); buckets renumber every id when their count moves
+            raise TrainError(f"checkpoint {source['path']} hashed {rehashed} into other bucket counts "
+                             f"({[dict(old_tables)[n] for n in rehashed]} vs {[current[n] for n in rehashed]} rows): "
+                             "every id's row moved; retrain with --mode full")
         if [name for name, _ in old_tables] != [name for name, _ in tables] or any(
                 rows > current[name] for name, rows in old_tables) or source["dense"] != list(schema.dense):
             raise TrainError(f"checkpoint {source['path']} does not match the features: its tables "

@@ -63,6 +63,7 @@ class FeatureSchema:
     label: str = "label"
     state_version: int = 0
     extra: tuple[str, ...] = ()  # columns carried along for evaluation (oracle, entity keys)
+    hashed: tuple[str, ...] = ()  # tables of hashed ids (and crosses): their rows are buckets, not a vocabulary
 
     @classmethod
     def load(cls, path: Path, extra: tuple[str, ...] = ()) -> FeatureSchema:
@@ -73,7 +74,8 @@ class FeatureSchema:
         return cls(dense=tuple(raw["dense"]),
                    categorical={k: v["num_embeddings"] for k, v in raw["categorical"].items()},
                    multi_hot={k: v["num_embeddings"] for k, v in raw["multi_hot"].items()},
-                   label=raw.get("label", "label"), state_version=raw.get("state_version", 0), extra=extra)
+                   label=raw.get("label", "label"), state_version=raw.get("state_version", 0), extra=extra,
+                   hashed=tuple(k for k, v in raw["categorical"].items() if v.get("hashed")))
 
     @property
     def tables(self) -> list[tuple[str, int]]:

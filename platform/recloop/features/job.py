@@ -650,9 +650,11 @@ def _write_schema(layout: FeatureLayout, config: FeatureConfig, spec: DatasetSpe
     categorical = {}
     for feature in config.categorical:
         size = feature.hash_buckets + 2 if feature.hash_buckets else vocabularies[feature.column].size
-        categorical[f"c_{feature.column}"] = {"num_embeddings": size, "source": feature.column}
-    for cross in config.crosses:
-        categorical[f"c_{cross.name}"] = {"num_embeddings": cross.buckets + 2, "source": list(cross.columns)}
+        categorical[f"c_{feature.column}"] = {"num_embeddings": size, "source": feature.column,
+                                              **({"hashed": True} if feature.hash_buckets else {})}
+    for cross in config.crosses:  # hashed: another bucket count renumbers every row (no growth: a new table)
+        categorical[f"c_{cross.name}"] = {"num_embeddings": cross.buckets + 2, "source": list(cross.columns),
+                                          "hashed": True}
     multi_hot = {f"m_{m.column}": {"num_embeddings": vocabularies[m.vocabulary].size, "vocabulary": m.vocabulary,
                                    "max_length": m.max_length} for m in config.multi_hot}
     sample = sorted(layout.training.glob("*.parquet"))
