@@ -309,3 +309,22 @@ def test_calibration_is_fitted_on_the_newest_training_rows(tmp_path: Path):
                                   torch.arange(newest.num_rows + 1))).mean().item()
     calibrated = 1 / (1 + np.exp(-(np.log(raw / (1 - raw)) + intercept)))  # about the newest hour's rate
     assert abs(calibrated - 0.6) < 0.1, (raw, intercept, calibrated)
+
+
+def test_a_resumed_incremental_run_still_says_which_tables_grew(home: Settings):
+    """A crashed incremental run resumes from its own checkpoint, whose tables grew already: its summary
+    still names the growth from the base (it came out empty, and the CLI's "tables grown" line with it)."""
+    base = train(home, config())
+    build_features(home, SPEC, FeatureConfig.for_spec(SPEC))  # day four: new ids in several tables
+
+    def crash(step: int) -> None:
+        if step == 12:
+            raise KeyboardInterrupt("simulated crash")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(home, config(mode="incremental"), warm_start=Path(base.checkpoint), on_step=crash)
+    resumed = train(home, config(mode="incremental"), warm_start=Path(base.checkpoint))
+    assert resumed.resumed_from_step == 10
+    rows = dict((n, r) for n, r in read_checkpoint(Path(base.checkpoint))["tables"])
+    now = dict((n, r) for n, r in read_checkpoint(Path(resumed.checkpoint))["tables"])
+    assert resumed.grown_tables and resumed.grown_tables["c_item_id"] == [rows["c_item_id"], now["c_item_id"]]

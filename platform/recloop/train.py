@@ -435,6 +435,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
                 "trained_until": checkpoint.hour_after(windows.train[-1].stem),
                 "full_trained_until": full_trained_until,
                 "calibration": list(model.calibration) if model.calibration else None,
+                "grown_tables": grown,  # (a resumed run's summary says it too)
                 "summary": asdict(summary) if summary else None}
         return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed)
 
@@ -682,10 +683,12 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
         model = RankingModel(ModelConfig.from_dict(source["model"]), len(schema.dense), old_tables, device=device,
                              seed=config.seed)
         model.load_state_dict(load_file(Path(source["path"]) / "model.safetensors", device=str(device)))
+        if resumed is not None:  # the run's own checkpoint: its tables grew from the base already (it says how)
+            grown = {name: list(change) for name, change in (source.get("grown_tables") or {}).items()}
         for name, rows in old_tables:
             if current[name] > rows:
                 model.embeddings.grow(name, current[name])
-                grown[name] = [rows, current[name]]
+                grown[name] = [grown.get(name, [rows])[0], current[name]]
         if resumed is None and config.warm_state_decay != 1.0:
             with torch.no_grad():
                 model.embeddings.state1.mul_(config.warm_state_decay)
