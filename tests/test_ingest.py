@@ -477,3 +477,15 @@ def test_summary_json_has_the_documented_keys(small_events, settings, now, tmp_p
         assert key in payload
     for detail in payload["files_detail"]:
         assert detail["rows_in"] == detail["rows_landed"] + detail["rows_quarantined"]
+
+
+def test_only_zero_and_one_are_booleans():
+    """A typed 2 (or 0.5) for a bool column is invalid, that row alone, as the text "2" is (Arrow's cast
+    read any non-zero number as true); nulls stay nulls."""
+    from recloop.ingest.validate import coerce_column
+    from recloop.schema import ColumnSpec
+
+    flag = ColumnSpec(name="clicked", role="label", dtype="bool")
+    for values in (pa.array([0, 1, 2, None], pa.int64()), pa.array([0.0, 1.0, 0.5, None])):
+        typed, bad = coerce_column(flag, values)
+        assert typed.to_pylist() == [False, True, None, None] and bad.tolist() == [False, False, True, False]

@@ -171,6 +171,10 @@ def coerce_column(col: ColumnSpec, values: pa.ChunkedArray | pa.Array, integral_
         return _all_bad(arr, target)
     if pa.types.is_integer(arr.type) and col.dtype in _INT_BOUNDS:
         return _from_integers(arr, col.dtype, target)
+    if col.dtype == "bool" and (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
+        # only 0 and 1 are booleans (Arrow's cast reads any non-zero number as true; text "2" is refused)
+        return _from_floats(col, arr.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False), target,
+                            present=np.asarray(arr.is_valid()))
     if pa.types.is_integer(arr.type) and col.dtype in FLOAT_DTYPES:
         # The nearest float, as for text: beyond 2**53 (2**24 for float32) not every integer has one of its
         # own, and a float column asks for no more; no int64 is outside float32's range.
