@@ -41,15 +41,15 @@ if [ "$part" = check ]; then
     # or benchmarks/results/gpu_suite.json): the tests, every embedding shape, the loader, the launch
     # settings on three shapes, the profile, the segment pass's previous setting profiled too (H200,
     # 2026-11-26: 133 s without the loader's ~30 s, the ptx step and the second profile). The limits add up
-    # to 545 s, inside the device tool's 600 s a call.
+    # to 575 s, inside the device tool's 600 s a call (use a timeout_s of 600).
     [ -f gpu-in/gpu_suite.json ] && cp gpu-in/gpu_suite.json "$suite"
     step 90 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 45 python3 benchmarks/gpu_suite.py --only ptx --out "$suite"  # access widths, registers, occupancy
     step 120 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"  # 42 s on 2026-11-26
     step 75 python3 benchmarks/gpu_suite.py --only loader --out "$suite"  # with its stage times (LoaderStats)
-    step 45 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"
-    step 45 python3 benchmarks/tune_embedding.py --ids zipf --json "$OUT/tune_criteo_fp32_zipf.json"
-    step 45 python3 benchmarks/tune_embedding.py --shape wide --json "$OUT/tune_wide_fp32.json"
+    step 55 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"  # 30 settings: ~1 s each (H200)
+    step 55 python3 benchmarks/tune_embedding.py --ids zipf --json "$OUT/tune_criteo_fp32_zipf.json"
+    step 55 python3 benchmarks/tune_embedding.py --shape wide --json "$OUT/tune_wide_fp32.json"
     step 40 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
         --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
