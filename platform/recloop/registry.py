@@ -396,7 +396,7 @@ def register(settings: Settings, model_uri: str, run_id: str | None = None, atte
     raise RuntimeError("unreachable")
 
 
-def alias_unset(err: Exception) -> bool:
+def _alias_unset(err: Exception) -> bool:
     """Whether an alias lookup's MlflowException says the alias (or the model) does not exist, rather than
     that the registry could not answer: a locked SQLite store, a lost connection or a server's 5xx come
     as TEMPORARILY_UNAVAILABLE (or another code) and must not read as "no champion"."""
@@ -404,17 +404,22 @@ def alias_unset(err: Exception) -> bool:
     return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and "not found" in str(err))
 
 
-def version_by_alias(settings: Settings, alias: str, model_name: str = MODEL_NAME) -> str | None:
-    """The version ``alias`` points to, None when the alias or the model does not exist; an error when the
-    registry cannot answer (``alias_unset``)."""
+def alias_version(client, alias: str, model_name: str = MODEL_NAME) -> str | None:
+    """The version ``alias`` points to through ``client`` (an ``MlflowClient``), None when the alias or the
+    model does not exist; an error when the registry cannot answer (``_alias_unset``)."""
     from mlflow.exceptions import MlflowException
 
     try:
-        return str(mlflow_client(settings).get_model_version_by_alias(model_name, alias).version)
+        return str(client.get_model_version_by_alias(model_name, alias).version)
     except MlflowException as err:
-        if alias_unset(err):
+        if _alias_unset(err):
             return None
         raise
+
+
+def version_by_alias(settings: Settings, alias: str, model_name: str = MODEL_NAME) -> str | None:
+    """``alias_version`` with this installation's client."""
+    return alias_version(mlflow_client(settings), alias, model_name)
 
 
 def aliases(settings: Settings, model_name: str = MODEL_NAME) -> dict[str, str | None]:

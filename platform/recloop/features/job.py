@@ -554,7 +554,6 @@ def training_rows(backend: FrameBackend, config: FeatureConfig, spec: DatasetSpe
         columns[f"d_{name}"] = pa.array(host(values).astype(np.float32))
 
     indices: dict[str, Any] = {}
-    capacity: dict[str, int] = {}  # each id column's table size, which sets its type on disk (formats.id_dtype)
     for feature in config.categorical:
         column = window[feature.column]
         if feature.hash_buckets:
@@ -563,20 +562,27 @@ def training_rows(backend: FrameBackend, config: FeatureConfig, spec: DatasetSpe
             values = xp.asarray(column.fill_null(0).to_numpy())
             nulls = xp.asarray(column.is_null().to_numpy(zero_copy_only=False))
             indices[feature.column] = ops.hash_bucket(xp, values, feature.hash_buckets, nulls)
-            capacity[feature.column] = feature.hash_buckets + 2
         else:
             indices[feature.column] = xp.asarray(vocabularies[feature.column].lookup_arrow(column).to_numpy())
-            capacity[feature.column] = vocabularies[feature.column].size
     for cross in config.crosses:
         indices[cross.name] = ops.hashed_cross(xp, indices[cross.columns[0]], indices[cross.columns[1]], cross.buckets)
-        capacity[cross.name] = cross.buckets + 2
+    sizes = one_hot_tables(config, vocabularies)  # each table's size sets its ids' type on disk (formats.id_dtype)
     for name, values in indices.items():
-        columns[f"c_{name}"] = pa.array(host(values).astype(id_dtype(capacity[name])))
+        columns[f"c_{name}"] = pa.array(host(values).astype(id_dtype(sizes[name][0])))
 
     for feature in config.multi_hot:
         columns[f"m_{feature.column}"] = _map_lists(window[feature.column], vocabularies[feature.vocabulary],
                                                     feature.max_length)
     return pa.table(columns)
+
+
+def one_hot_tables(config: FeatureConfig, vocabularies: dict[str, Vocabulary]) -> dict[str, tuple[int, bool]]:
+    """Each one-hot id column's table (named as the feature, ``c_`` left off): its rows and whether they are
+    hash buckets (a hashed column or a cross: another bucket count renumbers every id, where a vocabulary
+    only grows). Index 0 is null and 1 out of vocabulary, so buckets take two rows more."""
+    tables = {f.column: (f.hash_buckets + 2, True) if f.hash_buckets else (vocabularies[f.column].size, False)
+              for f in config.categorical}
+    return {**tables, **{cross.name: (cross.buckets + 2, True) for cross in config.crosses}}
 
 
 def _map_lists(lists: pa.ChunkedArray, vocab: Vocabulary, max_length: int) -> pa.Array:
@@ -647,14 +653,9 @@ def _write_periods(folder: Path, table: pa.Table, ts_column: str, start_us: int,
 def _write_schema(layout: FeatureLayout, config: FeatureConfig, spec: DatasetSpec,
                   vocabularies: dict[str, Vocabulary], version: int) -> None:
     """What the trainer needs to know about the training rows, next to them."""
-    categorical = {}
-    for feature in config.categorical:
-        size = feature.hash_buckets + 2 if feature.hash_buckets else vocabularies[feature.column].size
-        categorical[f"c_{feature.column}"] = {"num_embeddings": size, "source": feature.column,
-                                              **({"hashed": True} if feature.hash_buckets else {})}
-    for cross in config.crosses:  # hashed: another bucket count renumbers every row (no growth: a new table)
-        categorical[f"c_{cross.name}"] = {"num_embeddings": cross.buckets + 2, "source": list(cross.columns),
-                                          "hashed": True}
+    sources = {**{f.column: f.column for f in config.categorical}, **{c.name: list(c.columns) for c in config.crosses}}
+    categorical = {f"c_{name}": {"num_embeddings": size, "source": sources[name], **({"hashed": True} if hashed else {})}
+                   for name, (size, hashed) in one_hot_tables(config, vocabularies).items()}
     multi_hot = {f"m_{m.column}": {"num_embeddings": vocabularies[m.vocabulary].size, "vocabulary": m.vocabulary,
                                    "max_length": m.max_length} for m in config.multi_hot}
     sample = sorted(layout.training.glob("*.parquet"))

@@ -82,24 +82,15 @@ class Wanted:
 def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted:
     """Aliases and the challenger's ``canary`` tag (share, mode, salt) of a registered model (default: the
     ranker), from MLflow. A challenger without one (its canary not started) gets no traffic."""
-    from mlflow.exceptions import MlflowException
-
     from recloop import registry
     from recloop.canary.tag import CanaryTag
-
-    def by_alias(alias: str) -> str | None:
-        try:
-            return str(client.get_model_version_by_alias(model_name, alias).version)
-        except MlflowException as err:  # the registry not answering is an error: the current models stay
-            if registry.alias_unset(err):
-                return None
-            raise
 
     model_name = model_name or registry.MODEL_NAME
     # Once per poll (``registry.version_by_alias`` configures again on each call, a few ms of CPU each:
     # every watcher's poll holds the GIL that long, and a request arriving meanwhile waits).
     client = registry.mlflow_client(settings)
-    champion, challenger = by_alias("champion"), by_alias("challenger")
+    # (a registry that cannot answer raises: the pool keeps its current models)
+    champion, challenger = (registry.alias_version(client, alias, model_name) for alias in ("champion", "challenger"))
     share, mode, salt = 0.0, "canary", None
     if challenger is not None:
         tag = CanaryTag.from_tags(client.get_model_version(model_name, challenger).tags)
