@@ -4,6 +4,8 @@
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh 1     # tests, ptx, embedding, loader (~6 min)
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh 2     # train, kernel settings, Nsight (~6 min)
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh check # after a kernel change (see below)
+#   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh measure # check's core in ~335 s, leaving a
+#                                                                    # 15-minute session time for a second call
 #
 # Each step runs under its own time limit, so one slow step cannot take the others' time; gpu_suite.py
 # saves its JSON after every figure, so a step stopped at its limit keeps what it measured. Everything
@@ -61,6 +63,18 @@ if [ "$part" = check ]; then
         --page details python3 benchmarks/profile_embedding.py --set SEGMENT_RUNS=1 --set SEGMENT_WAVES=0 \
         --set SEGMENT_LONG_N=0 > "$0"' \
         "$OUT/ncu_criteo_fp32_one_run.csv"
+elif [ "$part" = measure ]; then
+    # check's core (tests, embedding, loader, one sweep, one profile): the limits add up to 335 s, so that a
+    # second call (its own start, ~60-90 s) fits the session's 15 minutes after the defaults are set from it
+    [ -f gpu-in/gpu_suite.json ] && cp gpu-in/gpu_suite.json "$suite"
+    step 90 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
+    step 90 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
+    step 60 python3 benchmarks/gpu_suite.py --only loader --out "$suite"
+    step 55 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"
+    step 40 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
+        --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
+        "$OUT/ncu_criteo_fp32.csv"
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"
