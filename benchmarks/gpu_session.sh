@@ -6,6 +6,8 @@
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh check # after a kernel change (see below)
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh measure # check's core in ~335 s, leaving a
 #                                                                    # 15-minute session time for a second call
+#   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh tune    # after measure: loader, two sweeps and
+#                                                                    # the segment pass's old setting profiled (235 s)
 #
 # Each step runs under its own time limit, so one slow step cannot take the others' time; gpu_suite.py
 # saves its JSON after every figure, so a step stopped at its limit keeps what it measured. Everything
@@ -75,6 +77,19 @@ elif [ "$part" = measure ]; then
         --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
         --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
         "$OUT/ncu_criteo_fp32.csv"
+elif [ "$part" = tune ]; then
+    # after measure (its JSON carried in gpu-in/): the loader again (3 epochs a setting, the median), the
+    # settings swept on the Criteo-like shape with uniform and Zipf ids, and the segment pass as measured on
+    # the H200 (one run a program, a program per item, no long-item path) profiled beside measure's profile
+    [ -f gpu-in/gpu_suite.json ] && cp gpu-in/gpu_suite.json "$suite"
+    step 75 python3 benchmarks/gpu_suite.py --only loader --out "$suite"
+    step 60 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"
+    step 60 python3 benchmarks/tune_embedding.py --ids zipf --json "$OUT/tune_criteo_fp32_zipf.json"
+    step 40 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats -k "regex:_segment_kernel" --launch-skip 1 --launch-count 1 --csv \
+        --page details python3 benchmarks/profile_embedding.py --set SEGMENT_RUNS=1 --set SEGMENT_WAVES=0 \
+        --set SEGMENT_LONG_N=0 > "$0"' \
+        "$OUT/ncu_criteo_fp32_one_run.csv"
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"
