@@ -8,6 +8,7 @@
 #                                                                    # 15-minute session time for a second call
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh tune    # after measure: loader, two sweeps and
 #                                                                    # the segment pass's old setting profiled (235 s)
+#   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh segment # the segment pass's settings on 5 shapes (210 s)
 #
 # Each step runs under its own time limit, so one slow step cannot take the others' time; gpu_suite.py
 # saves its JSON after every figure, so a step stopped at its limit keeps what it measured. Everything
@@ -90,6 +91,15 @@ elif [ "$part" = tune ]; then
         --page details python3 benchmarks/profile_embedding.py --set SEGMENT_RUNS=1 --set SEGMENT_WAVES=0 \
         --set SEGMENT_LONG_N=0 > "$0"' \
         "$OUT/ncu_criteo_fp32_one_run.csv"
+elif [ "$part" = segment ]; then
+    # the segment pass's settings alone, on the Criteo-like shape (uniform, Zipf), the long bags and the wide
+    # shape: a rule for the defaults must hold on all of them, not only where it was found
+    step 50 python3 benchmarks/tune_embedding.py --only segment: --json "$OUT/tune_segment_criteo.json"
+    step 50 python3 benchmarks/tune_embedding.py --only segment: --ids zipf --json "$OUT/tune_segment_criteo_zipf.json"
+    step 35 python3 benchmarks/tune_embedding.py --only segment: --shape long128 --ids zipf \
+        --json "$OUT/tune_segment_long128_zipf.json"
+    step 35 python3 benchmarks/tune_embedding.py --only segment: --shape long64 --json "$OUT/tune_segment_long64.json"
+    step 40 python3 benchmarks/tune_embedding.py --only segment: --shape wide --json "$OUT/tune_segment_wide.json"
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"
