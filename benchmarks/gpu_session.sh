@@ -9,6 +9,8 @@
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh tune    # after measure: loader, two sweeps and
 #                                                                    # the segment pass's old setting profiled (235 s)
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh segment # the segment pass's settings on 5 shapes (210 s)
+#   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh final   # after new defaults: tests, ptx, embedding,
+#                                                                    # train, the profile (325 s)
 #
 # Each step runs under its own time limit, so one slow step cannot take the others' time; gpu_suite.py
 # saves its JSON after every figure, so a step stopped at its limit keeps what it measured. Everything
@@ -100,6 +102,17 @@ elif [ "$part" = segment ]; then
         --json "$OUT/tune_segment_long128_zipf.json"
     step 35 python3 benchmarks/tune_embedding.py --only segment: --shape long64 --json "$OUT/tune_segment_long64.json"
     step 40 python3 benchmarks/tune_embedding.py --only segment: --shape wide --json "$OUT/tune_segment_wide.json"
+elif [ "$part" = final ]; then
+    # after the defaults changed (the JSON so far carried in gpu-in/): every step the change touches
+    [ -f gpu-in/gpu_suite.json ] && cp gpu-in/gpu_suite.json "$suite"
+    step 75 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
+    step 30 python3 benchmarks/gpu_suite.py --only ptx --out "$suite"
+    step 90 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
+    step 100 python3 benchmarks/gpu_suite.py --only train --out "$suite"
+    step 30 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
+        --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
+        "$OUT/ncu_criteo_fp32.csv"
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"

@@ -70,7 +70,8 @@ SETTINGS = [
     ("forward: 8 ids a step", {"FORWARD_BLOCK_N": 8}),
     ("forward: 16 ids a step", {"FORWARD_BLOCK_N": 16}),
     ("defaults, in the middle", {}),
-    # the segment pass's occurrences a step: the default follows the mean run length (backward_tiles)
+    # the segment pass's occurrences a step: 2 by default (backward_tiles; before 2026-11-26's H100 sweep, the
+    # mean run the batch can have: 1 for Criteo-like one-hot, 16 for the wide shape)
     ("segment: 1 occurrence a step", {"SEGMENT_BLOCK_N": 1}),
     ("segment: 2 a step", {"SEGMENT_BLOCK_N": 2}),
     ("segment: 4 a step", {"SEGMENT_BLOCK_N": 4}),
@@ -88,10 +89,10 @@ SETTINGS = [
     ("segment: 8 runs a program", {"SEGMENT_RUNS": 8}),
     ("segment: 16 runs a program, 8 warps", {"SEGMENT_RUNS": 16, "SEGMENT_WARPS": 8}),
     # the grid: a program per RUNS items (most exit at once: Criteo's 0.53M items against a bound of 1.7M), or
-    # SEGMENT_WAVES full SMs' worth of programs, each taking every grid-th group of items (default 4)
+    # SEGMENT_WAVES full SMs' worth of programs, each taking every grid-th group of items (default 16; 4 before the H100 sweep)
     ("segment: a program per RUNS items", {"SEGMENT_WAVES": 0}),
     ("segment: 1 wave of programs", {"SEGMENT_WAVES": 1}),
-    ("segment: 16 waves of programs", {"SEGMENT_WAVES": 16}),
+    ("segment: 4 waves of programs", {"SEGMENT_WAVES": 4}),
     # items longer than BLOCK_N alone, SEGMENT_LONG_N occurrences a step (default 8; ptx_check, Criteo fp32:
     # 0 → 40 registers, 4 → 48, 8 → 56, 16 → 72 with spills)
     ("segment: no long-item path", {"SEGMENT_LONG_N": 0}),

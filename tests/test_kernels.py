@@ -294,7 +294,7 @@ def test_several_runs_a_program_update_like_the_reference(runs, optimizer, dtype
     monkeypatch.setattr(embedding_bag, "SEGMENT_LONG_N", long_n)
     if programs is not None:
         monkeypatch.setattr(embedding_bag, "segment_programs", lambda device, max_items, runs, warps: programs)
-    assert embedding_bag.backward_tiles(16, 100, 10)[2] == runs
+    assert embedding_bag.backward_tiles(16)[2] == runs
     if tables == "hot":
         config, (values, offsets, weights, upstream), batch_size = HOT, hot_row_batch(96, seed=5), 96
     else:

@@ -64,7 +64,7 @@ SEGMENT_BLOCK_N: int | None = None  # occurrences gathered per step of the segme
 SEGMENT_WARPS: int | None = None  # warps a segment program (None: backward_tiles)
 SEGMENT_RUNS: int | None = None  # work items side by side in one segment program (None: backward_tiles)
 SEGMENT_LONG_N = 8  # occurrences a step for an item longer than BLOCK_N, one item at a time (≤ BLOCK_N: off)
-SEGMENT_WAVES = 4  # segment programs launched: this many full SMs' worth of warps a SM (0: one per RUNS items)
+SEGMENT_WAVES = 16  # segment programs launched: this many full SMs' worth of warps a SM (0: one per RUNS items)
 # The knobs above, by name: what benchmarks/tune_embedding.py sweeps and profile_embedding.py --set assigns.
 KNOBS = ("TILE", "FORWARD_WARPS", "FORWARD_BLOCK_N", "FORWARD_NARROW", "FORWARD_PIPELINE", "SEGMENT_BLOCK_N",
          "SEGMENT_WARPS", "SEGMENT_RUNS", "SEGMENT_LONG_N", "SEGMENT_WAVES")
@@ -105,24 +105,22 @@ def forward_tiles(block_d: int, average_pooling: float) -> tuple[int, int]:
     return bags, block_n
 
 
-def backward_tiles(block_d: int, nnz: int, total_rows: int) -> tuple[int, int, int]:
+def backward_tiles(block_d: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, RUNS) of the segment pass: occurrences gathered per step, warps and runs a program.
 
-    A warp per row up to D=128 (as FBGEMM's short-run kernel), so that a row is 16 bytes a thread. BLOCK_N
-    follows the mean run length the batch can have (ids per distinct row, at most ``total_rows`` distinct):
-    a one-hot batch over large tables holds runs of about one occurrence, where a 16-occurrence tile only
-    costs registers (H100, 2026-11-25: 107 a thread, occupancy 25 %); many ids over small tables gather
-    more a step. H200, 2026-11-26, Criteo-like fp32 (benchmarks/tune_embedding.py): backward 2.2 ms with
-    16 a step, 1.71 ms with 1.
+    A warp per row up to D=128 (as FBGEMM's short-run kernel), so that a row is 16 bytes a thread. BLOCK_N is
+    2 whatever the batch: items longer than that take the long-item path (``SEGMENT_LONG_N`` a step), so a
+    wide tile only costs registers on the many short items. RUNS: where rows are at most 256 wide, four work
+    items side by side in one program (four warps at D 128): one-warp programs hold a Hopper SM to 32 blocks,
+    50 % occupancy, however few registers they use.
 
-    RUNS: where runs are short (one or two occurrences a step) and rows at most 256 wide, four work items
-    side by side in one program (four warps at D 128). One-warp programs hold a Hopper SM to 32 blocks, 50 % occupancy, however few registers
-    they use (H200: 26.5 % achieved over 1.7M programs); four a program, 39 registers, allow 75 %
-    (benchmarks/ptx_check.py). A prediction until a GPU measures it: ``SEGMENT_RUNS = 1`` is the setting
-    measured on 2026-11-26. Longer runs keep one a program: their tile is already (BLOCK_N, D).
+    Measured (benchmarks/tune_embedding.py, RESULTS.md): H200, 2026-11-26, Criteo-like fp32, 16 a step 2.2 ms,
+    1 a step 1.71 ms (one run a program, no long-item path). H100, 2026-11-26 (4ae66c4), backward ms, defaults
+    then (BLOCK_N from the mean run the batch can have, 16 waves against 4) → now: Criteo-like uniform
+    1.11 → 1.07, Zipf 1.02 → 0.905; 64-hot D 128 Zipf 0.455 → 0.405, D 64 uniform 0.300 → 0.294; 100 x
+    10-hot (BLOCK_N 16 then) 2.06 → 1.68. No other setting of the sweep was better on all five.
     """
-    mean_run = nnz / max(1, min(nnz, total_rows))
-    block_n = SEGMENT_BLOCK_N or max(1, min(32, 2048 // block_d, _next_power_of_2(math.ceil(mean_run))))
+    block_n = SEGMENT_BLOCK_N or max(1, min(2, 2048 // block_d))
     runs = SEGMENT_RUNS or (4 if block_n <= 2 and block_d <= 256 else 1)  # wide rows fill a program alone
     warps = max(1, runs * block_d // 128)  # a warp per 128 elements of D, over the program's runs
     return block_n, SEGMENT_WARPS or warps, runs
@@ -626,7 +624,7 @@ def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, 
     shape = dict(DIM=dim, STRIDE=layout.strides[0] if uniform else 0, ALIGN=layout.align, CHUNK=CHUNK, BLOCK_D=block_d)
     rest1, rest2 = 1 - beta1, 1 - beta2  # in fp64 here: the kernel's fp32 beta2 = 0.999 leaves 1 - beta2 1.3e-5 off
     hyper = (lr, eps, weight_decay, beta1, beta2, rest1, rest2, log_beta1, log_beta2)
-    segment_n, warps, runs = backward_tiles(block_d, nnz, total_rows)
+    segment_n, warps, runs = backward_tiles(block_d)
     max_items = min(nnz, total_rows + 1 + chunks)  # runs (≤ distinct keys) plus chunk boundaries
     _segment_kernel[(segment_programs(device, max_items, runs, warps),)](
         weight, state1, state2, step, grad_output, sorted_keys, perm, info, item_start, scan, partials, offsets,
