@@ -216,8 +216,9 @@ class ChunkLoader:
         workers: threads decoding parquet row groups (default: up to 8, one per two cores).
         arrow_threads: each row group's columns are decoded in parallel on Arrow's own thread pool (one thread
             a core, shared by the workers); off, each worker decodes its row group alone. Default: off where
-            4 or more workers already keep the cores busy (H100 machine, 16 cores, 8 workers, 2026-11-26:
-            29.8M rows/s off against 13.9M on, in the same run), on where fewer do (one worker on 2 cores).
+            4 or more workers already keep the cores busy (8 workers would each fan out onto 16 Arrow threads
+            on a 16-core host; H100 machine, 2026-11-26, median of 3 epochs: 26.2M rows/s off, 27.0M on, the
+            same within the spread), on where fewer do (one worker on 2 cores).
         pad_values_to: pad each batch's values to a multiple of this (None: no padding).
         staging: decoding threads write each chunk, column by column, into a ring of reused host buffers
             (pinned on a GPU), and the chunk is transposed to rows on the device. Default: on a GPU. Off,
