@@ -287,3 +287,29 @@ def test_two_late_arrivals_in_windows_of_a_few_rows_give_the_on_time_features(la
     for prefix in ("user", "item"):
         admitted = [(r.to_numpy() > OOV_INDEX) for r in (got[f"c_{prefix}_id"], expected[f"c_{prefix}_id"])]
         assert (admitted[0] == admitted[1]).all(), prefix
+
+
+def test_a_run_with_an_end_before_the_latest_state_leaves_the_late_events_to_the_next_run(lake_home: Path,
+                                                                                         tmp_path: Path):
+    """Late events found by a run given an explicit end before the latest state: that run rebuilds up to
+    its end only, so the next run (without an end) must still see them as late and correct the states and
+    rows after that end (they used to be recorded as read, and every later row missed them)."""
+    from recloop.ingest import ingest, lake
+
+    ts = lake.read_window(Settings(home=lake_home), SPEC, None, None, columns=["ts"])["ts"].cast(pa.int64()).to_numpy()
+    ten, eleven = (lake.to_us(datetime(2026, 1, 1, h, tzinfo=UTC)) for h in (10, 11))
+    late = (ts >= ten) & (ts < eleven + 1_800_000_000) & (np.arange(len(ts)) % 2 == 0)
+    files, on_time, delayed, _ = late_homes(lake_home, tmp_path, {"late": late})
+    build_features(delayed, SPEC, CONFIG)
+    ingest(files / "late.parquet", SPEC, delayed, now=datetime(2026, 1, 4, tzinfo=UTC))
+    partial = build_features(delayed, SPEC, CONFIG, end=datetime(2026, 1, 1, 14, tzinfo=UTC))
+    assert partial.late_from == datetime(2026, 1, 1, 10, tzinfo=UTC).isoformat()
+    assert "corrected by the next run" in partial.message
+    assert build_features(delayed, SPEC, CONFIG).late_from == datetime(2026, 1, 1, 10, tzinfo=UTC).isoformat()
+
+    expected, got = (read(s, "training").sort_by("event_id") for s in (on_time, delayed))
+    assert got["event_id"].equals(expected["event_id"])
+    after = got["ts"].cast(pa.int64()).to_numpy() >= lake.to_us(datetime(2026, 1, 1, 14, tzinfo=UTC))
+    assert after.sum() > 100  # rows after the partial run's end: the ones it left stale
+    for column in ENTITY_COUNTS:
+        assert np.allclose(got[column].to_numpy(), expected[column].to_numpy(), equal_nan=True), column

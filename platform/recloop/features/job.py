@@ -262,8 +262,14 @@ def build_features(
         total.message = part.message if not total.rows else ""
     total.windows = len(points) - 1
     total.period_hours = period_hours
-    if start is None:  # every late event among these files is in now (an explicit start may have skipped some)
+    # Every late event among these files is in now, unless an explicit start skipped some or an explicit end
+    # stopped the rebuild before the latest state (the states after it would stay uncorrected): then the next
+    # run finds them late again and rebuilds up to the latest state.
+    if start is None and (rebuild is None or end_us >= rebuild["until_us"]):
         _record_lake_files(layout, settings, lake_files)
+    elif rebuild is not None:
+        total.message = (f"late events rebuilt up to {_iso(end_us)} only: the states up to {_iso(rebuild['until_us'])} "
+                         "are corrected by the next run without an end")
     total.seconds = round(time.perf_counter() - began, 3)
     return total
 
