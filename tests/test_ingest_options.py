@@ -190,3 +190,17 @@ def test_criteo_as_tsv_csv_with_header_and_parquet_with_ids_from_row_content(set
     again = ingest(tmp_path / "tsv", criteo, home, now=NOW)
     # The identical copy is known by its bytes; the longer file lands only its new row.
     assert again.files_skipped == 2 and again.rows_landed == 1 and again.rows_quarantined == 30
+
+
+def test_an_unsigned_epoch_beyond_int64_quarantines_its_row_not_the_file(settings, tmp_path):
+    """Epoch seconds in a uint64 parquet column: a value past int64 is one bad row (it used to fail the
+    cast of the whole column, and the file was rejected)."""
+    seconds = [1420070400, 2**64 - 1, 1420070401]
+    table = pa.Table.from_pylist(rows_with([0, 0, 0], [2015, 2016, 2017]))
+    table = table.set_column(1, "ts", pa.array(seconds, pa.uint64()))
+    landing = tmp_path / "in"
+    landing.mkdir()
+    pq.write_table(table, landing / "r.parquet")
+    [result] = ingest(landing, ratings_spec("epoch_s"), settings, now=NOW).results
+    assert result.rows_landed == 2 and result.reasons == {"invalid_type:ts": 1}, result
+    assert sorted(read_window(settings, ratings_spec("epoch_s"))["rating_id"].to_pylist()) == ["r0", "r2"]

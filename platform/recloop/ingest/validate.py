@@ -263,8 +263,8 @@ def _from_floats(
 def _from_epoch(arr: pa.Array, unit_us: int, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
     """Numbers since the epoch (integers, floats or their text) in ``unit_us`` microseconds → timestamps."""
     present = np.asarray(arr.is_valid())
-    if pa.types.is_integer(arr.type):
-        values = arr.cast(pa.int64()).to_numpy(zero_copy_only=False).astype(np.float64)
+    if pa.types.is_integer(arr.type):  # unchecked: a uint64 beyond int64 is a number too large, that row alone
+        values = pc.cast(arr, pa.float64(), safe=False).to_numpy(zero_copy_only=False)
     elif pa.types.is_floating(arr.type):
         values = arr.cast(pa.float64()).to_numpy(zero_copy_only=False)
     elif pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
