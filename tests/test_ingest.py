@@ -489,3 +489,23 @@ def test_only_zero_and_one_are_booleans():
     for values in (pa.array([0, 1, 2, None], pa.int64()), pa.array([0.0, 1.0, 0.5, None])):
         typed, bad = coerce_column(flag, values)
         assert typed.to_pylist() == [False, True, None, None] and bad.tolist() == [False, False, True, False]
+
+
+@pytest.mark.parametrize("pattern", [r"\d{2}", r"(?!00)\d{2}"], ids=["re2", "python-re"])
+def test_ingestion_and_serving_judge_other_scripts_digits_alike(pattern, small_events, settings, now, tmp_path):
+    """``\\d`` is ASCII in both places: RE2 (ingestion) and Python's ``re`` (serving, and ingestion's
+    fallback for what RE2 cannot run) used to disagree on Arabic-Indic digits, so serving accepted a
+    context value whose rows ingestion quarantined."""
+    from recloop.serve.features import RequestError, _check_categorical
+
+    columns = [c.model_copy(update={"pattern": pattern}) if c.name == "country" else c for c in SYNTHETIC.columns]
+    spec = SYNTHETIC.model_copy(update={"columns": tuple(columns)})
+    countries = ["12", "\u0661\u0662", "\uff11\uff12"] + [None] * (small_events.num_rows - 3)  # ASCII, Arabic, fullwidth
+    pq.write_table(with_column(small_events, "country", pa.array(countries, pa.string())), tmp_path / "c.parquet")
+    [result] = ingest(tmp_path / "c.parquet", spec, settings, now=now).results
+    assert result.reasons == {"pattern_mismatch:country": 2}, result
+    country = next(c for c in spec.columns if c.name == "country")
+    _check_categorical(country, pa.array(["12"]))
+    for refused in countries[1:3]:
+        with pytest.raises(RequestError, match="does not match"):
+            _check_categorical(country, pa.array([refused]))

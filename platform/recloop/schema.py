@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -70,6 +71,14 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+@lru_cache(maxsize=256)
+def compile_pattern(pattern: str) -> re.Pattern:
+    """A spec's ``pattern`` as Python compiles it for serving and for what RE2 cannot run at ingestion:
+    ASCII classes (``re.ASCII``), as RE2's, so that both judge a value alike (Python's ``\\d`` also takes
+    other scripts' digits, which ingestion quarantines)."""
+    return re.compile(pattern, re.ASCII)
+
+
 class ColumnSpec(_Frozen):
     """One column of the event table.
 
@@ -82,7 +91,8 @@ class ColumnSpec(_Frozen):
         min, max: inclusive bounds for numbers; ISO dates or datetimes for the timestamp. A ``numeric``
             column is a model input and needs both: no value the model sees is unbounded.
         allowed: the only values permitted (for example ``[0, 1]`` for a label).
-        pattern: a regular expression every string value must match in full.
+        pattern: a regular expression every string value must match in full. ``\\d``, ``\\w``, ``\\s`` and
+            ``\\b`` are ASCII (RE2's meaning, which ingestion runs it with; serving matches the same way).
         separator: how a ``list<int64>`` value is written in text formats (CSV), e.g. ``"3|17|42"``.
         allow_non_finite: for float columns, let NaN and ±infinity land; by default such a value is
             quarantined (``non_finite:<column>``): one infinite price turns a whole training run into NaN.
@@ -117,7 +127,7 @@ class ColumnSpec(_Frozen):
     def _pattern_compiles(cls, value: str | None) -> str | None:
         if value is not None:
             try:
-                re.compile(value)
+                compile_pattern(value)
             except re.error as err:
                 raise ValueError(f"pattern {value!r} is not a valid regular expression: {err}") from err
         return value

@@ -29,7 +29,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recloop.schema import EPOCH_UNITS, FLOAT_DTYPES, ColumnSpec, DatasetSpec
+from recloop.schema import EPOCH_UNITS, FLOAT_DTYPES, ColumnSpec, DatasetSpec, compile_pattern
 
 os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
 import pandera.pandas as pandera  # noqa: E402  (after the variable that silences its import warning)
@@ -457,7 +457,7 @@ def _fullmatch(values: pd.Series, pattern: str) -> pd.Series:
     try:
         matched = pc.match_substring_regex(text, f"^(?:{pattern})$")
     except pa.ArrowInvalid:
-        compiled = re.compile(pattern)
+        compiled = compile_pattern(pattern)
         matched = pa.array([None if v is None else compiled.fullmatch(v) is not None for v in text.to_pylist()],
                            pa.bool_())
     return pd.Series(np.asarray(matched.fill_null(True)), index=values.index)

@@ -18,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -35,7 +34,7 @@ from recloop.features.config import FeatureConfig
 from recloop.features.job import ENTITY_PREFIXES, FeatureLayout, training_rows
 from recloop.features.state import FeatureState, StateStore
 from recloop.ingest.validate import ARROW_TYPES
-from recloop.schema import ColumnSpec, DatasetSpec
+from recloop.schema import ColumnSpec, DatasetSpec, compile_pattern
 from recloop.settings import Settings
 
 CONTEXT_ROLES = ("categorical", "numeric", "multi_hot")
@@ -443,7 +442,7 @@ def _check_categorical(column: ColumnSpec, values: pa.Array) -> None:
         if refused:
             raise RequestError(f"context {column.name!r}: {refused[0]!r} is not one of {column.allowed}")
     if column.pattern is not None:
-        pattern = re.compile(column.pattern)
+        pattern = compile_pattern(column.pattern)
         refused = [v for v in present if not pattern.fullmatch(v)]
         if refused:
             raise RequestError(f"context {column.name!r}: {refused[0]!r} does not match {column.pattern!r}")
