@@ -70,7 +70,9 @@ def build_features(settings: Settings, spec: SpecArg = None, window: dict | None
     if not (publish and summary.rows):
         return replace(summary, feast_applied=applied)
 
-    materialized = store.materialize(settings, datetime.fromisoformat(summary.end), timedelta(seconds=config.ttl_seconds))
+    # from the run's first period: a rebuild for late events rewrote rows the online store already holds
+    materialized = store.materialize(settings, datetime.fromisoformat(summary.end), timedelta(seconds=config.ttl_seconds),
+                                     since=datetime.fromisoformat(summary.start))
     return replace(summary, feast_applied=applied, materialized=list(materialized))
 
 

@@ -246,11 +246,13 @@ def forget_other_homes_tables(settings: Settings) -> list[str]:
     return sorted({f"{o.sqlite_table.path}:{o.sqlite_table.name}" for o in foreign})
 
 
-def materialize(settings: Settings, end: datetime, ttl: timedelta) -> list[str]:
+def materialize(settings: Settings, end: datetime, ttl: timedelta, since: datetime | None = None) -> list[str]:
     """Load entity state rows up to ``end`` into the online store, incrementally per view.
 
     Each view continues from where its last materialization ended; the first one starts at
-    ``end - ttl`` (older rows are expired by the views' TTL anyway). Returns the views loaded.
+    ``end - ttl`` (older rows are expired by the views' TTL anyway). ``since``: the earliest time whose
+    rows the feature job wrote again (late events rebuild periods that were already loaded, so their
+    corrected rows are loaded again from there). Returns the views loaded.
     """
     from recloop.features import offline_store
 
@@ -262,6 +264,8 @@ def materialize(settings: Settings, end: datetime, ttl: timedelta) -> list[str]:
         start = view.most_recent_end_time or (end - ttl)
         if start.tzinfo is None:
             start = start.replace(tzinfo=UTC)
+        if since is not None:
+            start = min(start, max(since, end - ttl))
         if start >= end:
             continue
         if settings.feast_online_store == "redis":
