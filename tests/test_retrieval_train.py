@@ -127,3 +127,56 @@ def test_the_towers_columns_come_from_the_spec_and_the_data(home: Settings):
     from recloop.features.job import FeatureLayout
 
     assert features_for(home, "synthetic", FeatureLayout.for_settings(home).schema) == RetrievalFeatures()
+
+
+def test_text_item_attributes_are_kept_as_text_and_the_category_is_an_integer_column(tmp_path: Path):
+    """A categorical item attribute written as text (a brand) is kept per catalog item as text, saved beside
+    the safetensors (it used to be cast to float after the whole fit, and the run failed); the category the
+    cap and boosts group by is the first integer categorical attribute, not the spec's first attribute (a
+    price listed before the category used to be taken)."""
+    import json
+
+    import pyarrow as pa
+
+    from recloop.retrieval.data import ItemCatalog, newest_attributes
+    from recloop.retrieval.retriever import saved_attributes
+    from recloop.schema import DatasetSpec
+    from recloop.serve.recommend import _candidate_context
+
+    spec = DatasetSpec.model_validate({"name": "shop", "columns": [
+        {"name": "event_id", "role": "event_id", "dtype": "string"},
+        {"name": "ts", "role": "timestamp", "dtype": "timestamp"},
+        {"name": "buyer", "role": "user_key", "dtype": "int64", "min": 0},
+        {"name": "sku", "role": "item_key", "dtype": "int64", "min": 0},
+        {"name": "bought", "role": "label", "dtype": "int8", "allowed": [0, 1]},
+        {"name": "price", "role": "numeric", "dtype": "float64", "min": 0, "max": 1000},
+        {"name": "brand", "role": "categorical", "dtype": "string"},
+        {"name": "aisle", "role": "categorical", "dtype": "int64"}]})
+    events = pa.table({"sku": [1, 2, 1, 3], "ts": pa.array([1, 2, 3, 4], pa.timestamp("us", tz="UTC")),
+                       "price": [9.5, 3.0, 9.5, 4.0], "brand": ["acme", "zeta", "acme", None], "aisle": [4, 7, 4, 7],
+                       "buyer": [1, 1, 2, 2]})
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"categorical": {f"c_{c}": {"num_embeddings": 10} for c in
+                                                  ("buyer", "sku", "brand", "aisle")},
+                                  "dense": ["d_price"], "multi_hot": {}}))
+    features = RetrievalFeatures.for_spec(spec, events.to_pandas(), schema)
+    assert features.item_attributes == ("price", "brand", "aisle") and features.category == "aisle"
+
+    raw_ids = np.array([3, 1, 9, 2])  # 9: no row in the lake
+    attributes = newest_attributes(events, "sku", "ts", features.item_attributes, raw_ids)
+    assert attributes["brand"].tolist() == [None, "acme", None, "zeta"]
+    np.testing.assert_array_equal(attributes["aisle"], [7, 4, np.nan, 7])
+
+    retriever = Retriever.__new__(Retriever)  # the catalog's files alone, without a model
+    retriever.catalog = ItemCatalog(np.arange(4), raw_ids, {}, np.zeros((4, 1), np.float32))
+    retriever.item_clicks = np.zeros(4, np.int64)
+    retriever.attributes = attributes
+    retriever.save_items(tmp_path)
+    items = {k: v.numpy() for k, v in load_file(tmp_path / "items.safetensors").items()}
+    loaded = saved_attributes(tmp_path, items)
+    assert loaded["brand"].tolist() == attributes["brand"].tolist()
+    np.testing.assert_array_equal(loaded["price"], attributes["price"])
+    retriever.attributes = loaded
+    context = _candidate_context(retriever, np.array([1, 3, 2]), spec)
+    assert context == {"price": [9.5, 3.0, None], "brand": ["acme", "zeta", None], "aisle": [4, 7, None]}
+    assert type(context["aisle"][0]) is int and type(context["brand"][0]) is str

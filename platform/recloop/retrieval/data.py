@@ -53,7 +53,8 @@ class RetrievalFeatures:
         item_attributes: the dataset's raw item columns (as requests name them) kept per catalog item: the
             ranker is asked about retrieved items with these as their per-candidate context, and the
             ordering rules read the category from them.
-        category: the attribute the per-category cap and boosts apply to ("" for none).
+        category: the attribute the per-category cap and boosts apply to ("" for none): the first categorical
+            item attribute with integer values (boosts are keyed by integers).
     """
 
     user_id: str = "c_user_id"
@@ -107,12 +108,14 @@ class RetrievalFeatures:
             distinct = events.groupby(item)[column].nunique(dropna=True)
             return len(distinct) > 0 and float((distinct <= 1).mean()) >= 0.99
 
-        item_categorical, item_dense, context, attributes = [], [], [], []
+        item_categorical, item_dense, context, attributes, integer_categories = [], [], [], [], []
         for column in spec.columns:
             if column.role == "categorical" and f"c_{column.name}" in categorical:
                 if fixed_per_item(column.name):
                     item_categorical.append(f"c_{column.name}")
                     attributes.append(column.name)
+                    if column.dtype.startswith(("int", "uint")):
+                        integer_categories.append(column.name)
                 else:
                     context.append(f"c_{column.name}")
             elif column.role == "numeric" and f"d_{column.name}" in dense and fixed_per_item(column.name):
@@ -123,7 +126,7 @@ class RetrievalFeatures:
         return cls(user_id=f"c_{user}", context=tuple(context), history=history, item_id=f"c_{item}",
                    item_categorical=tuple(item_categorical), item_dense=tuple(item_dense), raw_user=user,
                    raw_item=item, item_vocabulary=item, item_attributes=tuple(attributes),
-                   category=attributes[0] if item_categorical else "")
+                   category=integer_categories[0] if integer_categories else "")
 
     def table_sizes(self, schema_path: Path) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
         """(name, rows) of the user tower's and the item tower's tables, from the feature job's schema."""
@@ -274,8 +277,14 @@ def log_sampling_probability(counts: np.ndarray, smoothing: float = 1.0) -> np.n
 def newest_attributes(events: pa.Table, item_key: str, timestamp: str, columns: tuple[str, ...],
                       raw_ids: np.ndarray) -> dict[str, np.ndarray]:
     """Each item's newest value of each raw attribute column in ``events`` (lake rows), aligned with
-    ``raw_ids``: float64, NaN where the item has no row or the value is null."""
-    out = {c: np.full(len(raw_ids), np.nan) for c in columns}
+    ``raw_ids``: float64 for numbers (NaN where the item has no row or the value is null), objects for text
+    (None there)."""
+    def text(column: str) -> bool:
+        return column in events.column_names and (pa.types.is_string(events[column].type)
+                                                 or pa.types.is_large_string(events[column].type))
+
+    out = {c: np.full(len(raw_ids), None, dtype=object) if text(c) else np.full(len(raw_ids), np.nan)
+           for c in columns}
     present = [c for c in columns if c in events.column_names]
     if events.num_rows == 0 or not present:
         return out
@@ -287,6 +296,7 @@ def newest_attributes(events: pa.Table, item_key: str, timestamp: str, columns: 
     found = (position < len(ids)) & (ids[np.minimum(position, len(ids) - 1)] == raw_ids)
     rows = order[newest[position[found]]]
     for column in present:
-        values = events[column].cast(pa.float64()).combine_chunks().to_numpy(zero_copy_only=False)
+        values = events[column].combine_chunks() if text(column) else events[column].cast(pa.float64()).combine_chunks()
+        values = np.array(values.to_pylist(), dtype=object) if text(column) else values.to_numpy(zero_copy_only=False)
         out[column][found] = values[rows]
     return out

@@ -44,15 +44,17 @@ class Retriever:
         catalog: the indexed items (vocabulary indices, raw ids, attributes).
         index: the catalog's vectors, searchable.
         item_clicks: (N,) training clicks per catalog item: the popularity fallback and baseline.
-        attributes: raw item attributes per catalog item, (N,) float64 each (NaN: unknown): what the
-            ranker is told about a retrieved item, and the category the ordering rules cap.
+        attributes: raw item attributes per catalog item, (N,) each: float64 for numbers (NaN: unknown),
+            objects for text (None: unknown); what the ranker is told about a retrieved item, and the
+            category the ordering rules cap.
     """
 
     def __init__(self, model: TwoTowerModel, features: RetrievalFeatures, catalog: ItemCatalog, index: ItemIndex,
                  item_clicks: np.ndarray, attributes: dict[str, np.ndarray] | None = None):
         self.model, self.features, self.catalog, self.index = model, features, catalog, index
         self.item_clicks = np.asarray(item_clicks, dtype=np.int64)
-        self.attributes = {k: np.asarray(v, dtype=np.float64) for k, v in (attributes or {}).items()}
+        self.attributes = {k: np.asarray(v, dtype=object if np.asarray(v).dtype == object else np.float64)
+                           for k, v in (attributes or {}).items()}
         self._popular = popularity_ranking(self.item_clicks, catalog.raw_ids, len(catalog))
         self._by_id = np.argsort(catalog.raw_ids, kind="stable")
         self._sorted_ids = catalog.raw_ids[self._by_id]
@@ -96,9 +98,12 @@ class Retriever:
         catalog = self.catalog
         tensors = {"item_index": catalog.item_index, "raw_ids": catalog.raw_ids, "dense": catalog.dense,
                    "clicks": self.item_clicks, **{f"categorical.{k}": v for k, v in catalog.categorical.items()},
-                   **{f"attribute.{k}": v for k, v in self.attributes.items()}}
+                   **{f"attribute.{k}": v for k, v in self.attributes.items() if v.dtype != object}}
         save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()},
                   Path(folder) / "items.safetensors")
+        text = {k: v.tolist() for k, v in self.attributes.items() if v.dtype == object}
+        if text:  # text attributes (a brand, say): safetensors holds numbers only
+            (Path(folder) / "attributes.json").write_text(json.dumps(text))
 
     @classmethod
     def load(cls, folder: Path, device: str | torch.device = "cpu", index_config: IndexConfig | None = None
@@ -116,8 +121,18 @@ class Retriever:
         catalog = ItemCatalog(items["item_index"], items["raw_ids"],
                               {k.split(".", 1)[1]: v for k, v in items.items() if k.startswith("categorical.")},
                               items["dense"])
-        attributes = {k.split(".", 1)[1]: v for k, v in items.items() if k.startswith("attribute.")}
-        return cls(model, features, catalog, ItemIndex.load(folder, index_config), items["clicks"], attributes)
+        return cls(model, features, catalog, ItemIndex.load(folder, index_config), items["clicks"],
+                   saved_attributes(folder, items))
+
+
+def saved_attributes(folder: Path, items: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The catalog's attributes as ``save_items`` wrote them: numbers in ``items.safetensors`` (``items``,
+    its arrays), text in ``attributes.json``."""
+    attributes = {k.split(".", 1)[1]: v for k, v in items.items() if k.startswith("attribute.")}
+    if (Path(folder) / "attributes.json").exists():
+        attributes.update({k: np.array(v, dtype=object)
+                           for k, v in json.loads((Path(folder) / "attributes.json").read_text()).items()})
+    return attributes
 
 
 def score_window(retriever: Retriever, files: list[Path], ks: tuple[int, ...] = (100, 500),

@@ -160,11 +160,15 @@ def user_rows(table, features) -> Rows:
 
 
 def _candidate_context(retriever, positions: np.ndarray, spec) -> dict[str, list]:
-    """Each candidate's raw attributes, as a per-candidate context (ints for integer columns, None when unknown)."""
+    """Each candidate's raw attributes, as a per-candidate context (ints for integer columns, text as it is,
+    None when unknown)."""
     out = {}
     dtypes = {c.name: c.dtype for c in spec.columns}
     for name, values in retriever.attributes.items():
         picked = values[positions]
+        if picked.dtype == object:
+            out[name] = picked.tolist()
+            continue
         integer = dtypes.get(name, "float64").startswith("int")
         out[name] = [None if math.isnan(v) else (int(v) if integer else float(v)) for v in picked.tolist()]
     return out
