@@ -591,3 +591,29 @@ def test_admin_canary_share_and_rollback(client: httpx.Client, home: Settings):
     assert undone.status_code == 200 and undone.json()["aliases"]["challenger"] is None
     assert "admin says no" in CanaryTag.from_tags(registry.version_info(home, version).tags).reasons[0]
     assert client.get("/healthz").json()["versions"]["challenger"] is None  # swapped before answering
+
+
+def test_online_state_older_than_the_ttl_is_served_as_unknown_as_in_training(home: Settings, tmp_path: Path,
+                                                                           copy_home):
+    """The training rows count an entity's state older than ``ttl_seconds`` as missing; the online store
+    keeps it (Feast returns it as present), so serving used to give a user back after 40 days their old
+    counts while the model had learned such users as new."""
+    from dataclasses import replace
+
+    settings = copy_home(home, tmp_path / "home", feast=True)
+    config = FeatureConfig.for_spec(SPEC)
+    online = FeastOnline(settings)
+    user, items = 7, [0, 1, 2]
+    raw = online.read(user, items)
+    stamp = raw["user:event_timestamp_us"][0]
+    assert not np.isnan(raw["user_events_total"][0]) and not np.isnan(stamp)
+    builder = RequestFeatures(settings, SPEC, config, online)
+    context = {"device": "mobile", "country": "US", "category": 1, "price": 1.0, "position": 1, "history": []}
+    within = int(stamp) + (config.ttl_seconds - 60) * 1_000_000
+    beyond = int(stamp) + (config.ttl_seconds + 60) * 1_000_000
+    fresh, fresh_fallbacks = builder.rows(user, items, context, within)
+    stale, stale_fallbacks = builder.rows(user, items, context, beyond)
+    assert fresh_fallbacks.user == 0 and stale_fallbacks.user == 1
+    assert fresh.column("user_is_new").to_pylist() == [0] * 3 and stale.column("user_is_new").to_pylist() == [1] * 3
+    short = RequestFeatures(settings, SPEC, replace(config, ttl_seconds=30), online)
+    assert short.rows(user, items, context, int(stamp) + 31 * 1_000_000)[1].user == 1

@@ -48,7 +48,8 @@ class RequestError(ValueError):
 
 class OnlineReader(Protocol):
     def read(self, user_id: int, item_ids: list[int]) -> dict[str, np.ndarray]:
-        """Raw entity state: ``user_<stat>`` (length 1) and ``item_<stat>`` (one per item); NaN = unknown."""
+        """Raw entity state: ``user_<stat>`` (length 1) and ``item_<stat>`` (one per item); NaN = unknown;
+        and each entity row's time (``stamp_name``), which the TTL is judged on."""
 
 
 class FeastOnline:
@@ -70,7 +71,17 @@ class FeastOnline:
             for stat in ops.STAT_NAMES:
                 values = vectors[f"{prefix}_{stat}"].values
                 out[f"{prefix}_{stat}"] = _floats(values[:1] if prefix == "user" else values)
+            stamps = vectors[f"{prefix}_events_total"].event_timestamps
+            stamps = np.array([t.seconds * 1_000_000 + t.nanos // 1000 for t in stamps], dtype=np.float64)
+            stamps = stamps[:1] if prefix == "user" else stamps
+            out[stamp_name(prefix)] = np.where(np.isnan(out[f"{prefix}_events_total"]), np.nan, stamps)
         return out
+
+
+def stamp_name(prefix: str) -> str:
+    """The key of a reader's answer holding the entity rows' times (µs; NaN: no row): what the TTL is
+    judged on, as the feature job judges it on the entity table's ``event_timestamp``."""
+    return f"{prefix}:event_timestamp_us"
 
 
 class RedisOnline:
@@ -105,7 +116,8 @@ class RedisOnline:
             view = store.get_feature_view(projection.name)
             [join_key] = [column.name for column in view.entity_columns]
             features = [f.name for f in projection.features]
-            self.views[join_key] = (entity_key_head(join_key), [_field_key(view.name, f) for f in features], features)
+            fields = [_field_key(view.name, f) for f in features] + [f"_ts:{view.name}".encode()]  # its time last
+            self.views[join_key] = (entity_key_head(join_key), fields, features)
             if view.name == "user_stats":
                 self.user_key = join_key
             elif view.name == "item_stats":
@@ -144,9 +156,11 @@ class RedisOnline:
             if current or not cached:
                 break
         out = {name: user[:, f] for f, name in enumerate(self.views[self.user_key][2])}
+        out[stamp_name("user")] = user[:, -1]
         values = np.stack([found[int(i)] for i in item_ids]) if len(item_ids) else \
-            np.zeros((0, len(self.views[self.item_key][2])))
+            np.zeros((0, len(self.views[self.item_key][1])))
         out.update({name: values[:, f] for f, name in enumerate(self.views[self.item_key][2])})
+        out[stamp_name("item")] = values[:, -1]
         return out
 
 
@@ -169,13 +183,18 @@ class ItemStates:
 
 
 def _decode(rows: list[list[bytes | None]], width: int) -> np.ndarray:
-    """HMGET answers (Feast's serialized ``ValueProto`` fields) as (rows, width) float64, NaN: missing."""
+    """HMGET answers (Feast's serialized ``ValueProto`` fields, then the row's serialized ``Timestamp``) as
+    (rows, width) float64, the time in µs; NaN: missing."""
     from feast.protos.feast.types.Value_pb2 import Value
+    from google.protobuf.timestamp_pb2 import Timestamp
 
     values = np.full((len(rows), width), np.nan)
     for r, row in enumerate(rows):
         for f, raw in enumerate(row):
-            if raw:
+            if raw and f == width - 1:
+                stamp = Timestamp.FromString(raw)
+                values[r, f] = stamp.seconds * 1_000_000 + stamp.nanos // 1000
+            elif raw:
                 value = Value.FromString(raw)
                 kind = value.WhichOneof("val")
                 if kind is not None and kind != "null_val":
@@ -293,6 +312,11 @@ class RequestFeatures:
         state = self._current_state()
         window = self._window(user_id, item_ids, context, ts_us)
         raw = self.online.read(user_id, item_ids)
+        ttl_us = self.config.ttl_seconds * 1_000_000
+        for prefix in ENTITY_PREFIXES.values():  # older than the TTL: unknown, as the training rows have it
+            stale = (ts_us - raw.pop(stamp_name(prefix))) > ttl_us  # (NaN: no row, already unknown)
+            for stat in ops.STAT_NAMES:
+                raw[f"{prefix}_{stat}"] = np.where(stale, np.nan, raw[f"{prefix}_{stat}"])
         n = len(item_ids)
         befores = {}
         for prefix in ENTITY_PREFIXES.values():
