@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from recloop.settings import Settings
@@ -326,3 +327,28 @@ def test_the_retriever_step_trains_in_the_runs_mode(tmp_path):
                     step)
     assert calls == [("synthetic", "full")]
     assert "retriever: nothing new" in state.message
+
+
+def test_retrain_wait_reports_a_run_that_did_not_complete_as_a_failure():
+    """``recloop retrain --wait`` against a server: a flow run that failed, crashed or was cancelled is an
+    error (exit 1, its state and message), not a result printed with exit 0; without --wait, any state is
+    the answer (the run was started)."""
+    from uuid import uuid4
+
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import Cancelled, Completed, Crashed, Failed
+
+    from recloop.cli import deployment_result
+    from recloop.cli_boundary import FAILURE, UserError
+
+    for state in (Failed(message="gate refused v9"), Crashed(), Cancelled()):
+        run = FlowRun(id=uuid4(), flow_id=uuid4(), state=state)
+        with pytest.raises(UserError, match=f"ended {state.name}") as raised:
+            deployment_result("retrain/full-retrain", run, wait=True)
+        assert raised.value.code == FAILURE
+        assert deployment_result("retrain/full-retrain", run, wait=False)["state"] == state.name
+    with pytest.raises(UserError, match="gate refused v9"):
+        deployment_result("retrain/full-retrain", FlowRun(id=uuid4(), flow_id=uuid4(),
+                                                          state=Failed(message="gate refused v9")), wait=True)
+    done = FlowRun(id=uuid4(), flow_id=uuid4(), state=Completed())
+    assert deployment_result("retrain/full-retrain", done, wait=True)["state"] == "Completed"

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from recloop.cli_boundary import ErrorBoundary, UserError, debug_option, emit_json, fail
+from recloop.cli_boundary import FAILURE, USAGE_ERROR, ErrorBoundary, UserError, debug_option, emit_json, fail
 from recloop.settings import Settings
 
 if TYPE_CHECKING:  # imported where used: `recloop --help` stays well under a second (no pandas, no torch)
@@ -93,8 +93,8 @@ def _drop_deprecation_notices() -> None:
         warnings.showwarning = shown
 
 
-def _fail(message: str) -> UserError:
-    return fail(message)
+def _fail(message: str, code: int = USAGE_ERROR) -> UserError:
+    return fail(message, code)
 
 
 @contextmanager
@@ -589,12 +589,14 @@ def retrain_command(
         endpoints.require_prefect(os.environ["PREFECT_API_URL"], endpoints.limits_for(settings))
 
         name = f"retrain/{mode}-retrain"
+        # the worker's own spec (RECLOOP_SPEC, its home's) unless --spec names one: this machine's would
+        # replace it (a path here, or the shipped default)
+        parameters = {"mode": mode, "reason": reason, **({"spec": spec_source} if spec else {})}
         try:
-            run = run_deployment(name, parameters={"mode": mode, "reason": reason, "spec": spec_source},
-                                 timeout=None if wait else 0)
+            run = run_deployment(name, parameters=parameters, timeout=None if wait else 0)
         except Exception as err:  # noqa: BLE001 - e.g. not deployed yet: say so in one line
             raise _fail(f"could not start deployment {name!r} ({err}); run `prefect deploy --all` first") from err
-        result = {"deployment": name, "flow_run_id": str(run.id), "state": run.state.name if run.state else None}
+        result = deployment_result(name, run, wait)
     else:
         from flows.retrain_flow import retrain_flow
         from recloop.flow_support import in_process_runs, settings_parameter
@@ -613,6 +615,17 @@ def retrain_command(
         _emit(result)
     else:
         console.print(result)
+
+
+def deployment_result(name: str, run, wait: bool) -> dict:
+    """What ``recloop retrain`` says of a deployment's flow run; with ``--wait``, a run that did not complete
+    (failed, crashed, cancelled) is an error (exit 1), not a result."""
+    state = run.state
+    if wait and (state is None or not state.is_completed()):
+        ended = state.name if state else "without a state"
+        detail = f": {state.message}" if state and state.message else ""
+        raise _fail(f"deployment {name!r}: flow run {run.id} ended {ended}{detail}", code=FAILURE)
+    return {"deployment": name, "flow_run_id": str(run.id), "state": state.name if state else None}
 
 
 def _retriever_outcome(outcome: dict) -> dict:
