@@ -352,3 +352,34 @@ def test_retrain_wait_reports_a_run_that_did_not_complete_as_a_failure():
                                                           state=Failed(message="gate refused v9")), wait=True)
     done = FlowRun(id=uuid4(), flow_id=uuid4(), state=Completed())
     assert deployment_result("retrain/full-retrain", done, wait=True)["state"] == "Completed"
+
+
+def test_without_a_server_the_slot_is_a_file_lock_a_killed_holder_gives_back(tmp_path):
+    """On Prefect's embedded server the model slot is a lock file under Prefect's home: while a process
+    holds it, another waits (and gives up at its timeout); when the holder is killed (Ctrl-C, a crash,
+    SIGKILL), the next takes it at once. The server's concurrency limit stayed counted after such a stop,
+    and every later training and gate waited for it in vain."""
+    import signal
+    import subprocess
+
+    from recloop.flow_support import MODEL_SLOT_FILE, file_slot
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom recloop.flow_support import model_slot\n"
+         "with model_slot(30):\n    print('held', flush=True)\n    time.sleep(120)\n"],
+        env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lock = tmp_path / "prefect" / MODEL_SLOT_FILE
+        assert lock.read_text().strip() == str(holder.pid)
+        with pytest.raises(TimeoutError), file_slot(lock, 0.5):
+            pass
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+        with file_slot(lock, 5):
+            assert lock.read_text().strip() == str(os.getpid())
+    finally:
+        holder.kill()
+        holder.wait(30)

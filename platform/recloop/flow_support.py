@@ -112,9 +112,14 @@ def tag_run(*tags: str) -> None:
 # --- one training or gate at a time, across every deployment ---------------------------------------------------
 
 MODEL_SLOT = "recloop-model"
-"""The global concurrency limit (limit 1) that every flow which trains or gates holds while it does: the
-hourly and the full retrain, ``train`` and ``gate`` by hand. Created on first use; ``prefect gcl inspect
-recloop-model`` shows who holds it."""
+"""The slot every flow which trains or gates holds while it does: the hourly and the full retrain, ``train``
+and ``gate`` by hand. On a Prefect server (an API URL set), its global concurrency limit of that name (limit
+1; created on first use; ``prefect gcl inspect recloop-model`` shows who holds it). On Prefect's embedded
+server, a file lock (``MODEL_SLOT_FILE`` under Prefect's home, in ``RECLOOP_HOME``): the embedded server
+lives as long as one command, so a command stopped while holding the limit (Ctrl-C, a crash) left its slot
+counted in the database with no lease to expire it, and every later training or gate waited for it in vain;
+the operating system releases a file lock with the process that held it."""
+MODEL_SLOT_FILE = "recloop-model.lock"
 
 _holding: contextvars.ContextVar[bool] = contextvars.ContextVar("recloop_model_slot", default=False)
 
@@ -148,12 +153,17 @@ def model_slot(timeout_seconds: float | None = None) -> Iterator[None]:
     if _holding.get():
         yield
         return
-    from prefect.concurrency.sync import concurrency
+    from prefect.settings import get_current_settings
 
-    ensure_model_slot()
     held = ExitStack()
     try:
-        held.enter_context(concurrency(MODEL_SLOT, occupy=1, timeout_seconds=timeout_seconds, strict=True))
+        if get_current_settings().api.url:  # a server: its limit, whichever machine the run is on
+            from prefect.concurrency.sync import concurrency
+
+            ensure_model_slot()
+            held.enter_context(concurrency(MODEL_SLOT, occupy=1, timeout_seconds=timeout_seconds, strict=True))
+        else:
+            held.enter_context(file_slot(Path(get_current_settings().home) / MODEL_SLOT_FILE, timeout_seconds))
     except TimeoutError as err:
         raise SlotBusy(f"another run held {MODEL_SLOT!r} for {timeout_seconds:.0f} s (one training or gate "
                        "at a time): nothing was done") from err
@@ -163,6 +173,34 @@ def model_slot(timeout_seconds: float | None = None) -> Iterator[None]:
             yield
         finally:
             _holding.reset(token)
+
+
+@contextmanager
+def file_slot(path: Path, timeout_seconds: float | None = None, poll_seconds: float = 0.2) -> Iterator[None]:
+    """An exclusive lock on ``path`` (``flock``) for the block, waiting up to ``timeout_seconds`` (None:
+    forever) or raising ``TimeoutError``. Released when the block ends or the process dies; the file holds
+    the holder's pid (for a person looking)."""
+    import fcntl
+    import time
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path} stayed locked for {timeout_seconds} s") from None
+                time.sleep(poll_seconds)
+        try:
+            handle.truncate(0)
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # --- run names, run logs, the outcome on the run ---------------------------------------------------------------
