@@ -66,6 +66,7 @@ def test_prefect_yaml_entrypoints_import_and_schedules_parse():
     ("kpi_decay", None, 0, True, "full retrain"),
     ("drift", 0.0, 3600.0, False, "cool-down"),
     ("drift", 0.0, 7 * 3600.0, True, "full retrain"),
+    ("drift", 0.0, 4.5 * 3600.0, True, "has no outcome"),  # lost: its event or its run
 ])
 def test_should_retrain(decision, last, now, retrain, fragment):
     found = MonitorDecision(decision, ("x",), 0.0, ())

@@ -283,11 +283,15 @@ class TriggerConfig:
     retrain_on: monitoring decisions that request a full retrain.
     canary_hold_seconds: while the last deployed retrain's version is still in its canary, no other is
         requested, for at most this long after it was deployed (a canary without traffic ends nowhere).
+    unanswered_seconds: a request that has no outcome (deployed or refused) after this long was lost (its
+        event never reached the deployment's trigger, or its run died before the gate): the next check asks
+        again rather than wait out the rest of the cool-down. Longer than a full retrain takes.
     """
 
     cooldown_seconds: float = 6 * 3600
     retrain_on: tuple[str, ...] = ("drift", "kpi_decay")
     canary_hold_seconds: float = 48 * 3600
+    unanswered_seconds: float = 4 * 3600
 
 
 @dataclass(frozen=True)
@@ -334,6 +338,11 @@ def should_retrain(decision: MonitorDecision, last_requested_at: float | None, n
             return TriggerVerdict(False, False, f"{outcome}, but a retrain was deployed {now - outcome_at:.0f} s "
                                                 f"ago: cool-down, {left:.0f} s left", outcome)
         return TriggerVerdict(True, outcome == "kpi_decay", f"{outcome}: full retrain ({detail})", outcome)
+    if last_outcome is None and last_requested_at is not None and \
+            config.unanswered_seconds <= now - last_requested_at < config.cooldown_seconds:
+        return TriggerVerdict(True, outcome == "kpi_decay", f"{outcome}: full retrain, asking again: the request "
+                                                            f"{now - last_requested_at:.0f} s ago has no outcome "
+                                                            f"(lost on its way or its run died) ({detail})", outcome)
     if last_requested_at is not None and now - last_requested_at < config.cooldown_seconds:
         left = config.cooldown_seconds - (now - last_requested_at)
         return TriggerVerdict(False, False, f"{outcome}, but a retrain was requested {now - last_requested_at:.0f} s "
