@@ -83,6 +83,8 @@ def test_incremental_warm_start_grows_tables_and_keeps_untouched_rows(home: Sett
     assert torch.equal(old[untouched], new[untouched])  # indices never move; unclicked rows keep their values
     assert not torch.equal(old[touched], new[touched])
     assert before.keys() == after.keys()
+    # popularity (the fallback and the gate's baseline) counts the window's clicks, not only the new hours'
+    assert Retriever.load(Path(incremental.checkpoint)).item_clicks.sum() > 2 * incremental.clicks
 
 
 def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
@@ -180,3 +182,21 @@ def test_text_item_attributes_are_kept_as_text_and_the_category_is_an_integer_co
     context = _candidate_context(retriever, np.array([1, 3, 2]), spec)
     assert context == {"price": [9.5, 3.0, None], "brand": ["acme", "zeta", None], "aisle": [4, 7, None]}
     assert type(context["aisle"][0]) is int and type(context["brand"][0]) is str
+
+
+def test_the_windows_are_time_whatever_the_files_period():
+    """Daily files: 12 hours held out is the newest day, and 7 days of training are 7 files (counting files
+    held out 12 days and trained on 168); hourly files with gaps: the hours, not the files."""
+    from datetime import timedelta
+
+    from recloop.retrieval.train import RetrievalTrainError, time_windows
+
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    daily = [Path(f"{(start + timedelta(days=d)):%Y-%m-%dT%H}.parquet") for d in range(30)]
+    validation, trainable, recent = time_windows(daily, validation_hours=12, days=7)
+    assert validation == daily[-1:] and trainable == daily[:-1] and recent == daily[-8:-1]
+    hourly = [Path(f"{(start + timedelta(hours=h)):%Y-%m-%dT%H}.parquet") for h in range(0, 96, 3)]  # every 3rd hour
+    validation, _, recent = time_windows(hourly, validation_hours=6, days=1)
+    assert [f.stem for f in validation] == ["2026-01-04T18", "2026-01-04T21"] and len(recent) == 8
+    with pytest.raises(RetrievalTrainError, match="nothing is left"):
+        time_windows(daily[:3], validation_hours=24 * 5, days=7)

@@ -245,7 +245,8 @@ class Windows:
     epochs: int
 
 
-def _stem_time(path: Path) -> datetime:
+def stem_time(path: Path) -> datetime:
+    """When a file of training rows starts: its name is its period's first hour (``2026-01-01T10``)."""
     return datetime.strptime(path.stem, "%Y-%m-%dT%H").replace(tzinfo=UTC)
 
 
@@ -257,9 +258,9 @@ def held_out_from(files: list[Path], config: TrainConfig) -> int:
     """Where the held-out files start: the newest ``validation_hours`` of time, grown back a file at a time
     until they hold ``validation_rows`` rows or ``max_validation_share`` of all rows (at least one file stays
     to train on)."""
-    newest = _stem_time(files[-1])
+    newest = stem_time(files[-1])
     cut = len(files) - 1
-    while cut > 0 and _stem_time(files[cut - 1]) > newest - timedelta(hours=config.validation_hours):
+    while cut > 0 and stem_time(files[cut - 1]) > newest - timedelta(hours=config.validation_hours):
         cut -= 1
     held = sum(_rows(f) for f in files[cut:])
     cap = config.max_validation_share * sum(_rows(f) for f in files)
@@ -287,8 +288,8 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
                          "are needed to judge a model): build features over a longer stretch of events, or "
                          "lower min_validation_rows knowingly")
     validation, trainable = files[cut:], files[:cut]
-    since = _stem_time(validation[0]) - timedelta(days=config.days)
-    first = next((i for i, f in enumerate(trainable) if _stem_time(f) >= since), len(trainable))
+    since = stem_time(validation[0]) - timedelta(days=config.days)
+    first = next((i for i, f in enumerate(trainable) if stem_time(f) >= since), len(trainable))
     rows = sum(_rows(f) for f in trainable[first:])
     while first > 0 and rows < config.train_rows:
         first -= 1

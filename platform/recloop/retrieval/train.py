@@ -1,7 +1,7 @@
 """Full and incremental training of the two-tower retriever, then every item's vector into the index.
 
-Windows are the ranker's (``recloop.train``): the newest ``validation_hours`` hourly files of training rows
-are held out; a ``full`` run trains from scratch on the ``days`` before them for ``epochs`` passes; an
+Windows are the ranker's (``recloop.train``), by time: the files of the newest ``validation_hours`` of training
+rows are held out; a ``full`` run trains from scratch on the ``days`` before them for ``epochs`` passes; an
 ``incremental`` run warm-starts from a retriever (weights and the tables' optimizer state), grows the
 tables for ids the vocabularies admitted since, and makes one pass over the hours it has not seen.
 Only clicked rows train it (in-batch negatives, log-Q correction: ``recloop.model.retrieval``).
@@ -33,6 +33,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -58,6 +59,7 @@ from recloop.retrieval.data import (
 )
 from recloop.retrieval.index import IndexConfig, ItemIndex
 from recloop.settings import Settings
+from recloop.train import stem_time
 
 
 class RetrievalTrainError(RuntimeError):
@@ -157,10 +159,7 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
 
     layout = FeatureLayout.for_settings(settings)
     files = training_files(layout.training)
-    if len(files) <= config.validation_hours:
-        raise RetrievalTrainError(f"{len(files)} hours of training rows; {config.validation_hours} are held out, "
-                                  "so nothing is left to train on (run `recloop features` first)")
-    validation, trainable = files[-config.validation_hours:], files[:-config.validation_hours]
+    validation, trainable, recent = time_windows(files, config.validation_hours, config.days)
     base = None
     if config.mode == "incremental":
         base_path = warm_start or latest_retriever(settings)
@@ -173,7 +172,7 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
                                       f"{base['trained_until']}")
         epochs = 1
     else:
-        train_files, epochs = trainable[-config.days * 24:], config.epochs
+        train_files, epochs = recent, config.epochs
 
     if config.features is None:  # a warm start keeps its towers' columns; a full run derives them
         config = replace(config, features=RetrievalFeatures.from_dict(base["features"]) if base and "features" in base
@@ -194,7 +193,10 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
     clicks = read_rows(train_files, features)
     if len(clicks) == 0:
         raise RetrievalTrainError(f"no clicks in the training window {train_files[0].stem}..{train_files[-1].stem}")
-    counts = click_counts(clicks, features, dict(item_tables)[features.item_id])
+    # popularity (the fallback, the gate's baseline) and the log-Q correction: the clicks of the whole window,
+    # not only an incremental run's new hours
+    counts = click_counts(clicks if train_files == recent else read_rows(recent, features), features,
+                          dict(item_tables)[features.item_id])
     log_q = torch.from_numpy(log_sampling_probability(counts)).to(device)
 
     started = time.perf_counter()
@@ -238,6 +240,25 @@ def features_for(settings: Settings, spec_source: str, schema_path: Path) -> Ret
         return RetrievalFeatures.for_spec(spec, events, schema_path)
     except ValueError as err:
         raise RetrievalTrainError(str(err)) from err
+
+
+def time_windows(files: list[Path], validation_hours: int, days: int) -> tuple[list[Path], list[Path], list[Path]]:
+    """(held out, the files before them, the last ``days`` of those): by time, as the ranker's windows, whatever
+    the files' period (an hour, a day, a week) and however many hours had no events. At least one file is
+    held out and one left to train on."""
+    if len(files) < 2:
+        raise RetrievalTrainError(f"{len(files)} period(s) of training rows: one is held out, so nothing is left "
+                                  "to train on (run `recloop features` first)")
+    newest = stem_time(files[-1])
+    cut = len(files) - 1
+    while cut > 0 and stem_time(files[cut - 1]) > newest - timedelta(hours=validation_hours):
+        cut -= 1
+    if cut == 0:
+        raise RetrievalTrainError(f"the {validation_hours} hours held out cover all {len(files)} files of training "
+                                  "rows: nothing is left to train on")
+    validation, trainable = files[cut:], files[:cut]
+    since = stem_time(validation[0]) - timedelta(days=days)
+    return validation, trainable, [f for f in trainable if stem_time(f) >= since]
 
 
 def catalog_attributes(settings: Settings, config: RetrievalTrainConfig, raw_ids: np.ndarray
