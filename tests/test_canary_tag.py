@@ -202,3 +202,20 @@ def test_the_monitor_asks_no_new_retrain_while_the_last_ones_challenger_is_in_ca
     record_retrain_outcome(home, deployed=True, now=100.0, version=challenger)  # (that request, deployed too)
     controller.manual(home, "rollback", "worse online", who="test")
     assert request_retrain(home, drift, now=100.0 + 7300, config=config).retrain
+
+
+def test_a_rollback_leaves_a_newer_challenger_alone(home: Settings, challenger: str):
+    """A canary check judged v(n) while a retrain's gate made v(n+1) the challenger: the rollback marks the
+    version it judged and leaves the alias to the newer one (it used to remove the alias whatever it pointed
+    at, and the retrain's canary then found no challenger)."""
+    from recloop.canary.decision import CanaryDecision
+
+    controller.start(home, QUICK, now=1000.0)
+    info = registry.version_info(home, "1")
+    newer = registry.register(home, info.source, info.run_id)
+    registry.set_alias(home, "challenger", newer, who="test", why="a retrain's gate, meanwhile")
+    controller._apply(home, challenger, CanaryDecision("rollback", 0.0, ("guardrail: errors",), {}), who="canary",
+                      now=2000.0)
+    _, judged = canary_tags(home, challenger)
+    assert judged.state == "rolled_back" and registry.aliases(home)["challenger"] == newer
+    registry.remove_alias(home, "challenger")

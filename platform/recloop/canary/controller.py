@@ -362,7 +362,8 @@ def _apply(settings: Settings, challenger: str, decision: CanaryDecision, who: s
         if baseline:
             registry.tag(settings, challenger, {KPI_BASELINE_TAG: json.dumps(baseline)}, model_name)
         registry.promote(settings, challenger, who=who, why="; ".join(decision.reasons), model_name=model_name)
-    elif decision.action == "rollback":
+    elif decision.action == "rollback" and registry.version_by_alias(settings, "challenger", model_name) == challenger:
+        # only the version judged: a retrain's gate may have made another the challenger meanwhile
         registry.remove_alias(settings, "challenger", model_name)
 
 
