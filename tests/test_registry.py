@@ -276,3 +276,44 @@ def test_slice_and_segment_figures_are_logged_under_names_mlflow_accepts(tmp_pat
     logged = MlflowClient().get_run(run.info.run_id).data.metrics
     assert logged == {"served_calibration.device.desktop": 1.2, "kpi.ctr.all": 0.1,
                       "gate_slice_auc_delta.user.new": -0.01}
+
+
+def test_nothing_is_written_to_the_users_home_by_mlflow(tmp_path: Path):
+    """MLflow's usage telemetry writes ~/.config/mlflow/telemetry.json on the first run it tracks: outside
+    RECLOOP_HOME. Any process that imports recloop has it off (the demo used to leave the file behind)."""
+    import os
+    import subprocess
+    import sys
+
+    home = tmp_path / "user-home"
+    home.mkdir()
+    # as a user's shell has it: MLflow also keeps quiet under pytest and in CI, whatever recloop does
+    quiet = {"MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK", "XDG_CONFIG_HOME", "PYTEST_CURRENT_TEST", "CI",
+             "GITHUB_ACTIONS", "GITLAB_CI", "JENKINS_URL", "BUILDKITE", "TF_BUILD", "CIRCLECI", "TRAVIS"}
+    env = {k: v for k, v in os.environ.items() if k not in quiet}
+    script = ("import recloop, mlflow, time\n"
+              f"mlflow.set_tracking_uri('sqlite:///{tmp_path / 'mlflow.db'}')\n"
+              "with mlflow.start_run():\n    mlflow.log_metric('x', 1.0)\n"
+              "time.sleep(1)\n")
+    subprocess.run([sys.executable, "-c", script], env={**env, "HOME": str(home)}, check=True, capture_output=True,
+                   timeout=120)
+    assert list(home.rglob("*")) == []
+
+
+def test_the_object_store_settings_reach_mlflows_s3_client(tmp_path: Path, monkeypatch):
+    """RECLOOP_OBJECT_STORE_URL / _ACCESS_KEY / _SECRET_KEY (documented for MLflow's artifacts on MinIO) are
+    what boto3 reads when MLflow writes an s3:// artifact (they were read by nothing); the user's own
+    variables win."""
+    import os
+
+    from recloop import registry
+
+    for variable in ("MLFLOW_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(variable, "")  # recorded as it was, so that what configure sets is undone too
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "the-users-own")
+    settings = Settings(home=tmp_path / "home", object_store_url="http://127.0.0.1:9000",
+                        object_store_access_key="recloop", object_store_secret_key="s3cret")
+    registry.configure(settings)
+    assert os.environ["MLFLOW_S3_ENDPOINT_URL"] == "http://127.0.0.1:9000"
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] == "s3cret" and os.environ["AWS_ACCESS_KEY_ID"] == "the-users-own"

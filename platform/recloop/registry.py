@@ -75,12 +75,23 @@ def configure(settings: Settings) -> str:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # Logging a model copies its artifacts with a tqdm bar on stderr: noise in every command's output.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    object_store(settings)
     endpoints.require_mlflow(settings)
     uri = tracking_uri(settings)
     settings.home.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     return experiment(settings, EXPERIMENT)
+
+
+def object_store(settings: Settings) -> None:
+    """The S3-compatible object store of ``RECLOOP_OBJECT_STORE_*`` (MinIO, say) for MLflow's artifacts, as
+    boto3 reads it: its endpoint and keys. Variables already set by the user win."""
+    for variable, value in (("MLFLOW_S3_ENDPOINT_URL", settings.object_store_url),
+                            ("AWS_ACCESS_KEY_ID", settings.object_store_access_key),
+                            ("AWS_SECRET_ACCESS_KEY", settings.object_store_secret_key.get_secret_value())):
+        if value:
+            os.environ.setdefault(variable, value)
 
 
 def experiment(settings: Settings, name: str) -> str:
