@@ -67,7 +67,7 @@ def periodic_full_task(validation_hours: int, every_hours: float | None, setting
 @flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True, on_failure=[record_failed_run],
       on_crashed=[record_failed_run])
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
-                 spec: str | None = None, days: int = 7, epochs: int = 1, batch_size: int | None = None,
+                 spec: str | None = None, days: int = 7, epochs: int | None = None, batch_size: int | None = None,
                  validation_hours: int = 6, canary_config: str | None = None,
                  gate_thresholds: str | None = None, slot_timeout_seconds: float = 3600,
                  retriever: bool = True, retriever_thresholds: str | None = None, retriever_epochs: int = 3,
@@ -86,7 +86,9 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
     ones kept held-out AUC +0.018 [0.005, 0.030] above new hours alone (``benchmarks/incremental.py --chain``).
     ``full_every_hours``: a scheduled incremental retrain becomes a full one (``days``, ``full_epochs``; reason
     ``periodic``) once the champion's chain of incremental runs spans this many hours of data
-    (``pipeline.periodic_full_due``); None: never."""
+    (``pipeline.periodic_full_due``); None: never. ``epochs``: passes of the training; None: one for an
+    incremental run, ``full_epochs`` for a full one (by hand, on drift or periodic alike, here or on a server)."""
+    epochs = run_epochs(mode, epochs, full_epochs)
     retriever_step = None
     if retriever:
         def retriever_step(resolved_spec: str, run_mode: str) -> dict:
@@ -105,6 +107,11 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
         log("%s", busy)
         record_outcome(settings_from(settings), "retrain", "cancelled")
         return Cancelled(message=str(busy))
+
+
+def run_epochs(mode: str, epochs: int | None, full_epochs: int) -> int:
+    """The passes a retrain's training makes: ``epochs`` when given, else 1 (incremental) or ``full_epochs``."""
+    return epochs if epochs is not None else (full_epochs if mode == "full" else 1)
 
 
 def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, batch_size: int | None,

@@ -383,3 +383,18 @@ def test_without_a_server_the_slot_is_a_file_lock_a_killed_holder_gives_back(tmp
     finally:
         holder.kill()
         holder.wait(30)
+
+
+def test_a_full_retrain_makes_the_same_passes_by_hand_here_or_on_a_server():
+    """``recloop retrain --full`` without a server ran the flow's default of one pass, the ``full-retrain``
+    deployment two: a full run now takes ``full_epochs`` unless told otherwise, and the deployment says the
+    same."""
+    import inspect
+
+    from flows.retrain_flow import retrain_flow, run_epochs
+
+    full_epochs = inspect.signature(retrain_flow.fn).parameters["full_epochs"].default
+    assert run_epochs("full", None, full_epochs) == full_epochs == 2
+    assert run_epochs("incremental", None, full_epochs) == 1 and run_epochs("full", 5, full_epochs) == 5
+    deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    assert deployments["full-retrain"]["parameters"].get("epochs", full_epochs) == full_epochs
