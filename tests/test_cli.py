@@ -151,3 +151,26 @@ def test_promoting_a_version_that_does_not_exist_is_one_clear_line(runner: CliRu
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines == ["error: recloop-ranker has no version '99' (no version registered yet)"], lines  # no MLflow INFO
+
+
+def test_ctrl_c_under_json_is_one_json_object(tmp_path: Path):
+    """A command interrupted by Ctrl-C (SIGINT) says so in one line, and under --json in one JSON object,
+    exit 130 (it printed click's "Aborted!" and no JSON, against the boundary's promise)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "RECLOOP_HOME": str(tmp_path / "home")}
+    command = [sys.executable, "-m", "recloop.cli", "simulate", "--out", str(tmp_path / "landing"), "--days", "60",
+               "--events-per-day", "200000", "--json"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "landing").exists() and time.monotonic() < deadline:  # past the imports: simulating
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, (stdout, stderr)
+    assert json.loads(stdout) == {"error": "interrupted (Ctrl-C)", "kind": "interrupted"}
+    assert "Traceback" not in stderr and "Aborted" not in stderr + stdout

@@ -29,6 +29,7 @@ from typer.core import TyperGroup
 
 DEBUG_KEY, JSON_KEY = "recloop.debug", "recloop.json"
 USAGE_ERROR, FAILURE, SERVICE_UNAVAILABLE = 2, 1, 3
+INTERRUPTED = 130  # Ctrl-C: the shell's code for a process ended by SIGINT
 
 
 def plain_errors() -> tuple[type[BaseException], ...]:
@@ -104,6 +105,9 @@ class ErrorBoundary(TyperGroup):
         except UserError as err:
             self._report(ctx, str(err), "usage" if err.code == USAGE_ERROR else "failure", hint=False)
             raise typer.Exit(code=err.code) from None
+        except KeyboardInterrupt:  # Ctrl-C: one line (and under --json one object), not click's "Aborted!"
+            self._report(ctx, "interrupted (Ctrl-C)", "interrupted", hint=False)
+            raise typer.Exit(code=INTERRUPTED) from None
         except Exception as err:
             if ctx.meta.get(DEBUG_KEY):
                 raise
