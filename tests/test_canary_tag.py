@@ -219,3 +219,18 @@ def test_a_rollback_leaves_a_newer_challenger_alone(home: Settings, challenger: 
     _, judged = canary_tags(home, challenger)
     assert judged.state == "rolled_back" and registry.aliases(home)["challenger"] == newer
     registry.remove_alias(home, "challenger")
+
+
+def test_a_decision_applied_stands_when_logging_it_fails(home: Settings, challenger: str, monkeypatch, caplog):
+    """MLflow failing after the decision was applied (the tag written, the alias moved): the step returns
+    the decision and warns. It raised, the flow retried, found no canary and said "none": the promotion or
+    rollback went uncounted."""
+    def unavailable(*args):
+        raise ConnectionError("MLflow is restarting")
+
+    controller.start(home, QUICK, now=1000.0)
+    monkeypatch.setattr(controller, "_log", unavailable)
+    result = controller.manual(home, "rollback", "bad reviews", who="bob")
+    assert result.action == "rollback" and registry.aliases(home)["challenger"] is None
+    assert canary_tags(home, challenger)[1].state == "rolled_back"
+    assert "logging it to MLflow's canary run failed: MLflow is restarting" in caplog.text

@@ -305,7 +305,7 @@ def step(settings: Settings, config: CanaryConfig | None = None, now: float | No
     run_id = _canary_run(settings, current)
     _apply(settings, current.challenger, current.decision, who="canary-controller", now=now, model_name=model_name,
            run_id=run_id, mode=current.mode)
-    _log(run_id, current, current.decision)
+    _log_applied(run_id, current, current.decision)
     return CanaryStep(current, current.decision)
 
 
@@ -340,7 +340,7 @@ def manual(settings: Settings, action: Literal["promote", "rollback"], reason: s
     run_id = _canary_run(settings, current)
     _apply(settings, challenger, decision, who=who, now=time.time(), model_name=model_name, run_id=run_id,
            mode=current.mode)
-    _log(run_id, current, decision)
+    _log_applied(run_id, current, decision)
     return ManualResult(action, "challenger", challenger, registry.aliases(settings, model_name))
 
 
@@ -402,6 +402,19 @@ def _canary_run(settings: Settings, current: CanaryStatus) -> str:
         "recloop.kind": "canary", "recloop.model": model_name, "recloop.version": version,
         "recloop.champion": current.champion or ""})
     return run.info.run_id
+
+
+def _log_applied(run_id: str, current: CanaryStatus, decision: CanaryDecision) -> None:
+    """``_log`` after the decision was applied (its tag written, the aliases moved): a failure to log it is a
+    warning, not an error. Raised, the flow's retry found the canary over (promoted or rolled back) and
+    reported "none": the outcome's count and its record were lost, though the decision stood."""
+    import logging
+
+    try:
+        _log(run_id, current, decision)
+    except Exception as err:  # noqa: BLE001 - MLflow down for a moment: the registry holds the decision
+        logging.getLogger(__name__).warning("v%s: %s applied; logging it to MLflow's canary run failed: %s",
+                                            current.challenger, decision.action, err)
 
 
 def _log(run_id: str, current: CanaryStatus, decision: CanaryDecision) -> None:
