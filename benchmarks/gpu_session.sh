@@ -41,6 +41,20 @@ step() {  # step LIMIT_SECONDS COMMAND...: run it under its limit, log it, say h
     echo "== took $(( $(date +%s) - began )) s, exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
 
+NCU_SECTIONS='--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats'
+profile_passes() {  # profile_passes LIMIT: Nsight on one pass's forward, linearize, segment and split (the second
+    # pass: the first compiles), Criteo-like fp32
+    step "$1" bash -c 'exec ncu '"$NCU_SECTIONS"' -k "regex:_(forward|segment|split|linearize)_kernel" \
+        --launch-skip 4 --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
+        "$OUT/ncu_criteo_fp32.csv"
+}
+profile_segment_as_on_the_h200() {  # LIMIT: the segment pass as measured on 2026-11-26 (one run a program, a
+    # program per item, no long-item path), for the side-by-side counters
+    step "$1" bash -c 'exec ncu '"$NCU_SECTIONS"' -k "regex:_segment_kernel" --launch-skip 1 --launch-count 1 \
+        --csv --page details python3 benchmarks/profile_embedding.py --set SEGMENT_RUNS=1 --set SEGMENT_WAVES=0 \
+        --set SEGMENT_LONG_N=0 > "$0"' "$OUT/ncu_criteo_fp32_one_run.csv"
+}
+
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | tee -a "$log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$log"
 if [ "$part" = check ]; then
@@ -57,17 +71,10 @@ if [ "$part" = check ]; then
     step 55 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"  # 30 settings: ~1 s each (H200)
     step 55 python3 benchmarks/tune_embedding.py --ids zipf --json "$OUT/tune_criteo_fp32_zipf.json"
     step 55 python3 benchmarks/tune_embedding.py --shape wide --json "$OUT/tune_wide_fp32.json"
-    step 40 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
-        --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
-        "$OUT/ncu_criteo_fp32.csv"
+    profile_passes 40
     # the segment pass as measured on 2026-11-26 (one run a program, a program per item, no long-item
     # path), for the side-by-side counters
-    step 40 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats -k "regex:_segment_kernel" --launch-skip 1 --launch-count 1 --csv \
-        --page details python3 benchmarks/profile_embedding.py --set SEGMENT_RUNS=1 --set SEGMENT_WAVES=0 \
-        --set SEGMENT_LONG_N=0 > "$0"' \
-        "$OUT/ncu_criteo_fp32_one_run.csv"
+    profile_segment_as_on_the_h200 40
 elif [ "$part" = measure ]; then
     # check's core (tests, embedding, loader, one sweep, one profile): the limits add up to 335 s, so that a
     # second call (its own start, ~60-90 s) fits the session's 15 minutes after the defaults are set from it
@@ -76,10 +83,7 @@ elif [ "$part" = measure ]; then
     step 90 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
     step 60 python3 benchmarks/gpu_suite.py --only loader --out "$suite"
     step 55 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"
-    step 40 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
-        --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
-        "$OUT/ncu_criteo_fp32.csv"
+    profile_passes 40
 elif [ "$part" = tune ]; then
     # after measure (its JSON carried in gpu-in/): the loader again (3 epochs a setting, the median), the
     # settings swept on the Criteo-like shape with uniform and Zipf ids, and the segment pass as measured on
@@ -88,11 +92,7 @@ elif [ "$part" = tune ]; then
     step 75 python3 benchmarks/gpu_suite.py --only loader --out "$suite"
     step 60 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"
     step 60 python3 benchmarks/tune_embedding.py --ids zipf --json "$OUT/tune_criteo_fp32_zipf.json"
-    step 40 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats -k "regex:_segment_kernel" --launch-skip 1 --launch-count 1 --csv \
-        --page details python3 benchmarks/profile_embedding.py --set SEGMENT_RUNS=1 --set SEGMENT_WAVES=0 \
-        --set SEGMENT_LONG_N=0 > "$0"' \
-        "$OUT/ncu_criteo_fp32_one_run.csv"
+    profile_segment_as_on_the_h200 40
 elif [ "$part" = segment ]; then
     # the segment pass's settings alone, on the Criteo-like shape (uniform, Zipf), the long bags and the wide
     # shape: a rule for the defaults must hold on all of them, not only where it was found
@@ -109,10 +109,7 @@ elif [ "$part" = final ]; then
     step 30 python3 benchmarks/gpu_suite.py --only ptx --out "$suite"
     step 90 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
     step 100 python3 benchmarks/gpu_suite.py --only train --out "$suite"
-    step 30 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
-        --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
-        "$OUT/ncu_criteo_fp32.csv"
+    profile_passes 30
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"
@@ -123,8 +120,5 @@ else
     step 180 python3 benchmarks/gpu_suite.py --only train --out "$suite"
     step 100 python3 benchmarks/tune_embedding.py --json "$OUT/tune_criteo_fp32.json"
     # the second pass only (the first compiles): forward, linearize, segment, split
-    step 50 bash -c 'exec ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats -k "regex:_(forward|segment|split|linearize)_kernel" --launch-skip 4 \
-        --launch-count 4 --csv --page details python3 benchmarks/profile_embedding.py > "$0"' \
-        "$OUT/ncu_criteo_fp32.csv"
+    profile_passes 50
 fi
