@@ -197,3 +197,30 @@ def test_serving_with_a_dead_journal_database_is_one_line_naming_it(tmp_path: Pa
         for line in result.output.splitlines()
         if line.startswith(f"error: PostgreSQL at {dsn} is unreachable")
     ]
+
+
+def test_up_does_not_take_a_reused_pid_for_its_service(tmp_path: Path):
+    """A pid file left by a service that died names a pid another program has since: `up` reported the
+    service "running" (its pid alive); now the pid must run the service's own command."""
+    import subprocess
+    import sys
+
+    from recloop import services
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Anything)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        port = other.server_address[1]
+        settings = Settings(home=tmp_path / "home")
+        (settings.home / "run").mkdir(parents=True)
+        (settings.home / "run" / "mlflow.pid").write_text(str(stranger.pid))
+        started = services.up(settings, timeout=10, services=(services.Service("mlflow", port, "/health"),))
+    finally:
+        stranger.kill()
+        stranger.wait(10)
+        other.shutdown()
+        other.server_close()
+    entry = started["mlflow"]
+    assert entry["status"] != "running" and entry["pid"] != stranger.pid, entry
+    assert "held by another process" in entry["status"], entry

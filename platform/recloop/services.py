@@ -64,6 +64,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _runs(pid: int, command: list[str]) -> bool:
+    """Whether ``pid`` is alive and runs ``command`` (``up`` started it): a pid file outlives its process,
+    and the pid can be another program's since (it was reported as the service "running"). Where there is
+    no /proc to read, alive is taken as enough."""
+    if not _alive(pid):
+        return False
+    try:
+        args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return True
+    # a console script runs as `python <bin>/<name> ...`: its name among the first two, then the same arguments
+    return any(Path(a).name == Path(command[0]).name for a in args[:2]) and args[len(args) - len(command) + 1:] == \
+        command[1:]
+
+
 def _port_free(host: str, port: int) -> bool:
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -98,7 +113,8 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
 
     for service in services:
         pid_file = _run_dir(settings) / f"{service.name}.pid"
-        if pid_file.exists() and _alive(int(pid_file.read_text())):
+        command = _command(service, settings, host)
+        if pid_file.exists() and _runs(int(pid_file.read_text()), command):
             started[service.name] = {"url": service.url(host), "pid": int(pid_file.read_text()), "status": "running"}
             continue
         if not _port_free(host, service.port):
@@ -107,7 +123,7 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
                 "started): stop it, or free the port")}
             continue
         log = open(_run_dir(settings) / f"{service.name}.log", "ab")  # noqa: SIM115 - handed to the child
-        process = subprocess.Popen(_command(service, settings, host), env=env, stdout=log, stderr=log,
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=log,
                                    start_new_session=True)
         pid_file.write_text(str(process.pid))
         processes[service.name] = process
