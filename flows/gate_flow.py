@@ -20,7 +20,7 @@ def gate_flow(version: str | None = None, thresholds_path: str | None = None, sl
               settings: dict | None = None) -> dict:
     """Holds the ``recloop-model`` slot while it judges (moving aliases races with a retrain's gate)."""
     try:
-        with model_slot(slot_timeout_seconds):
+        with model_slot(slot_timeout_seconds, settings_from(settings).home):
             outcome = gate_task(version, thresholds_path, settings)
     except SlotBusy as busy:
         log("%s", busy)

@@ -98,7 +98,7 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
                                   wait_for_canary_hours=canary_wait_hours if _waits(mode, reason) else None,
                                   settings=settings)
     try:
-        with model_slot(slot_timeout_seconds):
+        with model_slot(slot_timeout_seconds, settings_from(settings).home):
             return _retrain(mode, reason, spec, days, epochs, batch_size, validation_hours, canary_config,
                             gate_thresholds, settings, retriever_step, canary_wait_hours, replay_fraction,
                             (time.time() if requested_at is None else requested_at) if monitor_request else None,

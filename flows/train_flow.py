@@ -31,7 +31,7 @@ def train_flow(mode: Literal["incremental", "full"] = "incremental", days: int =
     """Holds the ``recloop-model`` slot while it trains (``flow_support.model_slot``); a run that waited
     ``slot_timeout_seconds`` for it ends Cancelled, having done nothing."""
     try:
-        with model_slot(slot_timeout_seconds):
+        with model_slot(slot_timeout_seconds, settings_from(settings).home):
             result = train_task({"mode": mode, "days": days, "epochs": epochs, "batch_size": batch_size,
                                  "validation_hours": validation_hours, "replay_fraction": replay_fraction}, settings)
     except SlotBusy as busy:

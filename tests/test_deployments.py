@@ -53,11 +53,11 @@ def test_the_pull_step_finds_the_installed_code_at_run_time(monkeypatch, tmp_pat
         assert (Path.cwd() / deployment["entrypoint"].split(":")[0]).is_file(), deployment["entrypoint"]
 
 
-def _hold_slot(release: threading.Event, held: threading.Event) -> threading.Thread:
+def _hold_slot(release: threading.Event, held: threading.Event, home: Path) -> threading.Thread:
     from recloop.flow_support import model_slot
 
     def hold():
-        with model_slot(30):
+        with model_slot(30, home):
             held.set()
             release.wait(30)
 
@@ -80,7 +80,7 @@ def test_one_run_at_a_time_trains_or_gates(prefect_server, tmp_path):
     settings = Settings(home=tmp_path / "home")
     parameters = settings_parameter(settings)
     release, held = threading.Event(), threading.Event()
-    holder = _hold_slot(release, held)
+    holder = _hold_slot(release, held, settings.home)
     try:
         states = [
             train_flow(mode="full", slot_timeout_seconds=1, settings=parameters, return_state=True),
@@ -97,7 +97,7 @@ def test_one_run_at_a_time_trains_or_gates(prefect_server, tmp_path):
     with get_client(sync_client=True) as client:
         assert client.read_global_concurrency_limit_by_name(MODEL_SLOT).limit == 1
     # Released by the holder; nested in a run that holds it (the retrain's subflows), no wait for itself.
-    with model_slot(5), model_slot(0.5):
+    with model_slot(5, settings.home), model_slot(0.5, settings.home):
         pass
 
 
@@ -355,24 +355,24 @@ def test_retrain_wait_reports_a_run_that_did_not_complete_as_a_failure():
 
 
 def test_without_a_server_the_slot_is_a_file_lock_a_killed_holder_gives_back(tmp_path):
-    """On Prefect's embedded server the model slot is a lock file under Prefect's home: while a process
-    holds it, another waits (and gives up at its timeout); when the holder is killed (Ctrl-C, a crash,
-    SIGKILL), the next takes it at once. The server's concurrency limit stayed counted after such a stop,
-    and every later training and gate waited for it in vain."""
+    """The model slot is a lock file in RECLOOP_HOME (on a server, its limit too): while a process holds it,
+    another waits (and gives up at its timeout); when the holder is killed (Ctrl-C, a crash, SIGKILL), the
+    next takes it at once. The embedded server's concurrency limit stayed counted after such a stop, and
+    every later training and gate waited for it in vain."""
     import signal
     import subprocess
 
     from recloop.flow_support import MODEL_SLOT_FILE, file_slot
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), RECLOOP_HOME=str(tmp_path / "home"))
     holder = subprocess.Popen(
         [sys.executable, "-c", "import time\nfrom recloop.flow_support import model_slot\n"
          "with model_slot(30):\n    print('held', flush=True)\n    time.sleep(120)\n"],
         env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        lock = tmp_path / "prefect" / MODEL_SLOT_FILE
+        lock = tmp_path / "home" / "run" / MODEL_SLOT_FILE
         assert lock.read_text().strip() == str(holder.pid)
         with pytest.raises(TimeoutError), file_slot(lock, 0.5):
             pass

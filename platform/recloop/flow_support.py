@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import UTC, datetime
@@ -113,12 +114,13 @@ def tag_run(*tags: str) -> None:
 
 MODEL_SLOT = "recloop-model"
 """The slot every flow which trains or gates holds while it does: the hourly and the full retrain, ``train``
-and ``gate`` by hand. On a Prefect server (an API URL set), its global concurrency limit of that name (limit
-1; created on first use; ``prefect gcl inspect recloop-model`` shows who holds it). On Prefect's embedded
-server, a file lock (``MODEL_SLOT_FILE`` under Prefect's home, in ``RECLOOP_HOME``): the embedded server
-lives as long as one command, so a command stopped while holding the limit (Ctrl-C, a crash) left its slot
-counted in the database with no lease to expire it, and every later training or gate waited for it in vain;
-the operating system releases a file lock with the process that held it."""
+and ``gate`` by hand. Always a file lock (``run/recloop-model.lock`` in ``RECLOOP_HOME``): runs of one home on
+one machine, with or without a server, exclude each other, and the operating system releases the lock with
+the process that held it. On a Prefect server (an API URL set), also its global concurrency limit of that
+name (limit 1; created on first use; ``prefect gcl inspect recloop-model`` shows who holds it), for workers
+on other machines. Not the server's limit alone without a server: the embedded server lives as long as one
+command, so a command stopped while holding it (Ctrl-C, a crash) left the slot counted in the database with
+no lease to expire it, and every later training or gate waited for it in vain."""
 MODEL_SLOT_FILE = "recloop-model.lock"
 
 _holding: contextvars.ContextVar[bool] = contextvars.ContextVar("recloop_model_slot", default=False)
@@ -143,7 +145,7 @@ def ensure_model_slot() -> None:
 
 
 @contextmanager
-def model_slot(timeout_seconds: float | None = None) -> Iterator[None]:
+def model_slot(timeout_seconds: float | None = None, home: Path | None = None) -> Iterator[None]:
     """Hold ``recloop-model`` while training or gating; a run nested in one that holds it (the retrain's
     ``train`` and ``gate`` subflows) goes on without waiting for itself.
 
@@ -157,14 +159,17 @@ def model_slot(timeout_seconds: float | None = None) -> Iterator[None]:
 
     held = ExitStack()
     try:
-        if get_current_settings().api.url:  # a server: its limit, whichever machine the run is on
+        began = time.monotonic()
+        lock = (home or Settings().home).resolve() / "run" / MODEL_SLOT_FILE
+        held.enter_context(file_slot(lock, timeout_seconds))
+        if get_current_settings().api.url:  # a server: its limit too, whichever machine the run is on
             from prefect.concurrency.sync import concurrency
 
             ensure_model_slot()
-            held.enter_context(concurrency(MODEL_SLOT, occupy=1, timeout_seconds=timeout_seconds, strict=True))
-        else:
-            held.enter_context(file_slot(Path(get_current_settings().home) / MODEL_SLOT_FILE, timeout_seconds))
+            left = None if timeout_seconds is None else max(0.0, timeout_seconds - (time.monotonic() - began))
+            held.enter_context(concurrency(MODEL_SLOT, occupy=1, timeout_seconds=left, strict=True))
     except TimeoutError as err:
+        held.close()
         raise SlotBusy(f"another run held {MODEL_SLOT!r} for {timeout_seconds:.0f} s (one training or gate "
                        "at a time): nothing was done") from err
     with held:
@@ -181,7 +186,6 @@ def file_slot(path: Path, timeout_seconds: float | None = None, poll_seconds: fl
     forever) or raising ``TimeoutError``. Released when the block ends or the process dies; the file holds
     the holder's pid (for a person looking)."""
     import fcntl
-    import time
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as handle:

@@ -53,7 +53,8 @@ def build_features(settings: Settings, spec: SpecArg = None, window: dict | None
 
     Feast is applied before the job's work, so a registry or definition that fails leaves the feature state
     where it was (a rerun starts from the same window); materialization after the job continues from where
-    each view's last one ended, so a failure there is caught up by the next run.
+    each view's last one ended (or from the first period a late-event rebuild wrote again), so a failure there
+    is caught up by the next run.
     """
     from recloop.features import store
     from recloop.features.config import FeatureConfig
@@ -70,9 +71,10 @@ def build_features(settings: Settings, spec: SpecArg = None, window: dict | None
     if not (publish and summary.rows):
         return replace(summary, feast_applied=applied)
 
-    # from the run's first period: a rebuild for late events rewrote rows the online store already holds
+    # a rebuild for late events rewrote rows the online store already holds: from its first period
+    since = datetime.fromisoformat(summary.late_from) if summary.late_from else None
     materialized = store.materialize(settings, datetime.fromisoformat(summary.end), timedelta(seconds=config.ttl_seconds),
-                                     since=datetime.fromisoformat(summary.start))
+                                     since=since)
     return replace(summary, feast_applied=applied, materialized=list(materialized))
 
 

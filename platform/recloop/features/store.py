@@ -251,8 +251,8 @@ def materialize(settings: Settings, end: datetime, ttl: timedelta, since: dateti
 
     Each view continues from where its last materialization ended; the first one starts at
     ``end - ttl`` (older rows are expired by the views' TTL anyway). ``since``: the earliest time whose
-    rows the feature job wrote again (late events rebuild periods that were already loaded, so their
-    corrected rows are loaded again from there). Returns the views loaded.
+    rows the feature job wrote again for late events (periods that were already loaded: their corrected rows
+    are loaded again from there, when the rebuild reached the last load's end). Returns the views loaded.
     """
     from recloop.features import offline_store
 
@@ -264,8 +264,8 @@ def materialize(settings: Settings, end: datetime, ttl: timedelta, since: dateti
         start = view.most_recent_end_time or (end - ttl)
         if start.tzinfo is None:
             start = start.replace(tzinfo=UTC)
-        if since is not None:
-            start = min(start, max(since, end - ttl))
+        if since is not None and end >= start:  # (a rebuild that stopped short of the last load: left to the
+            start = min(start, max(since, end - ttl))  # run that completes it, never older rows over newer ones)
         if start >= end:
             continue
         if settings.feast_online_store == "redis":
