@@ -224,3 +224,24 @@ def test_up_does_not_take_a_reused_pid_for_its_service(tmp_path: Path):
     entry = started["mlflow"]
     assert entry["status"] != "running" and entry["pid"] != stranger.pid, entry
     assert "held by another process" in entry["status"], entry
+
+
+def test_down_leaves_a_process_that_reused_a_services_pid_alone(tmp_path: Path):
+    """`down` with a pid file whose pid another program has since: it would have signalled that program's
+    process group (and raised on the SIGKILL, leaving the other services running); now it is "not running"
+    and the stranger lives on."""
+    import subprocess
+    import sys
+
+    from recloop import services
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        settings = Settings(home=tmp_path / "home")
+        (settings.home / "run").mkdir(parents=True)
+        (settings.home / "run" / "mlflow.pid").write_text(str(stranger.pid))
+        assert services.down(settings) == {"mlflow": "was not running"}
+        assert stranger.poll() is None and not (settings.home / "run" / "mlflow.pid").exists()
+    finally:
+        stranger.kill()
+        stranger.wait(10)

@@ -64,19 +64,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _runs(pid: int, command: list[str]) -> bool:
-    """Whether ``pid`` is alive and runs ``command`` (``up`` started it): a pid file outlives its process,
-    and the pid can be another program's since (it was reported as the service "running"). Where there is
-    no /proc to read, alive is taken as enough."""
+def _runs(pid: int, service: Service) -> bool:
+    """Whether ``pid`` is alive and is ``service`` (its program on its port, as ``up`` starts it): a pid file
+    outlives its process, and the pid can be another program's since (``up`` reported the service running,
+    ``down`` would have signalled that program's process group). Where there is no /proc to read, alive is
+    taken as enough."""
     if not _alive(pid):
         return False
     try:
         args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
     except OSError:
         return True
-    # a console script runs as `python <bin>/<name> ...`: its name among the first two, then the same arguments
-    return any(Path(a).name == Path(command[0]).name for a in args[:2]) and args[len(args) - len(command) + 1:] == \
-        command[1:]
+    program = service.name if service.name in ("prefect", "mlflow", "evidently") else "recloop"
+    # a console script runs as `python <bin>/<name> ...`: its name among the first two arguments
+    return any(Path(a).name == program for a in args[:2]) and str(service.port) in args
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -113,8 +114,7 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
 
     for service in services:
         pid_file = _run_dir(settings) / f"{service.name}.pid"
-        command = _command(service, settings, host)
-        if pid_file.exists() and _runs(int(pid_file.read_text()), command):
+        if pid_file.exists() and _runs(int(pid_file.read_text()), service):
             started[service.name] = {"url": service.url(host), "pid": int(pid_file.read_text()), "status": "running"}
             continue
         if not _port_free(host, service.port):
@@ -123,7 +123,7 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
                 "started): stop it, or free the port")}
             continue
         log = open(_run_dir(settings) / f"{service.name}.log", "ab")  # noqa: SIM115 - handed to the child
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=log,
+        process = subprocess.Popen(_command(service, settings, host), env=env, stdout=log, stderr=log,
                                    start_new_session=True)
         pid_file.write_text(str(process.pid))
         processes[service.name] = process
@@ -153,7 +153,7 @@ def down(settings: Settings) -> dict[str, str]:
         if not pid_file.exists():
             continue
         pid = int(pid_file.read_text())
-        if _alive(pid):
+        if _runs(pid, service):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
             for _ in range(50):
@@ -161,7 +161,8 @@ def down(settings: Settings) -> dict[str, str]:
                     break
                 time.sleep(0.1)
             else:
-                os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
             stopped[service.name] = "stopped"
         else:
             stopped[service.name] = "was not running"
