@@ -99,3 +99,16 @@ def test_a_negative_boost_is_refused_when_the_settings_are_read(monkeypatch):
             Settings()
     monkeypatch.setenv("RECLOOP_RECOMMEND_BOOSTS", '{"5": 1.2}')
     assert Settings().recommend_boosts == {5: 1.2}
+
+
+def test_text_categories_are_capped_and_never_boosted():
+    """A category column that holds text (a retriever warm-started from one that kept it as text) reached the
+    ordering as NaN checks on objects, and every /recommend failed: text gets codes of its own (the cap
+    holds; boosts, keyed by integer categories, do not reach them); numbers are as before."""
+    import numpy as np
+
+    from recloop.serve.recommend import _category_codes
+
+    text = _category_codes(np.array(["shoes", None, "hats", "shoes"], dtype=object))
+    assert text[1] == -1 and text[0] == text[3] != text[2] and (text[[0, 2]] < -1).all()
+    np.testing.assert_array_equal(_category_codes(np.array([3.0, np.nan, 5.0])), [3, -1, 5])

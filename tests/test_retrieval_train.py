@@ -200,3 +200,5 @@ def test_the_windows_are_time_whatever_the_files_period():
     assert [f.stem for f in validation] == ["2026-01-04T18", "2026-01-04T21"] and len(recent) == 8
     with pytest.raises(RetrievalTrainError, match="nothing is left"):
         time_windows(daily[:3], validation_hours=24 * 5, days=7)
+    with pytest.raises(RetrievalTrainError, match="no training rows in the 7 days"):  # a gap before the held out
+        time_windows([*daily[:3], *daily[-1:]], validation_hours=12, days=7)

@@ -12,7 +12,8 @@ the index's own file, never pickle::
 
     $RECLOOP_HOME/retrieval/<run id>/
         model.safetensors     both towers (tables, their optimizer state, MLPs)
-        items.safetensors     catalog: item_index, raw_ids, attributes, training clicks, vectors
+        items.safetensors     catalog: item_index, raw_ids, numeric attributes, training clicks, vectors
+        attributes.json       text attributes of the catalog items (only when there are some)
         index.faiss, index.safetensors, index.json      (recloop.retrieval.index)
         state.json            configuration, tables, windows, vocabulary version, summary
 
@@ -258,7 +259,12 @@ def time_windows(files: list[Path], validation_hours: int, days: int) -> tuple[l
                                   "rows: nothing is left to train on")
     validation, trainable = files[cut:], files[:cut]
     since = stem_time(validation[0]) - timedelta(days=days)
-    return validation, trainable, [f for f in trainable if stem_time(f) >= since]
+    recent = [f for f in trainable if stem_time(f) >= since]
+    if not recent:
+        raise RetrievalTrainError(f"no training rows in the {days} days before the held-out hours (the newest "
+                                  f"before them start {trainable[-1].stem}): build features for that stretch, "
+                                  "or train over more days")
+    return validation, trainable, recent
 
 
 def catalog_attributes(settings: Settings, config: RetrievalTrainConfig, raw_ids: np.ndarray

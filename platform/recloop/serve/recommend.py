@@ -174,6 +174,19 @@ def _candidate_context(retriever, positions: np.ndarray, spec) -> dict[str, list
     return out
 
 
+def _category_codes(values: np.ndarray) -> np.ndarray:
+    """The candidates' categories as the ordering rules take them (int64, -1: unknown). Text (a retriever
+    warm-started from one whose category column held text) gets codes below -1: the per-category cap holds,
+    and no boost (keyed by the integer categories) reaches them."""
+    if values.dtype == object:
+        known = np.array([v is not None for v in values], dtype=bool)
+        codes = np.full(len(values), -1, dtype=np.int64)
+        if known.any():
+            codes[known] = -2 - np.unique(values[known].astype(str), return_inverse=True)[1]
+        return codes
+    return np.where(np.isnan(values), -1, values).astype(np.int64)
+
+
 def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     started, started_cpu = time.perf_counter(), time.thread_time()
     metrics, settings = svc.metrics, svc.settings
@@ -298,8 +311,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
 
     # --- order -----------------------------------------------------------------------------------------
     category = retriever.features.category
-    categories = retriever.attributes.get(category, np.full(len(retriever.catalog), np.nan))[positions]
-    categories = np.where(np.isnan(categories), -1, categories).astype(np.int64)
+    categories = _category_codes(retriever.attributes.get(category, np.full(len(retriever.catalog), np.nan))[positions])
     order_config = OrderConfig(
         category_cap=settings.recommend_category_cap or None, boosts=settings.recommend_boosts
     )
