@@ -181,30 +181,13 @@ def model_slot(timeout_seconds: float | None = None, home: Path | None = None) -
 
 
 @contextmanager
-def file_slot(path: Path, timeout_seconds: float | None = None, poll_seconds: float = 0.2) -> Iterator[None]:
-    """An exclusive lock on ``path`` (``flock``) for the block, waiting up to ``timeout_seconds`` (None:
-    forever) or raising ``TimeoutError``. Released when the block ends or the process dies; the file holds
-    the holder's pid (for a person looking)."""
-    import fcntl
+def file_slot(path: Path, timeout_seconds: float | None = None) -> Iterator[None]:
+    """``exclusive_lock`` on ``path`` for the block, the holder's pid written in it (for a person looking)."""
+    from recloop.ingest.ledger import exclusive_lock
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"{path} stayed locked for {timeout_seconds} s") from None
-                time.sleep(poll_seconds)
-        try:
-            handle.truncate(0)
-            handle.write(f"{os.getpid()}\n")
-            handle.flush()
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with exclusive_lock(path, timeout_seconds):
+        path.write_text(f"{os.getpid()}\n")
+        yield
 
 
 # --- run names, run logs, the outcome on the run ---------------------------------------------------------------
