@@ -130,7 +130,7 @@ def test_the_exclusive_lock_admits_one_holder_across_processes(tmp_path: Path):
     import subprocess
     import sys
 
-    from recloop.ingest.ledger import exclusive_lock
+    from recloop.locks import exclusive_lock
 
     lock = tmp_path / "lake" / "_ingest.lock"
     probe = (

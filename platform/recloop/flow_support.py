@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from recloop import endpoints
+from recloop.locks import exclusive_lock
 from recloop.settings import Settings
 
 
@@ -183,8 +184,6 @@ def model_slot(timeout_seconds: float | None = None, home: Path | None = None) -
 @contextmanager
 def file_slot(path: Path, timeout_seconds: float | None = None) -> Iterator[None]:
     """``exclusive_lock`` on ``path`` for the block, the holder's pid written in it (for a person looking)."""
-    from recloop.ingest.ledger import exclusive_lock
-
     with exclusive_lock(path, timeout_seconds):
         path.write_text(f"{os.getpid()}\n")
         yield

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from recloop import endpoints
-from recloop.ingest.ledger import exclusive_lock
+from recloop.locks import exclusive_lock
 from recloop.settings import Settings
 
 EXPERIMENT = "recloop"

@@ -187,19 +187,6 @@ class Ledger:
         )
 
 
-@contextmanager
-def exclusive_lock(path: Path, timeout_seconds: float | None = None) -> Iterator[None]:
-    """Hold an exclusive lock on the lock file ``path`` for the block (``filelock``: one holder across
-    processes and threads, released by the operating system with a process that dies), e.g. one ingest run
-    at a time per lake. ``path`` is a file of its own: taking the lock may truncate it. Waits up to
-    ``timeout_seconds`` (None: for ever), then raises ``TimeoutError`` (``filelock.Timeout``)."""
-    from filelock import FileLock
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path), timeout=-1 if timeout_seconds is None else timeout_seconds):
-        yield
-
-
 def _entry(row: tuple) -> LedgerEntry:
     (sha, path, size, spec, status, rows_in, landed, quarantined, outputs, error, recorded) = row
     return LedgerEntry(sha, path, size, spec, status, rows_in, landed, quarantined, json.loads(outputs), error,

@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from recloop.ingest import lake
-from recloop.ingest.ledger import Ledger, exclusive_lock
+from recloop.ingest.ledger import Ledger
 from recloop.ingest.readers import (
     DEFAULT_BATCH_ROWS,
     FileRejected,
@@ -47,6 +47,7 @@ from recloop.ingest.readers import (
     read_batches,
 )
 from recloop.ingest.validate import RowProblems, check_rows
+from recloop.locks import exclusive_lock
 from recloop.schema import DatasetSpec
 from recloop.settings import Settings
 

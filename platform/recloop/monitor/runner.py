@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from recloop.ingest import lake
-from recloop.ingest.ledger import exclusive_lock
+from recloop.locks import exclusive_lock
 from recloop.monitor.decision import (
     MonitorConfig,
     MonitorDecision,
