@@ -273,6 +273,7 @@ def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_i
     from flows.retrain_flow import retrain_flow
     from recloop import checkpoint, pipeline, registry
     from recloop.flow_support import settings_parameter
+    from recloop.hours import hour_after
     from recloop.train import TrainConfig, chain_origin
 
     home = copy_home(champion_home, tmp_path / "home", feast=True)
@@ -305,7 +306,7 @@ def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_i
     assert state_of_new["train"]["days"] == 4
     # the attempt is remembered: within 12 hours of data, the policy says no more (even for the old champion)
     assert json.loads((home.home / "loop" / "periodic_full.json").read_text())["until"] == \
-        checkpoint.hour_after(pending.hours[-1])
+        hour_after(pending.hours[-1])
     assert pipeline.periodic_full_due(home, pending, 12) is None
     assert registry.aliases(home)["champion"] == "1"  # the new version went through the gate, not around it
 

@@ -31,7 +31,6 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,11 +67,6 @@ class TrainedInputs:
 def trained_inputs(state: dict) -> TrainedInputs:
     return TrainedInputs(tuple(state["dense"]), tuple((name, int(rows)) for name, rows in state["tables"]),
                          int(state["state_version"]))
-
-
-def hour_after(hour_stem: str) -> str:
-    """The hour after ``YYYY-MM-DDTHH`` (the first hour a checkpoint has not seen)."""
-    return (datetime.strptime(hour_stem, "%Y-%m-%dT%H") + timedelta(hours=1)).strftime("%Y-%m-%dT%H")
 
 
 # --- writing -------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from recloop import endpoints
+from recloop.hours import hour_stem
 from recloop.locks import exclusive_lock
 from recloop.settings import Settings
 
@@ -196,7 +197,7 @@ def _scheduled_hour() -> str:
     from prefect.runtime import flow_run
 
     when = flow_run.scheduled_start_time or datetime.now(UTC)
-    return when.astimezone(UTC).strftime("%Y-%m-%dT%H")
+    return hour_stem(when)
 
 
 def _parameters() -> dict:

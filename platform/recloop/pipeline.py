@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from recloop import datasets
+from recloop.hours import hour_after, parse_hour
 from recloop.schema import DatasetSpec
 from recloop.settings import Settings
 
@@ -131,23 +132,18 @@ class Pending:
         of incremental runs would be after this run (None: unknown, or no champion)."""
         if not self.champion or not self.full_trained_until or not self.trained_until:
             return None
-        return (_hour(self.until or self.trained_until) - _hour(self.full_trained_until)).total_seconds() / 3600
+        return (parse_hour(self.until or self.trained_until) - parse_hour(self.full_trained_until)).total_seconds() / 3600
 
     @property
     def until(self) -> str | None:
         """The first hour an incremental run over the pending hours would not have seen (None: nothing pending)."""
-        from recloop import checkpoint
 
-        return checkpoint.hour_after(self.hours[-1]) if self.hours else None
+        return hour_after(self.hours[-1]) if self.hours else None
 
     def to_dict(self) -> dict:
         return {"champion": self.champion, "trained_until": self.trained_until, "hours": len(self.hours),
                 "first": self.hours[0] if self.hours else None, "last": self.hours[-1] if self.hours else None,
                 "full_trained_until": self.full_trained_until, "chain_hours": self.chain_hours}
-
-
-def _hour(stem: str) -> datetime:
-    return datetime.strptime(stem, "%Y-%m-%dT%H")
 
 
 def pending_hours(settings: Settings, config: TrainConfig) -> Pending:
@@ -182,7 +178,7 @@ def periodic_full_due(settings: Settings, pending: Pending, every_hours: float |
         return None
     path = _periodic_path(settings)
     last = json.loads(path.read_text()).get("until") if path.exists() else None
-    if last is not None and (_hour(pending.until) - _hour(last)).total_seconds() / 3600 < every_hours:
+    if last is not None and (parse_hour(pending.until) - parse_hour(last)).total_seconds() / 3600 < every_hours:
         return None
     since = (f"its chain of incremental runs spans {chain:g} hours since its last full retrain" if chain is not None
              else "where its chain of incremental runs begins is not recorded")

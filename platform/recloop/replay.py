@@ -40,12 +40,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recloop.gate import GateThresholds
+from recloop.hours import US, hour_of_us
 from recloop.monitor.decision import MonitorConfig
 from recloop.schema import DatasetSpec
 from recloop.settings import Settings
 
 PERIODS = {"day": timedelta(days=1), "week": timedelta(days=7), "month": timedelta(days=30)}
-US = 1_000_000
 
 
 class ReplayError(ValueError):
@@ -337,7 +337,7 @@ def _figures(scores: dict, ndcg: float | None) -> dict:
 
 
 def _stem(t_us: int) -> str:
-    return datetime.fromtimestamp(t_us / US, tz=UTC).strftime("%Y-%m-%dT%H")
+    return hour_of_us(t_us)
 
 
 def _drift(

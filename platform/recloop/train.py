@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -48,6 +48,7 @@ from recloop.data import BATCH_PLAN, ChunkLoader, FeatureSchema, training_files
 from recloop.evaluate import metrics, predict, slice_metrics
 from recloop.features.job import FeatureLayout
 from recloop.gate import baselines
+from recloop.hours import file_hour, hour_after
 from recloop.model import (
     ModelConfig,
     RankingModel,
@@ -245,11 +246,6 @@ class Windows:
     epochs: int
 
 
-def stem_time(path: Path) -> datetime:
-    """When a file of training rows starts: its name is its period's first hour (``2026-01-01T10``)."""
-    return datetime.strptime(path.stem, "%Y-%m-%dT%H").replace(tzinfo=UTC)
-
-
 def _rows(path: Path) -> int:
     return pq.ParquetFile(path).metadata.num_rows
 
@@ -258,9 +254,9 @@ def held_out_from(files: list[Path], config: TrainConfig) -> int:
     """Where the held-out files start: the newest ``validation_hours`` of time, grown back a file at a time
     until they hold ``validation_rows`` rows or ``max_validation_share`` of all rows (at least one file stays
     to train on)."""
-    newest = stem_time(files[-1])
+    newest = file_hour(files[-1])
     cut = len(files) - 1
-    while cut > 0 and stem_time(files[cut - 1]) > newest - timedelta(hours=config.validation_hours):
+    while cut > 0 and file_hour(files[cut - 1]) > newest - timedelta(hours=config.validation_hours):
         cut -= 1
     held = sum(_rows(f) for f in files[cut:])
     cap = config.max_validation_share * sum(_rows(f) for f in files)
@@ -288,8 +284,8 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
                          "are needed to judge a model): build features over a longer stretch of events, or "
                          "lower min_validation_rows knowingly")
     validation, trainable = files[cut:], files[:cut]
-    since = stem_time(validation[0]) - timedelta(days=config.days)
-    first = next((i for i, f in enumerate(trainable) if stem_time(f) >= since), len(trainable))
+    since = file_hour(validation[0]) - timedelta(days=config.days)
+    first = next((i for i, f in enumerate(trainable) if file_hour(f) >= since), len(trainable))
     rows = sum(_rows(f) for f in trainable[first:])
     while first > 0 and rows < config.train_rows:
         first -= 1
@@ -404,7 +400,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
             raise TrainError(str(err)) from err
     windows = choose_windows(files, config, base)
     config, windows = fit_to_data(config, windows, distributed.device_for(config.device, ranks))
-    full_trained_until = chain_origin(base) if base else checkpoint.hour_after(windows.train[-1].stem)
+    full_trained_until = chain_origin(base) if base else hour_after(windows.train[-1].stem)
 
     identity = {"mode": config.mode, "files": [f.stem for f in windows.train], "base": base["path"] if base else None,
                 "config": config.to_dict(), "state_version": schema.state_version}
@@ -433,7 +429,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         info = {"model": model.config.to_dict(), "train": config.to_dict(),
                 "tables": [[n, r] for n, r in zip(model.table_names, model.embeddings.layout.rows, strict=True)],
                 "dense": list(schema.dense), "state_version": schema.state_version, "position": dict(position),
-                "trained_until": checkpoint.hour_after(windows.train[-1].stem),
+                "trained_until": hour_after(windows.train[-1].stem),
                 "full_trained_until": full_trained_until,
                 "calibration": list(model.calibration) if model.calibration else None,
                 "grown_tables": grown,  # (a resumed run's summary says it too)
@@ -473,7 +469,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
             oracle_auc=figures.get("oracle_auc"), validation_rows=figures["rows"], slices=slices,
             ndcg=figures["ndcg"], baselines=baseline_figures,
             train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
-            trained_until=checkpoint.hour_after(windows.train[-1].stem), full_trained_until=full_trained_until,
+            trained_until=hour_after(windows.train[-1].stem), full_trained_until=full_trained_until,
             state_version=schema.state_version, warm_start=base["path"] if base else None, grown_tables=grown,
             resumed_from_step=resumed["step"] if resumed else 0, resume_note=resume_note, loss_curve=loss_curve,
         )

@@ -42,11 +42,12 @@ from recloop.features.config import CategoricalFeature, FeatureConfig
 from recloop.features.state import FeatureState, StateStore
 from recloop.features.vocab import Vocabulary, count_values
 from recloop.formats import TRAINING_PARQUET, id_dtype
+from recloop.hours import hour_of_us
 from recloop.ingest import lake
 from recloop.schema import DatasetSpec
 from recloop.settings import Settings
 
-US = ops.US
+US = ops.US  # recloop.hours.US
 HOUR_US = 3600 * US
 DAY_US = 24 * HOUR_US
 ENTITY_PREFIXES = {"user_key": "user", "item_key": "item"}
@@ -126,7 +127,7 @@ MAX_WINDOW_ROWS = 2_000_000
 
 
 def _period_file(folder: Path, period_us: int) -> Path:
-    return folder / f"{datetime.fromtimestamp(period_us / US, tz=UTC):%Y-%m-%dT%H}.parquet"
+    return folder / f"{hour_of_us(period_us)}.parquet"
 
 
 def _period_start(t_us, period_us: int):

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from recloop.features.backend import FrameBackend
+from recloop.hours import US
 
-US = 1_000_000
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 

@@ -29,6 +29,7 @@ from recloop.gate.decision import (
     skipped_slices,
 )
 from recloop.gate.paired import HeldOut, PairedConfig, compare
+from recloop.hours import parse_hour
 from recloop.settings import Settings
 
 
@@ -178,7 +179,7 @@ def off_policy(settings: Settings, candidate: str, champion: str, window: tuple[
                limit: int = 5000) -> tuple[str | None, dict] | None:
     """The off-policy check (``gate.offpolicy``) on the journal's explored requests with event time in the
     candidate's held-out hours; None when serving logged none."""
-    from datetime import UTC, datetime, timedelta
+    from datetime import timedelta
 
     from recloop.features.config import FeatureConfig
     from recloop.features.job import FeatureLayout
@@ -190,7 +191,7 @@ def off_policy(settings: Settings, candidate: str, champion: str, window: tuple[
 
     if window is None:
         return None
-    first, last = (datetime.strptime(h, "%Y-%m-%dT%H").replace(tzinfo=UTC) for h in window)
+    first, last = (parse_hour(h) for h in window)
     bounds = (int(first.timestamp() * 1e6), int((last + timedelta(hours=1)).timestamp() * 1e6))
     journal = open_journal(settings, create=False)
     if journal is None:

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from recloop.hours import US
 from recloop.ingest.ledger import Ledger
 
 if TYPE_CHECKING:
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from recloop.settings import Settings
 
 TEMP_SUFFIX = ".tmp"
-US = 1_000_000
 
 
 def partition_dir(events_dir: Path, date: str) -> Path:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from recloop.hours import hour_stem, parse_hour
 from recloop.ingest import lake
 from recloop.locks import exclusive_lock
 from recloop.monitor.decision import (
@@ -101,7 +102,7 @@ def champion(settings: Settings) -> Champion | None:
     info = registry.version_info(settings, version)
     trained = None
     if info.train_window is not None:
-        first, last = (datetime.strptime(hour, "%Y-%m-%dT%H").replace(tzinfo=UTC) for hour in info.train_window)
+        first, last = (parse_hour(hour) for hour in info.train_window)
         trained = (first, last + timedelta(hours=1))
     return Champion(version, trained, kpi_baseline(info.tags))
 
@@ -187,7 +188,7 @@ def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, cu
     ref, cur = window(reference), window(current)
     if ref.empty or cur.empty:
         raise MonitorError(f"no events in the {'reference' if ref.empty else 'current'} window "
-                           f"{(reference if ref.empty else current)[0]:%Y-%m-%dT%H}..")
+                           f"{hour_stem((reference if ref.empty else current)[0])}..")
     too_few = insufficient(len(ref), len(cur), config)
     if too_few is not None:
         return too_few
@@ -284,7 +285,7 @@ def served_inputs(settings: Settings, version: str, reference: Window, current: 
     layout = FeatureLayout.for_settings(settings)
     if not layout.schema.exists():
         return None
-    windows = [training_files(layout.training, f"{a:%Y-%m-%dT%H}", f"{b:%Y-%m-%dT%H}") for a, b in (reference, current)]
+    windows = [training_files(layout.training, hour_stem(a), hour_stem(b)) for a, b in (reference, current)]
     if not all(windows):
         return None
     model, _ = checkpoint.load_model(checkpoint.resolve(settings, version))

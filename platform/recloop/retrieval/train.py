@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 from recloop.data import training_files
 from recloop.features.job import FeatureLayout
 from recloop.features.state import StateStore
+from recloop.hours import file_hour, hour_after
 from recloop.model.retrieval import RetrievalConfig, TwoTowerModel, in_batch_softmax_loss
 from recloop.retrieval.data import (
     ItemCatalog,
@@ -60,7 +61,6 @@ from recloop.retrieval.data import (
 )
 from recloop.retrieval.index import IndexConfig, ItemIndex
 from recloop.settings import Settings
-from recloop.train import stem_time
 
 
 class RetrievalTrainError(RuntimeError):
@@ -220,7 +220,7 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
         mode=config.mode, run_id=run_id, checkpoint=str(run_dir), clicks=len(clicks), steps=steps,
         seconds=round(seconds, 3), index_seconds=round(index.build_seconds, 4), catalog_items=len(catalog),
         scores=scores.to_dict(), loss_curve=loss_curve, train_hours=[f.stem for f in train_files],
-        validation_hours=[f.stem for f in validation], trained_until=_after(train_files[-1].stem),
+        validation_hours=[f.stem for f in validation], trained_until=hour_after(train_files[-1].stem),
         state_version=state.version, warm_start=base["path"] if base else None, grown_tables=grown)
     _save(run_dir, retriever, config, user_tables, item_tables, summary)
     return summary
@@ -250,16 +250,16 @@ def time_windows(files: list[Path], validation_hours: int, days: int) -> tuple[l
     if len(files) < 2:
         raise RetrievalTrainError(f"{len(files)} period(s) of training rows: one is held out, so nothing is left "
                                   "to train on (run `recloop features` first)")
-    newest = stem_time(files[-1])
+    newest = file_hour(files[-1])
     cut = len(files) - 1
-    while cut > 0 and stem_time(files[cut - 1]) > newest - timedelta(hours=validation_hours):
+    while cut > 0 and file_hour(files[cut - 1]) > newest - timedelta(hours=validation_hours):
         cut -= 1
     if cut == 0:
         raise RetrievalTrainError(f"the {validation_hours} hours held out cover all {len(files)} files of training "
                                   "rows: nothing is left to train on")
     validation, trainable = files[cut:], files[:cut]
-    since = stem_time(validation[0]) - timedelta(days=days)
-    recent = [f for f in trainable if stem_time(f) >= since]
+    since = file_hour(validation[0]) - timedelta(days=days)
+    recent = [f for f in trainable if file_hour(f) >= since]
     if not recent:
         raise RetrievalTrainError(f"no training rows in the {days} days before the held-out hours (the newest "
                                   f"before them start {trainable[-1].stem}): build features for that stretch, "
@@ -384,8 +384,3 @@ def _json_default(value):
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
-def _after(hour_stem: str) -> str:
-    """The hour after ``YYYY-MM-DDTHH`` (the first hour a run has not seen)."""
-    from datetime import datetime, timedelta
-
-    return (datetime.strptime(hour_stem, "%Y-%m-%dT%H") + timedelta(hours=1)).strftime("%Y-%m-%dT%H")
