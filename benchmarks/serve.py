@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import redis
 from common import machine, report
 
-from recloop import registry
+from recloop import registry, tracking
 from recloop.features import store
 from recloop.features.config import FeatureConfig
 from recloop.features.job import FeatureLayout, build_features
@@ -73,7 +73,7 @@ def setup(root: Path, world: WorldConfig) -> tuple[Settings, str]:
     summary = train(settings, TrainConfig(days=world.days, epochs=1, batch_size=2048, validation_hours=12,
                                           device="cpu", model=ModelConfig()))
     example = pq.read_table(sorted(FeatureLayout.for_settings(settings).training.glob("*.parquet"))[-1]).slice(0, 5)
-    logged = registry.log_training(settings, summary, example.to_pandas())
+    logged = tracking.log_training(settings, summary, example.to_pandas())
     assert run_gate(settings, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False).alias
     info = registry.version_info(settings, logged.version)
     twin = registry.register(settings, info.source, info.run_id)

@@ -158,12 +158,12 @@ def test_a_challenger_replaced_before_its_decision_is_marked_superseded(home: Se
     controller.start(home, QUICK, now=1000.0)
     source, run_id = registry.version_info(home, "1").source, registry.version_info(home, "1").run_id
     newer = registry.register(home, source, run_id)
-    registry.set_challenger(home, newer, who="gate", why="passed the gate")
+    controller.set_challenger(home, newer, who="gate", why="passed the gate")
     _, old = canary_tags(home, challenger)
     assert old.state == "superseded" and old.serving_share == 0.0
     assert old.reasons == (f"superseded by v{newer} before a decision (gate: passed the gate)",)
     assert registry.aliases(home)["challenger"] == newer and controller.running(home) is None
-    registry.set_challenger(home, newer, who="gate", why="again")  # the same version: nothing superseded
+    controller.set_challenger(home, newer, who="gate", why="again")  # the same version: nothing superseded
     assert canary_tags(home, newer)[1] is None
     registry.remove_alias(home, "challenger")
 

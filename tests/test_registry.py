@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from recloop import checkpoint, pipeline, registry
+from recloop import checkpoint, pipeline, registry, tracking
 from recloop.features.config import FeatureConfig
 from recloop.features.job import FeatureLayout, build_features
 from recloop.features.state import StateStore
@@ -102,7 +102,7 @@ def test_the_training_run_is_open_while_it_trains_and_a_crash_resumes_into_it(ho
     from mlflow import MlflowClient
 
     registry.configure(home)
-    client, tracker, seen = MlflowClient(), registry.TrainingRun(home), {}
+    client, tracker, seen = MlflowClient(), tracking.TrainingRun(home), {}
 
     def crash(step: int) -> None:
         if step == 15:
@@ -118,7 +118,7 @@ def test_the_training_run_is_open_while_it_trains_and_a_crash_resumes_into_it(ho
     assert stopped.info.status == "KILLED" and "simulated crash" in stopped.data.tags["recloop.stopped"]
     assert [m.step for m in client.get_metric_history(tracker.run_id, "train_loss")] == [10]  # logged as it came
 
-    again = registry.TrainingRun(home)
+    again = tracking.TrainingRun(home)
     resumed = train(home, config(seed=3, checkpoint_every=6), tracker=again)
     assert resumed.resumed_from_step == 12 and again.run_id == tracker.run_id  # the same MLflow run, taken up again
     run = client.get_run(again.run_id)
@@ -133,7 +133,7 @@ def test_the_training_run_is_open_while_it_trains_and_a_crash_resumes_into_it(ho
     for name in ("loader_wait_share", "loader_batching_share"):
         shares = client.get_metric_history(again.run_id, name)
         assert [m.step for m in shares] == [m.step for m in epochs] and all(0 < m.value < 1 for m in shares), name
-    logged = registry.log_training(home, resumed, example_rows(home))
+    logged = tracking.log_training(home, resumed, example_rows(home))
     assert logged.run_id == again.run_id  # the model goes into the run that trained it
 
 
@@ -146,7 +146,7 @@ def test_a_model_trained_on_shuffled_labels_is_refused(home: Settings):
         labels = rng.permutation(table["label"].to_numpy())
         pq.write_table(table.set_column(table.column_names.index("label"), "label", pa.array(labels)), path)
     shuffled = train(home, config(seed=7))
-    logged = registry.log_training(home, shuffled, example_rows(home))
+    logged = tracking.log_training(home, shuffled, example_rows(home))
     outcome = run_gate(home, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False)
     assert not outcome.passed and outcome.alias is None
     assert any("below the floor 0.55" in r for r in outcome.reasons), outcome.reasons
@@ -161,7 +161,7 @@ def test_a_model_that_emits_nan_is_refused(home: Settings):
     def poison(state):
         state["over_arch.layers.0.weight"][0, 0] = float("nan")
 
-    logged = registry.log_training(home, corrupted(home, base, poison), example_rows(home))
+    logged = tracking.log_training(home, corrupted(home, base, poison), example_rows(home))
     outcome = run_gate(home, logged.version, LENIENT, smoke_check=True)
     assert not outcome.passed
     assert any("NaN" in r for r in outcome.reasons), outcome.reasons
@@ -185,7 +185,7 @@ def test_a_slice_too_small_for_its_tolerance_is_reported_not_judged(home: Settin
         flat[offset + index * dim: offset + (index + 1) * dim] = torch.randn(dim, generator=torch.Generator()
                                                                            .manual_seed(0)) * 20
 
-    logged = registry.log_training(home, corrupted(home, base, scramble_tablet), example_rows(home))
+    logged = tracking.log_training(home, corrupted(home, base, scramble_tablet), example_rows(home))
     # The scrambled rows' log loss is far above the base rate's: only the slice rule is under test here.
     thresholds = dataclasses.replace(LENIENT, max_auc_drop_full=0.05, max_slice_auc_drop=0.01, max_logloss_ratio=100.0)
     outcome = run_gate(home, logged.version, thresholds, smoke_check=False)
@@ -247,7 +247,7 @@ def test_registry_on_postgresql(champion_home: Settings, tmp_path: Path):
         shutil.copytree(champion_home.home / "checkpoints", settings.home / "checkpoints")
         state = checkpoint.read(first_run(settings))
         summary = dataclasses.replace(TrainSummary(**state["summary"]), checkpoint=state["path"])
-        logged = registry.log_training(settings, summary, example_rows(settings))
+        logged = tracking.log_training(settings, summary, example_rows(settings))
         outcome = run_gate(settings, logged.version, LENIENT, smoke_check=False)
         assert outcome.alias == "champion"
         versions = _register_concurrently(settings, logged.model_uri, logged.run_id, 3)

@@ -34,7 +34,7 @@ WEIGHT_TOLERANCE = 1e-5
 RANK_SCRIPT = """
 import json, os, sys
 from pathlib import Path
-from recloop.registry import TrainingRun
+from recloop.tracking import TrainingRun
 from recloop.settings import Settings
 from recloop.train import TrainConfig, train
 from recloop.model import ModelConfig

@@ -323,7 +323,7 @@ def train_command(
 
     from rich.progress import TaskProgressColumn
 
-    from recloop import checkpoint, pipeline, registry
+    from recloop import checkpoint, pipeline, tracking
     from recloop.train import TrainConfig, TrainError, train
 
     mode, device = Mode(mode).value, Device(device).value  # plain strings from here on (checkpoints, JSON)
@@ -344,7 +344,7 @@ def train_command(
 
         try:
             base = pipeline.warm_start_checkpoint(Settings(), warm_start) if mode == "incremental" else None
-            tracker = registry.TrainingRun(Settings()) if track else None  # the MLflow run spans the training
+            tracker = tracking.TrainingRun(Settings()) if track else None  # the MLflow run spans the training
             summary = train(Settings(), config, warm_start=base, on_progress=on_progress, tracker=tracker)
         except (TrainError, checkpoint.CheckpointError) as err:
             raise _fail(str(err)) from err

@@ -206,22 +206,22 @@ def register_training(settings: Settings, summary: TrainSummary) -> LoggedModel:
     """Log a training run to MLflow and register its model (once per run: a rerun finds it)."""
     import pyarrow.parquet as pq
 
-    from recloop import registry
+    from recloop import tracking
     from recloop.features.job import FeatureLayout
 
     newest = sorted(FeatureLayout.for_settings(settings).training.glob("*.parquet"))[-1]
-    return registry.log_training(settings, summary, pq.read_table(newest).slice(0, 5).to_pandas())
+    return tracking.log_training(settings, summary, pq.read_table(newest).slice(0, 5).to_pandas())
 
 
 def train_and_register(settings: Settings, config: TrainConfig, warm_start: str | Path | None = None
                        ) -> TrainedVersion:
     """Train (full, or incremental from ``warm_start_checkpoint``) and register the model in MLflow; the MLflow
-    run is opened when the training starts and follows it (``registry.TrainingRun``)."""
-    from recloop import registry
+    run is opened when the training starts and follows it (``tracking.TrainingRun``)."""
+    from recloop import tracking
     from recloop.train import train
 
     base = warm_start_checkpoint(settings, warm_start) if config.mode == "incremental" else None
-    summary = train(settings, config, warm_start=base, tracker=registry.TrainingRun(settings))
+    summary = train(settings, config, warm_start=base, tracker=tracking.TrainingRun(settings))
     return TrainedVersion(summary, register_training(settings, summary))
 
 

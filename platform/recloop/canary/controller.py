@@ -179,6 +179,19 @@ def _mode_for(mode: Mode, model_name: str) -> Mode:
     return "canary" if mode == "interleave" and model_name != MODEL_NAME else mode
 
 
+def set_challenger(settings: Settings, version: str, *, who: str | None = None, why: str = "",
+                   model_name: str = MODEL_NAME) -> None:
+    """Make ``version`` the challenger. A challenger it replaces whose canary was still running is marked
+    ``superseded`` in its ``canary`` tag (share 0, the reason), so no version is left saying "running"."""
+    old = registry.version_by_alias(settings, "challenger", model_name)
+    if old is not None and old != version:
+        tag_ = CanaryTag.from_tags(registry.version_info(settings, old, model_name).tags)
+        if tag_ is not None and tag_.state == "running":
+            registry.tag(settings, old, replace(tag_, state="superseded", share=0.0, reasons=(
+                f"superseded by v{version} before a decision ({who or 'unknown'}: {why})",)).to_tag(), model_name)
+    registry.set_alias(settings, "challenger", version, who=who, why=why, model_name=model_name)
+
+
 def start(settings: Settings, config: CanaryConfig, *, mode: Mode | None = None, now: float | None = None,
           model_name: str = MODEL_NAME) -> CanaryStep:
     """Put the challenger at the first step (the retrain flow does it after a passed gate), with a new

@@ -358,7 +358,9 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
         registry.promote(settings, candidate_version, who="gate", why="first model: passed the absolute floors")
         alias = "champion"
     elif passed:
-        registry.set_challenger(settings, candidate_version, who="gate", why="passed the gate")
+        from recloop.canary import controller
+
+        controller.set_challenger(settings, candidate_version, who="gate", why="passed the gate")
         alias = "challenger"
     return GateOutcome(candidate_version, passed, tuple(reasons), alias, champion_version, mode,
                        decision.first_model, candidate, champion, decision.figures, report, baseline_figures)

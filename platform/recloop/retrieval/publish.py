@@ -18,7 +18,7 @@ import json
 import warnings
 from pathlib import Path
 
-from recloop import registry
+from recloop import registry, tracking
 from recloop.registry import RETRIEVER_NAME, LoggedModel
 from recloop.retrieval.evaluate import WorldOracle
 from recloop.retrieval.gate import RetrievalThresholds, decide, report_markdown
@@ -48,7 +48,7 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
             first = min(versions, key=lambda v: int(v.version))
             return LoggedModel(earlier.info.run_id, first.source, str(first.version))
     with mlflow.start_run(experiment_id=experiment, run_name=f"retriever-{summary.run_id}") as run:
-        mlflow.log_params(registry._flatten("", {"train": state["train"]}, {}))
+        mlflow.log_params(tracking.flatten_params("", {"train": state["train"]}, {}))
         overall = summary.scores.get("overall", {})
         popularity = summary.scores.get("popularity") or {}
         metrics = {**{k.replace("@", "_at_"): v for k, v in overall.items()},
@@ -130,7 +130,9 @@ def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalTh
                          model_name=RETRIEVER_NAME)
         alias = "champion"
     elif decision.passed:
-        registry.set_challenger(settings, version, who="gate", why="passed the gate", model_name=RETRIEVER_NAME)
+        from recloop.canary import controller
+
+        controller.set_challenger(settings, version, who="gate", why="passed the gate", model_name=RETRIEVER_NAME)
         alias = "challenger"
     return {"passed": decision.passed, "reasons": list(decision.reasons), "version": version, "alias": alias,
             "champion": champion_version, "mode": mode, "first_model": decision.first_model,
