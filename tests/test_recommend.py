@@ -278,7 +278,7 @@ def test_the_rankers_interleaved_canary_merges_both_rankings_on_recommend_and_cr
 
     from variants import inverted, variant
 
-    from recloop.serve.journal import open_journal
+    from recloop.journal import open_journal
 
     version = variant(home, inverted)
     registry.set_alias(home, "challenger", version, who="test", why="interleaving on /recommend")

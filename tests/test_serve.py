@@ -428,7 +428,7 @@ def test_a_bad_challenger_is_rolled_back(client: httpx.Client, home: Settings, s
 
 def test_interleaving_serves_both_rankings_and_credits_each_click_to_its_team(client: httpx.Client,
                                                                               home: Settings, server):
-    from recloop.serve.journal import open_journal
+    from recloop.journal import open_journal
 
     version = variant(home, inverted)
     registry.set_alias(home, "challenger", version, who="test", why="interleaving")

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from recloop import checkpoint, pipeline, registry
 from recloop.canary import CanaryConfig, controller
-from recloop.serve.journal import JournalBusy, SqliteJournal
-from recloop.serve.journal_postgres import PostgresJournal
+from recloop.journal import JournalBusy, SqliteJournal
+from recloop.journal.postgres import PostgresJournal
 from recloop.settings import Settings
 from recloop.simulate import World, WorldConfig
 from recloop.train import TrainSummary

@@ -1,8 +1,9 @@
-"""On-disk formats that a writer and a reader in different modules must agree on (constants and numpy only:
-any module can import this, on any machine: the feature job without torch, the GPU machine without the
-service packages)."""
+"""On-disk formats that a writer and a reader in different modules must agree on (constants, numpy and
+pyarrow only: any module can import this, on any machine: the feature job without torch, the GPU machine
+without the service packages)."""
 
 import numpy as np
+import pyarrow as pa
 
 # How training rows are written (the feature job, recloop.data.synthetic, benchmarks/loader.py) for
 # recloop.data.ChunkLoader: LZ4 (parquet's LZ4_RAW codec, not the deprecated Hadoop-framed one), no
@@ -11,6 +12,20 @@ import numpy as np
 # dictionary) 1.6-2.4M rows/s at 200 bytes a row on disk; LZ4 without dictionary 3.3-4.0M at 162 bytes
 # (no compression 5.2-6.6M at 264 bytes; zstd 1.3-1.4M at 171). Ids spread over millions of rows gain
 # nothing from a dictionary.
+# The Arrow type of each dtype a dataset spec names (recloop.schema): how ingestion lands a column, how the
+# journal writes feedback back as events, how serving builds a request's columns.
+ARROW_TYPES: dict[str, pa.DataType] = {
+    "string": pa.string(),
+    "int8": pa.int8(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
+    "timestamp": pa.timestamp("us", tz="UTC"),
+    "list<int64>": pa.list_(pa.int64()),
+}
+
 TRAINING_PARQUET = {"compression": "lz4_raw", "use_dictionary": False}
 
 

@@ -36,10 +36,11 @@ Example::
 from __future__ import annotations
 
 import hashlib
-import math
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Literal
+
+from recloop.evidence.variants import VariantStats
 
 Variant = Literal["champion", "challenger"]
 Action = Literal["start", "hold", "step", "promote", "rollback"]
@@ -103,32 +104,6 @@ class CanaryConfig:
         """The shares step by step: the last one (100 %) keeps the champion holdout."""
         last = self.steps[-1]
         return (*self.steps[:-1], last - self.holdout) if last >= 1.0 and self.holdout > 0 else self.steps
-
-
-@dataclass(frozen=True)
-class VariantStats:
-    """What one model version did over a period, from the serving journal: its evaluations (requests,
-    errors, NaN answers, p99 of its own scoring time), the feedback on requests it served (impressions,
-    clicks) and its online AUC over every impression it scored."""
-
-    requests: int = 0
-    errors: int = 0
-    nan_responses: int = 0
-    p99_ms: float = 0.0
-    impressions: int = 0
-    clicks: int = 0
-    online_auc: float | None = None
-
-    @property
-    def error_rate(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
-
-    @property
-    def ctr(self) -> float:
-        return self.clicks / self.impressions if self.impressions else math.nan
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "ctr": None if math.isnan(self.ctr) else self.ctr, "error_rate": self.error_rate}
 
 
 @dataclass(frozen=True)

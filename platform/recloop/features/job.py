@@ -497,7 +497,7 @@ def update_vocabularies(config: FeatureConfig, spec: DatasetSpec, latest: Featur
                         counts: dict[str, pa.Table]) -> dict[str, Vocabulary]:
     """The latest vocabularies with new sightings (``count_values`` per column, possibly merged from
     partitions) added: append-only, so the same counts give the same indices however they were counted."""
-    from recloop.ingest.validate import ARROW_TYPES
+    from recloop.formats import ARROW_TYPES
 
     vocabularies = {}
     for feature in vocabulary_features(config):

@@ -186,7 +186,7 @@ def off_policy(settings: Settings, candidate: str, champion: str, window: tuple[
     from recloop.gate.offpolicy import check, policy_estimate
     from recloop.schema import load_spec
     from recloop.serve.features import RequestFeatures, online_reader
-    from recloop.serve.journal import open_journal
+    from recloop.journal import open_journal
     from recloop.serve.models import load_version, score
 
     if window is None:

@@ -29,22 +29,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from recloop.formats import ARROW_TYPES
 from recloop.schema import EPOCH_UNITS, FLOAT_DTYPES, ColumnSpec, DatasetSpec, compile_pattern
 
 os.environ.setdefault("DISABLE_PANDERA_IMPORT_WARNING", "True")
 import pandera.pandas as pandera  # noqa: E402  (after the variable that silences its import warning)
 
-ARROW_TYPES: dict[str, pa.DataType] = {
-    "string": pa.string(),
-    "int8": pa.int8(),
-    "int32": pa.int32(),
-    "int64": pa.int64(),
-    "float32": pa.float32(),
-    "float64": pa.float64(),
-    "bool": pa.bool_(),
-    "timestamp": pa.timestamp("us", tz="UTC"),
-    "list<int64>": pa.list_(pa.int64()),
-}
 _INT_BOUNDS = {"int8": (-(2**7), 2**7 - 1), "int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 
 

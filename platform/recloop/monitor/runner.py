@@ -223,7 +223,7 @@ def champion_kpis(settings: Settings, current_champion: Champion | None, window:
                   ) -> dict:
     """The champion's online CTR and AUC over requests with event time in the window (serving journal);
     only the counts when there were fewer than ``min_impressions`` impressions."""
-    from recloop.serve.journal import open_journal
+    from recloop.journal import open_journal
 
     journal = open_journal(settings, create=False) if current_champion is not None else None
     if journal is None:
@@ -245,7 +245,7 @@ def champion_concept(settings: Settings, current_champion: Champion | None, wind
                      config: MonitorConfig) -> tuple[list[str], dict] | None:
     """Concept drift (``monitor.concept``) from the champion's served feedback with event time in the window."""
     from recloop.monitor.concept import concept_findings
-    from recloop.serve.journal import open_journal
+    from recloop.journal import open_journal
 
     journal = open_journal(settings, create=False) if current_champion is not None else None
     if journal is None:

@@ -52,7 +52,7 @@ from recloop.schema import DatasetSpec
 from recloop.serve.body_limit import BodyLimit
 from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
 from recloop.serve.health import Readiness
-from recloop.serve.journal import FeedbackError, JournalBusy, UnknownRequest, open_journal
+from recloop.journal import FeedbackError, JournalBusy, UnknownRequest, open_journal
 from recloop.serve.metrics import ServingMetrics
 from recloop.serve.models import Deployment, LoadFailure, ModelPool, load_retriever, registry_wanted, score
 from recloop.settings import Settings

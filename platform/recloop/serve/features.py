@@ -33,7 +33,7 @@ from recloop.features.backend import get_backend
 from recloop.features.config import FeatureConfig
 from recloop.features.job import ENTITY_PREFIXES, FeatureLayout, training_rows
 from recloop.features.state import FeatureState, StateStore
-from recloop.ingest.validate import ARROW_TYPES
+from recloop.formats import ARROW_TYPES
 from recloop.schema import ColumnSpec, DatasetSpec, compile_pattern
 from recloop.settings import Settings
 

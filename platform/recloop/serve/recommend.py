@@ -60,7 +60,7 @@ from recloop.retrieval.rules import (
 )
 from recloop.serve.app import ContextKey, ContextValue, Id, Service, ServiceDep, journal_scores
 from recloop.serve.features import RequestError
-from recloop.serve.journal import retriever_key
+from recloop.journal import retriever_key
 
 log = logging.getLogger("recloop.serve")
 

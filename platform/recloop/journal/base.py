@@ -1,46 +1,17 @@
-"""The serving journal: every request, every model evaluation, every feedback event.
-
-It is what closes the loop and what the canary controller judges on:
-
-- ``requests``: who asked, what was served by which version (the payload keeps candidates, context,
-  scores and the ranked list, so feedback can be turned into full events later);
-- ``evaluations``: one row per model that scored a request (the served one, and the challenger in
-  shadow mode), with its latency and status (``ok``, ``error``, ``nan``);
-- ``feedback``: one row per impression, keyed by its event id (``<request_id>-<item_id>``): a repeated
-  feedback call is ignored, so every event exists once. ``landed_file`` is set once the event was
-  written to the landing zone; events written but not marked (a crash in between) are written again
-  and ingestion drops the duplicate ids, so nothing is lost and nothing lands twice.
-
-Request rows are written by a background thread in batches (a request never waits on the database);
-feedback is written synchronously, because its answer says what was accepted.
-
-Two stores behind one interface (``Journal``), chosen by ``RECLOOP_JOURNAL`` (``open_journal``):
-
-- ``SqliteJournal`` (default): a WAL file under ``$RECLOOP_HOME/serving``, for the processes of one host;
-- ``PostgresJournal`` (``recloop.serve.journal_postgres``, at ``RECLOOP_POSTGRES_DSN``): shared by every
-  serving replica, so the canary controller judges the union of their traffic, and feedback for a
-  request is accepted by whichever replica receives it, exactly once (the event id is the primary key).
-
-Example::
-
-    journal = open_journal(settings, spec)          # what the serving API, controller and monitor open
-    journal.record(request_row, evaluation_rows)
-    journal.add_feedback(request_id, impressions=[3, 9], clicks=[9])
-    journal.stats("7", since=canary_started)        # VariantStats over every replica's traffic
-"""
+"""The journal's interface (``Journal``) and all that does not depend on the store: batching request rows,
+accepting feedback exactly once, landing it as events, and the figures decisions read (``stats``,
+``interleaving_credits``, ``served_predictions``, ...). The stores: ``recloop.journal.sqlite`` and
+``recloop.journal.postgres``; what the journal is for: ``recloop.journal``."""
 
 from __future__ import annotations
 
 import json
 import logging
 import queue
-import sqlite3
 import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,35 +19,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recloop.canary.decision import VariantStats
 from recloop.evaluate import auc
-from recloop.ingest.validate import ARROW_TYPES
+from recloop.evidence.variants import VariantStats
+from recloop.formats import ARROW_TYPES
 from recloop.schema import DatasetSpec
 
-log = logging.getLogger("recloop.serve.journal")
+log = logging.getLogger("recloop.journal")
 
 if TYPE_CHECKING:
-    from recloop.settings import Settings
+    pass
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS requests (
-    request_id TEXT PRIMARY KEY, at REAL NOT NULL, ts_us INTEGER NOT NULL, user_id INTEGER NOT NULL,
-    variant TEXT NOT NULL, served_version TEXT NOT NULL, latency_ms REAL NOT NULL, payload TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS requests_by_time ON requests (at);
-CREATE INDEX IF NOT EXISTS requests_by_event_time ON requests (ts_us);
-CREATE INDEX IF NOT EXISTS requests_by_user ON requests (user_id, ts_us);
-CREATE TABLE IF NOT EXISTS evaluations (
-    request_id TEXT NOT NULL, version TEXT NOT NULL, role TEXT NOT NULL, status TEXT NOT NULL,
-    latency_ms REAL NOT NULL, at REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS evaluations_by_version ON evaluations (version, at);
-CREATE INDEX IF NOT EXISTS evaluations_by_request ON evaluations (request_id);
-CREATE TABLE IF NOT EXISTS feedback (
-    event_id TEXT PRIMARY KEY, request_id TEXT NOT NULL, item_id INTEGER NOT NULL, label INTEGER NOT NULL,
-    at REAL NOT NULL, served_version TEXT NOT NULL, scores TEXT NOT NULL, landed_file TEXT);
-CREATE INDEX IF NOT EXISTS feedback_by_time ON feedback (at);
-CREATE INDEX IF NOT EXISTS feedback_by_request ON feedback (request_id);
-CREATE INDEX IF NOT EXISTS feedback_unlanded ON feedback (landed_file) WHERE landed_file IS NULL;
-"""
 
 class FeedbackError(ValueError):
     """Feedback that does not match its request (unknown request, items that were not candidates)."""
@@ -492,92 +444,3 @@ def _request_window(since: float | None = None, until: float | None = None,
 def retriever_key(version: str) -> str:
     """How a retriever version is named in the journal's evaluations (ranker versions are bare numbers)."""
     return f"retriever:{version}"
-
-
-class SqliteJournal(Journal):
-    """The journal in one SQLite file (WAL): the default, for the serving processes of one host."""
-
-    def __init__(self, path: Path, spec: DatasetSpec | None = None, request_wait_seconds: float = 0.0):
-        super().__init__(spec, request_wait_seconds)
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
-        self._lock = threading.Lock()
-        self._start_writer()
-
-    @contextmanager
-    def _transaction(self, begin: str = "BEGIN") -> Iterator[None]:
-        """One transaction, rolled back when anything in it fails: a failed statement (a busy store, a full
-        disk) left the connection inside its transaction, and every later BEGIN then failed ("cannot start a
-        transaction within a transaction") until a restart."""
-        self._db.execute(begin)
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
-
-    def _write_requests(self, requests: list[tuple], evaluations: list[tuple]) -> None:
-        with self._lock, self._transaction():
-            self._db.executemany("INSERT OR IGNORE INTO requests VALUES (?,?,?,?,?,?,?,?)", requests)
-            self._db.executemany("INSERT INTO evaluations VALUES (?,?,?,?,?,?)", evaluations)
-
-    def _request(self, request_id: str) -> tuple[str, str] | None:
-        with self._lock:
-            return self._db.execute("SELECT payload, served_version FROM requests WHERE request_id = ?",
-                                    (request_id,)).fetchone()
-
-    def _insert_new_feedback(self, rows: list[tuple]) -> list[tuple]:
-        with self._lock, self._transaction("BEGIN IMMEDIATE"):
-            ids = [r[0] for r in rows]
-            seen = {r[0] for r in self._db.execute(
-                f"SELECT event_id FROM feedback WHERE event_id IN ({','.join('?' * len(ids))})", ids)}
-            new = [r for r in rows if r[0] not in seen]
-            self._db.executemany("INSERT INTO feedback VALUES (?,?,?,?,?,?,?,?)", new)
-        return new
-
-    @contextmanager
-    def _unlanded(self, limit: int) -> Iterator[tuple[list[tuple], object]]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT f.event_id, f.item_id, f.label, r.ts_us, r.user_id, r.payload FROM feedback f "
-                "JOIN requests r USING (request_id) WHERE f.landed_file IS NULL LIMIT ?", (limit,)).fetchall()
-
-        def mark(name: str) -> None:
-            with self._lock, self._transaction():
-                self._db.executemany("UPDATE feedback SET landed_file = ? WHERE event_id = ?",
-                                     [(name, r[0]) for r in rows])
-
-        yield rows, mark
-
-    def _query(self, sql: str, params: list) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, params).fetchall()
-
-    def _close_store(self) -> None:
-        self._db.close()
-
-
-def journal_path(settings: Settings) -> Path:
-    return settings.serving_dir / "journal.db"
-
-
-def open_journal(settings: Settings, spec: DatasetSpec | None = None, *, create: bool = True) -> Journal | None:
-    """The journal ``settings`` name (``RECLOOP_JOURNAL``): SQLite under ``home``, or PostgreSQL at
-    ``RECLOOP_POSTGRES_DSN``. With ``create=False``, None where a SQLite journal does not exist yet (a
-    reader that must not create one)."""
-    if settings.journal == "postgres":
-        from recloop import endpoints
-        from recloop.serve.journal_postgres import PostgresJournal
-
-        limits = endpoints.limits_for(settings)
-        endpoints.require_postgres(settings.postgres_dsn, limits)  # a dead database: one line, in seconds
-        return PostgresJournal(endpoints.with_connect_timeout(settings.postgres_dsn, limits), spec)
-    path = journal_path(settings)
-    if not create and not path.exists():
-        return None
-    return SqliteJournal(path, spec)

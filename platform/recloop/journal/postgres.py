@@ -26,8 +26,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from recloop.journal.base import Journal
 from recloop.schema import DatasetSpec
-from recloop.serve.journal import Journal
 
 SCHEMA_NAME = "recloop_journal"
 _SCHEMA_LOCK = 0x7265636C  # pg_advisory_xact_lock key ("recl"): one replica creates the tables at a time
