@@ -26,7 +26,7 @@ from recloop.retrieval.publish import log_retriever, run_retrieval_gate
 from recloop.retrieval.retriever import Retriever
 from recloop.retrieval.train import RetrievalTrainConfig, train_retriever
 from recloop.serve.app import ServerThread, create_app
-from recloop.serve.recommend import write_unavailable
+from recloop.serve.catalog import write_unavailable
 from recloop.settings import Settings
 
 TOKEN = "s3cret-admin-token"

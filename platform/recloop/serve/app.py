@@ -23,360 +23,39 @@ Example::
 """
 
 
-import gc
-import json
 import logging
-import math
 import secrets
 import threading
 import time
-import uuid
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-import numpy as np
-import torch
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from recloop import canary
 from recloop.endpoints import ServiceUnavailable
-from recloop.evidence import interleaving, offpolicy
-from recloop.features.config import FeatureConfig
+from recloop.journal import FeedbackError, JournalBusy, UnknownRequest
 from recloop.schema import DatasetSpec
 from recloop.serve.body_limit import BodyLimit
-from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
-from recloop.serve.health import Readiness
-from recloop.journal import FeedbackError, JournalBusy, UnknownRequest, open_journal
-from recloop.serve.metrics import ServingMetrics
-from recloop.serve.models import Deployment, LoadFailure, ModelPool, load_retriever, registry_wanted, score
+from recloop.serve.features import OnlineReader
+from recloop.serve.models import ModelPool
+from recloop.serve.recommend import router as recommend
+from recloop.serve.requests import CanaryRequest, FeedbackRequest, RankRequest, RankResponse, ReasonRequest
+from recloop.serve.service import Service, ServiceDep
 from recloop.settings import Settings
 
 log = logging.getLogger("recloop.serve")
 
-MAX_CANDIDATES = 1000
-INT64_MAX = 2**63 - 1
-EXACT_INT = 2**53  # integers beyond this lose precision as float64, which is what the model computes in
-MAX_TEXT = 1024
 PLACEHOLDER_TOKENS = frozenset({"change-me"})  # what infra/k8s/recloop.yaml ships: anyone could send it
-Id = Annotated[int, Field(ge=0, le=INT64_MAX)]
-
-
-def _text(value: str) -> str:
-    """Text of at most ``MAX_TEXT`` characters that is valid Unicode (JSON's ``"\\ud800"`` escape decodes to a
-    lone surrogate, which no column can store)."""
-    if len(value) > MAX_TEXT:
-        raise ValueError(f"text of {len(value)} characters: at most {MAX_TEXT}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ValueError(f"text with a lone surrogate at character {err.start}: not valid Unicode") from None
-    return value
-
-
-def _context_value(value: Any, depth: int = 0) -> Any:
-    """A context value as the model can take it, or a ValueError saying what is wrong with it.
-
-    Numbers must be finite (Python's JSON parser reads ``Infinity``, ``NaN`` and ``1e999``) and integers
-    exact as float64, which is what the model computes in; text is at most ``MAX_TEXT`` characters; a
-    list gives one value per candidate, or is a multi-hot value (a list of lists per candidate). The
-    spec's own bounds are checked per column when the features are built.
-    """
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if abs(value) > EXACT_INT:
-            raise ValueError(f"integer {value} is beyond ±2^53: not exact as a model input")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"must be a finite number, not {value}")
-        return value
-    if isinstance(value, str):
-        return _text(value)
-    if isinstance(value, list) and depth < 2:
-        if len(value) > MAX_CANDIDATES:
-            raise ValueError(f"a list of {len(value)} values: at most {MAX_CANDIDATES}")
-        return [_context_value(v, depth + 1) for v in value]
-    raise ValueError(f"a context value is a number, text, true/false, null or a list of them, not {type(value).__name__}")
-
-
-ContextValue = Annotated[Any, AfterValidator(_context_value)]
-ContextKey = Annotated[str, Field(max_length=128)]  # pydantic's str already refuses a lone surrogate
-
-
-class RankRequest(BaseModel):
-    """A ranking request. ``context`` holds the spec's categorical, numeric and list columns, each one
-    value for all candidates or a list with one value per candidate; ``ts`` (default: now) is the event
-    time the features are computed at."""
-
-    model_config = ConfigDict(extra="forbid", strict=False)
-    user_id: Id
-    item_ids: list[Id] = Field(min_length=1, max_length=MAX_CANDIDATES)
-    context: dict[ContextKey, ContextValue] = Field(default_factory=dict, max_length=64)
-    ts: datetime | None = None
-    top_k: int | None = Field(default=None, ge=1, le=MAX_CANDIDATES)
-
-
-class RankedItem(BaseModel):
-    item_id: int
-    score: float
-
-
-class RankResponse(BaseModel):
-    request_id: str
-    model_version: str
-    variant: Literal["champion", "challenger", "interleave"]
-    items: list[RankedItem]
-
-
-class FeedbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
-    impressions: list[Id] = Field(min_length=1, max_length=MAX_CANDIDATES)
-    clicks: list[Id] = Field(default_factory=list, max_length=MAX_CANDIDATES)
-
-
-ModelName = Literal["recloop-ranker", "recloop-retriever"]
-
-
-class CanaryRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    share: float = Field(ge=0.0, le=1.0)
-    mode: Literal["interleave", "canary", "shadow"] | None = None
-    model: ModelName = "recloop-ranker"
-
-
-class ReasonRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reason: str = Field(default="by an operator", max_length=500)
-    model: ModelName = "recloop-ranker"
-
-
-class Service:
-    """Everything a request touches, built once per process."""
-
-    def __init__(self, settings: Settings, spec: DatasetSpec, online: OnlineReader | None = None,
-                 pool: ModelPool | None = None, retrievers: ModelPool | None = None):
-        from functools import partial
-
-        from recloop.registry import RETRIEVER_NAME
-        from recloop.serve.recommend import UnavailableItems
-
-        self.settings, self.spec = settings, spec
-        self.metrics = ServingMetrics(settings.home)
-        self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec),
-                                        online or online_reader(settings))
-        self.pool = pool or ModelPool(settings)
-        self.pool.on_swap = lambda old, new: self._deployed(new)
-        self.pool.on_load_failure = self._load_failed
-        # The retriever of /recommend: its own registered model, aliases, canary split (its own salt) and watcher.
-        self.retrievers = retrievers or ModelPool(settings, loader=load_retriever, salt="recloop-retriever-canary",
-                                                  source=partial(registry_wanted, model_name=RETRIEVER_NAME),
-                                                  name="retriever")
-        self.retrievers.on_swap = lambda old, new: self._retriever_deployed(new)
-        self.retrievers.on_load_failure = partial(self._load_failed, model_name=RETRIEVER_NAME)
-        self.unavailable = UnavailableItems(settings.unavailable_items_path)
-        self.readiness = Readiness(self.pool, self.features)
-        self.journal = open_journal(settings, spec)  # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas
-        self._stop = threading.Event()
-        self._flusher: threading.Thread | None = None
-        self._rng = np.random.default_rng()  # interleaving's coin and exploration's draws
-
-    def _deployed(self, live: Deployment) -> None:
-        self.metrics.swaps.inc()
-        self.metrics.deployment(live.versions, live.share, live.mode == "shadow")
-
-    def _retriever_deployed(self, live: Deployment) -> None:
-        self.metrics.retriever_swaps.inc()
-        self.metrics.retriever_deployment(live.versions, live.share)
-
-    def _load_failed(self, failure: LoadFailure, model_name: str | None = None) -> None:
-        """Mark the version in the registry: the canary controller rolls back a challenger so marked."""
-        from recloop import registry
-        from recloop.canary.tag import LOAD_FAILED_TAG
-
-        try:
-            registry.tag(self.settings, failure.version, {LOAD_FAILED_TAG: json.dumps(
-                {"reason": failure.reason[:4000], "at": failure.at})}, model_name or registry.MODEL_NAME)
-        except Exception as err:  # noqa: BLE001 - the registry may be what is down; the watcher retries
-            log.warning("could not mark v%s as failing to load: %s", failure.version, err)
-
-    def start(self) -> None:
-        torch.set_num_threads(max(1, self.settings.serve_torch_threads))
-        self.pool.try_sync()  # a registry that does not answer costs seconds; the watcher retries it
-        self._deployed(self.pool.live)
-        self.retrievers.try_sync()
-        self._retriever_deployed(self.retrievers.live)
-        _single_threaded_faiss()
-        # The scoring path once (the probe of /healthz): what the first request would build lazily (the
-        # online store's client, Feast's registry: ~200k objects) is built now, before the freeze below.
-        self.readiness.check()
-        # Everything loaded so far (MLflow, Feast, torch, the models) lives as long as the process: move it
-        # out of the collector's reach, so a full collection does not pause requests for hundreds of ms.
-        gc.collect()
-        gc.freeze()
-        self.pool.start()
-        self.retrievers.start()
-
-        def flush_feedback() -> None:
-            while not self._stop.wait(self.settings.feedback_flush_seconds):
-                self.land_feedback()
-                self.features.refresh()
-
-        self._flusher = threading.Thread(target=flush_feedback, name="recloop-feedback", daemon=True)
-        self._flusher.start()
-
-    def stop(self) -> None:
-        gc.unfreeze()  # frozen objects are never finalized: native modules would report them as leaked at exit
-        self._stop.set()
-        self.pool.stop()
-        self.retrievers.stop()
-        if self._flusher:
-            self._flusher.join(timeout=10)
-        self.land_feedback()
-        self.journal.close()
-
-    def land_feedback(self, raise_errors: bool = False) -> int:
-        """Write the feedback not landed yet to the landing zone; returns its rows. A failure keeps it in the
-        journal for the next flush: logged (the periodic flush), or raised (``raise_errors``: the admin's)."""
-        try:
-            _, rows = self.journal.land_feedback(self.settings.landing_dir)
-        except Exception as err:
-            log.error("writing feedback to the landing zone failed: %s", err)
-            if raise_errors:
-                raise
-            return 0
-        self.metrics.landed.inc(rows)
-        return rows
-
-    # --- ranking ----------------------------------------------------------------------------------------
-
-    def rank(self, body: RankRequest) -> RankResponse:
-        started = time.perf_counter()
-        live = self.pool.live  # this request's models, whatever the watcher swaps meanwhile
-        if live.champion is None:
-            raise HTTPException(503, self.readiness.check().reasons[0])
-        canary_on = live.challenger is not None and live.mode in ("canary", "interleave")
-        variant = canary.route(body.user_id, live.share, live.salt) if canary_on else "champion"
-        ts = body.ts or datetime.now(UTC)
-        ts_us = int((ts if ts.tzinfo else ts.replace(tzinfo=UTC)).timestamp() * 1_000_000)
-        try:
-            rows, fallbacks = self.features.rows(body.user_id, body.item_ids, body.context, ts_us)
-        except RequestError as err:
-            raise HTTPException(422, str(err)) from err
-        except Exception as err:  # noqa: BLE001 - no feature state, online store gone: unavailable, and why
-            log.error("features for a request failed: %s: %s", type(err).__name__, err)
-            raise HTTPException(503, f"features unavailable: {type(err).__name__}: {err}") from err
-        self.metrics.fallbacks.labels("user").inc(fallbacks.user)
-        self.metrics.fallbacks.labels("item").inc(fallbacks.items)
-
-        evaluations, all_scores = [], {}
-        routed = live.challenger if variant == "challenger" else live.champion
-        served_scores, status = self._evaluate(routed, rows, "served", evaluations, all_scores)
-        served = routed
-        if status != "ok" and routed is live.challenger:  # never hand the user a broken answer
-            served = live.champion
-            served_scores, status = self._evaluate(served, rows, "served", evaluations, all_scores)
-            status = "fallback" if status == "ok" else status
-        if status not in ("ok", "fallback"):
-            self.metrics.requests.labels(variant, served.version, "error").inc()
-            raise HTTPException(500, f"model v{served.version} could not score this request ({status})")
-        if live.challenger is not None and live.mode == "shadow":
-            self._evaluate(live.challenger, rows, "shadow", evaluations, all_scores)
-
-        k = body.top_k or len(body.item_ids)
-        extra: dict = {}
-        if variant == "challenger" and live.mode == "interleave" and status == "ok":
-            # both rankings, merged by team draft; a click is credited to the team that placed the item
-            champion_scores, champion_status = self._evaluate(live.champion, rows, "interleave", evaluations,
-                                                              all_scores)
-            if champion_status == "ok":
-                order, teams = interleaving.team_draft(np.argsort(-champion_scores, kind="stable"),
-                                                       np.argsort(-served_scores, kind="stable"), k, self._rng)
-                order = np.asarray(order)
-                item_scores = np.where(np.asarray(teams) == interleaving.CHALLENGER, served_scores[order],
-                                       champion_scores[order])
-                extra["interleaving"] = {"champion": live.champion.version, "challenger": served.version,
-                                         "teams": [int(t) for t in teams]}
-                variant = "interleave"
-        if not extra:
-            order = np.argsort(-served_scores, kind="stable")[:k]
-            if variant == "champion" and self.settings.explore_share > 0 and \
-                    self._rng.random() < self.settings.explore_share:
-                # exploration: a Plackett-Luce draw over the model's logits, each position's propensity logged
-                logits = np.log(np.clip(served_scores, 1e-7, 1.0)) - np.log(np.clip(1.0 - served_scores, 1e-7, 1.0))
-                order, propensity = offpolicy.plackett_luce(logits, k, self.settings.explore_temperature,
-                                                            self._rng)
-                extra["exploration"] = {"temperature": self.settings.explore_temperature,
-                                        "propensities": [round(float(p), 8) for p in propensity]}
-            item_scores = served_scores[order]
-        items = [RankedItem(item_id=body.item_ids[i], score=float(s)) for i, s in zip(order, item_scores,
-                                                                                     strict=True)]
-        request_id = uuid.uuid4().hex
-        latency_ms = (time.perf_counter() - started) * 1000
-        payload = {"item_ids": body.item_ids, "context": body.context,
-                   "per_candidate": self.features.per_candidate(body.context),
-                   "scores": {v: journal_scores(s) for v, s in all_scores.items()},
-                   "ranked": [body.item_ids[i] for i in order], **extra}
-        self.journal.record(
-            (request_id, time.time(), ts_us, body.user_id, variant, served.version, latency_ms, json.dumps(payload)),
-            [(request_id, *e, time.time()) for e in evaluations])
-        self.metrics.requests.labels(variant, served.version, status).inc()
-        self.metrics.latency.labels(variant, served.version).observe(latency_ms / 1000)
-        return RankResponse(request_id=request_id, model_version=served.version, variant=variant, items=items)
-
-    def _evaluate(self, model, rows, role: str, evaluations: list, all_scores: dict
-                  ) -> tuple[np.ndarray, str]:
-        began = time.perf_counter()
-        try:
-            values = score(model, rows).numpy()
-            status = "ok" if np.isfinite(values).all() else "nan"
-        except Exception as err:  # noqa: BLE001 - a model failing is data for the canary, not a crash
-            log.error("model v%s failed to score: %s", model.version, err)
-            values, status = np.full(rows.num_rows, np.nan), "error"
-        # The model's own time: feature reads are the same for both variants and would only add noise
-        # to the canary's latency comparison (the request latency is in the metrics' histograms).
-        latency = (time.perf_counter() - began) * 1000
-        evaluations.append((model.version, role, status, latency))
-        self.metrics.evaluations.labels(model.version, role, status).inc()
-        if status == "ok":
-            all_scores[model.version] = values  # rounded for the journal where it is written (journal_scores)
-        return values, status
-
-
-def journal_scores(values) -> list[float]:
-    """Scores as the journal keeps them (6 decimals)."""
-    return [round(float(v), 6) for v in values]
-
-
-def _single_threaded_faiss() -> None:
-    """One FAISS thread per search: requests already run in parallel (``serve_threads``), and OpenMP
-    threads on top of them fight over the same cores."""
-    try:
-        import faiss
-    except ImportError:  # no retriever can load either; /recommend says so
-        return
-    faiss.omp_set_num_threads(1)
-
 
 # --- routes: every handler reads the process's Service from the app's state -----------------------------------
 
 public = APIRouter()
 admin = APIRouter(prefix="/admin")
 bearer = HTTPBearer(auto_error=False)
-
-
-def current_service(request: Request) -> Service:
-    return request.app.state.service
-
-
-ServiceDep = Annotated[Service, Depends(current_service)]
 
 
 def require_admin(svc: ServiceDep,
@@ -544,8 +223,6 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str | None 
     app = FastAPI(title="recloop serving", version="1", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.serve_max_body_bytes)
     app.add_exception_handler(RequestValidationError, invalid_request)
-    from recloop.serve.recommend import router as recommend  # it imports this module's request types
-
     app.include_router(public)
     app.include_router(recommend)
     app.include_router(admin)

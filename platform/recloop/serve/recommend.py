@@ -37,11 +37,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 import time
 import uuid
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -50,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from recloop import canary
 from recloop.features.vocab import FIRST_INDEX
+from recloop.journal import retriever_key
 from recloop.retrieval.data import Rows
 from recloop.retrieval.rules import (
     FilterConfig,
@@ -58,9 +57,9 @@ from recloop.retrieval.rules import (
     order_interleaved,
     order_items,
 )
-from recloop.serve.app import ContextKey, ContextValue, Id, Service, ServiceDep, journal_scores
 from recloop.serve.features import RequestError
-from recloop.journal import retriever_key
+from recloop.serve.requests import ContextKey, ContextValue, Id
+from recloop.serve.service import Service, ServiceDep, journal_scores
 
 log = logging.getLogger("recloop.serve")
 
@@ -101,52 +100,6 @@ class RecommendResponse(BaseModel):
     fallback_reason: str | None = None
     candidates: dict[str, int]
     skipped_filters: list[str] = []  # a filter that could not run (its store down): the answer came without it
-
-
-class UnavailableItems:
-    """The catalog's unavailable items, re-read when the file changes (checked at most once a second).
-
-    The file is a JSON list of item ids; a missing file means every item is available. A file that does
-    not parse keeps the previous list (and says so in the log) rather than returning withdrawn items.
-    """
-
-    def __init__(self, path: Path, check_seconds: float = 1.0):
-        self.path, self.check_seconds = Path(path), check_seconds
-        self._ids: frozenset[int] = frozenset()
-        self._mtime: float | None = None
-        self._checked = 0.0
-        self._lock = threading.Lock()
-
-    def ids(self) -> frozenset[int]:
-        now = time.monotonic()
-        if now - self._checked < self.check_seconds:
-            return self._ids
-        with self._lock:
-            self._checked = now
-            try:
-                mtime = self.path.stat().st_mtime
-            except FileNotFoundError:
-                self._ids, self._mtime = frozenset(), None
-                return self._ids
-            if mtime != self._mtime:
-                try:
-                    raw = json.loads(self.path.read_text())
-                    self._ids = frozenset(int(i) for i in raw)
-                    self._mtime = mtime
-                except (ValueError, TypeError, OSError) as err:
-                    log.error(
-                        "%s is not a JSON list of item ids (%s): keeping the previous list", self.path, err
-                    )
-        return self._ids
-
-
-def write_unavailable(path: Path, item_ids: list[int]) -> None:
-    """Replace the catalog's unavailable items (written aside and renamed: a reader sees all or nothing)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(sorted({int(i) for i in item_ids})) + "\n")
-    tmp.replace(path)
 
 
 def user_rows(table, features) -> Rows:
