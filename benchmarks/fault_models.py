@@ -26,7 +26,8 @@ from recloop import checkpoint, pipeline, registry
 from recloop.canary import CanaryConfig, controller
 from recloop.features import store
 from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
+from recloop.features.definition import FeatureLayout
+from recloop.features.job import build_features
 from recloop.gate import GateThresholds, run_gate
 from recloop.ingest import ingest
 from recloop.model import ModelConfig

@@ -21,7 +21,8 @@ from common import machine, report
 
 from recloop.features.backend import BackendUnavailable, get_backend
 from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
+from recloop.features.definition import FeatureLayout
+from recloop.features.job import build_features
 from recloop.ingest import ingest
 from recloop.schema import load_spec
 from recloop.settings import Settings

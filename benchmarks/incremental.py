@@ -246,9 +246,9 @@ def _panel_rewards(settings: Settings, world: World, day: int, args, runs: dict)
     served), ``--panel-requests`` requests. Unlike the demo's, the requests carry the users' histories as of
     the world's last day (it is simulated up front): the same for every model compared."""
     from recloop.demo import rank_panel
+    from recloop.features.online import RequestFeatures, online_reader
     from recloop.panel import draw_panel, score_panel
-    from recloop.serve.features import RequestFeatures, online_reader
-    from recloop.serve.models import load_checkpoint
+    from recloop.scoring import load_checkpoint
 
     spec = load_spec("synthetic")
     panel = draw_panel(world, day + 0.5, args.panel_requests, 50, seed=0)

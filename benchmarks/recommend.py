@@ -44,7 +44,7 @@ from serve import REDIS_URL, TOKEN, cpu_seconds, setup
 from serve import offer as offer_rank
 
 from recloop import checkpoint, registry
-from recloop.features.job import FeatureLayout
+from recloop.features.definition import FeatureLayout
 from recloop.features.vocab import FIRST_INDEX
 from recloop.model.retrieval import TwoTowerModel
 from recloop.registry import RETRIEVER_NAME

@@ -35,7 +35,8 @@ import pyarrow.dataset as ds
 from common import machine, report
 
 from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
+from recloop.features.definition import FeatureLayout
+from recloop.features.job import build_features
 from recloop.ingest import ingest
 from recloop.schema import load_spec
 from recloop.settings import Settings

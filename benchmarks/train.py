@@ -167,7 +167,8 @@ def world_rows(work: Path, events: int):
 
     from recloop.data import training_files
     from recloop.features.config import FeatureConfig
-    from recloop.features.job import FeatureLayout, build_features
+    from recloop.features.definition import FeatureLayout
+    from recloop.features.job import build_features
     from recloop.ingest import ingest
     from recloop.schema import load_spec
     from recloop.settings import Settings

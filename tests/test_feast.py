@@ -13,7 +13,8 @@ import pytest
 
 from recloop.features import ops, store
 from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
+from recloop.features.definition import FeatureLayout
+from recloop.features.job import build_features
 from recloop.features.state import StateStore
 from recloop.ingest import ingest
 from recloop.schema import load_spec
@@ -167,7 +168,8 @@ def test_fast_redis_layout_is_feasts_own():
     from feast.protos.feast.types.EntityKey_pb2 import EntityKey
     from feast.protos.feast.types.Value_pb2 import Value
 
-    from recloop.features.online_writer import _serialized_values, redis_keys
+    from recloop.features.definition import redis_keys
+    from recloop.features.online_writer import _serialized_values
 
     ids = np.array([0, 1, -1, 7, 2**40 + 3, -(2**63), 2**63 - 1], dtype=np.int64)
     ours = redis_keys("user_id", "recloop", ids)

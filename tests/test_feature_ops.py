@@ -9,7 +9,7 @@ import pytest
 
 from recloop.features import ops
 from recloop.features.backend import BackendUnavailable, get_backend
-from recloop.features.job import _map_lists
+from recloop.features.definition import _map_lists
 from recloop.features.vocab import NULL_INDEX, OOV_INDEX, Vocabulary
 
 PANDAS = get_backend("pandas")

@@ -4,10 +4,11 @@ per request), not on a timer."""
 from __future__ import annotations
 
 from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
+from recloop.features.definition import FeatureLayout
+from recloop.features.job import build_features
+from recloop.features.online import DeferredOnline, RequestFeatures, online_reader
 from recloop.features.state import StateStore
 from recloop.schema import load_spec
-from recloop.serve.features import DeferredOnline, RequestFeatures, online_reader
 
 
 def test_serving_reloads_vocabularies_when_the_features_flow_publishes(champion_home, tmp_path, copy_home):

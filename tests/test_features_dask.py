@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
+from recloop.features.definition import FeatureLayout
+from recloop.features.job import build_features
 from recloop.features.state import StateStore
 from recloop.schema import load_spec
 from recloop.settings import Settings

@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
+from recloop.features.definition import FeatureLayout
+from recloop.features.job import build_features
 from recloop.features.state import FeatureStateError, StateStore
 from recloop.features.vocab import OOV_INDEX
 from recloop.schema import load_spec

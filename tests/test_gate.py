@@ -172,7 +172,7 @@ def test_a_first_model_is_calibrated_on_its_training_rows(champion_home):
     model on modest data was refused at 0.80 before)."""
     from recloop import checkpoint, registry
     from recloop.data import FeatureSchema
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
     from recloop.gate.runner import held_out_files, score_version
 
     info = registry.version_info(champion_home, "1")
@@ -242,7 +242,7 @@ def test_the_baselines_are_fitted_once_per_window_and_refitted_when_a_file_chang
 
     from recloop import registry
     from recloop.data import FeatureSchema
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
     from recloop.gate import baselines
     from recloop.gate.runner import held_out_files
 

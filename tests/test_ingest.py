@@ -496,7 +496,7 @@ def test_ingestion_and_serving_judge_other_scripts_digits_alike(pattern, small_e
     """``\\d`` is ASCII in both places: RE2 (ingestion) and Python's ``re`` (serving, and ingestion's
     fallback for what RE2 cannot run) used to disagree on Arabic-Indic digits, so serving accepted a
     context value whose rows ingestion quarantined."""
-    from recloop.serve.features import RequestError, _check_categorical
+    from recloop.features.online import RequestError, _check_categorical
 
     columns = [c.model_copy(update={"pattern": pattern}) if c.name == "country" else c for c in SYNTHETIC.columns]
     spec = SYNTHETIC.model_copy(update={"columns": tuple(columns)})

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from recloop import checkpoint, pipeline, registry, tracking
 from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
+from recloop.features.definition import FeatureLayout
+from recloop.features.job import build_features
 from recloop.features.state import StateStore
 from recloop.gate import GateThresholds, run_gate
 from recloop.model import ModelConfig

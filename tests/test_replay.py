@@ -63,7 +63,7 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
 
 def test_features_and_feast_follow_the_spec_keys_and_genre_vocabulary(replayed):
     from recloop.features import store
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
 
     settings, _ = replayed
     assert store.join_keys(settings) == {"user": "customer", "item": "product"}

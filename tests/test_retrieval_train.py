@@ -126,7 +126,7 @@ def test_the_towers_columns_come_from_the_spec_and_the_data(home: Settings):
     """Derived from the spec's roles and which columns are fixed per item, the synthetic world's towers are
     the ones written by hand for it: device and country are request context, category and price belong to
     the item, the position varies per event and is left out, the history shares the item vocabulary."""
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
 
     assert features_for(home, "synthetic", FeatureLayout.for_settings(home).schema) == RetrievalFeatures()
 

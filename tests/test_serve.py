@@ -25,13 +25,14 @@ from recloop.canary import CanaryConfig, controller
 from recloop.canary.tag import CanaryTag
 from recloop.features import store
 from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
+from recloop.features.definition import FeatureLayout
+from recloop.features.job import build_features
+from recloop.features.online import FeastOnline, RequestFeatures
 from recloop.ingest import ingest
 from recloop.ingest.lake import read_events
 from recloop.ingest.ledger import Ledger
 from recloop.schema import load_spec
 from recloop.serve.app import ServerThread, create_app
-from recloop.serve.features import FeastOnline, RequestFeatures
 from recloop.serve.traffic import SimulatedUsers, drive
 from recloop.settings import Settings
 from recloop.simulate import World, WorldConfig
@@ -498,7 +499,7 @@ def test_arrow_batches_score_as_the_logged_pyfunc_does(home: Settings):
     import torch
 
     from recloop.ranker_pyfunc import frame_to_batch
-    from recloop.serve.models import load_version, score
+    from recloop.scoring import load_version, score
 
     loaded = load_version(home, "1")
     rows = pq.read_table(sorted(FeatureLayout.for_settings(home).training.glob("*.parquet"))[-1]).slice(0, 300)
@@ -512,7 +513,7 @@ def test_arrow_batches_score_as_the_logged_pyfunc_does(home: Settings):
 def test_redis_reader_answers_as_feast_does(home: Settings, tmp_path: Path):
     import redis
 
-    from recloop.serve.features import RedisOnline
+    from recloop.features.online import RedisOnline
 
     url = "redis://127.0.0.1:6379/10"
     redis.Redis.from_url(url).flushdb()
@@ -538,8 +539,8 @@ def test_redis_reader_keeps_item_state_until_the_writer_writes_again(home: Setti
     import redis
     from feast.protos.feast.types.Value_pb2 import Value
 
+    from recloop.features.online import RedisOnline
     from recloop.features.online_writer import write_to_redis
-    from recloop.serve.features import RedisOnline
 
     url = "redis://127.0.0.1:6379/9"
     client = redis.Redis.from_url(url)

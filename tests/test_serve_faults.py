@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from recloop import checkpoint, pipeline, registry
 from recloop.canary import CanaryConfig, controller
 from recloop.canary.tag import load_failure
-from recloop.features.job import FeatureLayout
+from recloop.features.definition import FeatureLayout
 from recloop.gate import GateThresholds, run_gate
 from recloop.serve.app import create_app
 from recloop.settings import Settings

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from recloop.checkpoint import read as read_checkpoint
 from recloop.features.config import FeatureConfig
-from recloop.features.job import FeatureLayout, build_features
+from recloop.features.definition import FeatureLayout
+from recloop.features.job import build_features
 from recloop.model import ModelConfig
 from recloop.schema import load_spec
 from recloop.settings import Settings

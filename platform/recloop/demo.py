@@ -382,7 +382,7 @@ def _record_retriever(record: DayRecord, outcome: dict, settings: Settings, orac
     record.retriever_gate = ("passed → " + gate["alias"]) if gate["passed"] else "refused"
     if "canary" in retriever:
         record.canary.append(f"start retriever v{gate['version']}")
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
     from recloop.retrieval.publish import retriever_folder
     from recloop.retrieval.retriever import Retriever, score_window
 
@@ -398,7 +398,7 @@ def _record_retriever(record: DayRecord, outcome: dict, settings: Settings, orac
 def _train_reference(settings: Settings, day: int, config: DemoConfig, batch_size: int):
     """A full retrain from scratch on days 0..``day`` (held-out hours excluded, as the loop's), loaded for the
     panel; no MLflow run, no version: it serves nobody."""
-    from recloop.serve.models import load_checkpoint
+    from recloop.scoring import load_checkpoint
     from recloop.train import TrainConfig, train
 
     summary = train(settings, TrainConfig(mode="full", days=day + 1, epochs=config.full_epochs,
@@ -412,7 +412,7 @@ def rank_panel(features, world: World, panel, models: dict) -> dict[str, np.ndar
     from datetime import datetime
 
     from recloop.panel import request_bodies
-    from recloop.serve.models import score
+    from recloop.scoring import score
 
     scores: dict[str, list] = {name: [] for name in models}
     features.refresh_if_published()
@@ -430,9 +430,9 @@ class _FrozenRanker:
 
     def __init__(self, settings: Settings, version: str):
         from recloop.features.config import FeatureConfig
+        from recloop.features.online import RequestFeatures, online_reader
         from recloop.schema import load_spec
-        from recloop.serve.features import RequestFeatures, online_reader
-        from recloop.serve.models import load_version
+        from recloop.scoring import load_version
 
         spec = load_spec("synthetic")
         self.settings = settings
@@ -445,7 +445,7 @@ class _FrozenRanker:
         """The day's panel (drawn on its own stream): per-request expected clicks of the oracle, a random
         ranking, the never-retrained model and the live champion; normalized rewards with intervals."""
         from recloop.panel import draw_panel, per_request, score_panel
-        from recloop.serve.models import load_version
+        from recloop.scoring import load_version
 
         panel = draw_panel(world, day + 0.5, config.panel_requests, min(config.candidates, 50), seed=config.seed)
         if champion is not None and champion not in self._models:
@@ -463,7 +463,7 @@ class _FrozenRanker:
     def rank(self, body: dict) -> list[int]:
         from datetime import datetime
 
-        from recloop.serve.models import score
+        from recloop.scoring import score
 
         self.features.refresh()
         ts_us = int(datetime.fromisoformat(body["ts"]).timestamp() * 1_000_000)

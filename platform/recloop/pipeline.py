@@ -207,7 +207,7 @@ def register_training(settings: Settings, summary: TrainSummary) -> LoggedModel:
     import pyarrow.parquet as pq
 
     from recloop import tracking
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
 
     newest = sorted(FeatureLayout.for_settings(settings).training.glob("*.parquet"))[-1]
     return tracking.log_training(settings, summary, pq.read_table(newest).slice(0, 5).to_pandas())

@@ -297,7 +297,7 @@ def _score_period(settings: Settings, lineage: _Lineage, start: int, stop: int) 
     from recloop import checkpoint
     from recloop.data import ChunkLoader, FeatureSchema
     from recloop.evaluate import metrics, predict
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
     from recloop.gate import baselines
     from recloop.train import user_groups
 

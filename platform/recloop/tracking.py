@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from recloop import checkpoint, ranker_pyfunc
-from recloop.features.job import FeatureLayout
+from recloop.features.definition import FeatureLayout
 from recloop.registry import MODEL_NAME, LoggedModel, configure, register
 from recloop.settings import Settings
 from recloop.train import RunStart

@@ -46,7 +46,7 @@ from safetensors.torch import load_file
 from recloop import checkpoint, distributed
 from recloop.data import BATCH_PLAN, ChunkLoader, FeatureSchema, training_files
 from recloop.evaluate import metrics, predict, slice_metrics
-from recloop.features.job import FeatureLayout
+from recloop.features.definition import FeatureLayout
 from recloop.gate import baselines
 from recloop.hours import file_hour, hour_after
 from recloop.model import (

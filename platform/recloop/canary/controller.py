@@ -43,8 +43,8 @@ from recloop.canary.decision import (
 )
 from recloop.canary.decision import start as first_step
 from recloop.canary.tag import KPI_BASELINE_TAG, LOAD_FAILED_TAG, CanaryTag, Mode, load_failure
-from recloop.registry import MODEL_NAME, RETRIEVER_NAME
 from recloop.journal import open_journal
+from recloop.registry import MODEL_NAME, RETRIEVER_NAME
 from recloop.settings import Settings
 
 EXPERIMENT = "recloop-canary"

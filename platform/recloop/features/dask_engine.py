@@ -38,7 +38,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recloop.features import job, ops
+from recloop.features import definition, ops, window
 from recloop.features.backend import get_backend
 from recloop.features.vocab import count_values, merge_counts
 from recloop.ingest import lake
@@ -68,7 +68,7 @@ class Bounds:
     first_state: bool
 
     @classmethod
-    def of(cls, plan: job.WindowPlan) -> Bounds:
+    def of(cls, plan: window.WindowPlan) -> Bounds:
         return cls(plan.start_us, plan.end_us, plan.since_us, plan.read_from_us, plan.absorb_from_us,
                    plan.new_state, plan.latest is None)
 
@@ -119,7 +119,7 @@ def read_part(settings: Settings, spec: DatasetSpec, config: FeatureConfig, boun
     events = lake.read_window_file(settings, spec, path, bounds.read_from_us, bounds.end_us)
     if events.num_rows == 0:
         return FilePart(0, None, {}, None, {})
-    events = job.with_event_time(events, spec)
+    events = definition.with_event_time(events, spec)
     events = events.append_column(ORDER, pa.array((index << 32) + np.arange(events.num_rows, dtype=np.int64)))
     in_window = pc.greater_equal(events["_ts_us"], bounds.start_us)
     events = events.append_column(IN_WINDOW, in_window)
@@ -128,11 +128,11 @@ def read_part(settings: Settings, spec: DatasetSpec, config: FeatureConfig, boun
     if bounds.new_state:
         new = events if bounds.absorb_from_us is None else events.filter(
             pc.greater_equal(events["_ts_us"], bounds.absorb_from_us))
-        counts = {f.column: count_values(job.vocabulary_values(new, f.column)) for f in job.vocabulary_features(config)}
+        counts = {f.column: count_values(definition.vocabulary_values(new, f.column)) for f in definition.vocabulary_features(config)}
         if bounds.first_state:
             moments = new.select([*(f.column for f in config.numeric), spec.label])
     buckets = {}
-    for role, prefix in job.ENTITY_PREFIXES.items():
+    for role, prefix in definition.ENTITY_PREFIXES.items():
         key = getattr(spec, role)
         if key is not None:
             slim = events.select([key, spec.label, "_ts_us", ORDER, IN_WINDOW])
@@ -142,14 +142,14 @@ def read_part(settings: Settings, spec: DatasetSpec, config: FeatureConfig, boun
 
 def bucket_stage(backend_name: str, spec: DatasetSpec, config: FeatureConfig, prefix: str,
                  pieces: list[pa.Table | None], base: pa.Table | None, since_us: int | None, files: int) -> BucketPart:
-    """Entity states and befores of one hash partition (``job.entity_stage`` on its keys only)."""
+    """Entity states and befores of one hash partition (``definition.entity_stage`` on its keys only)."""
     pieces = [p for p in pieces if p is not None and p.num_rows]
     table = pa.concat_tables(pieces) if pieces else None
     if table is None:
         return BucketPart(None, [None] * files)
     backend = get_backend(backend_name)
     window = table.filter(table[IN_WINDOW])
-    states, before = job.entity_stage(backend, config, spec, prefix, backend.from_arrow(table.drop_columns(
+    states, before = definition.entity_stage(backend, config, spec, prefix, backend.from_arrow(table.drop_columns(
         [ORDER, IN_WINDOW])), backend.from_arrow(window.drop_columns([ORDER, IN_WINDOW])), base, since_us)
     befores = backend.to_arrow(before).append_column(ORDER, window[ORDER])
     by_file = (befores[ORDER].to_numpy() >> 32) if befores.num_rows else np.empty(0, np.int64)
@@ -160,7 +160,7 @@ def bucket_stage(backend_name: str, spec: DatasetSpec, config: FeatureConfig, pr
 
 def file_rows(backend_name: str, spec: DatasetSpec, config: FeatureConfig, window: pa.Table,
               befores: dict[str, list[pa.Table | None]], inputs: RowInputs) -> pa.Table:
-    """The training rows of one lake file's window rows, in its order (``job.training_rows``)."""
+    """The training rows of one lake file's window rows, in its order (``definition.training_rows``)."""
     backend = get_backend(backend_name)
     aligned = {}
     for prefix, pieces in befores.items():
@@ -168,7 +168,7 @@ def file_rows(backend_name: str, spec: DatasetSpec, config: FeatureConfig, windo
         if not pc.all(pc.equal(table[ORDER], window[ORDER])).as_py() or table.num_rows != window.num_rows:
             raise RuntimeError(f"the {prefix} states do not line up with the window rows of a lake file")
         aligned[prefix] = backend.from_arrow(table.drop_columns([ORDER]))
-    return job.training_rows(backend, config, spec, window.drop_columns([ORDER]), inputs.vocabularies,
+    return definition.training_rows(backend, config, spec, window.drop_columns([ORDER]), inputs.vocabularies,
                              inputs.stats, aligned)
 
 
@@ -201,9 +201,9 @@ def dask_client(settings: Settings) -> Iterator[Client]:
         yield client
 
 
-def compute_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, plan: job.WindowPlan,
-                   client: Client | None = None) -> job.WindowFeatures | None:
-    """``job.compute_window`` on a Dask cluster (``client``, or the one ``settings`` name)."""
+def compute_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, plan: window.WindowPlan,
+                   client: Client | None = None) -> window.WindowFeatures | None:
+    """``window.compute_window`` on a Dask cluster (``client``, or the one ``settings`` name)."""
     if client is None:
         with dask_client(settings) as own:
             return compute_window(settings, spec, config, plan, own)
@@ -221,7 +221,7 @@ def compute_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig,
         return None
 
     buckets: dict[str, list] = {}
-    for role, prefix in job.ENTITY_PREFIXES.items():
+    for role, prefix in definition.ENTITY_PREFIXES.items():
         if getattr(spec, role) is None:
             continue
         base = plan.base.snapshots.get(prefix) if plan.base else None
@@ -235,12 +235,12 @@ def compute_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig,
     if plan.new_state:
         counts = client.gather([client.submit(_field, p, "counts") for p in parts])
         merged = {f.column: merge_counts([c[f.column] for c in counts if c])
-                  for f in job.vocabulary_features(config)}
-        vocabularies = job.update_vocabularies(config, spec, plan.latest, merged)
+                  for f in definition.vocabulary_features(config)}
+        vocabularies = definition.update_vocabularies(config, spec, plan.latest, merged)
         if plan.latest is None:
             moments = [m for m in client.gather([client.submit(_field, p, "moments") for p in parts])
                        if m is not None]
-            stats = job.initial_stats(config, spec, pa.concat_tables(moments))
+            stats = definition.initial_stats(config, spec, pa.concat_tables(moments))
         else:
             stats = plan.latest.stats
     else:
@@ -258,4 +258,4 @@ def compute_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig,
         tables = [t for t in client.gather([client.submit(_field, b, "states") for b in futures]) if t is not None]
         frame = frame_backend.from_arrow(pa.concat_tables(tables)).sort_values(["key", "ts"]).reset_index(drop=True)
         states[prefix] = ops.EntityStates(prefix, frame)
-    return job.WindowFeatures(training, states, vocabularies, stats)
+    return window.WindowFeatures(training, states, vocabularies, stats)

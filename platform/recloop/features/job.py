@@ -29,19 +29,27 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from recloop.features import ops
+from recloop.features import dask_engine, ops
 from recloop.features.backend import FrameBackend, get_backend
-from recloop.features.config import CategoricalFeature, FeatureConfig
+from recloop.features.config import FeatureConfig
+from recloop.features.definition import (
+    FeatureLayout,
+    one_hot_tables,
+    role_of,
+    update_vocabularies,
+    vocabulary_features,
+    vocabulary_values,
+)
 from recloop.features.state import FeatureState, StateStore
 from recloop.features.vocab import Vocabulary, count_values
-from recloop.formats import TRAINING_PARQUET, id_dtype
+from recloop.features.window import WindowPlan, compute_window
+from recloop.formats import TRAINING_PARQUET
 from recloop.hours import hour_of_us
 from recloop.ingest import lake
 from recloop.schema import DatasetSpec
@@ -50,48 +58,6 @@ from recloop.settings import Settings
 US = ops.US  # recloop.hours.US
 HOUR_US = 3600 * US
 DAY_US = 24 * HOUR_US
-ENTITY_PREFIXES = {"user_key": "user", "item_key": "item"}
-
-
-@dataclass(frozen=True)
-class FeatureLayout:
-    """Where the feature job's outputs live under ``$RECLOOP_HOME/features``."""
-
-    root: Path
-
-    @classmethod
-    def for_settings(cls, settings: Settings) -> FeatureLayout:
-        return cls(settings.home.resolve() / "features")
-
-    @property
-    def training(self) -> Path:
-        return self.root / "training"
-
-    def entity_table(self, prefix: str) -> Path:
-        return self.root / f"{prefix}_stats"
-
-    @property
-    def state(self) -> Path:
-        return self.root / "state"
-
-    @property
-    def schema(self) -> Path:
-        return self.root / "schema.json"
-
-    @property
-    def partition(self) -> Path:
-        return self.root / "partition.json"
-
-    @property
-    def lake_files(self) -> Path:
-        """The committed lake files the job has read (``build_features``: late events come in new ones)."""
-        return self.root / "lake_files.json"
-
-    def period_hours(self) -> int | None:
-        """The period of this home's feature files (None before the first run)."""
-        if not self.partition.is_file():
-            return None
-        return int(json.loads(self.partition.read_text())["period_hours"])
 
 
 @dataclass
@@ -158,41 +124,6 @@ def _split_points(ts_us: np.ndarray, start_us: int, end_us: int, period_us: int,
         if cut > points[-1]:
             points.append(cut)
     return [*points, end_us] if end_us > points[-1] else points
-
-
-@dataclass(frozen=True)
-class WindowPlan:
-    """What one run of the job computes, decided before any event is read.
-
-    Args:
-        start_us, end_us: the window (whole hours); training rows and entity rows are written for it.
-        since_us: where the base state's totals end (None: no base, the events hold all history).
-        read_from_us: events are read from here (24 h before ``since_us``, so windowed counts are complete).
-        absorb_from_us: events at or after this update the vocabularies (None: all events read).
-        new_state: whether the run moves time past the latest state (then it updates the vocabularies and
-            saves a new state version).
-        latest, base: the newest state, and the newest at or before the window start.
-    """
-
-    start_us: int
-    end_us: int
-    since_us: int | None
-    read_from_us: int | None
-    absorb_from_us: int | None
-    new_state: bool
-    latest: FeatureState | None
-    base: FeatureState | None
-
-
-@dataclass(frozen=True)
-class WindowFeatures:
-    """What either engine computes for a window: the training rows (lake order), the entity states (sorted
-    by key then time), and the vocabularies and statistics the rows were built with."""
-
-    training: pa.Table
-    states: dict[str, ops.EntityStates]
-    vocabularies: dict[str, Vocabulary]
-    stats: dict
 
 
 def build_features(
@@ -382,8 +313,6 @@ def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, 
     plan = WindowPlan(start_us, end_us, since_us, since_us - DAY_US if since_us else None,
                       (latest.as_of_us if latest else None) if new_state else None, new_state, latest, base)
     if engine == "dask":
-        from recloop.features import dask_engine
-
         computed = dask_engine.compute_window(settings, spec, config, plan)
     else:
         computed = compute_window(backend, spec, config, plan, lake.read_window(settings, spec, plan.read_from_us,
@@ -397,7 +326,7 @@ def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, 
                                      store.at_or_before(start_us, counted=True), start_us)
     written = _write_periods(layout.training, training, "_ts_us", start_us, end_us, period_us, TRAINING_PARQUET)
     for prefix, entity_states in computed.states.items():
-        table = entity_table(backend, entity_states, getattr(spec, _role(prefix)), start_us, end_us)
+        table = entity_table(backend, entity_states, getattr(spec, role_of(prefix)), start_us, end_us)
         summary.entity_rows[prefix] = table.num_rows
         _write_periods(layout.entity_table(prefix), table, "_ts_us", start_us, end_us, period_us)
     summary.hours_written = written
@@ -415,195 +344,6 @@ def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, 
     summary.vocabulary_sizes = {c: v.size for c, v in computed.vocabularies.items()}
     _write_schema(layout, config, spec, computed.vocabularies, saved.version)
     return summary
-
-
-def with_event_time(events: pa.Table, spec: DatasetSpec) -> pa.Table:
-    """``events`` with ``_ts_us``: the event time as int64 microseconds, the job's time column."""
-    return events.append_column("_ts_us", events[spec.timestamp].cast(pa.int64()))
-
-
-def compute_window(backend: FrameBackend, spec: DatasetSpec, config: FeatureConfig, plan: WindowPlan,
-                   events: pa.Table) -> WindowFeatures | None:
-    """The single-process engine: everything from the events read for ``plan`` (None: none in the window)."""
-    if events.num_rows == 0:
-        return None
-    events = with_event_time(events, spec)
-    window = events.filter(pc.greater_equal(events["_ts_us"], plan.start_us))
-    if window.num_rows == 0:
-        return None
-    latest = plan.latest
-    if plan.new_state:
-        new = events if plan.absorb_from_us is None else events.filter(
-            pc.greater_equal(events["_ts_us"], plan.absorb_from_us))
-        vocabularies = update_vocabularies(config, spec, latest, {
-            f.column: count_values(vocabulary_values(new, f.column)) for f in vocabulary_features(config)})
-        stats = latest.stats if latest else initial_stats(config, spec, new)
-    else:
-        vocabularies, stats = latest.vocabularies, latest.stats
-
-    frame = backend.from_arrow(events.select(_state_columns(spec)))
-    window_frame = backend.from_arrow(window.select(_state_columns(spec)))
-    states, befores = {}, {}
-    for role, prefix in ENTITY_PREFIXES.items():
-        key = getattr(spec, role)
-        if key is None:
-            continue
-        base = plan.base.snapshots[prefix] if plan.base and prefix in plan.base.snapshots else None
-        states[prefix], befores[prefix] = entity_stage(backend, config, spec, prefix, frame, window_frame, base,
-                                                       plan.since_us)
-    training = training_rows(backend, config, spec, window, vocabularies, stats, befores)
-    return WindowFeatures(training, states, vocabularies, stats)
-
-
-def entity_stage(backend: FrameBackend, config: FeatureConfig, spec: DatasetSpec, prefix: str, frame: Any,
-                 window_frame: Any, base: pa.Table | None, since_us: int | None) -> tuple[ops.EntityStates, Any]:
-    """One entity kind's state rows from ``frame`` (every event read, of some or all entities) and, for each
-    row of ``window_frame`` (the window's events of the same entities), the state strictly before it.
-
-    Per entity, nothing depends on other entities: a partition holding all events of some entities
-    computes exactly their part of the single-process result.
-    """
-    key = getattr(spec, _role(prefix))
-    base_snapshot = backend.from_arrow(base) if base is not None else None
-    states = ops.entity_states(backend, frame, key=key, ts="_ts_us", label=spec.label, prefix=prefix,
-                               since_us=since_us, base=base_snapshot)
-    before = ops.states_before(backend, states, window_frame[key], window_frame["_ts_us"], base_snapshot,
-                               config.ttl_seconds)
-    return states, before
-
-
-def _role(prefix: str) -> str:
-    return {v: k for k, v in ENTITY_PREFIXES.items()}[prefix]
-
-
-def _state_columns(spec: DatasetSpec) -> list[str]:
-    return [k for k in (spec.user_key, spec.item_key) if k] + [spec.label, "_ts_us"]
-
-
-def vocabulary_features(config: FeatureConfig) -> list:
-    """The features that keep a vocabulary: categoricals (but the hashed ones) and multi-hot lists with their
-    own vocabulary (the ids inside the lists are counted)."""
-    own = [CategoricalFeature(m.column) for m in config.multi_hot if m.vocabulary == m.column]
-    return [f for f in config.categorical if not f.hash_buckets] + own
-
-
-def vocabulary_values(events: pa.Table, column: str) -> pa.ChunkedArray | pa.Array:
-    """The ids a vocabulary counts in ``column``: its values, or the elements of its lists."""
-    values = events[column]
-    return pc.list_flatten(values) if pa.types.is_list(values.type) else values
-
-
-def update_vocabularies(config: FeatureConfig, spec: DatasetSpec, latest: FeatureState | None,
-                        counts: dict[str, pa.Table]) -> dict[str, Vocabulary]:
-    """The latest vocabularies with new sightings (``count_values`` per column, possibly merged from
-    partitions) added: append-only, so the same counts give the same indices however they were counted."""
-    from recloop.formats import ARROW_TYPES
-
-    vocabularies = {}
-    for feature in vocabulary_features(config):
-        current = latest.vocabularies.get(feature.column) if latest else None
-        if current is None:
-            value_type = ARROW_TYPES[spec.column(feature.column).dtype]
-            value_type = value_type.value_type if pa.types.is_list(value_type) else value_type
-            current = Vocabulary.empty(feature.column, feature.min_count, value_type)
-        vocabularies[feature.column] = current.add_counts(counts[feature.column])
-    return vocabularies
-
-
-def _numeric_values(np_module: Any, feature, column: pa.ChunkedArray) -> np.ndarray:
-    values = column.cast(pa.float64()).to_numpy()
-    return ops.numeric_transform(np_module, values, clip_min=feature.clip_min, clip_max=feature.clip_max,
-                                 log1p=feature.log1p)
-
-
-def initial_stats(config: FeatureConfig, spec: DatasetSpec, events: pa.Table) -> dict:
-    """Statistics stored once, with the first state, so the model's inputs keep one scale afterwards."""
-    numeric = {}
-    for feature in config.numeric:
-        values = _numeric_values(np, feature, events[feature.column])
-        finite = values[np.isfinite(values)]
-        numeric[feature.column] = {"mean": float(finite.mean()) if len(finite) else 0.0,
-                                   "std": float(finite.std()) if len(finite) > 1 else 1.0}
-    labels = events[spec.label].cast(pa.float64()).to_numpy()
-    return {"prior_ctr": float(labels.mean()) if len(labels) else 0.0, "numeric": numeric}
-
-
-def training_rows(backend: FrameBackend, config: FeatureConfig, spec: DatasetSpec, window: pa.Table,
-                  vocabularies: dict[str, Vocabulary], stats: dict, befores: dict[str, Any]) -> pa.Table:
-    """One training row per event of the window (in lake order)."""
-    xp = backend.arrays
-    host = backend.to_numpy
-    columns: dict[str, Any] = {
-        spec.event_id: window[spec.event_id], spec.timestamp: window[spec.timestamp],
-        "_ts_us": window["_ts_us"], "label": window[spec.label].cast(pa.float32()),
-    }
-    for key in (spec.user_key, spec.item_key):
-        if key:
-            columns[key] = window[key]
-    for oracle in spec.by_role("oracle"):
-        columns[oracle.name] = window[oracle.name]
-
-    ts_us = xp.asarray(window["_ts_us"].to_numpy())
-    dense: dict[str, Any] = {}
-    for feature in config.numeric:
-        values = _numeric_values(xp, feature, window[feature.column])
-        moments = stats["numeric"].get(feature.column, {"mean": 0.0, "std": 1.0})
-        dense[feature.column] = ops.standardize(xp, values, moments["mean"], moments["std"]) if feature.standardize \
-            else xp.where(xp.isnan(values), 0.0, values)
-    if config.cyclic_time:
-        dense.update(ops.cyclic_time(xp, ts_us))
-    for prefix, before in befores.items():
-        raw = {c: backend.values(before[c]) for c in before.columns}
-        dense.update(ops.entity_dense(xp, raw, prefix, ts_us, prior=stats["prior_ctr"], smoothing=config.smoothing,
-                                      recency_cap_seconds=config.recency_cap_seconds))
-        columns[f"{prefix}_is_new"] = pa.array(host(xp.isnan(raw[f"{prefix}_last_seen"])))
-    for name, values in dense.items():
-        columns[f"d_{name}"] = pa.array(host(values).astype(np.float32))
-
-    indices: dict[str, Any] = {}
-    for feature in config.categorical:
-        column = window[feature.column]
-        if feature.hash_buckets:
-            if not pa.types.is_integer(column.type):
-                raise ValueError(f"hash_buckets needs an integer column; {feature.column!r} is {column.type}")
-            values = xp.asarray(column.fill_null(0).to_numpy())
-            nulls = xp.asarray(column.is_null().to_numpy(zero_copy_only=False))
-            indices[feature.column] = ops.hash_bucket(xp, values, feature.hash_buckets, nulls)
-        else:
-            indices[feature.column] = xp.asarray(vocabularies[feature.column].lookup_arrow(column).to_numpy())
-    for cross in config.crosses:
-        indices[cross.name] = ops.hashed_cross(xp, indices[cross.columns[0]], indices[cross.columns[1]], cross.buckets)
-    sizes = one_hot_tables(config, vocabularies)  # each table's size sets its ids' type on disk (formats.id_dtype)
-    for name, values in indices.items():
-        columns[f"c_{name}"] = pa.array(host(values).astype(id_dtype(sizes[name][0])))
-
-    for feature in config.multi_hot:
-        columns[f"m_{feature.column}"] = _map_lists(window[feature.column], vocabularies[feature.vocabulary],
-                                                    feature.max_length)
-    return pa.table(columns)
-
-
-def one_hot_tables(config: FeatureConfig, vocabularies: dict[str, Vocabulary]) -> dict[str, tuple[int, bool]]:
-    """Each one-hot id column's table (named as the feature, ``c_`` left off): its rows and whether they are
-    hash buckets (a hashed column or a cross: another bucket count renumbers every id, where a vocabulary
-    only grows). Index 0 is null and 1 out of vocabulary, so buckets take two rows more."""
-    tables = {f.column: (f.hash_buckets + 2, True) if f.hash_buckets else (vocabularies[f.column].size, False)
-              for f in config.categorical}
-    return {**tables, **{cross.name: (cross.buckets + 2, True) for cross in config.crosses}}
-
-
-def _map_lists(lists: pa.ChunkedArray, vocab: Vocabulary, max_length: int) -> pa.Array:
-    """Each list's ids through the vocabulary, keeping the last ``max_length`` (the most recent)."""
-    lists = lists.combine_chunks().fill_null(pa.scalar([], lists.type))
-    lengths = pc.list_value_length(lists).to_numpy()
-    mapped = vocab.lookup_arrow(pc.list_flatten(lists)).to_numpy()
-    starts = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-    keep_from = starts + np.maximum(lengths - max_length, 0)
-    kept_lengths = np.minimum(lengths, max_length)
-    position = np.arange(len(mapped)) - np.repeat(starts, lengths)
-    keep = position >= np.repeat(keep_from - starts, lengths)
-    offsets = np.concatenate([[0], np.cumsum(kept_lengths)]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(mapped[keep].astype(id_dtype(vocab.size))))
 
 
 def entity_table(backend: FrameBackend, states: ops.EntityStates, key: str, start_us: int, end_us: int) -> pa.Table:

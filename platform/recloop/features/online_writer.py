@@ -4,7 +4,7 @@ Feast's materialization converts every row through pandas and protobuf objects i
 about 11k entities/s on a 2-core machine (``benchmarks/materialize.py``). This writer produces the
 same Redis hashes (so ``FeatureStore.get_online_features`` reads them unchanged) from columns:
 
-- key: Feast's entity key serialization (version 3) for one int64 join key, followed by the project
+- key (``recloop.features.definition``, shared with serving's reader): Feast's entity key serialization (version 3) for one int64 join key, followed by the project
   name. The constant head of the serialization is taken from Feast itself; a test checks the whole
   key against ``feast.infra.key_encoding_utils.serialize_entity_key`` for many ids.
 - fields: ``murmur3("<view>:<feature>")`` → a serialized ``ValueProto``; ``_ts:<view>`` → a
@@ -18,41 +18,13 @@ that value is the one it read before the state.
 
 from __future__ import annotations
 
-import struct
 import uuid
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-
-def entity_key_head(join_key: str) -> bytes:
-    """Feast's serialized entity key for ``{join_key: int64}``, minus the trailing 8 value bytes."""
-    from feast.infra.key_encoding_utils import serialize_entity_key
-    from feast.protos.feast.types.EntityKey_pb2 import EntityKey
-    from feast.protos.feast.types.Value_pb2 import Value
-
-    serialized = serialize_entity_key(EntityKey(join_keys=[join_key], entity_values=[Value(int64_val=0)]), 3)
-    if serialized[-8:] != struct.pack("<q", 0):
-        raise RuntimeError("unexpected Feast entity key layout; use Feast's own materialization")
-    return serialized[:-8]
-
-
-def redis_keys(join_key: str, project: str, ids: np.ndarray) -> list[bytes]:
-    head, tail = entity_key_head(join_key), project.encode("utf-8")
-    packed = np.asarray(ids, dtype="<i8").tobytes()
-    return [head + packed[i:i + 8] + tail for i in range(0, len(packed), 8)]
-
-
-def generation_key(project: str) -> bytes:
-    """The key whose value changes after every write of the project's online state (not one of Feast's)."""
-    return f"recloop:{project}:online_generation".encode()
-
-
-def _field_key(view: str, feature: str) -> bytes:
-    from feast.infra.online_stores.helpers import _mmh3
-
-    return _mmh3(f"{view}:{feature}")
+from recloop.features.definition import field_key, generation_key, redis_keys
 
 
 def latest_per_entity(table: pa.Table, join_key: str) -> pa.Table:
@@ -94,7 +66,7 @@ def write_to_redis(client, *, project: str, view: str, join_key: str, table: pa.
     ts_field = f"_ts:{view}".encode()
     columns = []
     for feature in features:
-        columns.append((_field_key(view, feature), _serialized_values(rows[feature], Value)))
+        columns.append((field_key(view, feature), _serialized_values(rows[feature], Value)))
     written = 0
     for start in range(0, len(keys), batch):
         with client.pipeline(transaction=False) as pipe:

@@ -137,7 +137,7 @@ def write_entities(settings: Settings, spec: DatasetSpec | None = None) -> dict:
     Without a spec, the home's (``recloop.datasets``). Returns what was written.
     """
     from recloop import datasets
-    from recloop.features.job import ENTITY_PREFIXES
+    from recloop.features.definition import ENTITY_PREFIXES
 
     spec = spec or datasets.resolve(settings, None, remember=False)
     entities = {}

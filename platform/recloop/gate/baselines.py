@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 from recloop.evaluate import auc, log_loss
 
 if TYPE_CHECKING:
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
 
 MAX_TRAIN_ROWS = 200_000
 NDCG_K = 10

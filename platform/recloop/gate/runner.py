@@ -84,7 +84,7 @@ def score_version(settings: Settings, version: str, files: list[Path], schema, k
     from recloop import checkpoint
     from recloop.data import ChunkLoader
     from recloop.evaluate import metrics, predict, slice_metrics
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
     from recloop.train import slice_values
 
     model, _ = checkpoint.load_model(checkpoint.resolve(settings, version))
@@ -163,7 +163,7 @@ def serving_smoke_check(settings: Settings, version: str, example_file: str, bud
 
 def held_out_files(settings: Settings, info) -> list[Path]:
     """The candidate's validation hours among this installation's training files."""
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
 
     if info.validation_window is None:
         raise GateError(f"version {info.version} has no validation window recorded on its training run")
@@ -182,12 +182,12 @@ def off_policy(settings: Settings, candidate: str, champion: str, window: tuple[
     from datetime import timedelta
 
     from recloop.features.config import FeatureConfig
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
+    from recloop.features.online import RequestFeatures, online_reader
     from recloop.gate.offpolicy import check, policy_estimate
-    from recloop.schema import load_spec
-    from recloop.serve.features import RequestFeatures, online_reader
     from recloop.journal import open_journal
-    from recloop.serve.models import load_version, score
+    from recloop.schema import load_spec
+    from recloop.scoring import load_version, score
 
     if window is None:
         return None
@@ -275,7 +275,7 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
 
     from recloop import registry
     from recloop.data import FeatureSchema
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
     from recloop.train import ORACLE_COLUMNS, SLICE_COLUMNS
 
     thresholds = thresholds or GateThresholds()
@@ -369,6 +369,6 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
 def _baselines(settings: Settings, held_out: list[Path], schema) -> dict[str, dict]:
     """``gate.baselines`` on the held-out files, learning from the training files before them (the training
     run that made the candidate scored the same window: its figures are read back, not refitted)."""
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
 
     return baselines.window_baselines(FeatureLayout.for_settings(settings), held_out, schema)

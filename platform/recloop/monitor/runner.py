@@ -244,8 +244,8 @@ BASELINE_DAYS, DAY_US = 7, 86_400 * 1_000_000
 def champion_concept(settings: Settings, current_champion: Champion | None, window: Window,
                      config: MonitorConfig) -> tuple[list[str], dict] | None:
     """Concept drift (``monitor.concept``) from the champion's served feedback with event time in the window."""
-    from recloop.monitor.concept import concept_findings
     from recloop.journal import open_journal
+    from recloop.monitor.concept import concept_findings
 
     journal = open_journal(settings, create=False) if current_champion is not None else None
     if journal is None:
@@ -280,7 +280,7 @@ def served_inputs(settings: Settings, version: str, reference: Window, current: 
     from recloop import checkpoint
     from recloop.data import ChunkLoader, FeatureSchema
     from recloop.data.loader import training_files
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
 
     layout = FeatureLayout.for_settings(settings)
     if not layout.schema.exists():

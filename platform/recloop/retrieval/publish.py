@@ -92,7 +92,7 @@ def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalTh
     A pass makes the first retriever ``champion`` and any later one ``challenger`` (its canary starts
     from there); a failure leaves the version registered, its ``gate`` tag saying ``failed`` with the reasons.
     """
-    from recloop.features.job import FeatureLayout
+    from recloop.features.definition import FeatureLayout
     from recloop.retrieval.retriever import Retriever, score_window
 
     thresholds = thresholds or RetrievalThresholds()

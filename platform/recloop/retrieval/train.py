@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from recloop.data import training_files
-from recloop.features.job import FeatureLayout
+from recloop.features.definition import FeatureLayout
 from recloop.features.state import StateStore
 from recloop.hours import file_hour, hour_after
 from recloop.model.retrieval import RetrievalConfig, TwoTowerModel, in_batch_softmax_loss

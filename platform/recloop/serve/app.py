@@ -37,10 +37,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from recloop.endpoints import ServiceUnavailable
+from recloop.features.online import OnlineReader
 from recloop.journal import FeedbackError, JournalBusy, UnknownRequest
 from recloop.schema import DatasetSpec
 from recloop.serve.body_limit import BodyLimit
-from recloop.serve.features import OnlineReader
 from recloop.serve.models import ModelPool
 from recloop.serve.recommend import router as recommend
 from recloop.serve.requests import CanaryRequest, FeedbackRequest, RankRequest, RankResponse, ReasonRequest

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recloop.serve.features import PROBE_ENTITY, RequestFeatures
-from recloop.serve.models import ModelPool, score
+from recloop.features.online import PROBE_ENTITY, RequestFeatures
+from recloop.scoring import score
+from recloop.serve.models import ModelPool
 
 
 @dataclass(frozen=True)

@@ -20,35 +20,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import pyarrow as pa
-import torch
-
-from recloop.data.loader import rows_to_batch
 from recloop.endpoints import ServiceUnavailable
-from recloop.model import RankingModel
+from recloop.scoring import LoadedModel, load_version
 from recloop.settings import Settings
 
 if TYPE_CHECKING:
-    from recloop.retrieval.retriever import Retriever
+    pass
 
 log = logging.getLogger("recloop.serve")
 
 CanaryMode = Literal["interleave", "canary", "shadow"]
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    version: str
-    model: RankingModel
-    dense: tuple[str, ...]
-    tables: tuple[str, ...]
-
-    @property
-    def columns(self) -> tuple[str, ...]:
-        return self.dense + self.tables
 
 
 @dataclass(frozen=True)
@@ -97,59 +80,6 @@ def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted
         if tag is not None:
             share, mode, salt = tag.serving_share, tag.mode, tag.salt  # salt: each experiment's own split of users
     return Wanted(champion, challenger, share, mode, salt)
-
-
-def load_version(settings: Settings, version: str) -> LoadedModel:
-    """A registered version, downloaded and verified (``checkpoint.resolve``) and loaded on the CPU.
-
-    A copy that passed verification and still fails to load is fetched once more before giving up
-    (a version registered before checksums were recorded can only be checked that way).
-    """
-    from recloop import checkpoint
-
-    try:
-        model, state = checkpoint.load_model(checkpoint.resolve(settings, version), device="cpu")
-    except (checkpoint.CheckpointError, ServiceUnavailable):
-        raise
-    except Exception as err:  # noqa: BLE001 - e.g. SafetensorError: the bytes are bad, not the caller
-        log.warning("model v%s does not load (%s): fetching it again", version, err)
-        model, state = checkpoint.load_model(checkpoint.resolve(settings, version, refetch=True), device="cpu")
-    inputs = checkpoint.trained_inputs(state)
-    return LoadedModel(version, model, inputs.dense, inputs.table_names)
-
-
-def load_checkpoint(path: str | Path, name: str) -> LoadedModel:
-    """A checkpoint file that was never registered (a benchmark's or the demo's reference run), on the CPU."""
-    from recloop import checkpoint
-
-    model, state = checkpoint.load_model(path, device="cpu")
-    inputs = checkpoint.trained_inputs(state)
-    return LoadedModel(name, model, inputs.dense, inputs.table_names)
-
-
-@dataclass(frozen=True)
-class LoadedRetriever:
-    """A registered retriever version: towers, catalog with its raw attributes, and the item index."""
-
-    version: str
-    retriever: Retriever
-
-
-def load_retriever(settings: Settings, version: str) -> LoadedRetriever:
-    """A registered ``recloop-retriever`` version, downloaded and verified (``checkpoint.resolve``), on the CPU;
-    fetched once more when a verified copy still does not load (as ``load_version``)."""
-    from recloop import checkpoint
-    from recloop.registry import RETRIEVER_NAME
-    from recloop.retrieval.retriever import Retriever
-
-    try:
-        return LoadedRetriever(version, Retriever.load(checkpoint.resolve(settings, version, RETRIEVER_NAME)))
-    except (checkpoint.CheckpointError, ServiceUnavailable):
-        raise
-    except Exception as err:  # noqa: BLE001 - the bytes are bad, not the caller
-        log.warning("retriever v%s does not load (%s): fetching it again", version, err)
-        folder = checkpoint.resolve(settings, version, RETRIEVER_NAME, refetch=True)
-        return LoadedRetriever(version, Retriever.load(folder))
 
 
 @dataclass(frozen=True)
@@ -280,8 +210,3 @@ class ModelPool:
             self._thread.join(timeout=10)
 
 
-@torch.no_grad()
-def score(loaded: LoadedModel, rows: pa.Table) -> torch.Tensor:
-    """Click probabilities for feature rows (the request's ``d_*``, ``c_*``, ``m_*`` columns)."""
-    batch = rows_to_batch(rows, loaded.dense, loaded.tables)
-    return torch.sigmoid(loaded.model(batch.dense, batch.values, batch.offsets).float())

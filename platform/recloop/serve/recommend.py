@@ -47,6 +47,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from recloop import canary
+from recloop.features.online import RequestError
 from recloop.features.vocab import FIRST_INDEX
 from recloop.journal import retriever_key
 from recloop.retrieval.data import Rows
@@ -57,7 +58,6 @@ from recloop.retrieval.rules import (
     order_interleaved,
     order_items,
 )
-from recloop.serve.features import RequestError
 from recloop.serve.requests import ContextKey, ContextValue, Id
 from recloop.serve.service import Service, ServiceDep, journal_scores
 

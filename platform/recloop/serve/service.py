@@ -22,13 +22,14 @@ from fastapi import Depends, HTTPException, Request
 from recloop import canary
 from recloop.evidence import interleaving, offpolicy
 from recloop.features.config import FeatureConfig
+from recloop.features.online import OnlineReader, RequestError, RequestFeatures, online_reader
 from recloop.journal import open_journal
 from recloop.schema import DatasetSpec
+from recloop.scoring import load_retriever, score
 from recloop.serve.catalog import UnavailableItems
-from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
 from recloop.serve.health import Readiness
 from recloop.serve.metrics import ServingMetrics
-from recloop.serve.models import Deployment, LoadFailure, ModelPool, load_retriever, registry_wanted, score
+from recloop.serve.models import Deployment, LoadFailure, ModelPool, registry_wanted
 from recloop.serve.requests import RankedItem, RankRequest, RankResponse
 from recloop.settings import Settings
 

@@ -3,7 +3,7 @@
 A request names a user, the candidate items and a context (the spec's categorical, numeric and list
 columns, each one value for every candidate or a list with one value per candidate). The user's and the
 items' state comes from the Feast online store in one batched read of ``ranking_v1``; the request then
-goes through ``features.job.training_rows`` exactly as a training event would, with the online state in
+goes through ``features.definition.training_rows`` exactly as a training event would, with the online state in
 place of the point-in-time state. One code path for both sides is what keeps training and serving
 consistent (``tests/test_serve.py`` checks served rows against the training rows of the same events).
 
@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 from recloop.features import ops
 from recloop.features.backend import get_backend
 from recloop.features.config import FeatureConfig
-from recloop.features.job import ENTITY_PREFIXES, FeatureLayout, training_rows
+from recloop.features.definition import ENTITY_PREFIXES, FeatureLayout, training_rows
 from recloop.features.state import FeatureState, StateStore
 from recloop.formats import ARROW_TYPES
 from recloop.schema import ColumnSpec, DatasetSpec, compile_pattern
@@ -87,7 +87,7 @@ def stamp_name(prefix: str) -> str:
 class RedisOnline:
     """``ranking_v1`` read straight from Feast's Redis layout: one pipelined round trip per request.
 
-    The keys and hash fields are Feast's (``features/online_writer.py`` writes them and a test checks
+    The keys and hash fields are Feast's (``features/definition.py`` lays them out, ``features/online_writer.py`` writes them and a test checks
     them byte for byte); reading them without Feast's SDK skips its per-value Python conversions, a
     few milliseconds per request. ``tests/test_serve.py`` checks the answers against Feast's own read.
 
@@ -102,7 +102,7 @@ class RedisOnline:
 
     def __init__(self, settings: Settings, cached_items: int | None = None):
         from recloop.endpoints import limits_for, redis_client
-        from recloop.features.online_writer import _field_key, entity_key_head, generation_key
+        from recloop.features.definition import entity_key_head, field_key, generation_key
         from recloop.features.store import FEATURE_SERVICE, feature_store
 
         store = feature_store(settings)
@@ -116,7 +116,7 @@ class RedisOnline:
             view = store.get_feature_view(projection.name)
             [join_key] = [column.name for column in view.entity_columns]
             features = [f.name for f in projection.features]
-            fields = [_field_key(view.name, f) for f in features] + [f"_ts:{view.name}".encode()]  # its time last
+            fields = [field_key(view.name, f) for f in features] + [f"_ts:{view.name}".encode()]  # its time last
             self.views[join_key] = (entity_key_head(join_key), fields, features)
             if view.name == "user_stats":
                 self.user_key = join_key
