@@ -28,7 +28,7 @@ def train_retriever_task(config: dict, spec: str | None, settings: dict | None) 
 @task(persist_result=True, result_serializer="json")
 def gate_retriever_task(version: str, thresholds_path: str | None, settings: dict | None) -> dict:
     from recloop.config_files import load_dataclass
-    from recloop.retrieval.gate import RetrievalThresholds
+    from recloop.gate.retrieval import RetrievalThresholds
 
     thresholds = load_dataclass(thresholds_path, RetrievalThresholds) if thresholds_path else None
     outcome = pipeline.gate_retriever(settings_from(settings), version, thresholds)

@@ -168,7 +168,7 @@ def test_fast_redis_layout_is_feasts_own():
     from feast.protos.feast.types.EntityKey_pb2 import EntityKey
     from feast.protos.feast.types.Value_pb2 import Value
 
-    from recloop.features.definition import redis_keys
+    from recloop.features.online_keys import redis_keys
     from recloop.features.online_writer import _serialized_values
 
     ids = np.array([0, 1, -1, 7, 2**40 + 3, -(2**63), 2**63 - 1], dtype=np.int64)

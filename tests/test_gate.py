@@ -240,10 +240,9 @@ def test_the_baselines_are_fitted_once_per_window_and_refitted_when_a_file_chang
 
     import pyarrow.parquet as pq
 
-    from recloop import registry
+    from recloop import baselines, registry
     from recloop.data import FeatureSchema
     from recloop.features.definition import FeatureLayout
-    from recloop.gate import baselines
     from recloop.gate.runner import held_out_files
 
     home = copy_home(champion_home, tmp_path / "home")

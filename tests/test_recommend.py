@@ -19,10 +19,11 @@ from safetensors.torch import load_file
 
 from recloop import registry
 from recloop.canary import CanaryConfig, controller
+from recloop.gate.retrieval import RetrievalThresholds
+from recloop.gate.retrieval_runner import run_retrieval_gate
 from recloop.registry import RETRIEVER_NAME
 from recloop.retrieval.data import RetrievalFeatures, read_rows
-from recloop.retrieval.gate import RetrievalThresholds
-from recloop.retrieval.publish import log_retriever, run_retrieval_gate
+from recloop.retrieval.publish import log_retriever
 from recloop.retrieval.retriever import Retriever
 from recloop.retrieval.train import RetrievalTrainConfig, train_retriever
 from recloop.serve.app import ServerThread, create_app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from recloop.gate.retrieval import RetrievalThresholds, decide, paired_drop
 from recloop.retrieval.evaluate import (
     oracle_recall,
     popularity_ranking,
@@ -11,7 +12,6 @@ from recloop.retrieval.evaluate import (
     retrieval_scores,
     target_ranks,
 )
-from recloop.retrieval.gate import RetrievalThresholds, decide, paired_drop
 
 K = 10
 THRESHOLDS = RetrievalThresholds(k=K, min_slice_clicks=50)

@@ -90,7 +90,8 @@ def test_incremental_warm_start_grows_tables_and_keeps_untouched_rows(home: Sett
 def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
     import mlflow
 
-    from recloop.retrieval.publish import log_retriever, run_retrieval_gate
+    from recloop.gate.retrieval_runner import run_retrieval_gate
+    from recloop.retrieval.publish import log_retriever
 
     first = train_retriever(home, config(epochs=2))
     logged = log_retriever(home, first)

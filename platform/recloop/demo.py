@@ -53,8 +53,8 @@ from markupsafe import Markup
 
 from recloop.canary import CanaryConfig
 from recloop.gate import GateThresholds
+from recloop.gate.retrieval import RetrievalThresholds
 from recloop.retrieval.evaluate import WorldOracle
-from recloop.retrieval.gate import RetrievalThresholds
 from recloop.settings import Settings
 from recloop.simulate import World, WorldConfig
 

@@ -29,11 +29,11 @@ from recloop.settings import Settings
 if TYPE_CHECKING:
     from recloop.features.job import FeatureRunSummary
     from recloop.gate import GateOutcome, GateThresholds
+    from recloop.gate.retrieval import RetrievalThresholds
     from recloop.ingest import IngestSummary
     from recloop.monitor.decision import MonitorConfig
     from recloop.monitor.runner import MonitorReport
     from recloop.registry import LoggedModel
-    from recloop.retrieval.gate import RetrievalThresholds
     from recloop.retrieval.train import RetrievalSummary, RetrievalTrainConfig
     from recloop.train import TrainConfig, TrainSummary
 
@@ -281,6 +281,6 @@ def train_and_register_retriever(settings: Settings, config: RetrievalTrainConfi
 
 def gate_retriever(settings: Settings, version: str, thresholds: RetrievalThresholds | None = None) -> dict:
     """The retriever's gate on its held-out hours against the retriever champion (pass → challenger)."""
-    from recloop.retrieval.publish import run_retrieval_gate
+    from recloop.gate.retrieval_runner import run_retrieval_gate
 
     return run_retrieval_gate(settings, version, thresholds)

@@ -8,7 +8,7 @@ champion). Then each period, in time order, goes through the loop as if it had j
 1. its events land in the landing zone and are **ingested**, their **features** built (Feast updated);
 2. the models trained before it are **scored on it** (it is held out from all of them): the champion, the
    newest incremental candidate, the newest full retrain, and the simple **baselines** (base rate, user +
-   item CTR, logistic regression on the model's inputs; ``gate.baselines``): AUC, log loss, NDCG@10 per user;
+   item CTR, logistic regression on the model's inputs; ``recloop.baselines``): AUC, log loss, NDCG@10 per user;
 3. **drift**: the period against the one before (``insufficient_data`` below the monitor's minimum);
 4. **retrain**: an incremental candidate from the champion (registered, **gated**; a pass is promoted:
    a replay has no live traffic for a canary) and a full retrain from scratch (scored on the next period;
@@ -294,11 +294,10 @@ def _promote(settings: Settings, version: str, why: str) -> None:
 
 def _score_period(settings: Settings, lineage: _Lineage, start: int, stop: int) -> dict[str, dict]:
     """The champion, the newest incremental and full models, and the baselines on the period's feature rows."""
-    from recloop import checkpoint
+    from recloop import baselines, checkpoint
     from recloop.data import ChunkLoader, FeatureSchema
     from recloop.evaluate import metrics, predict
     from recloop.features.definition import FeatureLayout
-    from recloop.gate import baselines
     from recloop.train import user_groups
 
     layout = FeatureLayout.for_settings(settings)

@@ -148,7 +148,7 @@ def _figures(summary) -> dict[str, float]:
                "validation_rows": summary.validation_rows, "ndcg": summary.ndcg}
     if summary.oracle_auc is not None:
         figures["oracle_auc"] = summary.oracle_auc
-    for name, scores in summary.baselines.items():  # recloop.gate.baselines on the same held-out rows
+    for name, scores in summary.baselines.items():  # recloop.baselines on the same held-out rows
         for metric in ("auc", "logloss", "ndcg"):
             if scores.get(metric) is not None:
                 figures[f"baseline_{name}_{metric}"] = scores[metric]

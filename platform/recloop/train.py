@@ -43,11 +43,10 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file
 
-from recloop import checkpoint, distributed
+from recloop import baselines, checkpoint, distributed
 from recloop.data import BATCH_PLAN, ChunkLoader, FeatureSchema, training_files
 from recloop.evaluate import metrics, predict, slice_metrics
 from recloop.features.definition import FeatureLayout
-from recloop.gate import baselines
 from recloop.hours import file_hour, hour_after
 from recloop.model import (
     ModelConfig,
@@ -118,7 +117,7 @@ class TrainConfig:
         min_steps: see ``fit_to_data`` (0: batch size and epochs exactly as given).
         train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
             sparse log's last 7 days may hold a few hundred).
-        baselines: score the simple baselines on the held-out rows too (``gate.baselines.window_baselines``:
+        baselines: score the simple baselines on the held-out rows too (``recloop.baselines.window_baselines``:
             learnt from the rows before the window, kept for the gate that judges this run).
     """
 
@@ -168,7 +167,7 @@ class TrainSummary:
     oracle_auc: float | None = None
     validation_rows: int = 0
     ndcg: float = float("nan")  # NDCG@10 per user on the held-out rows (NaN without a user key)
-    baselines: dict[str, dict] = field(default_factory=dict)  # recloop.gate.baselines on the same rows
+    baselines: dict[str, dict] = field(default_factory=dict)  # recloop.baselines on the same rows
     slices: dict[str, dict[str, float]] = field(default_factory=dict)
     loss_curve: list[list[float]] = field(default_factory=list)  # [step, training loss] every 10 steps
     train_hours: list[str] = field(default_factory=list)

@@ -10,7 +10,7 @@ candidates) plus each entity's state strictly before the event into the model's 
 Entity states (``user_*`` and ``item_*`` counts, CTR, recency) come from ``entity_stage``; vocabularies
 are append-only (``update_vocabularies``); the numeric scale is fixed with the first state
 (``initial_stats``). ``FeatureLayout`` says where the job's outputs live; ``ENTITY_PREFIXES`` names the
-entity kinds; ``online_key``/``field_key`` name an entity's row in the Redis online store.
+entity kinds. The online store's key layout is ``recloop.features.online_keys``.
 
 Example::
 
@@ -21,7 +21,6 @@ Example::
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,36 +234,3 @@ def _map_lists(lists: pa.ChunkedArray, vocab: Vocabulary, max_length: int) -> pa
     keep = position >= np.repeat(keep_from - starts, lengths)
     offsets = np.concatenate([[0], np.cumsum(kept_lengths)]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(mapped[keep].astype(id_dtype(vocab.size))))
-
-
-# --- the online store's key layout: Feast's Redis hashes, as the online writer writes them and serving reads them
-
-
-def entity_key_head(join_key: str) -> bytes:
-    """Feast's serialized entity key for ``{join_key: int64}``, minus the trailing 8 value bytes."""
-    from feast.infra.key_encoding_utils import serialize_entity_key
-    from feast.protos.feast.types.EntityKey_pb2 import EntityKey
-    from feast.protos.feast.types.Value_pb2 import Value
-
-    serialized = serialize_entity_key(EntityKey(join_keys=[join_key], entity_values=[Value(int64_val=0)]), 3)
-    if serialized[-8:] != struct.pack("<q", 0):
-        raise RuntimeError("unexpected Feast entity key layout; use Feast's own materialization")
-    return serialized[:-8]
-
-
-def redis_keys(join_key: str, project: str, ids: np.ndarray) -> list[bytes]:
-    head, tail = entity_key_head(join_key), project.encode("utf-8")
-    packed = np.asarray(ids, dtype="<i8").tobytes()
-    return [head + packed[i:i + 8] + tail for i in range(0, len(packed), 8)]
-
-
-def generation_key(project: str) -> bytes:
-    """The key whose value changes after every write of the project's online state (not one of Feast's)."""
-    return f"recloop:{project}:online_generation".encode()
-
-
-def field_key(view: str, feature: str) -> bytes:
-    """The Redis hash field of one feature of a view: Feast's ``murmur3("<view>:<feature>")``."""
-    from feast.infra.online_stores.helpers import _mmh3
-
-    return _mmh3(f"{view}:{feature}")

@@ -87,7 +87,7 @@ def stamp_name(prefix: str) -> str:
 class RedisOnline:
     """``ranking_v1`` read straight from Feast's Redis layout: one pipelined round trip per request.
 
-    The keys and hash fields are Feast's (``features/definition.py`` lays them out, ``features/online_writer.py`` writes them and a test checks
+    The keys and hash fields are Feast's (``features/online_keys.py`` lays them out, ``features/online_writer.py`` writes them and a test checks
     them byte for byte); reading them without Feast's SDK skips its per-value Python conversions, a
     few milliseconds per request. ``tests/test_serve.py`` checks the answers against Feast's own read.
 
@@ -102,7 +102,7 @@ class RedisOnline:
 
     def __init__(self, settings: Settings, cached_items: int | None = None):
         from recloop.endpoints import limits_for, redis_client
-        from recloop.features.definition import entity_key_head, field_key, generation_key
+        from recloop.features.online_keys import entity_key_head, field_key, generation_key
         from recloop.features.store import FEATURE_SERVICE, feature_store
 
         store = feature_store(settings)

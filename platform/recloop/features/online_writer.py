@@ -4,7 +4,7 @@ Feast's materialization converts every row through pandas and protobuf objects i
 about 11k entities/s on a 2-core machine (``benchmarks/materialize.py``). This writer produces the
 same Redis hashes (so ``FeatureStore.get_online_features`` reads them unchanged) from columns:
 
-- key (``recloop.features.definition``, shared with serving's reader): Feast's entity key serialization (version 3) for one int64 join key, followed by the project
+- key (``recloop.features.online_keys``, shared with serving's reader): Feast's entity key serialization (version 3) for one int64 join key, followed by the project
   name. The constant head of the serialization is taken from Feast itself; a test checks the whole
   key against ``feast.infra.key_encoding_utils.serialize_entity_key`` for many ids.
 - fields: ``murmur3("<view>:<feature>")`` → a serialized ``ValueProto``; ``_ts:<view>`` → a
@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recloop.features.definition import field_key, generation_key, redis_keys
+from recloop.features.online_keys import field_key, generation_key, redis_keys
 
 
 def latest_per_entity(table: pa.Table, join_key: str) -> pa.Table:

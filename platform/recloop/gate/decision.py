@@ -42,7 +42,7 @@ class GateThresholds:
     rate (a first model on a few thousand rows); the old absolute ceiling (0.6) allowed twice that at a 9 %
     click rate and refused good models at 48 %.
     ``baseline_auc_margin``: the candidate's AUC must reach the best simple baseline's
-    (``gate.baselines``) minus this; None: the baselines are reported, not enforced.
+    (``recloop.baselines``) minus this; None: the baselines are reported, not enforced.
     """
 
     min_auc: float = 0.55

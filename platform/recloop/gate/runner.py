@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recloop.gate import baselines
+from recloop import baselines
 from recloop.gate.decision import (
     GateDecision,
     GateThresholds,
@@ -62,7 +62,7 @@ class GateOutcome:
     champion_scores: ModelScores | None
     figures: dict[str, dict[str, float | None]]
     report: str
-    baselines: dict[str, dict] = field(default_factory=dict)  # gate.baselines on the same held-out rows
+    baselines: dict[str, dict] = field(default_factory=dict)  # recloop.baselines on the same held-out rows
 
     def to_dict(self) -> dict:
         """JSON-ready (CLI, flow results): overall figures of both models; the report left out."""
@@ -267,7 +267,7 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     """Judge a registered version (default: the newest) against the champion and move the aliases:
     pass → ``challenger`` (the first model ever → ``champion``); fail → tagged with the reasons.
 
-    The baselines (``gate.baselines``) are scored on the same rows and reported; with the thresholds'
+    The baselines (``recloop.baselines``) are scored on the same rows and reported; with the thresholds'
     ``baseline_auc_margin`` the candidate must also reach the best baseline's AUC minus that margin.
     """
     import pyarrow.parquet as pq
@@ -367,7 +367,7 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
 
 
 def _baselines(settings: Settings, held_out: list[Path], schema) -> dict[str, dict]:
-    """``gate.baselines`` on the held-out files, learning from the training files before them (the training
+    """``recloop.baselines`` on the held-out files, learning from the training files before them (the training
     run that made the candidate scored the same window: its figures are read back, not refitted)."""
     from recloop.features.definition import FeatureLayout
 

@@ -30,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 
-from recloop.gate import GateDecision
+from recloop.gate.decision import GateDecision
 from recloop.retrieval.evaluate import RetrievalScores
 
 
