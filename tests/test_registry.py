@@ -10,6 +10,7 @@ import threading
 import uuid
 from pathlib import Path
 
+import isolated
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -318,3 +319,23 @@ def test_the_object_store_settings_reach_mlflows_s3_client(tmp_path: Path, monke
     registry.configure(settings)
     assert os.environ["MLFLOW_S3_ENDPOINT_URL"] == "http://127.0.0.1:9000"
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == "s3cret" and os.environ["AWS_ACCESS_KEY_ID"] == "the-users-own"
+
+
+@pytest.mark.slow
+def test_the_champion_loads_and_scores_where_recloop_is_not_installed(champion_home: Settings, tmp_path: Path):
+    """`mlflow models serve` in a virtualenv, `build-docker`, a managed endpoint: the logged model carries
+    recloop and its kernels, and its requirements bring everything else it imports."""
+    import mlflow
+
+    uri = f"models:/{registry.MODEL_NAME}@champion"
+    _, requirements = isolated.shipped_model(uri, tmp_path / "download", [isolated.CHECKOUT, champion_home.home.resolve()])
+    rows = example_rows(champion_home)
+    rows.to_parquet(tmp_path / "rows.parquet")
+    registry.configure(champion_home)
+    expected = mlflow.pyfunc.load_model(uri).predict(rows)  # here, with recloop installed
+    found = isolated.load_and_predict(uri, tmp_path / "rows.parquet", registry.tracking_uri(champion_home), tmp_path)
+    np.testing.assert_allclose(np.asarray(found["answer"], dtype=np.float32), expected, rtol=1e-5, atol=1e-6)
+    assert len(found["answer"]) == len(rows) and 0 < min(found["answer"]) <= max(found["answer"]) < 1
+    for package in ("recloop", "recloop_kernels"):  # from the model's own code folder
+        assert Path(found[package]).parent.parent.name == "code", found[package]
+    assert "torch" in found["distributions"] and not isolated.uncovered(found["distributions"], requirements)

@@ -7,6 +7,7 @@ import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 
+import isolated
 import numpy as np
 import pytest
 import torch
@@ -121,6 +122,34 @@ def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
                                                           for i in range(3)]})
     answer = model.predict(frame, params={"k": 20})
     assert len(answer) == 3 and all(len(ids) == 20 and (np.asarray(ids) >= 0).all() for ids in answer["item_ids"])
+
+
+@pytest.mark.slow
+def test_the_champion_loads_and_answers_where_recloop_is_not_installed(home: Settings, tmp_path: Path):
+    """The registered retriever carries recloop and its kernels (and names no path of this machine): a fresh
+    process without recloop loads ``models:/recloop-retriever@champion`` and answers as this one does."""
+    import mlflow
+    import pandas as pd
+
+    from recloop.gate.retrieval_runner import run_retrieval_gate
+    from recloop.retrieval.publish import log_retriever
+
+    logged = log_retriever(home, train_retriever(home, config(epochs=1)))
+    assert run_retrieval_gate(home, logged.version)["alias"] == "champion"
+    uri = f"models:/{registry.RETRIEVER_NAME}@champion"
+    _, requirements = isolated.shipped_model(uri, tmp_path / "download", [isolated.CHECKOUT, home.home.resolve()])
+    rows = read_rows(sorted((home.home / "features" / "training").glob("*.parquet"))[-1:], RetrievalFeatures())
+    frame = pd.DataFrame({name: rows.columns[name][:4] for name in ("c_user_id", "c_device", "c_country")})
+    frame["m_history"] = [rows.take(np.array([i])).lists["m_history"][1] for i in range(4)]
+    frame.to_parquet(tmp_path / "users.parquet")
+    expected = mlflow.pyfunc.load_model(uri).predict(frame, params={"k": 20})  # here, with recloop installed
+    found = isolated.load_and_predict(uri, tmp_path / "users.parquet", registry.tracking_uri(home), tmp_path,
+                                      params={"k": 20})
+    assert found["answer"]["item_ids"] == [list(ids) for ids in expected["item_ids"]]
+    assert all(len(ids) == 20 for ids in found["answer"]["item_ids"])
+    for package in ("recloop", "recloop_kernels"):  # from the model's own code folder
+        assert Path(found[package]).parent.parent.name == "code", found[package]
+    assert "faiss-cpu" in found["distributions"] and not isolated.uncovered(found["distributions"], requirements)
 
 
 def test_the_towers_columns_come_from_the_spec_and_the_data(home: Settings):

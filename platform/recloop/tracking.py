@@ -9,7 +9,7 @@ this module is the only one that ties a training to them.
 Example::
 
     summary = train(settings, config, tracker=TrainingRun(settings))  # the run spans the training
-    logged = log_training(settings, summary, example)  # + pyfunc model, new version
+    logged = log_training(settings, summary, example)  # + pyfunc model (recloop.model_code), new version
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import warnings
 import numpy as np
 import pandas as pd
 
-from recloop import checkpoint, ranker_pyfunc
+from recloop import checkpoint, model_code
 from recloop.features.definition import FeatureLayout
+from recloop.ranker_pyfunc import RecloopRanker
 from recloop.registry import MODEL_NAME, LoggedModel, configure, register
 from recloop.settings import Settings
 from recloop.train import RunStart
@@ -198,11 +199,14 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
                 inputs[c] = inputs[c].astype("int64")
             elif c.startswith("m_"):
                 inputs[c] = inputs[c].map(lambda ids: np.asarray(ids, dtype=np.int64))
-        with warnings.catch_warnings():  # its hint about integer columns: ours are indices, never missing
-            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
+        # Self-contained (recloop.model_code): recloop and its kernels ship as the model's code, so it loads
+        # wherever MLflow serves; the MLmodel names modules and relative paths only.
+        with warnings.catch_warnings(), model_code.code_paths() as code:
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")  # ids, never missing
             info = mlflow.pyfunc.log_model(
-                name="model", python_model=ranker_pyfunc.__file__, artifacts={"checkpoint": summary.checkpoint},
-                input_example=inputs, pip_requirements=["mlflow>=3", "torch>=2.5", "safetensors", "pandas", "numpy"],
+                name="model", loader_module="recloop.ranker_pyfunc", data_path=summary.checkpoint, code_paths=code,
+                signature=model_code.signature(RecloopRanker(summary.checkpoint), inputs), input_example=inputs,
+                pip_requirements=model_code.requirements(model_code.RANKER),
             )
     # What a download must match: sizes and checksums of the checkpoint's files, on the version itself.
     files = json.dumps(checkpoint.manifest(state["path"]), separators=(",", ":"))

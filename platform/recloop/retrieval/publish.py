@@ -1,8 +1,9 @@
 """MLflow IO for the retriever: log and register a trained retriever (its gate run: ``recloop.gate.retrieval_runner``).
 
-A retriever version of ``recloop-retriever`` is one MLflow model: the pyfunc code
-(``recloop/retrieval/pyfunc.py``) plus the retriever's folder (towers as safetensors, catalog, FAISS
-index, JSON state) as its artifact. Aliases are the ranker's: ``champion``, ``challenger``, ``previous``,
+A retriever version of ``recloop-retriever`` is one MLflow model: the loader
+(``recloop/retrieval/pyfunc.py``) with recloop as its code (``recloop.model_code``: it loads without
+recloop installed) and the retriever's folder (towers as safetensors, catalog, FAISS index, JSON state)
+as its data. Aliases are the ranker's: ``champion``, ``challenger``, ``previous``,
 set through ``recloop.registry`` with ``model_name=RETRIEVER_NAME``.
 
 Example::
@@ -17,11 +18,11 @@ import json
 import warnings
 from pathlib import Path
 
-from recloop import registry, tracking
+from recloop import model_code, registry, tracking
 from recloop.registry import RETRIEVER_NAME, LoggedModel
 from recloop.settings import Settings
 
-PIP_REQUIREMENTS = ["mlflow>=3", "torch>=2.5", "safetensors", "faiss-cpu", "pandas", "numpy"]
+PIP_REQUIREMENTS = model_code.requirements(model_code.RETRIEVER)
 
 
 def log_retriever(settings: Settings, summary) -> LoggedModel:
@@ -34,7 +35,7 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
     from mlflow import MlflowClient
 
     from recloop import checkpoint
-    from recloop.retrieval import pyfunc as retriever_pyfunc
+    from recloop.retrieval.pyfunc import RecloopRetriever
     from recloop.retrieval.train import read_state
 
     state = read_state(Path(summary.checkpoint))
@@ -66,9 +67,12 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
                                 **{c: [[2, 3]] for c in features["history"]}})
         with warnings.catch_warnings():  # its hint about integer columns: ours are indices, never missing
             warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
-            info = mlflow.pyfunc.log_model(name="retriever", python_model=retriever_pyfunc.__file__,
-                                           artifacts={"retriever": summary.checkpoint},
-                                           input_example=(example, {"k": 500}), pip_requirements=PIP_REQUIREMENTS)
+            with model_code.code_paths() as code:  # self-contained: recloop ships as the model's code
+                info = mlflow.pyfunc.log_model(name="retriever", loader_module="recloop.retrieval.pyfunc",
+                                               data_path=summary.checkpoint, code_paths=code,
+                                               signature=model_code.signature(RecloopRetriever(summary.checkpoint),
+                                                                              example, {"k": 500}),
+                                               input_example=(example, {"k": 500}), pip_requirements=PIP_REQUIREMENTS)
     files = json.dumps(checkpoint.manifest(summary.checkpoint), separators=(",", ":"))  # what a download must match
     version = registry.register(settings, info.model_uri, run.info.run_id, model_name=RETRIEVER_NAME,
                                 tags={checkpoint.MANIFEST_TAG: files})

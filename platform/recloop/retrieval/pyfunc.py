@@ -1,25 +1,29 @@
-"""The retriever as an MLflow pyfunc, logged from code: it loads safetensors, JSON and the FAISS file, never pickle.
+"""The retriever as an MLflow pyfunc: a custom flavor whose loader reads safetensors, JSON and the FAISS
+file, never pickle.
 
-MLflow logs this file as the model's code together with the retriever's folder (towers, catalog, index)
-as an artifact; ``mlflow.pyfunc.load_model("models:/recloop-retriever@champion")`` runs it. Input: a
-DataFrame of user rows as ``recloop features`` writes them (the user tower's ``c_*`` indices and ``m_*``
-lists); output: a DataFrame with each row's top ``k`` raw item ids (``params={"k": 500}``).
+MLflow logs this module's name as the model's ``loader_module``, the retriever's folder (towers, catalog,
+index) as its ``data`` and recloop with its kernels as its ``code`` (``recloop.model_code``);
+``mlflow.pyfunc.load_model("models:/recloop-retriever@champion")`` runs it with or without recloop
+installed. Input: a DataFrame of user rows as ``recloop features`` writes them (the user tower's ``c_*``
+indices and ``m_*`` lists); output: a DataFrame with each row's top ``k`` raw item ids
+(``params={"k": 500}``).
 """
 
 from __future__ import annotations
 
-import mlflow
 import numpy as np
 import pandas as pd
 
 
-class RecloopRetriever(mlflow.pyfunc.PythonModel):
-    def load_context(self, context) -> None:
+class RecloopRetriever:
+    """The retriever's towers and index, answering DataFrames of user rows."""
+
+    def __init__(self, folder: str):
         from recloop.retrieval.retriever import Retriever
 
-        self.retriever = Retriever.load(context.artifacts["retriever"])
+        self.retriever = Retriever.load(folder)
 
-    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+    def predict(self, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         from recloop.retrieval.data import Rows
 
         features = self.retriever.features
@@ -34,4 +38,6 @@ class RecloopRetriever(mlflow.pyfunc.PythonModel):
         return pd.DataFrame({"item_ids": list(ids), "scores": list(scores)})
 
 
-mlflow.models.set_model(RecloopRetriever())
+def _load_pyfunc(data_path: str) -> RecloopRetriever:
+    """MLflow's entry point for a custom flavor: ``data_path`` is the retriever's folder."""
+    return RecloopRetriever(data_path)
