@@ -80,6 +80,108 @@ def test_kubernetes_manifests_parse_and_request_a_gpu():
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
+# --- the Kubernetes work pool: jobs rendered by prefect-kubernetes' own code (issue #40) ------------------------
+
+# The oldest Kubernetes whose schema every shipped object must pass: the `kubernetes_validate` bundles start at
+# 1.30 here, and nothing shipped needs a newer field (see README, "Running on Kubernetes").
+MIN_KUBERNETES = "1.30.0"
+KUBERNETES_VERSIONS = (MIN_KUBERNETES, "1.37.0")
+# prefect-kubernetes 0.8 insists on these two keys in the *pod* spec (its `_get_base_job_manifest`), where no
+# Kubernetes schema has them: the API server drops unknown fields with a warning (fieldValidation=Warn, the
+# default for requests that name none), so what the cluster stores is the manifest without them.
+WORKER_ONLY_POD_KEYS = ("parallelism", "completions")
+
+
+def _as_stored(job: dict) -> dict:
+    """The Job as the API server stores it: the worker-only pod-spec keys dropped (each checked to be 1)."""
+    stored = json.loads(json.dumps(job))
+    pod = stored["spec"]["template"]["spec"]
+    for key in WORKER_ONLY_POD_KEYS:
+        assert pod.pop(key) == 1, key
+    return stored
+
+
+def _render_flow_run_jobs(deployment_names: list[str], template: dict | None = None) -> dict[str, dict]:
+    """Every named deployment of prefect.yaml on a real Prefect server with the shipped work pool, one flow run
+    each, and the Job the Kubernetes worker would create for it: ``resolve_for_flow_run`` is what
+    ``KubernetesWorker`` calls for a run (the template and the deployment's job variables, then
+    ``prepare_for_flow_run``), and the configuration's own validator is the check that failed every run."""
+    import asyncio
+
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
+
+    template = template or json.loads((INFRA / "k8s" / "work-pool.json").read_text())
+    spec = yaml.safe_load((INFRA.parent / "prefect.yaml").read_text())
+    assert KubernetesWorker.job_configuration is KubernetesWorkerJobConfiguration
+
+    async def render() -> dict[str, dict]:
+        async with get_client() as client:
+            pool_name = f"recloop-gpu-{os.urandom(4).hex()}"  # the server-side check of the template runs here
+            pool = await client.create_work_pool(WorkPoolCreate(name=pool_name, type="kubernetes",
+                                                                base_job_template=template))
+            jobs = {}
+            for deployment in spec["deployments"]:
+                if deployment["name"] not in deployment_names:
+                    continue
+                flow_id = await client.create_flow_from_name(deployment["entrypoint"].split(":")[1])
+                deployment_id = await client.create_deployment(  # the server checks the job variables here
+                    flow_id=flow_id, name=deployment["name"], work_pool_name=pool_name,
+                    job_variables=deployment.get("job_variables", {}), parameters=deployment["parameters"],
+                    entrypoint=deployment["entrypoint"])
+                flow_run = await client.create_flow_run_from_deployment(deployment_id)
+                configuration = await KubernetesWorkerJobConfiguration.resolve_for_flow_run(
+                    flow_run, client=client, work_pool=pool, worker_name="recloop-k8s-worker")
+                jobs[deployment["name"]] = configuration.job_manifest
+            return jobs
+
+    return asyncio.run(render())
+
+
+def test_the_work_pool_renders_a_valid_job_for_every_deployment(prefect_server):
+    """The Job the pinned prefect-kubernetes builds for a run of each deployment passes the worker's own
+    check (it refused the previous template: "Job is missing required attributes ...") and then, as the
+    cluster stores it, strict schema validation on the oldest and the newest Kubernetes supported."""
+    import kubernetes_validate
+
+    spec = yaml.safe_load((INFRA.parent / "prefect.yaml").read_text())
+    names = [d["name"] for d in spec["deployments"]]
+    jobs = _render_flow_run_jobs(names)
+    assert sorted(jobs) == sorted(names)
+    for name, job in jobs.items():
+        stored = _as_stored(job)
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(stored, version, strict=True)
+        pod = stored["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["args"] == ["prefect", "flow-run", "execute"], name
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["PREFECT__FLOW_RUN_ID"] and env["HOME"] == "/tmp", name  # the run it executes; a writable home
+        assert {"configMapRef": {"name": "recloop-config"}} in container["envFrom"]
+        assert {"secretRef": {"name": "recloop-secrets"}} in container["envFrom"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
+        assert not container["image"].endswith(":latest") and ":" in container["image"].rsplit("/", 1)[1]
+        assert stored["metadata"]["generateName"].startswith(stored["metadata"]["labels"][
+            "prefect.io/flow-run-name"][:20].rstrip("-"))
+        gpus = next(d for d in spec["deployments"] if d["name"] == name).get("job_variables", {}).get("gpus", 1)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus, name
+    broken = _as_stored(jobs[names[0]])
+    broken["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystm"] = True
+    with pytest.raises(kubernetes_validate.ValidationError):  # strict: a misspelt field fails
+        kubernetes_validate.validate(broken, MIN_KUBERNETES, strict=True)
+
+
+def test_the_worker_refuses_a_template_without_the_keys_it_checks(prefect_server):
+    """The defect as an operator met it: the same template less the pod-spec keys prefect-kubernetes 0.8
+    checks is refused by the worker's own validation, so the test above would have caught it."""
+    template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
+    for key in WORKER_ONLY_POD_KEYS:
+        del template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"][key]
+    with pytest.raises(ValueError, match="missing required attributes.*completions.*parallelism"):
+        _render_flow_run_jobs(["train"], template)
+
+
 def test_grafana_dashboard_uses_metrics_the_services_export():
     from recloop.serve.metrics import ServingMetrics
 
