@@ -394,3 +394,124 @@ def test_the_kubernetes_worker_can_start_and_runs_jobs_from_the_gpu_image():
     assert "gpu" in gpu and "COPY flows flows" in gpu and "torch.version.cuda" in gpu
     template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
     assert "recloop-gpu" in template["variables"]["properties"]["image"]["default"]
+
+
+# --- the kustomize overlays: secrets, images, pod security, network, Dask, multi-node training (issue #40) ----
+
+
+def _pod_specs(documents: list[dict]) -> list[tuple[str, dict]]:
+    pods = []
+    for d in documents:
+        template = d.get("spec", {}).get("template")
+        if d["kind"] in ("Deployment", "StatefulSet", "Job") and template:
+            pods.append((f"{d['kind']}/{d['metadata']['name']}", template["spec"]))
+    return pods
+
+
+def _all_pods() -> list[tuple[str, dict]]:
+    pods = [pod for folder in (*OVERLAYS, TRAIN_MULTINODE) for pod in _pod_specs(_documents(folder))]
+    template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
+    return [*pods, ("work-pool Job", template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"])]
+
+
+def test_no_secret_is_shipped_and_every_reference_names_an_operator_secret():
+    referenced = set()
+    for folder in (*OVERLAYS, TRAIN_MULTINODE):
+        text = _rendered(folder)
+        assert "change-me" not in text, folder
+        documents = _documents(folder)
+        assert not [d for d in documents if d["kind"] == "Secret"], folder
+        for _, pod in _pod_specs(documents):
+            for container in pod["containers"]:
+                referenced |= {e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e}
+                referenced |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+                               if "secretKeyRef" in e.get("valueFrom", {})}
+    assert referenced == OPERATOR_SECRETS
+    readme = (INFRA.parent / "README.md").read_text()
+    for name in OPERATOR_SECRETS:  # each is explained where the operator reads how to create it
+        assert f"kubectl -n recloop create secret generic {name}" in readme, name
+
+
+def test_every_pod_is_non_root_with_a_read_only_root_and_a_pinned_image():
+    """Pod Security's `restricted` profile (the namespace enforces it), read-only roots, and no image without a
+    version: every pod the overlays, the training Job and the work pool's template make."""
+    namespace = _one(_documents(), "Namespace", "recloop")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    pods = _all_pods()
+    assert len(pods) >= 12
+    for name, pod in pods:
+        security = pod["securityContext"]
+        assert security["runAsNonRoot"] is True and security["runAsUser"] > 0, name
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False and context["capabilities"] == {"drop": ["ALL"]}, name
+            assert context["readOnlyRootFilesystem"] is True, name
+            image = container["image"]
+            assert "{{" in image or re.fullmatch(r"[\w./-]+:[\w.-]+", image), (name, image)
+            assert not image.endswith(":latest"), (name, image)
+        assert not any("hostPath" in v for v in pod.get("volumes", [])), name
+
+
+def test_the_images_are_those_the_release_builds():
+    """The recloop images carry the project's version: a release builds and pushes exactly these tags."""
+    version = re.search(r'^version = "([^"]+)"', (INFRA.parent / "pyproject.toml").read_text(), re.M).group(1)
+    images = {c["image"] for _, pod in _all_pods() for c in pod["containers"]}
+    ours = {i for i in images if i.startswith("ghcr.io/recloop/")}
+    assert ours == {f"ghcr.io/recloop/recloop:{version}", f"ghcr.io/recloop/recloop-gpu:{version}"}
+    template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
+    assert template["variables"]["properties"]["image"]["default"] == f"ghcr.io/recloop/recloop-gpu:{version}"
+
+
+def test_ingress_is_denied_but_within_the_namespace_and_to_the_serving_port():
+    policies = {d["metadata"]["name"]: d["spec"] for d in _documents() if d["kind"] == "NetworkPolicy"}
+    deny = policies["default-deny-ingress"]
+    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"] and "ingress" not in deny
+    assert policies["allow-within-namespace"]["ingress"] == [{"from": [{"podSelector": {}}]}]
+    serving = policies["serving-from-anywhere"]
+    labels = _one(_documents(), "Deployment", "serving")["spec"]["template"]["metadata"]["labels"]
+    assert serving["podSelector"]["matchLabels"].items() <= labels.items()
+    assert serving["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
+
+
+def test_the_feature_job_is_pointed_at_the_dask_cluster_on_kubernetes():
+    from recloop.settings import Settings
+
+    documents = _documents()
+    config = _one(documents, "ConfigMap", "recloop-config")["data"]
+    settings = Settings(features_engine=config["RECLOOP_FEATURES_ENGINE"],
+                        dask_scheduler=config["RECLOOP_DASK_SCHEDULER"])
+    assert settings.features_engine == "dask"
+    host, port = re.fullmatch(r"tcp://([\w-]+):(\d+)", settings.dask_scheduler).groups()
+    service = _one(documents, "Service", host)
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"comm": int(port), "dashboard": 8787}
+    scheduler = _one(documents, "Deployment", host)["spec"]["template"]
+    assert service["spec"]["selector"].items() <= scheduler["metadata"]["labels"].items()
+    assert scheduler["spec"]["containers"][0]["command"][:2] == ["dask", "scheduler"]
+    worker = _one(documents, "Deployment", "dask-worker")["spec"]["template"]["spec"]
+    command = worker["containers"][0]["command"]
+    assert command[:3] == ["dask", "worker", settings.dask_scheduler] and worker["containers"][0]["envFrom"]
+    assert any(m["mountPath"] == config["RECLOOP_HOME"] for m in worker["containers"][0]["volumeMounts"])
+
+
+def test_the_multinode_training_job_meets_at_pod_zero_with_one_process_per_gpu():
+    """The Indexed Job's pods rendezvous at pod 0's stable name, which the headless Service and the Job's
+    subdomain give it; torchrun's node count is the Job's, its processes per node the pod's GPUs."""
+    documents = _documents(TRAIN_MULTINODE)
+    job = next(d for d in documents if d["kind"] == "Job")
+    service = next(d for d in documents if d["kind"] == "Service")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    command = pod["containers"][0]["command"]
+    option = {command[i]: command[i + 1] for i in range(len(command) - 1) if command[i].startswith("--")}
+    assert command[:3] == ["python", "-m", "torch.distributed.run"]
+    assert int(option["--nnodes"]) == spec["completions"]
+    assert option["--rdzv-backend"] == "c10d"
+    host, port = option["--rdzv-endpoint"].split(":")
+    assert host == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    assert {"name": "rendezvous", "port": int(port)} in service["spec"]["ports"]
+    assert int(option["--nproc-per-node"]) == pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert command[command.index("-m", 3) + 1:][:2] == ["recloop.cli", "train"]
