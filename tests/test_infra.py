@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 INFRA = Path(__file__).resolve().parents[1] / "infra"
-NEEDED = {"postgres", "redis", "minio", "prefect", "worker", "mlflow", "serving", "evidently", "prometheus", "grafana"}
+NEEDED = {"postgres", "redis", "minio", "prefect", "worker", "mlflow", "serving", "evidently", "prometheus", "grafana",
+          "dask-scheduler", "dask-worker"}
 
 
 def test_compose_file_is_complete_and_consistent():
@@ -515,3 +516,36 @@ def test_the_multinode_training_job_meets_at_pod_zero_with_one_process_per_gpu()
     assert {"name": "rendezvous", "port": int(port)} in service["spec"]["ports"]
     assert int(option["--nproc-per-node"]) == pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
     assert command[command.index("-m", 3) + 1:][:2] == ["recloop.cli", "train"]
+
+
+def test_compose_publishes_only_the_serving_api_beyond_this_host_and_pins_its_images():
+    """The UIs (Grafana, Prometheus, the MinIO console, Evidently, Dask's dashboard, Prefect, MLflow) listen on
+    127.0.0.1 unless RECLOOP_DASHBOARDS_BIND says otherwise; every image names a version."""
+    services = _compose()["services"]
+    published = {}
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            published[name] = port
+            host = re.sub(r"\$\{RECLOOP_DASHBOARDS_BIND:-([\d.]+)\}", r"\1", port)
+            if name != "serving":
+                assert host.startswith("127.0.0.1:"), (name, port)
+        if "image" in service:
+            assert re.fullmatch(r"[\w./-]+:([\w.-]*\d+\.\d+[\w.-]*|RELEASE\.[\dT-]+Z)", service["image"]), (
+                name, service["image"])  # a version (or MinIO's dated release), not `latest` or a bare major
+    assert published["serving"] == "8000:8000"
+    assert {"grafana", "prometheus", "minio", "evidently", "dask-scheduler"} <= set(published)
+
+
+def test_compose_runs_the_feature_job_on_its_dask_cluster():
+    from recloop.settings import Settings
+
+    compose = _compose()
+    env, services = compose["x-recloop-env"], compose["services"]
+    settings = Settings(features_engine=env["RECLOOP_FEATURES_ENGINE"], dask_scheduler=env["RECLOOP_DASK_SCHEDULER"])
+    host, port = re.fullmatch(r"tcp://([\w-]+):(\d+)", settings.dask_scheduler).groups()
+    assert settings.features_engine == "dask" and f"--port {port}" in services[host]["command"]
+    assert "--dashboard-address :8787" in services[host]["command"]
+    worker = services["dask-worker"]
+    assert worker["command"].startswith(f"dask worker {settings.dask_scheduler}")
+    assert worker["environment"] == env and "data:/data" in worker["volumes"] and worker["deploy"]["replicas"] >= 2
+    assert "dask-scheduler" in services["worker"]["depends_on"]
