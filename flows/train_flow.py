@@ -1,5 +1,10 @@
-"""Train (incremental warm start from the champion, or full from scratch) and register the model."""
+"""Train (incremental warm start from the champion, or full from scratch) and register the model; with
+``nproc`` > 1, as that many processes under torchrun (one per GPU: ``recloop train --nproc N``)."""
 
+import json
+import os
+import subprocess
+import sys
 from typing import Literal
 
 from prefect import flow, task
@@ -24,16 +29,43 @@ def train_task(config: dict, settings: dict | None) -> dict:
     return pipeline.train_and_register(settings_from(settings), TrainConfig(**config)).to_dict()
 
 
+def _settings_environment(settings: dict | None) -> dict[str, str]:
+    """The flow's ``settings`` parameter as the ``RECLOOP_*`` variables a child process reads."""
+    return {f"RECLOOP_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
+            for name, value in (settings or {}).items()}
+
+
+@task(retries=1, retry_delay_seconds=30, persist_result=True, result_serializer="json")
+def train_processes_task(config: dict, nproc: int, settings: dict | None) -> dict:
+    """``recloop train --nproc N``: the ranks share the tables and the data, rank 0 registers the version and
+    prints the same report ``train_task`` returns. Resumable as a one-process run is (its checkpoint)."""
+    command = [sys.executable, "-m", "recloop.cli", "train", "--nproc", str(nproc), "--json",
+               "--mode", config["mode"], "--days", str(config["days"]), "--epochs", str(config["epochs"]),
+               "--validation-hours", str(config["validation_hours"]), "--replay", str(config["replay_fraction"])]
+    if config["batch_size"]:
+        command += ["--batch-size", str(config["batch_size"])]
+    done = subprocess.run(command, env={**os.environ, **_settings_environment(settings)}, capture_output=True,
+                          text=True, check=False)
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or len(reports) != 1:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"recloop train --nproc {nproc} failed (exit {done.returncode}): {tail}")
+    return reports[0]
+
+
 @flow(name="train", flow_run_name=train_run_name, log_prints=True)
 def train_flow(mode: Literal["incremental", "full"] = "incremental", days: int = 7, epochs: int = 1,
                batch_size: int | None = None, validation_hours: int = 6, replay_fraction: float = 0.0,
-               slot_timeout_seconds: float = 3600, settings: dict | None = None) -> dict:
+               slot_timeout_seconds: float = 3600, nproc: int = 1, settings: dict | None = None) -> dict:
     """Holds the ``recloop-model`` slot while it trains (``flow_support.model_slot``); a run that waited
-    ``slot_timeout_seconds`` for it ends Cancelled, having done nothing."""
+    ``slot_timeout_seconds`` for it ends Cancelled, having done nothing. ``nproc`` > 1 trains as that many
+    processes (one per GPU of the machine or pod: the deployment asks for as many, prefect.yaml)."""
+    config = {"mode": mode, "days": days, "epochs": epochs, "batch_size": batch_size,
+              "validation_hours": validation_hours, "replay_fraction": replay_fraction}
     try:
         with model_slot(slot_timeout_seconds, settings_from(settings).home):
-            result = train_task({"mode": mode, "days": days, "epochs": epochs, "batch_size": batch_size,
-                                 "validation_hours": validation_hours, "replay_fraction": replay_fraction}, settings)
+            result = (train_processes_task(config, nproc, settings) if nproc > 1
+                      else train_task(config, settings))
     except SlotBusy as busy:
         log("%s", busy)
         return Cancelled(message=str(busy))

