@@ -159,7 +159,8 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     from recloop.flow_support import configure_prefect, settings_parameter
 
     configure_prefect(settings)
-    flows = _flows(settings_parameter(settings))
+    clock = {"day": 0}  # the simulated day the flows run on: each run is tagged and named for it
+    flows = _flows(settings_parameter(settings), clock)
     started = time.perf_counter()
     canary_path = _write_canary_config(settings, config.canary)
     world_config = WorldConfig(seed=config.seed, days=config.days, events_per_day=config.events_per_day,
@@ -207,6 +208,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     with ServerThread(app) as server:
         for day in range(1, config.days):
             began = time.perf_counter()
+            clock["day"] = day
             record = DayRecord(day=day)
             stage(day, f"serving {config.requests_per_day} requests in {config.rounds} rounds (canary checks between)")
             served, baseline = _serve_day(server.url, app, world, day, config, flows, canary_path, record, frozen)
@@ -276,18 +278,21 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     return summary
 
 
-def _flows(settings: dict) -> dict[str, Callable]:
-    """The Prefect flows, each called with this demo's settings, in this process (``in_process_runs``)."""
+def _flows(settings: dict, clock: dict) -> dict[str, Callable]:
+    """The Prefect flows, each called with this demo's settings, in this process (``in_process_runs``), tagged
+    ``day:N`` for the simulated day ``clock["day"]`` (subflows too): their names say the day, not the hour."""
+    from prefect import tags
+
     from flows.canary_flow import canary_flow
     from flows.drift_flow import drift_flow
     from flows.features_flow import features_flow
     from flows.ingest_flow import ingest_flow
     from flows.retrain_flow import retrain_flow
-    from recloop.flow_support import in_process_runs
+    from recloop.flow_support import SIMULATED_DAY_TAG, in_process_runs
 
     def in_process(flow: Callable) -> Callable:
         def call(**parameters):
-            with in_process_runs():
+            with in_process_runs(), tags(f"{SIMULATED_DAY_TAG}{clock['day']}"):
                 return flow(settings=settings, **parameters)
         return call
 
