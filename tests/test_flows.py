@@ -223,3 +223,25 @@ def test_a_runs_model_version_goes_into_its_name_before_when():
     assert with_version("retrain-incremental-day2-3f9a1c", "7") == "retrain-incremental-v7-day2-3f9a1c"
     assert with_version("canary-check-2026-11-23T10-abc123", "3") == "canary-check-v3-2026-11-23T10-abc123"
     assert with_version("gate-v7-day2-3f9a1c", "7") == "gate-v7-day2-3f9a1c"  # already there: unchanged
+
+
+def test_up_says_how_to_deploy_while_the_server_has_no_deployments(prefect_server):
+    """After `recloop up` the Deployments page was empty and nothing said why: while the server has none, up
+    prints how to deploy them (the checkout's prefect.yaml); once it has one, it says nothing."""
+    from prefect import get_client
+    from prefect.settings import get_current_settings
+
+    from recloop import services
+
+    api_url = get_current_settings().api.url
+    with get_client(sync_client=True) as client:
+        existing = services.deployment_count(api_url)
+        assert existing == len(client.read_deployments())
+        if existing == 0:  # this session's server: nothing deployed yet
+            hint = services.deployments_hint(existing, api_url, services.checkout())
+            assert f"export PREFECT_API_URL={api_url}" in hint and f"cd {ROOT} && prefect deploy --all" in hint
+            flow_id = client.create_flow_from_name("recloop-hint-check")
+            client.create_deployment(flow_id, name="hint-check")
+    assert services.deployment_count(api_url) >= 1
+    assert services.deployments_hint(services.deployment_count(api_url), api_url, ROOT) is None
+    assert services.deployments_hint(None, api_url, ROOT) is None  # a server that does not answer: no claim
