@@ -10,6 +10,7 @@ from recloop.flow_support import (
     canary_run_name,
     log,
     markdown_table,
+    outcome_state,
     publish,
     record_outcome,
     settings_from,
@@ -63,7 +64,19 @@ def canary_flow(config_path: str | None = None, start: bool = False, settings: d
     log("%s%s%s: %s", "retriever " if retriever else "", result["action"],
         f" v{result['challenger']}" if result.get("challenger") else "",
         "; ".join(decision.get("reasons", [])) or "no challenger")
+    if result["action"] in NO_OPS:  # nothing moved: filterable (tag no-op) and named so on the run's badge
+        tag_run(NO_OP_TAG)
     publish("retriever-canary-decision" if retriever else "canary-decision",
             f"**{result['action']}** — " + "; ".join(decision.get("reasons", [])) + "\n\n"
             + markdown_table([{"variant": k, **v} for k, v in result.get("stats", {}).items()]), "canary decision")
-    return {k: v for k, v in result.items() if k != "stats"}
+    why = "; ".join(decision.get("reasons", [])) or result.get("message") or "no challenger"
+    return outcome_state(STATE_NAMES.get(result["action"], result["action"].capitalize()), why,
+                         {k: v for k, v in result.items() if k != "stats"})
+
+
+NO_OPS = ("none", "hold")
+NO_OP_TAG = "no-op"
+"""The tag of a check that moved nothing (no canary running, or one held): the Prefect UI's runs list filters
+them out by tag (a 3-day demo's list was mostly such checks)."""
+STATE_NAMES = {"none": "NoCanary", "hold": "Held", "start": "Started", "step": "Stepped", "promote": "Promoted",
+               "rollback": "RolledBack"}

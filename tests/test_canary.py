@@ -110,3 +110,57 @@ def test_guardrails_roll_back_while_the_evidence_is_still_inconclusive():
                         (stats(online_auc=0.6), "online AUC")):
         decision = decide(CHAMPION, bad, last, CONFIG, NOW, evidence=unsure)
         assert decision.action == "rollback" and reason in decision.reasons[0], decision.reasons
+
+
+def test_a_promotion_names_the_interleaved_evidence_that_decided_it_even_against_the_raw_ctr():
+    """The demo promoted v2 while its raw online CTR (0.170) was below v1's (0.209), and its reason read "held
+    every guardrail": the interleaved credit that decided it was nowhere. The reason names the evidence and
+    its interval, and the explained row says why the raw CTR does not decide."""
+    from recloop.canary import explain
+    from recloop.evidence.sequential import Difference
+
+    config = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=10, min_feedback=10, min_effect=0.3)
+    champion = VariantStats(requests=300, p99_ms=5.0, impressions=2000, clicks=418)
+    challenger = VariantStats(requests=300, p99_ms=6.0, impressions=2000, clicks=340)  # raw CTR 0.170 < 0.209
+    credit = Difference(estimate=0.12, variance=0.01, low=-0.08, high=0.35, units=240, method="interleaving")
+    promoted = decide(champion, challenger, CanaryState(1.0, 0.0), config, now=10.0, evidence=credit)
+    assert promoted.action == "promote"
+    assert "online CTR (interleaving) +12.0% [-8.0%, +35.0%] over 240 users: non-inferior" in promoted.reasons[0]
+    row = explain.decision_row(3, promoted.action, promoted.share, promoted.figures, promoted.reasons)
+    assert row["online CTR evidence (what decides)"] == "interleaving: +12.0% [-8.0%, +35.0%], 240 users"
+    assert row["raw CTR champion / challenger"] == "0.209 / 0.170"
+    assert "raw CTR is lower than the champion's" in row["why"] and "interleaved credit" in row["why"]
+    assert row["guardrails (champion / challenger)"].startswith("errors 0.0% / 0.0%; p99 5 / 6 ms")
+    stepped = decide(champion, challenger, CanaryState(0.5, 0.0), config, now=10.0, evidence=credit)
+    assert stepped.action == "step" and "not significantly worse" in stepped.reasons[0]
+    table = explain.markdown_header() + explain.markdown_row(row)
+    assert table.count("\n") == 3 and all(line.count(" | ") == len(explain.COLUMNS) - 1
+                                          for line in table.splitlines() if "---" not in line)
+
+
+def test_the_canary_run_in_mlflow_describes_each_decision_with_its_evidence(settings):
+    """The canary's MLflow run showed a tag of joined reasons; its description (the run page's text) is now a
+    table with a row per decision: action, share, the interleaved evidence and interval, guardrails, why."""
+    from mlflow import MlflowClient
+
+    from recloop import registry
+    from recloop.canary.controller import EXPERIMENT, CanaryStatus, _log
+    from recloop.evidence.sequential import Difference
+
+    registry.configure(settings)
+    run_id = MlflowClient().create_run(registry.experiment(settings, EXPERIMENT)).info.run_id
+    config = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=10, min_feedback=10, min_effect=0.3)
+    champion = VariantStats(requests=300, p99_ms=5.0, impressions=2000, clicks=418)
+    challenger = VariantStats(requests=300, p99_ms=6.0, impressions=2000, clicks=340)
+    credit = Difference(estimate=0.12, variance=0.01, low=-0.08, high=0.35, units=240, method="interleaving")
+    current = CanaryStatus(True, {"champion": "1", "challenger": "2"}, challenger="2", champion="1",
+                           mode="interleave")
+    for share in (0.5, 1.0):
+        _log(run_id, current, decide(champion, challenger, CanaryState(share, 0.0), config, 10.0, evidence=credit))
+    note = MlflowClient().get_run(run_id).data.tags["mlflow.note.content"]
+    assert note.startswith("# Canary of recloop-ranker v2 against champion v1")
+    rows = [line for line in note.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 3 and rows[0].startswith("| step | action")  # the header, then one row per decision
+    assert rows[1].startswith("| 0 | step | 95% | interleaving: +12.0% [-8.0%, +35.0%], 240 users")
+    assert rows[2].startswith("| 1 | promote | 100% |") and "raw CTR is lower" in rows[2]
+    assert "None" not in note and "nan" not in note

@@ -135,10 +135,7 @@ def test_an_incremental_retrain_with_no_new_hours_is_skipped(
     assert outcomes["retrain"] == {"skipped": 1}  # counted for recloop_loop_outcomes_total
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(state.state_details.flow_run_id)
-        assert (
-            run.name.startswith("retrain-incremental-20")
-            and len(run.name) == len("retrain-incremental-") + 13
-        )
+        assert __import__("re").fullmatch(r"retrain-incremental-20\d\d-\d\d-\d\dT\d\d-[0-9a-f]{6}", run.name), run.name
         assert "retrain:skipped" in run.tags
         from prefect.logging.handlers import APILogHandler
 

@@ -190,3 +190,58 @@ def test_flows_chain_and_the_drift_monitor_requests_exactly_one_retrain(prefect_
     again = drift_flow(hours=12, now=3_100.0, cooldown_seconds=3600, settings=settings)
     assert again["trigger"]["retrain"] and "refused by the gate" in again["trigger"]["reason"]
     assert list(workdir.iterdir()) == []
+
+
+def test_run_names_say_the_simulated_day_and_are_unique_and_no_op_checks_are_marked(prefect_server, tmp_path):
+    """A 3-day demo's 44 runs fell in one wall-clock hour and shared ten names; checks that moved nothing
+    cluttered the list. Runs tagged ``day:N`` (as the demo tags each day's) are named for that day, two runs of
+    one flow never share a name, and a canary check with nothing to judge ends ``NoCanary``, tagged ``no-op``."""
+    import re
+
+    from prefect import get_client, tags
+
+    from flows.canary_flow import canary_flow
+    from recloop.flow_support import SIMULATED_DAY_TAG, settings_parameter
+
+    settings = settings_parameter(Settings(home=tmp_path / "home"))
+    with tags(f"{SIMULATED_DAY_TAG}2"):
+        states = [canary_flow(settings=settings, return_state=True) for _ in range(2)]
+    plain = canary_flow(settings=settings, model_name="recloop-retriever", return_state=True)
+    with get_client(sync_client=True) as client:
+        runs = [client.read_flow_run(s.state_details.flow_run_id) for s in (*states, plain)]
+    assert all(re.fullmatch(r"canary-check-day2-[0-9a-f]{6}", r.name) for r in runs[:2]), [r.name for r in runs]
+    assert runs[0].name != runs[1].name
+    assert re.fullmatch(r"retriever-canary-check-20\d\d-\d\d-\d\dT\d\d-[0-9a-f]{6}", runs[2].name), runs[2].name
+    for state, run in zip((*states, plain), runs, strict=True):
+        assert state.is_completed() and state.name == "NoCanary" and "no-op" in run.tags, (state, run.tags)
+    assert states[0].result()["action"] == "none"  # calling the flow still returns its result
+
+
+def test_a_runs_model_version_goes_into_its_name_before_when():
+    from recloop.flow_support import with_version
+
+    assert with_version("retrain-incremental-day2-3f9a1c", "7") == "retrain-incremental-v7-day2-3f9a1c"
+    assert with_version("canary-check-2026-11-23T10-abc123", "3") == "canary-check-v3-2026-11-23T10-abc123"
+    assert with_version("gate-v7-day2-3f9a1c", "7") == "gate-v7-day2-3f9a1c"  # already there: unchanged
+
+
+def test_up_says_how_to_deploy_while_the_server_has_no_deployments(prefect_server):
+    """After `recloop up` the Deployments page was empty and nothing said why: while the server has none, up
+    prints how to deploy them (the checkout's prefect.yaml); once it has one, it says nothing."""
+    from prefect import get_client
+    from prefect.settings import get_current_settings
+
+    from recloop import services
+
+    api_url = get_current_settings().api.url
+    with get_client(sync_client=True) as client:
+        existing = services.deployment_count(api_url)
+        assert existing == len(client.read_deployments())
+        if existing == 0:  # this session's server: nothing deployed yet
+            hint = services.deployments_hint(existing, api_url, services.checkout())
+            assert f"export PREFECT_API_URL={api_url}" in hint and f"cd {ROOT} && prefect deploy --all" in hint
+            flow_id = client.create_flow_from_name("recloop-hint-check")
+            client.create_deployment(flow_id, name="hint-check")
+    assert services.deployment_count(api_url) >= 1
+    assert services.deployments_hint(services.deployment_count(api_url), api_url, ROOT) is None
+    assert services.deployments_hint(None, api_url, ROOT) is None  # a server that does not answer: no claim

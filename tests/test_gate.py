@@ -265,3 +265,34 @@ def test_the_baselines_are_fitted_once_per_window_and_refitted_when_a_file_chang
     assert refitted["logistic"]["train_rows"] == min(baselines.MAX_TRAIN_ROWS,
                                                      sum(pq.ParquetFile(f).metadata.num_rows for f in before))
     assert len(list((layout.root / "baselines").glob("*.json"))) == 2
+
+
+def test_the_gate_report_renders_cleanly_and_names_each_auc():
+    """The version's description in MLflow showed ``≤ None`` (no fixed log-loss ceiling), ``nan`` (a
+    figure the champion lacked) and the thresholds as one long cut-off line; the training run's AUC and the
+    gate's for the same model differed with no word why. Every cell is a figure, a rule or ``-``, every table
+    row has its header's columns, the thresholds are a table, and both AUCs are named with their rows."""
+    import re
+
+    from recloop.gate.decision import report_markdown
+    from recloop.gate.paired import compare
+
+    champion = ModelScores({**GOOD, "calibration": float("nan")}, SLICES)
+    for paired in (None, compare(_held_out(0, 0.6), max_drop=0.0, max_slice_drop=0.01)):
+        decision = decide(scores(), champion, T, "full", paired=paired)
+        report = report_markdown(decision, scores(), champion, "8", "6", "full", T, run_auc=0.6574)
+        assert not re.search(r"\bNone\b|\bnan\b|\binf\b", report), report
+        table = []
+        for line in report.splitlines() + [""]:
+            if line.startswith("|"):
+                table.append(line)
+                continue
+            if table:  # every row as many cells as the header: nothing cut off or spilled over
+                cells = {len(re.split(r"(?<!\\)\|", row)) for row in table}
+                assert len(cells) == 1, table
+            table = []
+        assert "| logloss |" in report and "≤ 1.1 × the base rate's log loss" in report
+        assert "| calibration_range | [0.9, 1.1] |" in report and "| max_logloss | not enforced |" in report
+        assert "Thresholds: " not in report  # no longer one line
+        assert "training run's `auc` metric (0.6574)" in report and "`gate_auc`" in report
+        assert f"pooled over the {int(GOOD['rows'])} held-out rows" in report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -331,3 +332,24 @@ def test_online_ctr_per_segment_against_the_champions_own_earlier_traffic():
     ctr = [f for f in found if f.startswith("online CTR")]
     assert len(ctr) >= 1 and all("device=mobile" not in f for f in ctr), found
     assert any("device=desktop" in f for f in ctr)
+
+
+def test_metrics_name_each_clock_of_a_retrain_request(settings):
+    """``/metrics`` mixed clocks: the last retrain request in event time (simulated in the demo, days away
+    from the scrape's wall clock) under a name that did not say so. Each clock has its own, labelled gauge."""
+    import time
+
+    from prometheus_client import generate_latest
+
+    from recloop.monitor import MonitorDecision
+    from recloop.monitor.runner import request_retrain
+    from recloop.serve.metrics import ServingMetrics
+
+    simulated = 1_767_312_000.0  # 2026-01-02, the demo's world
+    before = time.time()
+    assert request_retrain(settings, MonitorDecision("drift", ("price",), 0.5, ()), now=simulated).retrain
+    exported = generate_latest(ServingMetrics(settings.home).registry).decode()
+    values = dict(re.findall(r"^(recloop_last_retrain_request\w*) (\S+)$", exported, flags=re.M))
+    assert float(values["recloop_last_retrain_request_timestamp_seconds"]) == simulated
+    assert before <= float(values["recloop_last_retrain_request_wallclock_timestamp_seconds"]) <= time.time()
+    assert "in event time" in exported and "in wall-clock time" in exported

@@ -144,6 +144,7 @@ def test_the_exclusive_lock_admits_one_holder_across_processes(tmp_path: Path):
 
 
 def test_the_demo_report_marks_each_day_once_rollbacks_included(tmp_path: Path):
+    from recloop.canary.explain import decision_row
     from recloop.demo import DayRecord, DemoConfig, write_report
 
     records = [
@@ -163,6 +164,8 @@ def test_the_demo_report_marks_each_day_once_rollbacks_included(tmp_path: Path):
             events=10,
             retrain="incremental",
             canary=["step v2 → 50%", "rollback v2: challenger <b>CTR</b> fell"],
+            decisions=[{"day": 2, "model": "ranker", "version": "2", "champion": "1", **decision_row(
+                1, "rollback", 0.0, {}, ["challenger <b>CTR</b> fell"])}],  # the reason, in the moves' table
             champion="1",
         ),
     ]
@@ -175,6 +178,47 @@ def test_the_demo_report_marks_each_day_once_rollbacks_included(tmp_path: Path):
     assert labels.count("rolled back v2") == 1 and labels.count("full retrain (bootstrap)") == 1
     assert "<b>CTR</b>" not in page and "&lt;b&gt;CTR&lt;/b&gt;" in page  # the template escapes what it shows
     assert "v1: 0.100" in page
+
+
+def test_the_demo_report_says_why_each_model_moved_in_a_table(tmp_path: Path):
+    """Day 2 of the review's demo promoted v2 while its online CTR (0.170) was below v1's (0.209), and the page
+    never said why; its canary column was a run-on list of actions. The moves now have their own table (the
+    interleaved evidence with its interval, the guardrails, the reasons), one line each in the day's cell, and
+    a promotion against the raw CTR is explained in words."""
+    import re
+
+    from recloop.canary import CanaryConfig, CanaryState, VariantStats, decide
+    from recloop.demo import DayRecord, DemoConfig, _decision, write_report
+    from recloop.evidence.sequential import Difference
+
+    config = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=10, min_feedback=10, min_effect=0.3)
+    champion = VariantStats(requests=300, p99_ms=5.0, impressions=2000, clicks=418)
+    challenger = VariantStats(requests=300, p99_ms=6.0, impressions=2000, clicks=340)
+    credit = Difference(estimate=0.12, variance=0.01, low=-0.08, high=0.35, units=240, method="interleaving")
+    moves = []
+    for share, evidence in ((0.5, credit), (1.0, credit)):
+        decision = decide(champion, challenger, CanaryState(share, 0.0), config, now=10.0, evidence=evidence)
+        moves.append({"action": decision.action, "share": decision.share, "challenger": "2", "champion": "1",
+                      "decision": decision.to_dict()})
+    bad = decide(champion, VariantStats(requests=300, errors=90, p99_ms=6.0), CanaryState(0.5, 0.0), config, 10.0)
+    day = DayRecord(day=2, canary=["step v2 → 100%", "promote v2", "rollback retriever v3: error rate"],
+                    online_ctr={"1": 0.209, "2": 0.170}, champion="2")
+    day.decisions = [_decision(2, "", moves[0]), _decision(2, "", moves[1]),
+                     _decision(2, "retriever ", {"action": "rollback", "share": 0.0, "challenger": "3",
+                                                  "champion": "1", "decision": bad.to_dict()})]
+    page = write_report(Settings(home=tmp_path), [DayRecord(day=0, champion="1"), day], {"freshness_seconds": [],
+                        "seconds": 1.0}, DemoConfig(days=3, drift_day=1)).read_text()
+    table = page[page.index('<table class="decisions">'):]
+    table = table[:table.index("</table>")]
+    rows = re.findall(r"<tr><td>2</td>.*?</tr>", table, flags=re.S)
+    assert len(rows) == 3, table
+    assert "promote" in rows[1] and "interleaving: +12.0% [-8.0%, +35.0%], 240 users" in rows[1]
+    assert "0.209 / 0.170" in rows[1] and "non-inferior" in rows[1]
+    assert "retriever" in rows[2] and "error rate 30.00%" in rows[2] and "rollback" in rows[2]
+    assert "step v2 → 100%<br>promote v2<br>rollback retriever v3" in page  # one move a line, no reasons run on
+    note = re.search(r'<p class="raw-ctr-note">(.*?)</p>', page, flags=re.S).group(1)
+    assert "Day 2: v2 was promoted while its online CTR that day (0.170) was below v1&#39;s (0.209)" in note
+    assert "interleaving: +12.0%" in note
 
 
 def test_serving_with_a_dead_journal_database_is_one_line_naming_it(tmp_path: Path, monkeypatch):

@@ -645,11 +645,17 @@ def up_command(host: Annotated[str, typer.Option(help="Address the services list
     from recloop import services
 
     started = services.up(Settings(), host)
+    prefect = started.get("prefect", {})
+    api_url = f"{prefect.get('url')}/api"
+    hint = services.deployments_hint(services.deployment_count(api_url), api_url, services.checkout()) \
+        if prefect.get("status") in ("up", "running") else None
     if json_out:
-        _emit(started)
+        _emit({**started, "deployments_hint": hint} if hint else started)
         return
     for name, entry in started.items():
         console.print(f"{name:10} {entry['url']:28} {entry['status']} (pid {entry['pid']})")
+    if hint:
+        console.print(hint, markup=False, highlight=False)
     console.print("stop them with: recloop down")
     if any(entry["status"].startswith("failed") for entry in started.values()):
         raise typer.Exit(1)

@@ -141,6 +141,9 @@ class DayRecord:
     recommend_vs_oracle: float | None = None
     popularity_answers: int = 0
     canary: list[str] = field(default_factory=list)
+    # each canary move of the day (start, step, promote, rollback) with the evidence that decided it
+    # (``canary.explain``'s columns, and ``day``, ``model``, ``version``, ``champion``)
+    decisions: list[dict] = field(default_factory=list)
     champion: str | None = None
     online_ctr: dict[str, float] = field(default_factory=dict)
     vs_oracle: float | None = None
@@ -156,7 +159,8 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     from recloop.flow_support import configure_prefect, settings_parameter
 
     configure_prefect(settings)
-    flows = _flows(settings_parameter(settings))
+    clock = {"day": 0}  # the simulated day the flows run on: each run is tagged and named for it
+    flows = _flows(settings_parameter(settings), clock)
     started = time.perf_counter()
     canary_path = _write_canary_config(settings, config.canary)
     world_config = WorldConfig(seed=config.seed, days=config.days, events_per_day=config.events_per_day,
@@ -204,6 +208,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     with ServerThread(app) as server:
         for day in range(1, config.days):
             began = time.perf_counter()
+            clock["day"] = day
             record = DayRecord(day=day)
             stage(day, f"serving {config.requests_per_day} requests in {config.rounds} rounds (canary checks between)")
             served, baseline = _serve_day(server.url, app, world, day, config, flows, canary_path, record, frozen)
@@ -273,18 +278,21 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     return summary
 
 
-def _flows(settings: dict) -> dict[str, Callable]:
-    """The Prefect flows, each called with this demo's settings, in this process (``in_process_runs``)."""
+def _flows(settings: dict, clock: dict) -> dict[str, Callable]:
+    """The Prefect flows, each called with this demo's settings, in this process (``in_process_runs``), tagged
+    ``day:N`` for the simulated day ``clock["day"]`` (subflows too): their names say the day, not the hour."""
+    from prefect import tags
+
     from flows.canary_flow import canary_flow
     from flows.drift_flow import drift_flow
     from flows.features_flow import features_flow
     from flows.ingest_flow import ingest_flow
     from flows.retrain_flow import retrain_flow
-    from recloop.flow_support import in_process_runs
+    from recloop.flow_support import SIMULATED_DAY_TAG, in_process_runs
 
     def in_process(flow: Callable) -> Callable:
         def call(**parameters):
-            with in_process_runs():
+            with in_process_runs(), tags(f"{SIMULATED_DAY_TAG}{clock['day']}"):
                 return flow(settings=settings, **parameters)
         return call
 
@@ -504,6 +512,7 @@ def _serve_day(url: str, app, world: World, day: int, config: DemoConfig, flows:
                     f" → {step['share']:.0%}" if step["action"] == "step" else ""))
                 if step["action"] == "rollback":
                     record.canary[-1] += ": " + "; ".join(step["decision"]["reasons"])
+                record.decisions.append(_decision(record.day, label, step))
                 moved = True
         if moved:
             _wait_for_deployment(url, app.state.service.settings)
@@ -519,6 +528,34 @@ def _serve_day(url: str, app, world: World, day: int, config: DemoConfig, flows:
     return served, baseline_clicks / oracle_clicks if oracle_clicks else None
 
 
+
+
+def _decision(day: int, label: str, step: dict) -> dict:
+    """A canary move as the report's row: which model and version, and why (``canary.explain``)."""
+    from recloop.canary import explain
+
+    decision = step.get("decision") or {}
+    row = explain.decision_row(day, step["action"], step["share"], decision.get("figures") or {},
+                               decision.get("reasons") or [])
+    return {"day": day, "model": (label.strip() or "ranker"), "version": step.get("challenger"),
+            "champion": step.get("champion"), **row}
+
+
+def _raw_ctr_notes(records: list[DayRecord]) -> list[str]:
+    """The promotions (rollbacks) whose challenger's raw online CTR on the day was below (above) its
+    champion's: what decided them instead, in a sentence per move."""
+    from recloop.canary import explain
+
+    notes = []
+    for record in records:
+        for move in record.decisions:
+            mine, theirs = record.online_ctr.get(str(move["version"])), record.online_ctr.get(str(move["champion"]))
+            if move["model"] == "ranker" and explain.raw_ctr_disagrees(move["action"], theirs, mine):
+                notes.append(f"Day {record.day}: v{move['version']} was {'promoted' if move['action'] == 'promote' else 'rolled back'} "
+                             f"while its online CTR that day ({mine:.3f}) was {'below' if move['action'] == 'promote' else 'above'} "
+                             f"v{move['champion']}'s ({theirs:.3f}). The interleaved evidence decided: "
+                             f"{move['online CTR evidence (what decides)']}; {explain.RAW_CTR_NOTE}.")
+    return notes
 
 
 def _wait_for_deployment(url: str, settings: Settings, timeout: float = 30.0) -> None:
@@ -619,7 +656,11 @@ def write_report(settings: Settings, records: list[DayRecord], summary: dict, co
     figure.update_yaxes(title_text="share", row=3, col=1)
     figure.update_layout(height=1050, width=1100, title=f"recloop demo — {config.days} days, drift "
                          f"'{config.drift}' from day {config.drift_day}", xaxis3_title="simulated day")
+    from recloop.canary import explain
+
     html = _REPORT.render(records=records, summary=summary, efficacy=summary.get("efficacy"), fmt=_f, config=config,
+                          decisions=[m for r in records for m in r.decisions], columns=explain.COLUMNS,
+                          notes=_raw_ctr_notes(records), raw_ctr_note=explain.RAW_CTR_NOTE,
                           recovery=(summary.get("recovery") or {}).get("headline"),
                           plot=Markup(figure.to_html(full_html=False, include_plotlyjs=True)))
     path = settings.home.resolve() / "reports" / "demo.html"
@@ -644,7 +685,8 @@ def _day_events(record: DayRecord) -> list[str]:
 _REPORT = Environment(autoescape=True).from_string("""<!doctype html>
 <html><head><meta charset="utf-8"><title>recloop demo</title>
 <style>body{font-family:sans-serif;margin:24px}table{border-collapse:collapse;font-size:13px}
-td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style></head><body>
+td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td.moves{white-space:nowrap;text-align:left}
+table.decisions td{text-align:left;vertical-align:top}</style></head><body>
 <h1>recloop demo</h1>
 {% if recovery %}<p><b>Loop efficacy (twin worlds)</b>: on day {{ summary.recovery.day }} the champion's normalized
 reward on the evaluation panel is {{ "%.1f%%" % (recovery.champion.recovery * 100) }} [95% CI
@@ -661,11 +703,20 @@ figure above is the efficacy measure){% endif %}.</p>{% endif %}
 <th>served / oracle</th><th>never retrained / oracle</th></tr>
 {% for r in records %}<tr><td>{{ r.day }}</td><td>{{ "{:,}".format(r.events) }}</td><td>{{ r.requests }}</td>
 <td>{{ r.drift }}</td><td>{{ r.retrain }}</td><td>{{ fmt(r.candidate_auc) }}</td><td>{{ fmt(r.champion_auc) }}</td>
-<td>{{ fmt(r.oracle_auc) }}</td><td>{{ r.gate }}</td><td>{{ r.canary | join(", ") or "-" }}</td>
+<td>{{ fmt(r.oracle_auc) }}</td><td>{{ r.gate }}</td><td class="moves">{% for c in r.canary %}{{ c.split(":")[0] }}{% if not loop.last %}<br>{% endif %}{% else %}-{% endfor %}{% if r.decisions %} (<a href="#canary-decisions">why</a>){% endif %}</td>
 <td>{{ r.champion or "-" }}</td>
 <td>{% for v, c in r.online_ctr.items() %}v{{ v }}: {{ "%.3f" % c }}{% if not loop.last %}, {% endif %}{% else %}-{% endfor %}</td>
 <td>{{ fmt(r.vs_oracle) }}</td><td>{{ fmt(r.baseline_vs_oracle) }}</td></tr>
 {% endfor %}</table>
+<h2 id="canary-decisions">Canary decisions: why each model moved</h2>
+<p>Each start, step, promotion and rollback of a canary, with the evidence that decided it. The ranker's
+canary is interleaved: its online CTR evidence is the interleaved credit (challenger − champion, relative, with
+its always-valid interval); the raw CTRs beside it are for reference only ({{ raw_ctr_note }}).</p>
+{% if decisions %}<table class="decisions"><tr><th>day</th><th>model</th><th>version</th>{% for c in columns[1:] %}<th>{{ c }}</th>{% endfor %}</tr>
+{% for m in decisions %}<tr><td>{{ m.day }}</td><td>{{ m.model }}</td><td>v{{ m.version }} (champion v{{ m.champion }})</td>
+{% for c in columns[1:] %}<td>{{ m[c] }}</td>{% endfor %}</tr>
+{% endfor %}</table>{% else %}<p>No canary moved.</p>{% endif %}
+{% for note in notes %}<p class="raw-ctr-note"><b>Why a lower raw CTR was promoted.</b> {{ note }}</p>{% endfor %}
 <h2>Evaluation panel (normalized reward: 0 random, 1 the oracle; 95% user-cluster interval)</h2>
 <table><tr><th>day</th><th>live champion</th><th>never retrained</th>{% if config.daily_full %}<th>daily full retrain (upper
 reference)</th>{% endif %}<th>NDCG@{{ config.shown }} (champion)</th></tr>

@@ -100,7 +100,8 @@ def publish(key: str, markdown: str, description: str) -> None:
 
 
 def tag_run(*tags: str) -> None:
-    """Add tags (e.g. ``model-version:7``) to the current flow run, after the fact."""
+    """Add tags (e.g. ``model-version:7``) to the current flow run, after the fact; a ``model-version`` tag
+    puts the version in the run's name (``with_version``)."""
     from prefect import get_client
     from prefect.context import FlowRunContext
 
@@ -109,7 +110,11 @@ def tag_run(*tags: str) -> None:
         return
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(context.flow_run.id)
-        client.update_flow_run(context.flow_run.id, tags=sorted({*run.tags, *tags}))
+        name = run.name
+        for version in (t.split(":", 1)[1] for t in tags if t.startswith("model-version:")):
+            name = with_version(name, version)  # the version in the run's name too, once it is known
+        client.update_flow_run(context.flow_run.id, tags=sorted({*run.tags, *tags}),
+                               name=name if name != run.name else None)
 
 
 # --- one training or gate at a time, across every deployment ---------------------------------------------------
@@ -193,6 +198,11 @@ def file_slot(path: Path, timeout_seconds: float | None = None) -> Iterator[None
 # --- run names, run logs, the outcome on the run ---------------------------------------------------------------
 
 
+SIMULATED_DAY_TAG = "day:"
+"""A run tagged ``day:N`` (the demo tags every run of simulated day N, subflows included) is named for that day
+instead of the wall-clock hour: a 3-day demo's 44 runs all fell in the same hour and shared ten names."""
+
+
 def _scheduled_hour() -> str:
     from prefect.runtime import flow_run
 
@@ -206,31 +216,52 @@ def _parameters() -> dict:
     return dict(flow_run.parameters or {})
 
 
+def _when_and_id() -> str:
+    """``day2-3f9a1c`` (a simulated day) or ``2026-11-23T10-3f9a1c`` (the hour it was scheduled for, UTC),
+    then the start of the run's id: two runs of one flow in one hour (or day) never share a name."""
+    from prefect.runtime import flow_run
+
+    day = next((t[len(SIMULATED_DAY_TAG):] for t in (flow_run.tags or []) if t.startswith(SIMULATED_DAY_TAG)), None)
+    when = f"day{day}" if day is not None else _scheduled_hour()
+    return f"{when}-{str(flow_run.id or '')[:6]}".rstrip("-")
+
+
 def run_name(kind: str) -> str:
-    """``kind-YYYY-MM-DDTHH`` (the hour the run was scheduled for, UTC): ``ingest-2026-11-23T10``."""
-    return f"{kind}-{_scheduled_hour()}"
+    """``ingest-2026-11-23T10-3f9a1c``, ``drift-day2-3f9a1c`` (see ``_when_and_id``)."""
+    return f"{kind}-{_when_and_id()}"
 
 
 def retrain_run_name() -> str:
-    """``retrain-incremental-2026-11-23T10``: the mode and the hour it was scheduled for."""
-    return f"retrain-{_parameters().get('mode', 'incremental')}-{_scheduled_hour()}"
+    """``retrain-incremental-day2-3f9a1c``: the mode, when; ``-v7`` after the mode once a version is trained."""
+    return f"retrain-{_parameters().get('mode', 'incremental')}-{_when_and_id()}"
 
 
 def train_run_name() -> str:
-    return f"train-{_parameters().get('mode', 'incremental')}-{_scheduled_hour()}"
+    return f"train-{_parameters().get('mode', 'incremental')}-{_when_and_id()}"
 
 
 def gate_run_name() -> str:
-    """``gate-v7``, or ``gate-newest-<hour>`` when no version is named."""
+    """``gate-v7-day2-3f9a1c``, or ``gate-newest-…`` when no version is named."""
     version = _parameters().get("version")
-    return f"gate-v{version}" if version else f"gate-newest-{_scheduled_hour()}"
+    return f"gate-v{version}-{_when_and_id()}" if version else f"gate-newest-{_when_and_id()}"
 
 
 def canary_run_name() -> str:
-    """``canary-check-<hour>``, ``canary-start-<hour>``; ``retriever-canary-…`` for the retriever's."""
+    """``canary-check-day2-…``, ``canary-start-…``; ``retriever-canary-…`` for the retriever's; the challenger's
+    version is added once the check knows it (``tag_run``)."""
     parameters = _parameters()
     prefix = "retriever-canary-" if parameters.get("model_name") == "recloop-retriever" else "canary-"
-    return prefix + ("start-" if parameters.get("start") else "check-") + _scheduled_hour()
+    return prefix + ("start-" if parameters.get("start") else "check-") + _when_and_id()
+
+
+def with_version(name: str, version: str) -> str:
+    """``retrain-incremental-day2-3f9a1c`` → ``retrain-incremental-v7-day2-3f9a1c``: the model version a run
+    made or judged, in its name, before when (unchanged if it is there already)."""
+    import re
+
+    if re.search(rf"-v{re.escape(str(version))}(-|$)", name):
+        return name
+    return re.sub(r"-(day\d+|\d{4}-\d\d-\d\dT\d\d)(-|$)", rf"-v{version}-\1\2", name, count=1)
 
 
 def log(message: str, *args) -> None:

@@ -145,6 +145,41 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
     return started
 
 
+def deployment_count(api_url: str) -> int | None:
+    """How many deployments the Prefect server at ``api_url`` (``…/api``) holds; None if it does not say."""
+    import httpx
+
+    try:
+        answer = httpx.post(f"{api_url.rstrip('/')}/deployments/count", json={}, timeout=5)
+        return int(answer.json()) if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def deployments_hint(count: int | None, api_url: str, checkout: Path | None) -> str | None:
+    """What to run so the Prefect UI's Deployments page is not empty: ``up`` starts the server the
+    deployments are served from, but deploying them (a work pool, ``prefect deploy --all`` in the checkout
+    holding ``prefect.yaml``, a worker to run them) is a choice of where runs go, so it is printed, not done.
+    None when the server already has deployments (or could not be asked)."""
+    if count is None or count > 0:
+        return None
+    where = f"cd {checkout} && " if checkout is not None else ""
+    return ("Prefect has no deployments yet (its Deployments page is empty): the demo runs its flows in "
+            "process. To deploy the hourly retrain, the drift monitor and the canary checks to this server:\n"
+            f"  export PREFECT_API_URL={api_url}\n"
+            "  prefect work-pool create recloop-gpu --type process\n"
+            f"  {where}prefect deploy --all\n"
+            "  prefect worker start --pool recloop-gpu")
+
+
+def checkout() -> Path | None:
+    """The folder holding ``prefect.yaml`` and ``flows/`` (an editable install's checkout), if there is one."""
+    import flows
+
+    root = Path(flows.__file__).resolve().parent.parent
+    return root if (root / "prefect.yaml").is_file() else None
+
+
 def down(settings: Settings) -> dict[str, str]:
     """Stop every service ``up`` started (the whole process group), then forget it."""
     stopped = {}

@@ -445,6 +445,21 @@ def _log(run_id: str, current: CanaryStatus, decision: CanaryDecision) -> None:
         mlflow.log_metrics(metrics, step=index)
         mlflow.log_dict({"decision": _json_ready(decision.to_dict()), "stats": current.to_dict()["stats"],
                          "at": time.time()}, f"canary/decision-{index:03d}.json")
-        mlflow.set_tags({"canary.last_action": decision.action, "canary.last_reasons": "; ".join(decision.reasons)})
+        mlflow.set_tags({"canary.last_action": decision.action, "canary.last_reasons": "; ".join(decision.reasons),
+                         "mlflow.note.content": _decisions_note(client, run_id, current, decision, index)})
     if decision.action in ("promote", "rollback"):
         client.set_terminated(run_id, "FINISHED")
+
+
+def _decisions_note(client, run_id: str, current: CanaryStatus, decision: CanaryDecision, index: int) -> str:
+    """The run's description (MLflow shows it on the run's page): every decision so far as a table row, with
+    the evidence that decided it and the guardrails it held (``canary.explain``), this one appended."""
+    from recloop.canary import explain
+
+    note = client.get_run(run_id).data.tags.get("mlflow.note.content") or ""
+    if explain.COLUMNS[-1] not in note:  # the first decision: the heading and the table's header
+        note = (f"# Canary of {current.model} v{current.challenger} against champion v{current.champion}\n\n"
+                f"Mode: {current.mode}. Each row is one decision of the controller.\n\n" + explain.markdown_header())
+    note += explain.markdown_row(explain.decision_row(index, decision.action, decision.share, decision.figures,
+                                                      decision.reasons))
+    return note

@@ -189,7 +189,8 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
         failures.append(f"online AUC {challenger.online_auc:.4f} vs champion {champion.online_auc:.4f}")
     if evidence is not None:
         figures.update({"ctr_effect": evidence.estimate, "ctr_effect_low": evidence.low,
-                        "ctr_effect_high": evidence.high, "evidence_users": evidence.units})
+                        "ctr_effect_high": evidence.high, "evidence_users": evidence.units,
+                        "evidence_method": evidence.method})
         # always-valid (mSPRT): a look at any time keeps its error rate, so no bake is needed to act on it
         if evidence.high < 0 and enough_requests and enough_feedback:
             failures.append(f"online CTR significantly worse ({evidence.method}): {evidence.estimate:+.1%} "
@@ -216,6 +217,14 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
     if waiting:
         return verdict("hold", waiting)
     later = [s for s in config.schedule() if s > state.share + 1e-9]
+    # The evidence that allowed the move is named in its reason: a promotion decided by the paired comparison
+    # while the raw CTRs (different users, mixed lists) read the other way must say so on its own.
+    shown = []
+    if evidence is not None:
+        rule = (f"non-inferior: its bottom is above −{config.min_effect:.0%}"
+                if require_non_inferiority and not later else "not significantly worse")
+        shown = [f"online CTR ({evidence.method}) {evidence.estimate:+.1%} [{evidence.low:+.1%}, "
+                 f"{evidence.high:+.1%}] over {evidence.units} users: {rule}"]
     if not later:
-        return verdict("promote", [f"held every guardrail up to {state.share:.0%} of users"], 1.0)
-    return verdict("step", [f"held every guardrail at {state.share:.0%}: next {later[0]:.0%}"], later[0])
+        return verdict("promote", [*shown, f"held every guardrail up to {state.share:.0%} of users"], 1.0)
+    return verdict("step", [*shown, f"held every guardrail at {state.share:.0%}: next {later[0]:.0%}"], later[0])

@@ -167,9 +167,14 @@ def skipped_slices(candidate: ModelScores, champion: ModelScores | None, thresho
 
 def report_markdown(decision: GateDecision, candidate: ModelScores, champion: ModelScores | None,
                     version: str, champion_version: str | None, mode: str,
-                    thresholds: GateThresholds | None = None) -> str:
+                    thresholds: GateThresholds | None = None, run_auc: float | None = None) -> str:
     """The review page: the verdict and its reasons, candidate vs champion per metric and slice with the
-    threshold each was held to, the slices not judged and why, and every threshold."""
+    threshold each was held to, the slices not judged and why, and every threshold.
+
+    Rendered as the version's description in MLflow: every cell a figure, a rule or ``-`` (no ``None`` or
+    ``nan``), the thresholds as a table of their own. ``run_auc``: the training run's ``auc`` metric for the
+    same model, named beside the gate's (they are computed on different rows: a reviewer saw 0.6574 and 0.6439
+    with no word why)."""
     thresholds = thresholds or GateThresholds()
     verdict = "PASSED" if decision.passed else "FAILED"
     allowed = thresholds.max_auc_drop_incremental if mode == "incremental" else thresholds.max_auc_drop_full
@@ -179,12 +184,18 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
     low, high = thresholds.calibration_range
     paired = decision.figures.get("grouped_auc")
     versus = "; vs champion: the paired comparison below" if paired else f"; drop ≤ {allowed} vs champion"
+    logloss_rule = f"≤ {thresholds.max_logloss_ratio} × the base rate's log loss" + (
+        f" and ≤ {thresholds.max_logloss}" if thresholds.max_logloss is not None else "")
     rule = {"auc": f"≥ {thresholds.min_auc}" + (versus if champion else ""),
-            "logloss": f"≤ {thresholds.max_logloss}", "calibration": f"in [{low}, {high}]", "rows": ""}
+            "logloss": logloss_rule, "calibration": f"in [{low}, {high}]", "rows": f"≥ {thresholds.min_rows}"}
     lines += ["", "| metric | candidate | champion | threshold |", "| --- | --- | --- | --- |"]
     for name in ("auc", "logloss", "calibration", "rows"):
         theirs = champion.overall.get(name) if champion else None
-        lines.append(f"| {name} | {_fmt(candidate.overall.get(name))} | {_fmt(theirs)} | {rule[name]} |")
+        mine = candidate.overall.get(name)
+        if name == "rows":  # a count, not a figure to 4 decimals
+            mine, theirs = (int(v) if isinstance(v, int | float) and math.isfinite(v) else v for v in (mine, theirs))
+        lines.append(f"| {name} | {_fmt(mine)} | {_fmt(theirs)} | {rule[name]} |")
+    lines += _which_auc(candidate, run_auc, decision.figures)
     if paired:
         lines += _paired_markdown(decision.figures, allowed)
     skipped = skipped_slices(candidate, champion, thresholds)
@@ -194,8 +205,7 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
         for name, scores in sorted(candidate.slices.items()):
             theirs = champion.slices.get(name, {}).get("auc") if champion else None
             lines.append(f"| {name} | {int(scores.get('rows', 0))} | {_fmt(scores.get('auc'))} | {_fmt(theirs)} |")
-        lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(thresholds).items())]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + _thresholds_markdown(thresholds)) + "\n"
     lines += ["", f"Slices (AUC may drop at most {thresholds.max_slice_auc_drop} vs the champion on slices of at "
               f"least {thresholds.min_slice_rows} rows):", "",
               "| slice | rows | candidate AUC | champion AUC | judged |", "| --- | --- | --- | --- | --- |"]
@@ -207,8 +217,35 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
     if skipped:
         lines += ["", f"**{len(skipped)} slice(s) not judged**: " + "; ".join(
             f"{name} ({why})" for name, why in skipped.items())]
-    lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(thresholds).items())]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _thresholds_markdown(thresholds)) + "\n"
+
+
+def _thresholds_markdown(thresholds: GateThresholds) -> list[str]:
+    """Every threshold as a row (one long line of ``key=value`` pairs was cut off on the MLflow page)."""
+    def value(v) -> str:
+        if v is None:
+            return "not enforced"
+        return f"[{v[0]}, {v[1]}]" if isinstance(v, tuple | list) else str(v)
+
+    return ["", "Thresholds:", "", "| threshold | value |", "| --- | --- |",
+            *(f"| {k} | {value(v)} |" for k, v in asdict(thresholds).items())]
+
+
+def _which_auc(candidate: ModelScores, run_auc: float | None, figures: dict) -> list[str]:
+    """The AUCs of one model a reviewer meets, each named with the rows it is computed on."""
+    rows = candidate.overall.get("rows")
+    served = (figures.get("grouped_auc") or {}).get("served_rows_excluded")
+    lines = ["", "Which AUC is which: the `auc` above (MLflow metric `gate_auc` on the training run) is pooled "
+             f"over the {int(rows) if rows is not None and math.isfinite(rows) else '-'} held-out rows the gate scored"
+             + (f", {int(served)} served-feedback rows left out (the champion's own picks favour it)" if served
+                else "") + "."]
+    if run_auc is not None and math.isfinite(run_auc):
+        lines[-1] += (f" The training run's `auc` metric ({run_auc:.4f}) is the trainer's validation on the same "
+                      "held-out hours, every row of them" + (" (served feedback included)" if served else "")
+                      + ", before the gate's fresh-process scoring.")
+    if figures.get("grouped_auc"):
+        lines[-1] += " The paired comparison's AUC is grouped per user (each user's AUC, averaged)."
+    return lines
 
 
 def _paired_markdown(figures: dict, allowed: float) -> list[str]:
@@ -243,6 +280,7 @@ def _paired_markdown(figures: dict, allowed: float) -> list[str]:
 
 
 def _fmt(value) -> str:
-    if value is None:
+    """A cell: ``-`` for nothing (None, NaN, infinite: the report showed ``nan``), 4 decimals for a float."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     return f"{value:.4f}" if isinstance(value, float) else str(value)

@@ -341,7 +341,9 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
             reasons.append(problem)
     passed = not reasons
     decision = GateDecision(passed, tuple(reasons), decision.figures, decision.first_model)
-    report = report_markdown(decision, candidate, champion, candidate_version, champion_version, mode, thresholds)
+    run_auc = client.get_run(info.run_id).data.metrics.get("auc")  # the trainer's: named beside the gate's
+    report = report_markdown(decision, candidate, champion, candidate_version, champion_version, mode, thresholds,
+                             run_auc)
     report += baselines.report_markdown(candidate.overall, baseline_figures)
     client.log_text(info.run_id, report, f"gate_report_v{candidate_version}.md")
     client.log_dict(info.run_id, baseline_figures, f"gate_baselines_v{candidate_version}.json")

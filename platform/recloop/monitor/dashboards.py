@@ -13,7 +13,7 @@ Example::
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
@@ -107,9 +107,12 @@ def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: s
     results = column_drift(drift_snapshot)
     workspace, found = project(settings, columns, keys or ("user_id", "item_id"),
                                {column: result.method for column, result in results.items()})
-    tags = [f"decision:{decision}"] + ([f"model-version:{version}"] if version else [])
+    # Snapshots are placed at the monitored window's end in event time (simulated in the demo); Prefect and
+    # MLflow stamp wall-clock time: the names say which, and a tag keeps the wall-clock time of the check.
+    tags = [f"decision:{decision}", f"checked-at:{datetime.now(UTC):%Y-%m-%dT%H:%M}Z (wall clock)"] + (
+        [f"model-version:{version}"] if version else [])
     drift_snapshot._tags = [*(drift_snapshot._tags or []), *tags]
-    reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M}")
+    reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M} (event time)")
     loop = {**{f"{key}_unseen_share": float(figures[f"{key}_unseen_share"]) for key in keys},
             **{f"{key}_unseen_limit": _unseen_limit(float(figures.get(f"{key}_unseen_expected", 0.0)),
                                                     config.new_id_share) for key in keys},
@@ -120,14 +123,14 @@ def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: s
     data = Dataset.from_pandas(pd.DataFrame({k: [v] for k, v in loop.items()}),
                                data_definition=DataDefinition(numerical_columns=list(loop)))
     workspace.add_run(found.id, Report([MeanValue(column=c) for c in loop]).run(
-        current_data=data, tags=tags, timestamp=when.replace(tzinfo=None)), name=f"decision {when:%Y-%m-%d %H:%M}")
+        current_data=data, tags=tags, timestamp=when.replace(tzinfo=None)), name=f"decision {when:%Y-%m-%d %H:%M} (event time)")
     if kpis and kpis.get("ctr") is not None:
         frame = pd.DataFrame({"clicked": [float(kpis["ctr"])],
                               "online_auc": [float(kpis["auc"]) if kpis.get("auc") is not None else float("nan")]})
         data = Dataset.from_pandas(frame, data_definition=DataDefinition(numerical_columns=["clicked", "online_auc"]))
         snapshot = Report([MeanValue(column="clicked"), MeanValue(column="online_auc")]).run(
             current_data=data, tags=tags, timestamp=when.replace(tzinfo=None))
-        workspace.add_run(found.id, snapshot, name=f"KPIs {when:%Y-%m-%d %H:%M}")
+        workspace.add_run(found.id, snapshot, name=f"KPIs {when:%Y-%m-%d %H:%M} (event time)")
     return str(reference.id)
 
 

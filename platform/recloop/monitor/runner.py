@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -311,9 +312,11 @@ def log_to_mlflow(settings: Settings, report: MonitorReport) -> str:
     registry.configure(settings)
     result = report.to_dict()
     with mlflow.start_run(experiment_id=registry.experiment(settings, EXPERIMENT),
-                          run_name=f"monitor {result['current'][0]}") as run:
+                          run_name=f"monitor {result['current'][0]} (event time)") as run:
+        # MLflow's own columns are wall-clock time; the window is the events' (simulated in the demo): labelled
         mlflow.set_tags({"recloop.kind": "monitor", "decision": result["decision"],
-                         "reasons": "; ".join(result["reasons"])[:4000], "window": "..".join(result["current"]),
+                         "reasons": "; ".join(result["reasons"])[:4000],
+                         "window": "..".join(result["current"]) + " (event time)",
                          "drifted_columns": ", ".join(result["drifted_columns"]),
                          "champion": report.champion or ""})
         served = report.served_features or {}
@@ -372,7 +375,8 @@ def request_retrain(settings: Settings, decision: MonitorDecision, now: float,
                                  in_canary=_still_in_canary(settings, last) if decision.decision in config.retrain_on
                                  else None)  # (the registry asked only when a retrain is in question)
         if verdict.retrain:
-            past.append({"at": now, "decision": decision.decision, "reasons": list(decision.reasons),
+            past.append({"at": now, "wall_at": time.time(), "decision": decision.decision,
+                         "reasons": list(decision.reasons),
                          "outcome": None, "retry_of_refused": last.get("outcome") == "refused"})
             _write_requests(path, past)
     return verdict

@@ -220,7 +220,11 @@ def create_app(settings: Settings | None = None, spec: DatasetSpec | str | None 
         yield
         service.stop()
 
-    app = FastAPI(title="recloop serving", version="1", lifespan=lifespan)
+    # /docs and /redoc load Swagger UI's and ReDoc's files from this app (fastapi-offline ships them), not from
+    # a CDN: a serving host without internet access showed a blank page.
+    from fastapi_offline import FastAPIOffline
+
+    app = FastAPIOffline(title="recloop serving", version="1", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.serve_max_body_bytes)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.include_router(public)

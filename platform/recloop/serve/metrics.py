@@ -44,10 +44,16 @@ class LoopCollector:
             for outcome, count in sorted(counts.items()):
                 runs.add_metric([stage, outcome], count)
         yield runs
+        # Two clocks, each named: the monitor judges in event time (the monitored events' own, simulated in the
+        # demo), Prometheus, Prefect and MLflow stamp wall-clock time; one gauge mixing them read as days apart.
         last = GaugeMetricFamily("recloop_last_retrain_request_timestamp_seconds", "When the last full retrain "
-                                 "was requested (event time)")
+                                 "was requested, in event time (the monitored events' clock; simulated in the demo)")
         last.add_metric([], max((t["at"] for t in triggers), default=0.0))
         yield last
+        wall = GaugeMetricFamily("recloop_last_retrain_request_wallclock_timestamp_seconds", "When the last full "
+                                 "retrain was requested, in wall-clock time (as Prefect, MLflow and Prometheus)")
+        wall.add_metric([], max((t.get("wall_at", 0.0) for t in triggers), default=0.0))
+        yield wall
 
 
 class ServingMetrics:
