@@ -349,6 +349,31 @@ class Journal(ABC):
         table = np.array(list(requests.values()), dtype=np.int64).reshape(-1, 3)
         return table[:, 0], table[:, 1], table[:, 2]
 
+    def paired_scores(self, champion: str, challenger: str, since: float | None = None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per impression since ``since`` that *both* versions scored (interleaved requests, shadowed ones, and
+        an A/B challenger's requests, which the champion scores too): the label, the champion's score, the
+        challenger's and the user. The canary's paired online AUC rests on these: the same impressions for
+        both models, whatever the mix of users each served."""
+        self.flush()
+        where, params = _request_window(since)
+        rows = self._query(
+            "SELECT f.label, f.scores, r.user_id FROM feedback f JOIN requests r USING (request_id) "
+            f"WHERE f.scores LIKE ? {''.join(f'AND {c} ' for c in where)}",
+            [f'%"{challenger}":%', *params])
+        labels, first, second, users = [], [], [], []
+        for label, raw, user_id in rows:
+            scores = json.loads(raw)
+            a, b = scores.get(champion), scores.get(challenger)
+            if a is None or b is None:
+                continue
+            labels.append(label)
+            first.append(a)
+            second.append(b)
+            users.append(user_id)
+        return (np.asarray(labels, dtype=np.int64), np.asarray(first, dtype=np.float64),
+                np.asarray(second, dtype=np.float64), np.asarray(users, dtype=np.int64))
+
     def served_predictions(self, version: str, event_window: tuple[int, int] | None = None,
                            segments: tuple[str, ...] = ("device",)) -> dict[str, np.ndarray]:
         """Per impression ``version`` served (interleaved requests left out), with event time in the window:
