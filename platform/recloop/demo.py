@@ -179,7 +179,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     _record_retriever(bootstrap, first, settings, oracle, config.retrieve_k)
     if first["gate"]["alias"] != "champion":
         raise RuntimeError("the first model did not pass the gate's floors, so nothing can be served: "
-                           + "; ".join(first["gate"]["reasons"]) + " (more --events-per-day helps)")
+                           + "; ".join(first["gate"]["reasons"]) + first_model_hint(first["gate"]["reasons"]))
     if (first["retriever"].get("gate") or {}).get("alias") != "champion":
         raise RuntimeError("the first retriever did not pass its gate's floors, so /recommend cannot serve: "
                            + "; ".join((first["retriever"].get("gate") or {}).get("reasons", [])
@@ -303,6 +303,18 @@ def _write_json(settings: Settings, name: str, content: dict) -> Path:
     return path
 
 
+def first_model_hint(reasons: list[str]) -> str:
+    """What may help a first model the gate refused, from its reasons: more events only where the refusal
+    is about too little data (a serving check failing on a busy host was told "more --events-per-day helps")."""
+    data = ("held-out rows", "auc ", "logloss", "calibration")
+    if any(r.startswith(data) or "held-out rows" in r for r in reasons):
+        return " (more --events-per-day gives the first model more to learn from and judge on)"
+    if any(r.startswith("serving check") for r in reasons):
+        return (" (the serving check: the model could not be loaded or scored in a fresh process, or exceeded the "
+                "gate thresholds' smoke_budget_ms; more events would not change that)")
+    return ""
+
+
 def _land_day(world: World, day: int, settings: Settings) -> int:
     """The world's own events of a day, one parquet file per hour, into the landing zone."""
     date = (world.config.start + timedelta(days=day)).strftime("%Y-%m-%d")
@@ -340,7 +352,8 @@ def _record_training(record: DayRecord, outcome: dict, kind: str) -> None:
     record.candidate_auc = gate["candidate"].get("auc")
     record.oracle_auc = gate["candidate"].get("oracle_auc")
     record.champion_auc = (gate.get("champion_scores") or {}).get("auc")
-    record.gate = ("passed → " + gate["alias"]) if gate["passed"] else "refused"
+    record.gate = ("passed → " + gate["alias"]) if gate["passed"] else (
+        "insufficient evidence → " + gate["alias"]) if gate.get("verdict") == "insufficient evidence" else "refused"
     if "canary" in outcome:
         record.canary.append(f"start v{gate['version']}")
 
