@@ -399,7 +399,8 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
         passed, champion=champion_version, window=list(info.validation_window or ()), reasons=reasons,
         auc=candidate.overall.get("auc"), champion_auc=champion.overall.get("auc") if champion else None,
         best_baseline={"name": best_name, "auc": best_value} if best_name else None,
-        skipped_slices=skipped_slices(candidate, champion, thresholds), thresholds=asdict(thresholds)))
+        skipped_slices=skipped_slices(candidate, champion, thresholds), thresholds=asdict(thresholds),
+        **({"insufficient_evidence": list(decision.insufficient)} if verdict == "insufficient evidence" else {})))
     alias = None
     if passed and champion_version is None:
         registry.promote(settings, candidate_version, who="gate", why="first model: passed the absolute floors")
