@@ -18,8 +18,14 @@ evaluation panel (normalized reward); alternative rules on the same tests and th
 (pooled AUC drop of at most 0.002, 0.01 per slice); rates over all candidates and outside a ±5 %
 indifference zone.
 
-Targets (issue 14): identical challenger rolled back ≤ 5 %, 20 %-worse rolled back ≥ 90 %, 10 %-better
-promoted ≥ 80 % (≥ 50 canaries each); gate: ≤ 5 % of panel-better refused, ≤ 5 % of panel-worse passed.
+Issue 36: the canary runs the shipped configuration (``canary.decision.shipped``: ``CanaryConfig()``'s margins
+at this simulation's pace), with the paired online AUC guardrail (both models' scores on the impressions of
+the challenger's requests) beside the CTR evidence; the gate at the shipped non-inferiority margin
+(``GateThresholds().auc_margin``), "insufficient evidence" counted apart, with the window's power.
+
+Targets (issue 36): identical challenger rolled back ≤ 5 % (upper bound ≤ 10 %), 10 %-better promoted ≥ 90 %,
+10 %-worse promoted ≤ 5 %; gate: ≤ 5 % of panel-better refused, ≤ 5 % of panel-worse passed, or
+"insufficient evidence" reported.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from recloop.evaluate import auc  # noqa: E402
 from recloop.evidence.interleaving import team_draft_batch  # noqa: E402
 from recloop.evidence.ranking import holm  # noqa: E402
 from recloop.evidence.sequential import ab_difference, interleaving_difference, paired_auc_difference  # noqa: E402
+from recloop.gate.decision import GateThresholds  # noqa: E402
 from recloop.panel import SimulatedModel, draw_panel, expected_reward, score_panel, true_logits  # noqa: E402
 from recloop.simulate import DEVICES, World, WorldConfig  # noqa: E402
 
@@ -273,7 +280,7 @@ def canary_rates(
         world = World(WorldConfig(seed=seed, days=3, events_per_day=events_per_day))
         champion = SimulatedModel(CHAMPION_NOISE, seed=1)
         panel = draw_panel(world, 1.0, 3000, CANDIDATES, seed=99)
-        for label, target in (("identical", 0.0), ("20% worse", -0.20), ("10% better", 0.10)):
+        for label, target in (("identical", 0.0), ("10% worse", -0.10), ("20% worse", -0.20), ("10% better", 0.10)):
             challenger = challenger_for(world, champion, target, panel, seed=2)
             measured = relative_reward(
                 world, champion, challenger, draw_panel(world, 1.0, 3000, CANDIDATES, seed=98)
@@ -329,7 +336,7 @@ def canary_rates(
 # --- the gate -------------------------------------------------------------------------------------------------
 
 
-GATE_RULES = ("gate", "not shown worse", "one Holm family", "legacy")
+GATE_RULES = ("gate", "point estimate (before)", "not shown worse", "one Holm family", "legacy")
 
 
 def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int, zone: float = 0.05) -> dict:
@@ -373,9 +380,11 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int,
             )
             effect = scored["candidate"]["normalized_reward"] / scored["champion"]["normalized_reward"] - 1.0
             cand_scores = candidate.scores(world, users, items, truth)
-            # the gate's own comparison (a full retrain: allowed drop 0), users as the groups
+            # the gate's own comparison at the shipped margin (GateThresholds().auc_margin), users as the groups
             held = HeldOut(labels, cand_scores, champ_scores, users, users, {"device": device})
-            result = compare(held, max_drop=0.0, max_slice_drop=0.01, config=PairedConfig(resamples=resamples))
+            result = compare(
+                held, max_drop=GateThresholds().auc_margin, max_slice_drop=0.01, config=PairedConfig(resamples=resamples)
+            )
             overall = result.figures["grouped_auc"]
             slices = [v for k, v in result.figures.items() if k.startswith("slice ")]
             # the old rule: pooled AUC may drop 0.002 (incremental), 0.01 per slice of >= 200 rows
@@ -390,8 +399,13 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int,
                     "seed": seed,
                     "effect": float(effect),
                     "auc_difference": overall["difference"],
+                    "power": overall["power"],
+                    "insufficient": {rule: False for rule in GATE_RULES} | {"gate": bool(result.insufficient)},
                     "refused": {
                         "gate": bool(result.failures),
+                        "point estimate (before)": bool(
+                            overall["difference"] < 0.0 or any(v["p_worse_holm"] < 0.05 for v in slices)
+                        ),
                         "not shown worse": bool(
                             overall["p_worse"] < 0.05 or any(v["p_worse_holm"] < 0.05 for v in slices)
                         ),
@@ -410,10 +424,13 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int,
             better = [r for r in records if r["effect"] > width]
             worse = [r for r in records if r["effect"] < -width]
             refused = sum(r["refused"][rule] for r in better)
-            passed = sum(not r["refused"][rule] for r in worse)
+            passed = sum(not r["refused"][rule] and not r["insufficient"][rule] for r in worse)
+            undecided = sum(r["insufficient"][rule] for r in records if abs(r["effect"]) > width)
             out[rule][label] = {
                 "better": len(better),
                 "worse": len(worse),
+                "insufficient_evidence": undecided / max(len(better) + len(worse), 1),
+                "mean_power": float(np.mean([r["power"] for r in records])),
                 "better_refused": refused / max(len(better), 1),
                 "better_refused_ci": proportion_ci(refused, len(better)),
                 "worse_passed": passed / max(len(worse), 1),
@@ -637,7 +654,8 @@ def main() -> None:
                     f"gate {rule:>16} | {label:>12}: panel-better refused {row['better_refused']:.0%} "
                     f"[{row['better_refused_ci'][0]:.0%}, {row['better_refused_ci'][1]:.0%}] of {row['better']}, "
                     f"panel-worse passed {row['worse_passed']:.0%} [{row['worse_passed_ci'][0]:.0%}, "
-                    f"{row['worse_passed_ci'][1]:.0%}] of {row['worse']}",
+                    f"{row['worse_passed_ci'][1]:.0%}] of {row['worse']}, insufficient evidence "
+                    f"{row['insufficient_evidence']:.0%} (mean power {row['mean_power']:.0%})",
                     flush=True,
                 )
     if "concept" not in skip:
