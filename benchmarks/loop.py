@@ -18,8 +18,14 @@ evaluation panel (normalized reward); alternative rules on the same tests and th
 (pooled AUC drop of at most 0.002, 0.01 per slice); rates over all candidates and outside a ±5 %
 indifference zone.
 
-Targets (issue 14): identical challenger rolled back ≤ 5 %, 20 %-worse rolled back ≥ 90 %, 10 %-better
-promoted ≥ 80 % (≥ 50 canaries each); gate: ≤ 5 % of panel-better refused, ≤ 5 % of panel-worse passed.
+Issue 36: the canary runs the shipped configuration (``canary.decision.shipped``: ``CanaryConfig()``'s margins
+at this simulation's pace), with the paired online AUC guardrail (both models' scores on the impressions of
+the challenger's requests) beside the CTR evidence; the gate at the shipped non-inferiority margin
+(``GateThresholds().auc_margin``), "insufficient evidence" counted apart, with the window's power.
+
+Targets (issue 36): identical challenger rolled back ≤ 5 % (upper bound ≤ 10 %), 10 %-better promoted ≥ 90 %,
+10 %-worse promoted ≤ 5 %; gate: ≤ 5 % of panel-better refused, ≤ 5 % of panel-worse passed, or
+"insufficient evidence" reported.
 """
 
 from __future__ import annotations
@@ -33,15 +39,25 @@ from common import machine, use_source_tree
 
 use_source_tree()
 
-from recloop.canary.decision import CanaryConfig, CanaryState, VariantStats, decide, experiment_salt, position  # noqa: E402
+from recloop.canary.decision import (  # noqa: E402
+    CanaryConfig,
+    CanaryState,
+    VariantStats,
+    decide,
+    experiment_salt,
+    position,
+    shipped,
+)
 from recloop.evaluate import auc  # noqa: E402
 from recloop.evidence.interleaving import team_draft_batch  # noqa: E402
 from recloop.evidence.ranking import holm  # noqa: E402
-from recloop.evidence.sequential import ab_difference, interleaving_difference  # noqa: E402
+from recloop.evidence.sequential import ab_difference, interleaving_difference, paired_auc_difference  # noqa: E402
+from recloop.gate.decision import GateThresholds  # noqa: E402
 from recloop.panel import SimulatedModel, draw_panel, expected_reward, score_panel, true_logits  # noqa: E402
 from recloop.simulate import DEVICES, World, WorldConfig  # noqa: E402
 
 K, CANDIDATES = 10, 30
+LEGACY_MAX_CTR_DROP = 0.05  # the legacy rule: the challenger's raw CTR at most 5 % below the champion's
 CHAMPION_NOISE = 1.5
 
 
@@ -110,7 +126,9 @@ def run_canary(
     salt = "recloop-canary" if legacy else experiment_salt("2", float(draw))
     place = np.array([position(int(u), salt) for u in users_all])
     share = config.steps[0]
-    log: dict[str, list] = {k: [] for k in ("user", "a", "b", "arm", "clicks")}
+    log: dict[str, list] = {
+        k: [] for k in ("user", "a", "b", "arm", "clicks", "auc_label", "auc_a", "auc_b", "auc_user")
+    }
     pre = None
     if (
         not legacy and config.mode == "canary"
@@ -132,13 +150,16 @@ def run_canary(
     for look in range(max_looks):
         panel = draw_panel(world, day, requests_per_look, CANDIDATES, seed=draw * 1000 + look)
         truth = true_logits(world, panel)
-        a = np.argsort(-champion.scores(world, panel.users, panel.items, truth), axis=1, kind="stable")
-        b = np.argsort(-challenger.scores(world, panel.users, panel.items, truth), axis=1, kind="stable")
+        score_a = champion.scores(world, panel.users, panel.items, truth)
+        score_b = challenger.scores(world, panel.users, panel.items, truth)
+        a = np.argsort(-score_a, axis=1, kind="stable")
+        b = np.argsort(-score_b, axis=1, kind="stable")
         inside = place[panel.users] < share
         exposed += int(inside.sum())
         if config.mode == "interleave" and not legacy:
             shown, teams = team_draft_batch(a[inside], b[inside], K, rng)
             clicks = _clicks(truth[inside], shown, rng)
+            _log_paired(log, panel.users[inside], shown, clicks, score_a[inside], score_b[inside])
             log["user"].append(panel.users[inside])
             log["a"].append((clicks * (teams == 0)).sum(axis=1))
             log["b"].append((clicks * (teams == 1)).sum(axis=1))
@@ -152,7 +173,11 @@ def run_canary(
             stats_b = VariantStats(requests=n, impressions=n * K, clicks=int(credit_b.sum() * 2))
         else:
             order = np.where(inside[:, None], b, a)[:, :K]
-            clicks = _clicks(truth, order, rng).sum(axis=1)
+            shown_clicks = _clicks(truth, order, rng)
+            clicks = shown_clicks.sum(axis=1)
+            if not legacy:  # the champion scores the challenger's requests too (serving does): paired AUC
+                _log_paired(log, panel.users[inside], order[inside], shown_clicks[inside], score_a[inside],
+                            score_b[inside])
             log["user"].append(panel.users)
             log["arm"].append(inside)
             log["clicks"].append(clicks)
@@ -182,7 +207,20 @@ def run_canary(
                     pre_a=covariates[0] if covariates else None,
                     pre_b=covariates[1] if covariates else None,
                 )
-        decision = decide(stats_a, stats_b, CanaryState(share, 0.0), config, now=1e12, evidence=evidence)
+        auc_evidence = None
+        if not legacy and log["auc_user"]:
+            auc_evidence = paired_auc_difference(
+                *(np.concatenate(log[key]) for key in ("auc_label", "auc_a", "auc_b", "auc_user")),
+                tau=config.max_auc_drop,
+                alpha=config.alpha,
+            )
+        decision = decide(
+            stats_a, stats_b, CanaryState(share, 0.0), config, now=1e12, evidence=evidence, auc_evidence=auc_evidence
+        )
+        if legacy and stats_b.impressions >= config.min_feedback and stats_a.ctr > 0 and \
+                stats_b.ctr < stats_a.ctr * (1 - LEGACY_MAX_CTR_DROP):  # the raw ratio the canary once ran
+            return {"outcome": "rollback", "looks": look + 1, "challenger_requests": exposed,
+                    "reason": f"online CTR {stats_b.ctr:.4f} vs champion {stats_a.ctr:.4f}"}
         if decision.action in ("promote", "rollback"):
             return {
                 "outcome": decision.action,
@@ -201,6 +239,14 @@ def run_canary(
     }
 
 
+def _log_paired(log: dict, users, shown, clicks, score_a, score_b) -> None:
+    """The impressions both models scored, as the journal keeps them for the paired online AUC."""
+    log["auc_label"].append(clicks.ravel())
+    log["auc_a"].append(np.take_along_axis(score_a, shown, axis=1).ravel())
+    log["auc_b"].append(np.take_along_axis(score_b, shown, axis=1).ravel())
+    log["auc_user"].append(np.repeat(users, shown.shape[1]))
+
+
 def _clicks(truth: np.ndarray, shown: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     logit = (
         np.take_along_axis(truth, shown, axis=1) - 0.35 * np.log(np.arange(1, shown.shape[1] + 1))[None, :]
@@ -216,16 +262,10 @@ def canary_rates(
     events_per_day: int,
     modes: tuple[str, ...],
 ) -> dict:
+    # the shipped canary (CanaryConfig()'s margins, the paired online AUC guardrail included) at the
+    # simulation's pace: what prefect.yaml's canary-check and the demo run
     config_new = {
-        mode: CanaryConfig(
-            bake_seconds=0,
-            min_requests=200,
-            min_feedback=1000,
-            mode=mode,
-            min_effect=0.05,
-            steps=(0.05, 0.25, 0.5, 1.0),
-        )
-        for mode in modes
+        mode: shipped(bake_seconds=0, min_requests=200, min_feedback=1000, mode=mode) for mode in modes
     }
     legacy = CanaryConfig(
         bake_seconds=0,
@@ -240,7 +280,7 @@ def canary_rates(
         world = World(WorldConfig(seed=seed, days=3, events_per_day=events_per_day))
         champion = SimulatedModel(CHAMPION_NOISE, seed=1)
         panel = draw_panel(world, 1.0, 3000, CANDIDATES, seed=99)
-        for label, target in (("identical", 0.0), ("20% worse", -0.20), ("10% better", 0.10)):
+        for label, target in (("identical", 0.0), ("10% worse", -0.10), ("20% worse", -0.20), ("10% better", 0.10)):
             challenger = challenger_for(world, champion, target, panel, seed=2)
             measured = relative_reward(
                 world, champion, challenger, draw_panel(world, 1.0, 3000, CANDIDATES, seed=98)
@@ -296,7 +336,7 @@ def canary_rates(
 # --- the gate -------------------------------------------------------------------------------------------------
 
 
-GATE_RULES = ("gate", "not shown worse", "one Holm family", "legacy")
+GATE_RULES = ("gate", "point estimate (before)", "not shown worse", "one Holm family", "legacy")
 
 
 def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int, zone: float = 0.05) -> dict:
@@ -340,9 +380,11 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int,
             )
             effect = scored["candidate"]["normalized_reward"] / scored["champion"]["normalized_reward"] - 1.0
             cand_scores = candidate.scores(world, users, items, truth)
-            # the gate's own comparison (a full retrain: allowed drop 0), users as the groups
+            # the gate's own comparison at the shipped margin (GateThresholds().auc_margin), users as the groups
             held = HeldOut(labels, cand_scores, champ_scores, users, users, {"device": device})
-            result = compare(held, max_drop=0.0, max_slice_drop=0.01, config=PairedConfig(resamples=resamples))
+            result = compare(
+                held, max_drop=GateThresholds().auc_margin, max_slice_drop=0.01, config=PairedConfig(resamples=resamples)
+            )
             overall = result.figures["grouped_auc"]
             slices = [v for k, v in result.figures.items() if k.startswith("slice ")]
             # the old rule: pooled AUC may drop 0.002 (incremental), 0.01 per slice of >= 200 rows
@@ -357,8 +399,13 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int,
                     "seed": seed,
                     "effect": float(effect),
                     "auc_difference": overall["difference"],
+                    "power": overall["power"],
+                    "insufficient": {rule: False for rule in GATE_RULES} | {"gate": bool(result.insufficient)},
                     "refused": {
                         "gate": bool(result.failures),
+                        "point estimate (before)": bool(
+                            overall["difference"] < 0.0 or any(v["p_worse_holm"] < 0.05 for v in slices)
+                        ),
                         "not shown worse": bool(
                             overall["p_worse"] < 0.05 or any(v["p_worse_holm"] < 0.05 for v in slices)
                         ),
@@ -377,10 +424,13 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int,
             better = [r for r in records if r["effect"] > width]
             worse = [r for r in records if r["effect"] < -width]
             refused = sum(r["refused"][rule] for r in better)
-            passed = sum(not r["refused"][rule] for r in worse)
+            passed = sum(not r["refused"][rule] and not r["insufficient"][rule] for r in worse)
+            undecided = sum(r["insufficient"][rule] for r in records if abs(r["effect"]) > width)
             out[rule][label] = {
                 "better": len(better),
                 "worse": len(worse),
+                "insufficient_evidence": undecided / max(len(better) + len(worse), 1),
+                "mean_power": float(np.mean([r["power"] for r in records])),
                 "better_refused": refused / max(len(better), 1),
                 "better_refused_ci": proportion_ci(refused, len(better)),
                 "worse_passed": passed / max(len(worse), 1),
@@ -604,7 +654,8 @@ def main() -> None:
                     f"gate {rule:>16} | {label:>12}: panel-better refused {row['better_refused']:.0%} "
                     f"[{row['better_refused_ci'][0]:.0%}, {row['better_refused_ci'][1]:.0%}] of {row['better']}, "
                     f"panel-worse passed {row['worse_passed']:.0%} [{row['worse_passed_ci'][0]:.0%}, "
-                    f"{row['worse_passed_ci'][1]:.0%}] of {row['worse']}",
+                    f"{row['worse_passed_ci'][1]:.0%}] of {row['worse']}, insufficient evidence "
+                    f"{row['insufficient_evidence']:.0%} (mean power {row['mean_power']:.0%})",
                     flush=True,
                 )
     if "concept" not in skip:

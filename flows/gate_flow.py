@@ -25,9 +25,10 @@ def gate_flow(version: str | None = None, thresholds_path: str | None = None, sl
     except SlotBusy as busy:
         log("%s", busy)
         return Cancelled(message=str(busy))
-    verdict = "passed" if outcome["passed"] else "failed"
+    verdict = "passed" if outcome["passed"] else outcome.get("verdict") if outcome.get("verdict") == \
+        "insufficient evidence" else "failed"
     log("v%s %s the gate → %s%s", outcome["version"], verdict, outcome["alias"] or "no alias",
-        "".join(f"\n  - {reason}" for reason in outcome["reasons"]))
+        "".join(f"\n  - {reason}" for reason in [*outcome["reasons"], *outcome.get("insufficient", [])]))
     tag_run(f"model-version:{outcome['version']}", f"gate:{verdict}")
     publish("gate-report", outcome.pop("report"), f"gate of version {outcome['version']}")
     return outcome

@@ -150,13 +150,18 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
     version = result["train"]["mlflow"]["version"]
     result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)
     if monitor_clock is not None:  # the monitor's trigger learns the verdict: cool-down only after a pass
-        runner.record_retrain_outcome(settings_from(settings), deployed=bool(gate["passed"]), now=monitor_clock,
+        runner.record_retrain_outcome(settings_from(settings), deployed=gate["alias"] is not None, now=monitor_clock,
                                       gate_reasons=gate.get("reasons", []), version=str(version))
     if gate["alias"] == "challenger":
         result["canary"] = canary_flow(config_path=canary_config, start=True, settings=settings)
-    verdict = "passed" if gate["passed"] else "failed"
+    insufficient = gate.get("verdict") == "insufficient evidence"  # to the canary, which decides
+    verdict = "passed" if gate["passed"] else "insufficient" if insufficient else "failed"
     tag_run(f"model-version:{version}", f"mode:{mode}", f"gate:{verdict}")
     reasons = "; ".join(gate["reasons"])
+    if insufficient:
+        then = "; canary started" if "canary" in result else ""
+        return _finish(settings, "Challenger", f"v{version}: insufficient evidence offline → challenger (the canary "
+                       f"decides){then}: {'; '.join(gate.get('insufficient', []))}", result, retriever_step)
     if not gate["passed"]:
         return _finish(settings, "Refused", f"v{version} failed the gate, stays unserved: {reasons}", result,
                        retriever_step)

@@ -37,8 +37,10 @@ CASES = [
     ("nan-rolls-back-at-once", stats(requests=10, nan_responses=3), CanaryState(0.05, 999.0), "rollback", 0.0, "NaN"),
     ("slow-rolls-back", stats(p99_ms=45.0), BAKED, "rollback", 0.0, "p99 latency 45.0 ms"),
     ("errors-roll-back", stats(errors=30), BAKED, "rollback", 0.0, "error rate 3.00%"),
-    ("worse-ctr-rolls-back", stats(clicks=40), BAKED, "rollback", 0.0, "online CTR 0.0667"),
-    ("worse-auc-rolls-back", stats(online_auc=0.65), BAKED, "rollback", 0.0, "online AUC 0.6500"),
+    # a raw CTR gap between the two variants' own users is no evidence (paired evidence judges the CTR)
+    ("raw-ctr-gap-is-not-judged", stats(clicks=40), BAKED, "step", 0.25, "next 25%"),
+    # the two variants' pooled AUCs are over different users: reported, never compared (tests/test_canary_paired.py)
+    ("pooled-auc-gap-is-not-judged", stats(online_auc=0.65), BAKED, "step", 0.25, "next 25%"),
     ("last-step-promotes", HEALTHY, CanaryState(1.0, 0.0), "promote", 1.0, "held every guardrail up to 100%"),
     # after the bake, a failed guardrail rolls back once its own figures are in, whatever else is awaited:
     # every request failed (and fell back to the champion, so the challenger has no feedback of its own)
@@ -83,15 +85,14 @@ def test_the_retrievers_ab_evidence_rolls_back_on_harm_and_promotes_on_the_guard
     promotes on the guardrails instead of holding; evidence of harm still rolls back; the ranker's rule holds."""
     from recloop.evidence.sequential import Difference
 
-    config = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=10, min_feedback=10, min_effect=0.05,
-                          max_ctr_drop=0.01)
+    config = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=10, min_feedback=10, min_effect=0.05)
     stats = VariantStats(requests=100, impressions=1000, clicks=100)
     worse_raw = VariantStats(requests=100, impressions=1000, clicks=80)  # 20 % lower CTR, not shown by evidence
     unsure = Difference(estimate=-0.2, variance=0.02, low=-0.5, high=0.1, units=200, method="A/B (CUPED)")
     harm = Difference(estimate=-0.3, variance=0.01, low=-0.5, high=-0.1, units=200, method="A/B (CUPED)")
     last = CanaryState(1.0, 0.0)
     retriever = decide(stats, worse_raw, last, config, now=10.0, evidence=unsure, require_non_inferiority=False)
-    assert retriever.action == "promote", retriever.reasons  # the raw ratio (max_ctr_drop 1 %) no longer decides
+    assert retriever.action == "promote", retriever.reasons  # a raw CTR gap (20 %) does not decide
     ranker = decide(stats, worse_raw, last, config, now=10.0, evidence=unsure)
     assert ranker.action == "hold" and "not yet shown within 5%" in ranker.reasons[0]
     rolled = decide(stats, worse_raw, last, config, now=10.0, evidence=harm, require_non_inferiority=False)
@@ -106,9 +107,10 @@ def test_guardrails_roll_back_while_the_evidence_is_still_inconclusive():
     unsure = Difference(estimate=0.0, variance=0.01, low=-0.2, high=0.2, units=5000, method="interleaving")
     last = CanaryState(0.95, 0.0)
     assert decide(CHAMPION, HEALTHY, last, CONFIG, NOW, evidence=unsure).action == "hold"
-    for bad, reason in ((stats(errors=400), "error rate"), (stats(p99_ms=100.0), "p99 latency"),
-                        (stats(online_auc=0.6), "online AUC")):
-        decision = decide(CHAMPION, bad, last, CONFIG, NOW, evidence=unsure)
+    worse_auc = Difference(estimate=-0.1, variance=1e-5, low=-0.12, high=-0.08, units=5000, method="paired AUC")
+    for bad, auc_evidence, reason in ((stats(errors=400), None, "error rate"), (stats(p99_ms=100.0), None,
+                                      "p99 latency"), (HEALTHY, worse_auc, "online AUC")):
+        decision = decide(CHAMPION, bad, last, CONFIG, NOW, evidence=unsure, auc_evidence=auc_evidence)
         assert decision.action == "rollback" and reason in decision.reasons[0], decision.reasons
 
 

@@ -28,7 +28,8 @@ def test_the_demo_runs_every_stage_each_day(prefect_server, tmp_path: Path):
         assert day["requests"] + day["recommend_requests"] == 120 and day["events"] == 4000
         assert day["recommend_requests"] == 60 and day["recommend_clicks"] > 0 and day["recommend_vs_oracle"]
         assert day["retriever_gate"] in ("refused", "passed → challenger")
-        assert day["gate"] in ("refused", "passed → challenger")  # only the first model goes straight to champion
+        # only the first model goes straight to champion; a window too small to decide hands it to the canary
+        assert day["gate"] in ("refused", "passed → challenger", "insufficient evidence → challenger")
         assert day["vs_oracle"] is not None and day["online_ctr"]
         panel = day["panel"]  # the day's evaluation panel, scored against the ground truth
         assert panel["champion"]["low"] <= panel["champion"]["normalized_reward"] <= panel["champion"]["high"]

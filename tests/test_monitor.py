@@ -353,3 +353,48 @@ def test_metrics_name_each_clock_of_a_retrain_request(settings):
     assert float(values["recloop_last_retrain_request_timestamp_seconds"]) == simulated
     assert before <= float(values["recloop_last_retrain_request_wallclock_timestamp_seconds"]) <= time.time()
     assert "in event time" in exported and "in wall-clock time" in exported
+
+
+def _serve(journal, version: str, start_us: int, requests: int, click_scale: float, rng, prefix: str) -> None:
+    """Requests served by ``version`` (10 items each, event times an hour apart from ``start_us``) and their
+    clicks: each item clicked with its predicted probability times ``click_scale`` (1: calibrated)."""
+    import json
+
+    for i in range(requests):
+        items = list(range(10))
+        predicted = rng.uniform(0.05, 0.3, 10).round(6)
+        payload = {"item_ids": items, "ranked": items, "scores": {version: predicted.tolist()},
+                   "context": {"device": "mobile"}, "per_candidate": {}}
+        request_id = f"{prefix}{i}"
+        journal.record((request_id, 1.0 + i, start_us + i * 60_000_000, int(rng.integers(0, 300)), "champion",
+                        version, 1.0, json.dumps(payload)), [])
+        clicked = [it for it, p in zip(items, predicted, strict=True) if rng.random() < p * click_scale]
+        journal.add_feedback(request_id, impressions=items, clicks=clicked)
+
+
+@pytest.mark.parametrize(("click_scale", "drift"), [(0.6, True), (1.0, False)], ids=["tastes-moved", "no-drift"])
+def test_the_concept_check_judges_a_champion_promoted_yesterday_against_the_lines_history(tmp_path, click_scale,
+                                                                                       drift):
+    """A champion promoted the day before has no served history of its own: the reference is the model line's
+    (the previous champion's served feedback of the week before). Tastes that moved are found; none, not.
+    (It judged nothing here before: the real loop's daily champions never had a baseline.)"""
+    from datetime import UTC, datetime
+
+    from recloop.journal import SqliteJournal, journal_path
+    from recloop.monitor.decision import MonitorConfig
+    from recloop.monitor.runner import Champion, champion_concept
+    from recloop.settings import Settings
+
+    settings = Settings(home=tmp_path / "home")
+    window = (datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 6, tzinfo=UTC))
+    start_us = int(window[0].timestamp() * 1_000_000)
+    rng = np.random.default_rng(7)
+    journal = SqliteJournal(journal_path(settings))
+    try:
+        _serve(journal, "1", start_us - 2 * 86_400 * 1_000_000, 500, 1.0, rng, "old")  # the previous champion
+        _serve(journal, "2", start_us, 500, click_scale, rng, "new")  # promoted at the window's start
+    finally:
+        journal.close()
+    found, figures = champion_concept(settings, Champion("2", None, {}), window, MonitorConfig())
+    assert figures.get("served_calibration_baseline.all") is not None, figures  # judged against the line
+    assert bool(found) == drift, found

@@ -215,7 +215,6 @@ def test_the_retriever_canary_splits_users_on_its_own_and_promotes(http: httpx.C
         bake_seconds=0,
         min_requests=5,
         min_feedback=15,
-        max_ctr_drop=1.0,
         max_p99_ratio=100.0,
         holdout=0.0,  # straight to 100 % (the champion holdout at the last step is the ranker tests')
     )

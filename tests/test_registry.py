@@ -32,7 +32,8 @@ from recloop.train import TrainConfig, TrainSummary, train
 SPEC = load_spec("synthetic")
 MODEL = ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(32,))
 # Tests judge one rule at a time; calibration of these small models is checked with a wide band.
-LENIENT = GateThresholds(calibration_range=(0.5, 2.0), max_auc_drop_incremental=0.02, max_slice_auc_drop=0.05)
+LENIENT = GateThresholds(calibration_range=(0.5, 2.0), max_auc_drop_incremental=0.02, max_slice_auc_drop=0.05,
+                         auc_margin=0.05)
 
 
 def config(**changes) -> TrainConfig:

@@ -47,7 +47,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # interleaving test below and benchmarks/loop.py measure the default configuration).
 # Each canary draws a new split of users: at alpha 0.05 an identical challenger failed ~1 run in 20, and with
 # heavy-tailed users a 50 % split of 200 requests once gave the challenger 59 (min_requests was 60).
-CANARY = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=40, min_feedback=300, max_ctr_drop=0.25,
+CANARY = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=40, min_feedback=300,
                       max_p99_ratio=4.0, max_auc_drop=0.2, mode="canary", holdout=0.0, min_effect=1.0,
                       alpha=0.001)
 
@@ -388,6 +388,9 @@ def test_a_good_challenger_is_stepped_up_and_promoted(client: httpx.Client, home
     decisions, rounds = run_canary(home, client, server, version, users)
     assert [d["action"] for d in decisions] == ["step", "promote"], [d["decision"]["reasons"] for d in decisions]
     assert all(r.failed == 0 for r in rounds)
+    # A/B: the champion scored the challenger's requests too, so the online AUC is paired (same weights: 0)
+    figures = decisions[0]["decision"]["figures"]
+    assert figures["auc_effect"] == 0.0 and figures["auc_evidence_users"] > 10, figures
     assert rounds[0].versions["1"] and rounds[0].versions[version]  # both served at 50 %
     assert set(rounds[1].versions) == {version}  # 100 %
     assert registry.aliases(home) == {"champion": version, "challenger": None, "previous": "1"}

@@ -414,7 +414,7 @@ def gate_command(
         _emit(outcome.to_dict())
         return
     console.print(outcome.report)
-    console.print(f"version {outcome.version}: {'passed' if outcome.passed else 'refused'}"
+    console.print(f"version {outcome.version}: {outcome.verdict}"
                   + (f", alias {outcome.alias}" if outcome.alias else ""))
 
 

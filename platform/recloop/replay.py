@@ -186,7 +186,7 @@ def run_replay(
         lineage.incremental = incremental
         record.incremental_version, record.gate, record.gate_reasons = (
             outcome.version,
-            ("passed" if outcome.passed else "refused"),
+            outcome.verdict,  # insufficient evidence: no live traffic for a canary to decide, so not promoted
             list(outcome.reasons),
         )
         if outcome.passed:
@@ -194,7 +194,7 @@ def run_replay(
         lineage.full = _train(settings, config, "full")
         if record.drift in ("drift", "kpi_decay"):
             full = _register_and_gate(settings, lineage.full, config)
-            record.full_retrain = f"v{full.version} {'passed' if full.passed else 'refused'}"
+            record.full_retrain = f"v{full.version} {full.verdict}"
             if full.passed:
                 _promote(settings, full.version, f"replay: full retrain after {record.drift}")
         record.seconds = round(time.perf_counter() - began_period, 1)

@@ -86,13 +86,14 @@ class CanaryStatus:
     decision: CanaryDecision | None = None
     evidence: dict | None = None
     model: str = MODEL_NAME
+    auc_evidence: dict | None = None  # the paired online AUC comparison (the ranker's)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "active": self.active, "aliases": self.aliases, "message": self.message,
                 "challenger": self.challenger, "champion": self.champion, "share": self.share, "mode": self.mode,
                 "step_started_at": self.step_started_at, "started": self.started,
                 "stats": {name: stats.to_dict() for name, stats in self.stats.items()},
-                "evidence": _json_ready(self.evidence),
+                "evidence": _json_ready(self.evidence), "auc_evidence": _json_ready(self.auc_evidence),
                 "decision": _json_ready(self.decision.to_dict()) if self.decision else None}
 
 
@@ -242,7 +243,7 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
     mode: Mode = tag.mode if tag else _mode_for(config.mode, model_name)  # not started: as it will start
     canary_started = tag.started_at if tag and tag.started_at is not None else started
     journal = open_journal(settings)  # every replica's traffic when the journal is PostgreSQL
-    evidence = None
+    evidence = auc_evidence = None
     try:
         stats = {"champion": _variant_stats(journal, model_name, champion, started),
                  "challenger": _variant_stats(journal, model_name, challenger, started)}
@@ -253,14 +254,28 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
             evidence = paired_evidence(journal, mode, champion, challenger, canary_started, config)
         elif mode == "canary" and model_name == RETRIEVER_NAME:  # A/B: the users' CTR under each retriever
             evidence = retriever_evidence(journal, champion, challenger, canary_started, config)
+        if model_name == MODEL_NAME:  # the ranker's online AUC: both models on the same impressions
+            auc_evidence = paired_auc_evidence(journal, champion, challenger, canary_started, config)
     finally:
         journal.close()
     if mode == "shadow":  # the challenger answered nobody: judge its CTR by the champion's
         stats["challenger"] = _shadowed(stats["challenger"], stats["champion"])
     decision = decide(stats["champion"], stats["challenger"], state, config, now, load_error=load_failure(tags),
-                      evidence=evidence, require_non_inferiority=model_name == MODEL_NAME)
+                      evidence=evidence, require_non_inferiority=model_name == MODEL_NAME,
+                      auc_evidence=auc_evidence)
     return CanaryStatus(True, aliases, "", challenger, champion, state.share, mode, started, tag is not None,
-                        stats, decision, evidence.to_dict() if evidence else None, model=model_name)
+                        stats, decision, evidence.to_dict() if evidence else None, model=model_name,
+                        auc_evidence=auc_evidence.to_dict() if auc_evidence else None)
+
+
+def paired_auc_evidence(journal, champion: str, challenger: str, since: float, config: CanaryConfig):
+    """The challenger − champion online AUC since the canary began, on the impressions both scored, with its
+    user-cluster always-valid interval (``max_auc_drop`` the mixing scale)."""
+    from recloop.evidence.sequential import paired_auc_difference
+
+    labels, champion_scores, challenger_scores, users = journal.paired_scores(champion, challenger, since)
+    return paired_auc_difference(labels, champion_scores, challenger_scores, users, tau=config.max_auc_drop,
+                                 alpha=config.alpha)
 
 
 def paired_evidence(journal, mode: Mode, champion: str, challenger: str, since: float, config: CanaryConfig):

@@ -7,7 +7,11 @@ between models as the canary grows (5 % → 25 % → 50 % → 100 %).
 
 The controller compares the challenger with the champion over the same period on guardrails, each judged
 after the bake time once its own figures rest on enough traffic: error rate and p99 latency
-(``min_requests``), online CTR and online AUC (``min_feedback``). A failed guardrail then rolls it back
+(``min_requests``). Online CTR and online AUC are compared *paired* only (their evidence needs
+``min_feedback``): the CTR on interleaved requests or a randomized A/B split (``evidence``), the AUC on both
+models' scores for the same impressions (``auc_evidence``), never one model's figure over its users against
+the other's over different users (user mix alone moved the pooled AUCs past the margin in a quarter of an
+identical challenger's canaries). A failed guardrail then rolls it back
 whatever else is still awaited; the other counts and the evidence only hold back a step or a promotion.
 Any NaN answer from the challenger rolls it back at once.
 
@@ -75,8 +79,9 @@ class CanaryConfig:
         max_error_rate_increase: absolute increase of the error rate allowed over the champion.
         max_p99_ratio: challenger p99 scoring latency (the model's own time per request) at most this
             multiple of the champion's.
-        max_ctr_drop: relative drop of online CTR allowed (0.05 = 5 %).
-        max_auc_drop: absolute drop of online AUC allowed (when both have one).
+        max_auc_drop: the online AUC margin: the challenger is rolled back when its AUC *on the same
+            impressions as the champion's* (paired: interleaved, shadowed or paired requests) is shown, by
+            the always-valid interval, more than this below the champion's (also the test's mixing scale).
         mode: ``interleave`` (default for rankers: team-draft interleaving of both rankings for the share
             of requests), ``canary`` (A/B by user) or ``shadow``.
         min_effect: the smallest relative CTR difference that matters: the always-valid test is tuned to
@@ -92,8 +97,7 @@ class CanaryConfig:
     min_feedback: int = 200
     max_error_rate_increase: float = 0.01
     max_p99_ratio: float = 1.5
-    max_ctr_drop: float = 0.05
-    max_auc_drop: float = 0.02
+    max_auc_drop: float = 0.01
     mode: Mode = "interleave"
     min_effect: float = 0.05
     alpha: float = 0.05
@@ -104,6 +108,28 @@ class CanaryConfig:
         """The shares step by step: the last one (100 %) keeps the champion holdout."""
         last = self.steps[-1]
         return (*self.steps[:-1], last - self.holdout) if last >= 1.0 and self.holdout > 0 else self.steps
+
+
+# What a canary judges by (the shipped values are ``CanaryConfig()``'s) and what only sets its pace: a
+# deployment (the demo, a benchmark, a busy or a quiet site) may change the pace, never the margins, so every
+# canary promotes and rolls back by the same standard (the demo once ran at a 30 % minimum effect and no AUC
+# guardrail, and promoted a quarter of 10 %-worse challengers).
+MARGINS = ("max_error_rate_increase", "max_p99_ratio", "max_auc_drop", "min_effect", "alpha")
+PACE = ("steps", "bake_seconds", "min_requests", "min_feedback", "max_users", "holdout", "mode")
+
+
+def shipped(**pace) -> CanaryConfig:
+    """The shipped canary (``CanaryConfig()``'s margins) at a pace of one's own (``PACE`` fields only).
+
+    Example::
+
+        shipped(steps=(0.5, 1.0), bake_seconds=0, min_requests=15)   # the demo's small world
+    """
+    margins = sorted(set(pace) - set(PACE))
+    if margins:
+        raise ValueError(f"{margins} are the canary's margins, the same for every deployment: only "
+                         f"{', '.join(PACE)} set a canary's pace")
+    return CanaryConfig(**pace)
 
 
 @dataclass(frozen=True)
@@ -136,12 +162,18 @@ def start(config: CanaryConfig, mode: Mode | None = None) -> CanaryDecision:
 
 def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState, config: CanaryConfig,
            now: float, load_error: str | None = None, evidence=None,
-           require_non_inferiority: bool = True) -> CanaryDecision:
+           require_non_inferiority: bool = True, auc_evidence=None) -> CanaryDecision:
     """Hold, step the share up, promote (after the last step) or roll back; with reasons and figures.
 
     ``load_error``: why a serving process could not load the challenger; it is rolled back at once.
     ``evidence``: the paired CTR comparison (a ``Difference``: relative challenger − champion with its
-    always-valid interval); when given it replaces the raw CTR ratio (see the module docstring).
+    always-valid interval); the online CTR is judged on it alone. Without it (shadow: the challenger served
+    nobody) the CTR is not judged: the two variants' CTRs are over different users, and their raw ratio
+    rolled back identical challengers on user mix alone.
+    ``auc_evidence``: the paired online AUC comparison (a ``Difference`` of challenger − champion AUC on
+    the same impressions, ``evidence.sequential.paired_auc_difference``); the AUC guardrail is judged on it
+    alone. The two variants' own pooled AUCs (``VariantStats.online_auc``, over different users) are
+    reported in the figures, never compared.
     ``require_non_inferiority``: promotion from the last step needs the evidence to show non-inferiority
     (the ranker's rule). False (the retriever's A/B canary): the evidence only rolls back a challenger it
     shows significantly worse, and promotion rides on the guardrails.
@@ -180,13 +212,15 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
             challenger.p99_ms > config.max_p99_ratio * champion.p99_ms:
         failures.append(f"p99 latency {challenger.p99_ms:.1f} ms vs champion {champion.p99_ms:.1f} ms "
                         f"(at most {config.max_p99_ratio}x)")
-    if judged and enough_feedback and evidence is None and champion.ctr > 0 and \
-            challenger.ctr < champion.ctr * (1 - config.max_ctr_drop):
-        failures.append(f"online CTR {challenger.ctr:.4f} vs champion {champion.ctr:.4f} "
-                        f"(at most {config.max_ctr_drop:.0%} lower)")
-    if judged and enough_feedback and challenger.online_auc is not None and champion.online_auc is not None and \
-            champion.online_auc - challenger.online_auc > config.max_auc_drop:
-        failures.append(f"online AUC {challenger.online_auc:.4f} vs champion {champion.online_auc:.4f}")
+    if auc_evidence is not None:
+        figures.update({"auc_effect": auc_evidence.estimate, "auc_effect_low": auc_evidence.low,
+                        "auc_effect_high": auc_evidence.high, "auc_evidence_users": auc_evidence.units})
+        # paired on the same impressions, always-valid: judged at any look (no bake), like the CTR evidence
+        if auc_evidence.high < -config.max_auc_drop and enough_requests and enough_feedback:
+            failures.append(f"online AUC significantly worse on the same impressions ({auc_evidence.method}): "
+                            f"{auc_evidence.estimate:+.4f} [{auc_evidence.low:+.4f}, {auc_evidence.high:+.4f}], "
+                            f"more than {config.max_auc_drop} below the champion, always-valid at alpha "
+                            f"{config.alpha}")
     if evidence is not None:
         figures.update({"ctr_effect": evidence.estimate, "ctr_effect_low": evidence.low,
                         "ctr_effect_high": evidence.high, "evidence_users": evidence.units,

@@ -15,9 +15,14 @@ and per slice (new vs returning users, top item categories, device), each slice 
 same slice. The first model ever (no champion) only has to pass the floors.
 
 The runner passes the paired comparison (``gate.paired``): then the change against the champion is judged
-on grouped AUC, overall by its estimate (hold or beat, the interval beside it) and per slice by a paired
-bootstrap over users with Holm across the slices, slices sized by power, so a slice's noise alone does
-not refuse a better model; the fixed thresholds above become the allowed drops.
+on grouped AUC, overall by a non-inferiority test against ``auc_margin`` (passed, refused, or *insufficient
+evidence* when the window is too small to tell; its power is reported) and per slice by a paired bootstrap
+over users with Holm across the slices, slices sized by power, so a slice's noise alone does not refuse a
+better model; the fixed per-mode drops above apply only without the paired comparison.
+
+Three verdicts (``GateDecision.verdict``): ``passed``, ``refused`` (any reason), ``insufficient evidence``
+(no reason to refuse, but the overall test could not decide: ``gate.runner`` hands the candidate to the
+canary, whose online test decides).
 
 Example::
 
@@ -43,6 +48,13 @@ class GateThresholds:
     click rate and refused good models at 48 %.
     ``baseline_auc_margin``: the candidate's AUC must reach the best simple baseline's
     (``recloop.baselines``) minus this; None: the baselines are reported, not enforced.
+    ``auc_margin``: the overall non-inferiority margin of the paired comparison (grouped AUC): a candidate
+    passes when its interval's bottom is above ``-auc_margin``; more than this worse is what the gate
+    exists to stop.
+    ``smoke_latency_ratio``: the serving smoke check's scoring time may be at most this multiple of the
+    champion's, both measured in the same fresh process (a busy host slows both alike).
+    ``smoke_budget_ms``: a budget for scoring 256 rows where there is no champion to compare with (the first
+    model); None: the first model's latency is measured and reported, not judged.
     """
 
     min_auc: float = 0.55
@@ -55,6 +67,9 @@ class GateThresholds:
     max_auc_drop_full: float = 0.0
     max_slice_auc_drop: float = 0.01
     min_slice_rows: int = 200
+    auc_margin: float = 0.01
+    smoke_latency_ratio: float = 3.0
+    smoke_budget_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -66,17 +81,35 @@ class ModelScores:
     slices: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+Verdict = Literal["passed", "refused", "insufficient evidence"]
+
+
 @dataclass(frozen=True)
 class GateDecision:
+    """``passed`` only when nothing refuses and the overall test decided; ``insufficient``: why the
+    overall test could not (``verdict`` says which of the three it is)."""
+
     passed: bool
     reasons: tuple[str, ...]
     figures: dict[str, dict[str, float | None]]
     first_model: bool
+    insufficient: tuple[str, ...] = ()
+
+    @property
+    def verdict(self) -> Verdict:
+        return verdict_of(self.reasons, self.insufficient)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["reasons"] = list(self.reasons)
+        out["insufficient"] = list(self.insufficient)
+        out["verdict"] = self.verdict
         return out
+
+
+def verdict_of(reasons, insufficient) -> Verdict:
+    """Refused when anything refuses; else insufficient evidence when the overall test could not decide."""
+    return "refused" if reasons else "insufficient evidence" if insufficient else "passed"
 
 
 def floor_failures(scores: ModelScores, thresholds: GateThresholds) -> list[str]:
@@ -124,8 +157,10 @@ def decide(candidate: ModelScores, champion: ModelScores | None, thresholds: Gat
         name: {"candidate": overall.get(name), "champion": champion.overall.get(name) if champion else None}
         for name in ("auc", "logloss", "calibration", "rows")
     }
+    insufficient: list[str] = []
     if champion is not None and paired is not None:
         reasons += list(paired.failures)
+        insufficient += list(paired.insufficient)
         figures.update(paired.figures)
         if paired.skipped_slices:
             figures["slices too small to judge"] = {s: None for s in paired.skipped_slices}
@@ -146,7 +181,8 @@ def decide(candidate: ModelScores, champion: ModelScores | None, thresholds: Gat
             if math.isfinite(slice_drop) and slice_drop > thresholds.max_slice_auc_drop:
                 reasons.append(f"slice {name}: auc dropped {slice_drop:.4f} (at most "
                                f"{thresholds.max_slice_auc_drop} allowed per slice)")
-    return GateDecision(passed=not reasons, reasons=tuple(reasons), figures=figures, first_model=champion is None)
+    return GateDecision(passed=not reasons and not insufficient, reasons=tuple(reasons), figures=figures,
+                        first_model=champion is None, insufficient=tuple(insufficient))
 
 
 def skipped_slices(candidate: ModelScores, champion: ModelScores | None, thresholds: GateThresholds) -> dict[str, str]:
@@ -176,11 +212,12 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
     same model, named beside the gate's (they are computed on different rows: a reviewer saw 0.6574 and 0.6439
     with no word why)."""
     thresholds = thresholds or GateThresholds()
-    verdict = "PASSED" if decision.passed else "FAILED"
+    verdict = {"passed": "PASSED", "refused": "FAILED", "insufficient evidence": "INSUFFICIENT EVIDENCE (the canary "
+               "decides)"}[decision.verdict]
     allowed = thresholds.max_auc_drop_incremental if mode == "incremental" else thresholds.max_auc_drop_full
     lines = [f"# Gate: version {version} ({mode}) vs champion {champion_version or '(none: first model)'}",
              "", f"**{verdict}**", ""]
-    lines += [f"- {reason}" for reason in decision.reasons] or ["- every check passed"]
+    lines += [f"- {reason}" for reason in (*decision.reasons, *decision.insufficient)] or ["- every check passed"]
     low, high = thresholds.calibration_range
     paired = decision.figures.get("grouped_auc")
     versus = "; vs champion: the paired comparison below" if paired else f"; drop ≤ {allowed} vs champion"
@@ -197,7 +234,7 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
         lines.append(f"| {name} | {_fmt(mine)} | {_fmt(theirs)} | {rule[name]} |")
     lines += _which_auc(candidate, run_auc, decision.figures)
     if paired:
-        lines += _paired_markdown(decision.figures, allowed)
+        lines += _paired_markdown(decision.figures, paired.get("margin", allowed))
     skipped = skipped_slices(candidate, champion, thresholds)
     if paired:  # what the paired comparison judged is above; this table is the slices' plain AUCs
         lines += ["", "Slices' pooled AUC (for reference; the paired comparison above decided):", "",
@@ -259,11 +296,12 @@ def _paired_markdown(figures: dict, allowed: float) -> list[str]:
                 if overall.get("served_rows_excluded") else "") + ".", "",
              "| test | candidate | champion | difference [95 % CI] | rule | p (worse) | verdict |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    holds = overall["difference"] >= -allowed
+    verdict = "non-inferior" if overall["low"] > -allowed else "REFUSED: worse" if overall["high"] < 0 else \
+        "insufficient evidence"
     lines.append(f"| overall | {_fmt(overall['candidate'])} | {_fmt(overall['champion'])} | "
                  f"{overall['difference']:+.4f} [{overall['low']:+.4f}, {overall['high']:+.4f}] | "
-                 f"hold or beat: estimate ≥ −{allowed} | {_fmt(overall.get('p_worse'))} | "
-                 f"{'holds' if holds else 'REFUSED'} |")
+                 f"non-inferiority: bottom > −{allowed} | {_fmt(overall.get('p_worse'))} | {verdict} |")
+
     for key, row in figures.items():
         if not key.startswith("slice "):
             continue
@@ -273,6 +311,9 @@ def _paired_markdown(figures: dict, allowed: float) -> list[str]:
                      f"not significantly worse by > {row.get('allowed_drop')} (Holm, alpha 0.05) | "
                      f"{_fmt(row.get('p_worse_holm'))} | "
                      f"{'REFUSED' if worse else 'holds'} |")
+    if overall.get("power") is not None:
+        lines += ["", f"The window's power (an equal model shown non-inferior at margin {allowed}): "
+                  f"{overall['power']:.0%}; about {int(overall.get('users_for_power') or 0)} users would give 80 %."]
     small = list(figures.get("slices too small to judge") or {})
     if small:
         lines += ["", "Slices too small to judge (fewer rows than a power calculation asks for): " + "; ".join(small)]

@@ -27,6 +27,7 @@ from recloop.gate.decision import (
     decide,
     report_markdown,
     skipped_slices,
+    verdict_of,
 )
 from recloop.gate.paired import HeldOut, PairedConfig, compare
 from recloop.hours import parse_hour
@@ -63,11 +64,15 @@ class GateOutcome:
     figures: dict[str, dict[str, float | None]]
     report: str
     baselines: dict[str, dict] = field(default_factory=dict)  # recloop.baselines on the same held-out rows
+    # passed, refused, or insufficient evidence (the candidate goes to the canary: ``alias`` is challenger)
+    verdict: str = "passed"
+    insufficient: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """JSON-ready (CLI, flow results): overall figures of both models; the report left out."""
         out = asdict(self)
         out["reasons"] = list(self.reasons)
+        out["insufficient"] = list(self.insufficient)
         out["candidate"] = dict(self.candidate.overall)
         out["champion_scores"] = dict(self.champion_scores.overall) if self.champion_scores else None
         del out["report"]
@@ -127,10 +132,22 @@ def held_out_rows(files: list[Path], user_key: str | None, timestamp: str | None
     return {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
 
 
-def serving_smoke_check(settings: Settings, version: str, example_file: str, budget_ms: float = 500.0) -> str | None:
-    """Load the registered version in a fresh process and score a sample; a reason string if it fails.
+SMOKE_ROWS = 256
+SMOKE_REPEATS = 5
 
-    The fresh process opens the version's verified download (``checkpoint.model_folder``: the bytes serving
+
+def serving_smoke_check(settings: Settings, version: str, example_file: str, champion: str | None = None,
+                        thresholds: GateThresholds | None = None) -> tuple[str | None, dict[str, float | None]]:
+    """Load the registered version in a fresh process and score a sample: a reason string if it fails, and
+    the timings.
+
+    Its speed is judged against the champion's, loaded and timed in the same process on the same rows
+    (alternating, median of ``SMOKE_REPEATS``): at most ``smoke_latency_ratio`` times slower. A busy host
+    slows both alike, so load alone cannot refuse a healthy model (a fixed 500 ms per 256 rows refused the
+    demo's first model twice under load). The first model has no champion: judged by ``smoke_budget_ms``
+    from the thresholds file when one is set, else timed and reported only.
+
+    The fresh process opens each version's verified download (``checkpoint.model_folder``: the bytes serving
     loads, fetched once by the gate's scoring), so it pays for Python, torch and MLflow's pyfunc, not for
     MLflow's tracking store and a second download (8 s against 12 s on a 2-core CPU)."""
     import subprocess
@@ -138,26 +155,55 @@ def serving_smoke_check(settings: Settings, version: str, example_file: str, bud
 
     from recloop import checkpoint
 
+    thresholds = thresholds or GateThresholds()
+    timing: dict[str, float | None] = {"candidate_ms": None, "champion_ms": None,
+                                       "ratio_allowed": thresholds.smoke_latency_ratio,
+                                       "budget_ms": thresholds.smoke_budget_ms}
     try:
-        folder = checkpoint.model_folder(settings, version)
+        folders = [str(checkpoint.model_folder(settings, version))]
     except checkpoint.CheckpointError as err:  # the registry's copy is damaged: this version cannot be served
-        return f"serving check: {str(err)[-300:]}"
+        return f"serving check: {str(err)[-300:]}", timing
+    try:
+        if champion is not None:
+            folders.append(str(checkpoint.model_folder(settings, champion)))
+    except checkpoint.CheckpointError:  # the champion's copy: not the candidate's fault; no ratio then
+        champion = None
     code = (
-        "import json, sys, time, mlflow.pyfunc, pyarrow.parquet as pq\n"
-        "model = mlflow.pyfunc.load_model(sys.argv[1])\n"
-        "rows = pq.read_table(sys.argv[2]).slice(0, 256).to_pandas()\n"
-        "model.predict(rows)\nstarted = time.perf_counter(); out = model.predict(rows)\n"
-        "print(json.dumps({'ms': (time.perf_counter() - started) * 1000, 'finite': bool((out == out).all())}))\n"
+        "import json, statistics, sys, time, mlflow.pyfunc, pyarrow.parquet as pq\n"
+        f"rows = pq.read_table(sys.argv[1]).slice(0, {SMOKE_ROWS}).to_pandas()\n"
+        "models = [mlflow.pyfunc.load_model(f) for f in sys.argv[2:]]\n"
+        "outs = [m.predict(rows) for m in models]\n"
+        "times = [[] for _ in models]\n"
+        f"for _ in range({SMOKE_REPEATS}):\n"
+        "    for m, t in zip(models, times):\n"
+        "        began = time.perf_counter(); m.predict(rows); t.append((time.perf_counter() - began) * 1000)\n"
+        "print(json.dumps({'ms': [statistics.median(t) for t in times], 'finite': bool((outs[0] == outs[0]).all())}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code, str(folder), example_file], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code, example_file, *folders], capture_output=True, text=True,
                           timeout=300)
     if done.returncode != 0:
-        return f"serving check: the model does not load in a fresh process: {done.stderr.strip()[-300:]}"
+        return f"serving check: the model does not load in a fresh process: {done.stderr.strip()[-300:]}", timing
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    timing["candidate_ms"] = float(result["ms"][0])
+    if champion is not None:
+        timing["champion_ms"] = float(result["ms"][1])
     if not result["finite"]:
-        return "serving check: the loaded model scores NaN"
-    if result["ms"] > budget_ms:
-        return f"serving check: scoring 256 rows took {result['ms']:.0f} ms (budget {budget_ms:.0f} ms)"
+        return "serving check: the loaded model scores NaN", timing
+    return smoke_latency_failure(timing["candidate_ms"], timing["champion_ms"], thresholds), timing
+
+
+def smoke_latency_failure(candidate_ms: float, champion_ms: float | None, thresholds: GateThresholds) -> str | None:
+    """Why the candidate's scoring time fails the smoke check (None: it does not): against the champion's
+    measured beside it, or the thresholds' budget for a first model."""
+    if champion_ms is not None and champion_ms > 0:
+        if candidate_ms > thresholds.smoke_latency_ratio * champion_ms:
+            return (f"serving check: scoring {SMOKE_ROWS} rows took {candidate_ms:.0f} ms, "
+                    f"{candidate_ms / champion_ms:.1f}x the champion's {champion_ms:.0f} ms in the same process "
+                    f"(at most {thresholds.smoke_latency_ratio}x)")
+        return None
+    if thresholds.smoke_budget_ms is not None and candidate_ms > thresholds.smoke_budget_ms:
+        return (f"serving check: scoring {SMOKE_ROWS} rows took {candidate_ms:.0f} ms (the thresholds' budget for a "
+                f"model with no champion to compare with: {thresholds.smoke_budget_ms:.0f} ms)")
     return None
 
 
@@ -233,7 +279,7 @@ def _refuse_unloadable(settings: Settings, client, info, champion_version: str |
     registry.tag(settings, version, registry.gate_tag(False, champion=champion_version,
                                                       window=list(info.validation_window or ()), reasons=reasons))
     return GateOutcome(version, False, tuple(reasons), None, champion_version, mode, champion_version is None,
-                       empty, None, {}, report)
+                       empty, None, {}, report, verdict="refused")
 
 
 def _log_gate_metrics(client, run_id: str, passed: bool, candidate: ModelScores, champion: ModelScores | None) -> None:
@@ -321,8 +367,7 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
             all(np.isfinite(m["scores"]).all() for m in (mine, theirs)):
         held = HeldOut(mine["labels"], mine["scores"], theirs["scores"], kept(rows["groups"]), kept(rows["users"]),
                        mine["slices"], int(rows["served"].sum()) if keep is not None else 0)
-        allowed = thresholds.max_auc_drop_incremental if mode == "incremental" else thresholds.max_auc_drop_full
-        paired = compare(held, allowed, thresholds.max_slice_auc_drop, PairedConfig())
+        paired = compare(held, thresholds.auc_margin, thresholds.max_slice_auc_drop, PairedConfig())
     decision = decide(candidate, champion, thresholds, mode, paired)  # type: ignore[arg-type]
     reasons = list(decision.reasons)
     if champion_version is not None:
@@ -336,11 +381,14 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     reasons += baselines.failures(candidate.overall.get("auc", float("nan")), baseline_figures,
                                   thresholds.baseline_auc_margin)
     if smoke_check:
-        problem = serving_smoke_check(settings, candidate_version, str(files[0]))
+        problem, timing = serving_smoke_check(settings, candidate_version, str(files[0]), champion_version,
+                                              thresholds)
+        decision.figures["serving smoke check"] = timing
         if problem:
             reasons.append(problem)
-    passed = not reasons
-    decision = GateDecision(passed, tuple(reasons), decision.figures, decision.first_model)
+    verdict = verdict_of(reasons, decision.insufficient)
+    passed = verdict == "passed"
+    decision = GateDecision(passed, tuple(reasons), decision.figures, decision.first_model, decision.insufficient)
     run_auc = client.get_run(info.run_id).data.metrics.get("auc")  # the trainer's: named beside the gate's
     report = report_markdown(decision, candidate, champion, candidate_version, champion_version, mode, thresholds,
                              run_auc)
@@ -354,7 +402,8 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
         passed, champion=champion_version, window=list(info.validation_window or ()), reasons=reasons,
         auc=candidate.overall.get("auc"), champion_auc=champion.overall.get("auc") if champion else None,
         best_baseline={"name": best_name, "auc": best_value} if best_name else None,
-        skipped_slices=skipped_slices(candidate, champion, thresholds), thresholds=asdict(thresholds)))
+        skipped_slices=skipped_slices(candidate, champion, thresholds), thresholds=asdict(thresholds),
+        **({"insufficient_evidence": list(decision.insufficient)} if verdict == "insufficient evidence" else {})))
     alias = None
     if passed and champion_version is None:
         registry.promote(settings, candidate_version, who="gate", why="first model: passed the absolute floors")
@@ -364,8 +413,18 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
 
         controller.set_challenger(settings, candidate_version, who="gate", why="passed the gate")
         alias = "challenger"
+    elif verdict == "insufficient evidence":
+        # The held-out window could not tell it from the champion within the margin: neither a pass on a coin
+        # nor a refusal of what may be a better model. The canary decides: it promotes only on online
+        # non-inferiority (always-valid, paired), and rolls back what it shows worse.
+        from recloop.canary import controller
+
+        controller.set_challenger(settings, candidate_version, who="gate",
+                                  why="insufficient evidence offline: " + "; ".join(decision.insufficient))
+        alias = "challenger"
     return GateOutcome(candidate_version, passed, tuple(reasons), alias, champion_version, mode,
-                       decision.first_model, candidate, champion, decision.figures, report, baseline_figures)
+                       decision.first_model, candidate, champion, decision.figures, report, baseline_figures,
+                       verdict, decision.insufficient)
 
 
 def _baselines(settings: Settings, held_out: list[Path], schema) -> dict[str, dict]:

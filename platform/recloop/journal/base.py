@@ -301,21 +301,49 @@ class Journal(ABC):
         table = np.array(list(requests.values()), dtype=np.int64).reshape(-1, 3)
         return table[:, 0], table[:, 1], table[:, 2]
 
-    def served_predictions(self, version: str, event_window: tuple[int, int] | None = None,
+    def paired_scores(self, champion: str, challenger: str, since: float | None = None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per impression since ``since`` that *both* versions scored (interleaved requests, shadowed ones, and
+        an A/B challenger's requests, which the champion scores too): the label, the champion's score, the
+        challenger's and the user. The canary's paired online AUC rests on these: the same impressions for
+        both models, whatever the mix of users each served."""
+        self.flush()
+        where, params = _request_window(since)
+        rows = self._query(
+            "SELECT f.label, f.scores, r.user_id FROM feedback f JOIN requests r USING (request_id) "
+            f"WHERE f.scores LIKE ? {''.join(f'AND {c} ' for c in where)}",
+            [f'%"{challenger}":%', *params])
+        labels, first, second, users = [], [], [], []
+        for label, raw, user_id in rows:
+            scores = json.loads(raw)
+            a, b = scores.get(champion), scores.get(challenger)
+            if a is None or b is None:
+                continue
+            labels.append(label)
+            first.append(a)
+            second.append(b)
+            users.append(user_id)
+        return (np.asarray(labels, dtype=np.int64), np.asarray(first, dtype=np.float64),
+                np.asarray(second, dtype=np.float64), np.asarray(users, dtype=np.int64))
+
+    def served_predictions(self, version: str | None, event_window: tuple[int, int] | None = None,
                            segments: tuple[str, ...] = ("device",)) -> dict[str, np.ndarray]:
         """Per impression ``version`` served (interleaved requests left out), with event time in the window:
         the label, the version's own predicted probability, the user and each segment column's value (from
-        the request's context)."""
+        the request's context). ``version=None``: every version's, each impression with the prediction of the
+        version that served it (the model line's served history, across champions)."""
         self.flush()
         window, params = _request_window(event_window=event_window)
-        where, params = ["r.variant <> 'interleave'", "r.served_version = ?", *window], [version, *params]
+        by_version = ["r.served_version = ?"] if version is not None else []
+        where = ["r.variant <> 'interleave'", *by_version, *window]
+        params = [version, *params] if version is not None else params
         rows = self._query(
-            f"SELECT f.label, f.scores, r.user_id, r.request_id, r.payload, f.item_id FROM feedback f "
+            f"SELECT f.label, f.scores, r.user_id, r.request_id, r.payload, f.item_id, r.served_version FROM feedback f "
             f"JOIN requests r USING (request_id) WHERE {' AND '.join(where)}", params)
         out: dict[str, list] = {"labels": [], "predictions": [], "users": [], **{c: [] for c in segments}}
         payloads: dict[str, dict] = {}
-        for label, scores, user_id, request_id, raw, item in rows:
-            score = json.loads(scores).get(version)
+        for label, scores, user_id, request_id, raw, item, served_by in rows:
+            score = json.loads(scores).get(version if version is not None else served_by)
             if score is None:
                 continue
             payload = payloads.setdefault(request_id, json.loads(raw))

@@ -244,7 +244,8 @@ BASELINE_DAYS, DAY_US = 7, 86_400 * 1_000_000
 
 def champion_concept(settings: Settings, current_champion: Champion | None, window: Window,
                      config: MonitorConfig) -> tuple[list[str], dict] | None:
-    """Concept drift (``monitor.concept``) from the champion's served feedback with event time in the window."""
+    """Concept drift (``monitor.concept``) from the champion's served feedback with event time in the window,
+    against its own served history, or the model line's (every champion's) when it has too little of its own."""
     from recloop.journal import open_journal
     from recloop.monitor.concept import concept_findings
 
@@ -263,6 +264,12 @@ def champion_concept(settings: Settings, current_champion: Champion | None, wind
         since = max(first, start - BASELINE_DAYS * DAY_US) if first is not None and first < start else \
             start - (end - start)
         before = journal.served_predictions(current_champion.version, (since, start))
+        if len(before["labels"]) < config.min_impressions:
+            # A champion promoted daily has (almost) no served history of its own: the reference is the model
+            # line's, every champion's served feedback of the week before (each impression with the prediction
+            # of the version that served it). Without it the concept check never judged in the real loop
+            # (gradual drift: 0 of 3 checks), only beside it with a frozen champion.
+            before = journal.served_predictions(None, (start - BASELINE_DAYS * DAY_US, start))
     finally:
         journal.close()
     return concept_findings(served["labels"], served["predictions"], served["users"], {"device": served["device"]},

@@ -253,6 +253,9 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
             raise HTTPException(500, f"model v{ranker.version} could not score this request ({status})")
         if live.challenger is not None and live.mode == "shadow":
             svc._evaluate(live.challenger, rows, "shadow", evaluations, all_scores)
+        if ranker_variant == "challenger" and live.mode == "canary" and status == "ok":
+            # as on /rank: the champion scores the challenger's candidates too, for the paired online AUC
+            svc._evaluate(live.champion, rows, "paired", evaluations, all_scores)
         if ranker_variant == "challenger" and live.mode == "interleave" and status == "ok":
             # the interleaved canary, as on /rank: both rankings, merged by team draft in the order stage
             champion_scores, champion_status = svc._evaluate(live.champion, rows, "interleave", evaluations,

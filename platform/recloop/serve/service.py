@@ -166,6 +166,10 @@ class Service:
             raise HTTPException(500, f"model v{served.version} could not score this request ({status})")
         if live.challenger is not None and live.mode == "shadow":
             self._evaluate(live.challenger, rows, "shadow", evaluations, all_scores)
+        if variant == "challenger" and live.mode == "canary" and status == "ok":
+            # the champion scores the challenger's requests too (not shown): the canary's online AUC compares
+            # both on the same impressions, never over two different sets of users
+            self._evaluate(live.champion, rows, "paired", evaluations, all_scores)
 
         k = body.top_k or len(body.item_ids)
         extra: dict = {}

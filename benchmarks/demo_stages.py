@@ -1,0 +1,73 @@
+"""One simulated day of ``recloop demo``, per stage, with a cProfile of the whole run.
+
+    python benchmarks/demo_stages.py [--days 2] [--events-per-day 10000] [--json out.json] [--profile out.prof]
+
+Runs ``demo.run_demo`` (bootstrap day 0, then ``days - 1`` simulated days, no twin, no daily full retrain)
+in a temporary ``RECLOOP_HOME`` and times each stage the demo announces (``on_stage``: landing, serving
+rounds with canary checks, night: ingest, features, drift check, retrain and gate), then lists the
+functions with the largest cumulative time: where a day's fixed costs are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+from common import machine, use_source_tree
+
+use_source_tree()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--days", type=int, default=2)
+    parser.add_argument("--events-per-day", type=int, default=10_000)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path)
+    args = parser.parse_args()
+
+    from recloop.demo import DemoConfig, run_demo
+    from recloop.settings import Settings
+
+    stages: list[dict] = []
+    last = [time.perf_counter()]
+
+    def on_stage(day: int, what: str) -> None:
+        now = time.perf_counter()
+        if stages:
+            stages[-1]["seconds"] = round(now - last[0], 1)
+        stages.append({"day": day, "stage": what})
+        last[0] = now
+
+    with tempfile.TemporaryDirectory() as home:
+        settings = Settings(home=Path(home) / "home", frame_backend="pandas")
+        config = DemoConfig(days=args.days, events_per_day=args.events_per_day, twin=False, daily_full=False)
+        profiler = cProfile.Profile()
+        began = time.perf_counter()
+        profiler.enable()
+        summary = run_demo(settings, config, on_stage=on_stage)
+        profiler.disable()
+        total = time.perf_counter() - began
+        stages[-1]["seconds"] = round(time.perf_counter() - last[0], 1)
+    if args.profile:
+        profiler.dump_stats(str(args.profile))
+    top = pstats.Stats(profiler)
+    top.sort_stats("cumulative")
+    print(f"total {total:.1f} s; per day: {[d.get('seconds') for d in summary['days']]}")
+    for row in stages:
+        print(f"  day {row['day']}: {row.get('seconds', 0):>7.1f} s  {row['stage']}")
+    top.print_stats(35)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "total_seconds": total, "stages": stages,
+                                         "days": [{k: d.get(k) for k in ("day", "seconds", "retrain", "gate",
+                                                                          "canary", "drift")}
+                                                  for d in summary["days"]]}, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
