@@ -178,6 +178,75 @@ def test_serving_starts_with_a_dead_mlflow_and_says_so(fresh: Settings, tmp_path
         assert http.post("/admin/reload", headers=AUTH).status_code == 503
 
 
+def closed_port_uri() -> str:
+    """A registry URI that refuses connections: a local port nothing listens on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.mark.timeout(240)
+def test_serving_started_while_mlflow_is_down_serves_its_last_known_versions(fresh: Settings, tmp_path: Path,
+                                                                            copy_home):
+    """A replica restarted during an MLflow outage serves the champion and challenger it served last, from its
+    verified cache, ready but degraded (and a metric says so), instead of 503 on every request."""
+    version = register_copy_of_champion(fresh)
+    start_canary(fresh, version)
+    with TestClient(create_app(fresh)) as http:  # served once with the registry up: cache and record filled
+        assert http.get("/healthz").json()["versions"] == {"champion": "1", "challenger": version}
+    dead = closed_port_uri()
+    home = copy_home(fresh, tmp_path / "home", feast=True, mlflow_tracking_uri=dead, admin_token=TOKEN)
+    with TestClient(create_app(home)) as http:
+        health = http.get("/healthz")
+        assert health.status_code == 200 and health.json()["ready"], health.json()
+        assert health.json()["versions"] == {"champion": "1", "challenger": version}
+        assert health.json()["share"] == 0.5
+        [degraded] = health.json()["degraded"]
+        assert degraded.startswith("ranker: serving the last known versions") and f"MLflow at {dead}" in degraded
+        ranked = http.post("/rank", json=RANK)
+        assert ranked.status_code == 200 and ranked.json()["model_version"] in ("1", version)
+        scraped = http.get("/metrics").text
+        assert 'recloop_serving_degraded{model="ranker"} 1.0' in scraped
+        assert 'recloop_serving_degraded{model="retriever"} 0.0' in scraped  # none registered: none to serve
+        assert http.post("/admin/reload", headers=AUTH).status_code == 503  # versions cannot change meanwhile
+
+
+@pytest.mark.timeout(240)
+def test_a_pool_started_from_its_cache_catches_up_when_the_registry_returns(fresh: Settings, tmp_path: Path,
+                                                                           copy_home):
+    from recloop.serve.models import ModelPool, load_version, registry_wanted
+
+    assert ModelPool(fresh).try_sync()  # served v1 with the registry up: remembered
+    down = copy_home(fresh, tmp_path / "down", mlflow_tracking_uri=closed_port_uri())
+    registry_of = {"now": down}  # the replica's registry: down at start-up, back later (the same store)
+    pool = ModelPool(down, source=lambda settings: registry_wanted(registry_of["now"]),
+                     loader=lambda settings, v: load_version(registry_of["now"], v))
+    assert pool.try_sync()
+    assert pool.live.versions == {"champion": "1", "challenger": None}
+    assert pool.degraded and "unreachable" in pool.degraded and pool.registry_read_at is None
+    assert not pool.try_sync() and pool.degraded  # still down: still the cache's versions, still degraded
+    moved = register_copy_of_champion(fresh)
+    registry.set_alias(fresh, "champion", moved, who="test", why="promoted during the outage")
+    try:
+        registry_of["now"] = fresh
+        assert pool.try_sync()
+        assert pool.live.versions == {"champion": moved, "challenger": None}
+        assert pool.degraded is None and pool.last_error is None and pool.registry_read_at is not None
+    finally:
+        registry.set_alias(fresh, "champion", "1", who="test", why="reset")
+
+
+def test_no_cached_copy_of_the_last_known_champion_is_no_champion(fresh: Settings, tmp_path: Path, copy_home):
+    from recloop.serve.models import ModelPool
+
+    assert ModelPool(fresh).try_sync()
+    down = copy_home(fresh, tmp_path / "down", mlflow_tracking_uri=closed_port_uri())
+    shutil.rmtree(checkpoint.cache_dir(down) / registry.MODEL_NAME / "v1")  # the record stays, the files do not
+    pool = ModelPool(down)
+    assert not pool.try_sync() and pool.live.champion is None
+    assert "does not load from the verified cache" in pool.last_error and "MLflow at" in pool.last_error
+
+
 # --- the gate -----------------------------------------------------------------------------------------------
 
 

@@ -53,7 +53,7 @@ from recloop.serve.body_limit import BodyLimit
 from recloop.serve.features import OnlineReader, RequestError, RequestFeatures, online_reader
 from recloop.serve.health import Readiness
 from recloop.serve.journal import FeedbackError, JournalBusy, UnknownRequest, open_journal
-from recloop.serve.metrics import ServingMetrics
+from recloop.serve.metrics import DegradedCollector, ServingMetrics
 from recloop.serve.models import Deployment, LoadFailure, ModelPool, load_retriever, registry_wanted, score
 from recloop.settings import Settings
 
@@ -178,7 +178,8 @@ class Service:
         # The retriever of /recommend: its own registered model, aliases, canary split (its own salt) and watcher.
         self.retrievers = retrievers or ModelPool(settings, loader=load_retriever, salt="recloop-retriever-canary",
                                                   source=partial(registry_wanted, model_name=RETRIEVER_NAME),
-                                                  name="retriever")
+                                                  name="retriever", model_name=RETRIEVER_NAME)
+        self.metrics.registry.register(DegradedCollector({"ranker": self.pool, "retriever": self.retrievers}))
         self.retrievers.on_swap = lambda old, new: self._retriever_deployed(new)
         self.retrievers.on_load_failure = partial(self._load_failed, model_name=RETRIEVER_NAME)
         self.unavailable = UnavailableItems(settings.unavailable_items_path)
@@ -426,7 +427,10 @@ def healthz(svc: ServiceDep) -> JSONResponse:
             "share": live.share, "mode": live.mode, "feature_state": svc.features.state_version,
             "swaps": svc.pool.swaps, "watcher_error": svc.pool.last_error,
             "load_failures": {v: f.reason for v, f in svc.pool.failures.items()},
-            "retriever": _retriever_health(svc)}
+            "retriever": _retriever_health(svc),
+            # ready but degraded: scoring works, versions cannot change until the registry answers again
+            "degraded": [f"{name}: {pool.degraded}" for name, pool in (("ranker", svc.pool),
+                                                                      ("retriever", svc.retrievers)) if pool.degraded]}
     return JSONResponse(body, status_code=200 if verdict.ready else 503)
 
 
