@@ -365,8 +365,13 @@ def train_command(
             f"{name} {scores['auc']:.4f}" for name, scores in summary.baselines.items()))
     if summary.grown_tables:
         console.print(f"tables grown: {summary.grown_tables}")
+    for override in summary.overrides:
+        console.print(f"[yellow]overridden[/]: {override}")
     console.print(f"checkpoint: {summary.checkpoint}")
-    if track:
+    if track and result["mlflow"]["duplicate_of"]:
+        console.print(f"MLflow: run {result['mlflow']['run_id']} trained the same weights as version "
+                      f"{result['mlflow']['duplicate_of']}: no new version registered")
+    elif track:
         console.print(f"MLflow: run {result['mlflow']['run_id']}, registered as version {result['mlflow']['version']}")
 
 
@@ -392,7 +397,8 @@ def _track(summary) -> dict:
     from recloop import pipeline
 
     logged = pipeline.register_training(Settings(), summary)
-    return {"run_id": logged.run_id, "version": logged.version, "model_uri": logged.model_uri}
+    return {"run_id": logged.run_id, "version": logged.version, "model_uri": logged.model_uri,
+            "duplicate_of": logged.duplicate_of}
 
 
 @app.command("gate")
