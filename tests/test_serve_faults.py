@@ -49,10 +49,14 @@ def fresh(home: Settings):
 
 
 def register_copy_of_champion(home: Settings) -> str:
-    """A new version whose checkpoint is the champion's (same weights): a model that works."""
+    """A new version whose checkpoint is the champion's (same weights): a model that works. Its weights file is
+    written again with metadata: the very same file would be the champion's version (``registry.log_training``)."""
+    from safetensors.torch import load_file, save_file
+
     source = checkpoint.resolve(home, "1")
     target = home.home / "checkpoints" / f"copy-{uuid.uuid4().hex[:8]}" / source.name
     shutil.copytree(source, target)
+    save_file(load_file(target / "model.safetensors"), target / "model.safetensors", metadata={"copy": target.parent.name})
     base = TrainSummary(**checkpoint.read(source)["summary"])
     base.checkpoint, base.run_id = str(target), f"{base.run_id}-{target.parent.name}"
     return pipeline.register_training(home, base).version
@@ -245,6 +249,57 @@ def test_no_cached_copy_of_the_last_known_champion_is_no_champion(fresh: Setting
     pool = ModelPool(down)
     assert not pool.try_sync() and pool.live.champion is None
     assert "does not load from the verified cache" in pool.last_error and "MLflow at" in pool.last_error
+
+
+# --- a version's state tags --------------------------------------------------------------------------------
+
+
+def test_a_version_made_challenger_again_loses_its_stale_state_tags(fresh: Settings):
+    """A version rolled back (or that once failed to load) and made challenger again starts clean: a stale
+    ``serving.load_failed`` made the controller roll the new canary back at its first check."""
+    from recloop.canary.tag import CANARY_TAG, LOAD_FAILED_TAG
+
+    home = fresh
+    version = register_copy_of_champion(home)
+    start_canary(home, version)
+    registry.tag(home, version, {LOAD_FAILED_TAG: '{"reason": "then", "at": 0}', registry.ROLLED_BACK_TAG: "{}"})
+    registry.set_alias(home, "challenger", version, who="test", why="the same alias again: nothing changes")
+    assert {LOAD_FAILED_TAG, registry.ROLLED_BACK_TAG, CANARY_TAG} <= set(registry.version_info(home, version).tags)
+    registry.remove_alias(home, "challenger")
+    registry.set_challenger(home, version, who="test", why="tried again")
+    tags = registry.version_info(home, version).tags
+    assert not {LOAD_FAILED_TAG, registry.ROLLED_BACK_TAG, CANARY_TAG} & set(tags), tags
+    assert "alias.challenger" in tags
+    assert controller.running(home) is None  # no canary until it is started anew
+    registry.tag(home, "1", {registry.ROLLED_BACK_TAG: "{}"})
+    registry.set_alias(home, "champion", "1", who="test", why="already champion: its tags stay")
+    assert registry.ROLLED_BACK_TAG in registry.version_info(home, "1").tags
+    registry.tag(home, version, {registry.ROLLED_BACK_TAG: "{}"})
+    registry.promote(home, version, who="test", why="promoted after all")
+    assert registry.ROLLED_BACK_TAG not in registry.version_info(home, version).tags
+    registry.set_alias(home, "champion", "1", who="test", why="reset")
+
+
+def test_a_version_that_does_not_load_is_reported_again_when_appointed_again(fresh: Settings):
+    from recloop.serve.models import ModelPool
+
+    home = fresh
+    version = register_copy_of_champion(home)
+    stored = registry_file(home, version)
+    original = truncate(stored)
+    reported = []
+    pool = ModelPool(home)
+    pool.on_load_failure = reported.append
+    try:
+        registry.set_alias(home, "challenger", version, who="test", why="bad")
+        pool.try_sync()
+        registry.remove_alias(home, "challenger")
+        pool.try_sync()
+        registry.set_alias(home, "challenger", version, who="test", why="bad again")  # its tag was cleared...
+        pool.try_sync()
+    finally:
+        stored.write_bytes(original)
+    assert [f.version for f in reported] == [version, version]  # ...so serving says it again
 
 
 # --- the gate -----------------------------------------------------------------------------------------------

@@ -302,6 +302,9 @@ class ModelPool:
                 if wanted is None:
                     raise
                 offline, self._offline_error = True, _describe(err)
+            if self.wanted is not None:  # a version appointed again is tried, and a failure reported, afresh
+                for version in {wanted.champion, wanted.challenger} - {self.wanted.champion, self.wanted.challenger}:
+                    self.failures.pop(version, None)
             self.wanted = wanted
             current = self.live
             champion = self._model(wanted.champion, force, offline)
