@@ -69,10 +69,11 @@ def register_variant(home: Settings, change: Callable[[dict], None] | None = Non
     source = checkpoint.resolve(home, "1")
     target = home.home / "checkpoints" / f"variant-{uuid.uuid4().hex[:8]}" / source.name
     shutil.copytree(source, target)
+    weights = load_file(target / "model.safetensors")
     if change is not None:
-        weights = load_file(target / "model.safetensors")
         change(weights)
-        save_file(weights, target / "model.safetensors")
+    # metadata: another file even with the same weights (the same file would be the champion's version again)
+    save_file(weights, target / "model.safetensors", metadata={"variant": target.parent.name})
     base = TrainSummary(**checkpoint.read(source)["summary"])
     base.checkpoint, base.run_id = str(target), f"{base.run_id}-{target.parent.name}"
     return pipeline.register_training(home, base).version

@@ -64,6 +64,28 @@ def periodic_full_task(validation_hours: int, every_hours: float | None, setting
     return pipeline.periodic_full_due(resolved, pending, every_hours)
 
 
+@task
+def judged_task(version: str, settings: dict | None) -> dict | None:
+    """The version's recorded gate verdict (``registry.gate_record``), None when it was never gated."""
+    from recloop import registry
+
+    return registry.gate_record(registry.version_info(settings_from(settings), version).tags)
+
+
+def already_judged(version: str, duplicate_of: str | None, record: dict | None) -> str | None:
+    """Why a retrain's candidate is not gated (None: it is): its weights are a registered version's, or it was
+    judged already (a queued retrain that found the run before it trained, registered and gated this very
+    version: judging it again moved nothing, or moved aliases a refusal had settled)."""
+    if record is not None:
+        verdict = "passed" if record["verdict"] == "passed" else "refused"
+        return (f"v{version} was judged already ({verdict} by the gate"
+                + (f" against champion v{record['champion']}" if record.get("champion") else "") + "): not gated again"
+                + ("; this run trained the same weights" if duplicate_of else ""))
+    if duplicate_of is not None:
+        return f"this run trained the same weights as registered v{version}: no new version, not gated"
+    return None
+
+
 @flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True, on_failure=[record_failed_run],
       on_crashed=[record_failed_run])
 def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: str = "scheduled",
@@ -148,6 +170,16 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
     if reason == "periodic":  # it trained: the next periodic retrain is a period away, whatever the gate says
         periodic_full_task(validation_hours, periodic[0], settings, record=True)
     version = result["train"]["mlflow"]["version"]
+    record = judged_task(version, settings)
+    if (skip := already_judged(version, result["train"]["mlflow"].get("duplicate_of"), record)) is not None:
+        log("%s", skip)
+        tag_run(f"model-version:{version}", f"mode:{mode}", "gate:skipped")
+        result["skipped"] = skip
+        if monitor_clock is not None and record is not None:  # the monitor learns the verdict that stands
+            runner.record_retrain_outcome(settings_from(settings), deployed=record["verdict"] == "passed",
+                                          now=monitor_clock, gate_reasons=record.get("reasons", []),
+                                          version=str(version))
+        return _finish(settings, "Skipped", skip, result, retriever_step)
     result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)
     if monitor_clock is not None:  # the monitor's trigger learns the verdict: cool-down only after a pass
         runner.record_retrain_outcome(settings_from(settings), deployed=gate["alias"] is not None, now=monitor_clock,

@@ -70,8 +70,12 @@ def train_flow(mode: Literal["incremental", "full"] = "incremental", days: int =
         log("%s", busy)
         return Cancelled(message=str(busy))
     version = result["mlflow"]["version"]
-    log("trained v%s (%s) on %s..%s: %s samples in %.1f s, validation AUC %.4f", version, mode,
-        *(result["train_hours"] or ["?", "?"]), result["samples"], result["seconds"], result["auc"])
+    log("trained v%s (%s) on %s..%s: %s samples in %.1f s, validation AUC %.4f%s", version, mode,
+        *(result["train_hours"] or ["?", "?"]), result["samples"], result["seconds"], result["auc"],
+        f" (the same weights as registered v{version}: no new version)" if result["mlflow"].get("duplicate_of")
+        else "")
+    for override in result.get("overrides", []):
+        log("overridden: %s", override)
     tag_run(f"model-version:{version}", f"mode:{mode}")
     publish("training", markdown_table([{"version": version, "mode": mode, "samples": result["samples"],
                                          "auc": result["auc"], "oracle_auc": result["oracle_auc"],

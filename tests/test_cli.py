@@ -110,7 +110,8 @@ def test_debug_lets_the_traceback_through(runner: CliRunner, dead_mlflow: str):
     from recloop.endpoints import ServiceUnavailable
 
     result = runner.invoke(app, ["--debug", "promote", "1"])
-    assert result.exit_code != 0 and isinstance(result.exception, ServiceUnavailable)
+    assert result.exit_code == 3, result.output  # the traceback, and the exit code a script checks (it was 1)
+    assert "Traceback" in result.stderr and ServiceUnavailable.__name__ in result.stderr
 
 
 def test_an_unexpected_failure_is_one_line_and_json(runner: CliRunner, tmp_path: Path):

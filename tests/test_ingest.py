@@ -337,8 +337,12 @@ def test_duplicates_across_files_and_reingestion_are_noops(small_events, setting
 
     again = ingest(landing, SYNTHETIC, settings, now=now)  # same file: skipped by the ledger
     assert (again.files_skipped, again.rows_in) == (1, 0)
+    assert [r.error for r in again.results] == ["already ingested (the same bytes: the ledger has them)"]
     shutil.copy(landing / "a.parquet", landing / "a-copy.parquet")  # same bytes, new name: skipped too
-    assert ingest(landing, SYNTHETIC, settings, now=now).files_skipped == 2
+    copied = ingest(landing, SYNTHETIC, settings, now=now)
+    assert copied.files_skipped == 2
+    assert {Path(r.path).name: r.error for r in copied.results}["a-copy.parquet"].startswith(
+        f"already ingested as {landing / 'a.parquet'}")
 
     # Same events written again (different bytes): every row is a duplicate of the lake.
     overlap = pa.concat_tables([small_events.slice(0, 10), small_events.slice(0, 10)])
@@ -359,7 +363,9 @@ def test_a_bad_file_does_not_stop_the_run(small_events, settings, now, tmp_path)
     (landing / "_world.json").write_text("{}")  # metadata: not an event file
     (landing / ".partial.parquet.tmp").write_bytes(b"being written")  # hidden: someone is still writing
     summary = ingest(landing, SYNTHETIC, settings, now=now)
-    assert (summary.files, summary.files_rejected, summary.files_ingested, summary.files_ignored) == (2, 1, 1, 2)
+    # every entry found is counted (ignored ones were left out of ``files``)
+    assert (summary.files, summary.files_rejected, summary.files_ingested, summary.files_ignored) == (4, 1, 1, 2)
+    assert summary.files == len(summary.results) and all(r.error for r in summary.results if r.status != "ingested")
     assert summary.rows_landed == small_events.num_rows
     ignored = {Path(r.path).name: r.error for r in summary.results if r.status == "ignored"}
     assert ignored == {"_world.json": "metadata name ('_'): file", ".partial.parquet.tmp": "hidden name ('.'): file"}
@@ -370,7 +376,7 @@ def test_lake_is_partitioned_by_event_date_and_reads_as_one_dataset(settings, no
 
     simulate(WorldConfig(seed=1, days=2, events_per_day=1000), tmp_path / "landing")
     summary = ingest(tmp_path / "landing", SYNTHETIC, settings, now=now)
-    assert summary.files == 48 and summary.rows_landed == 2000
+    assert summary.files == 49 and summary.files_ignored == 1 and summary.rows_landed == 2000  # + _world.json
     dates = sorted(p.name for p in settings.lake_events_dir.iterdir())
     assert dates == ["date=2026-01-01", "date=2026-01-02"]
     table = lake_rows(settings)

@@ -49,10 +49,14 @@ def fresh(home: Settings):
 
 
 def register_copy_of_champion(home: Settings) -> str:
-    """A new version whose checkpoint is the champion's (same weights): a model that works."""
+    """A new version whose checkpoint is the champion's (same weights): a model that works. Its weights file is
+    written again with metadata: the very same file would be the champion's version (``registry.log_training``)."""
+    from safetensors.torch import load_file, save_file
+
     source = checkpoint.resolve(home, "1")
     target = home.home / "checkpoints" / f"copy-{uuid.uuid4().hex[:8]}" / source.name
     shutil.copytree(source, target)
+    save_file(load_file(target / "model.safetensors"), target / "model.safetensors", metadata={"copy": target.parent.name})
     base = TrainSummary(**checkpoint.read(source)["summary"])
     base.checkpoint, base.run_id = str(target), f"{base.run_id}-{target.parent.name}"
     return pipeline.register_training(home, base).version
@@ -176,6 +180,127 @@ def test_serving_starts_with_a_dead_mlflow_and_says_so(fresh: Settings, tmp_path
         assert f"MLflow at {dead} is unreachable" in health.json()["reasons"][0]
         assert http.post("/rank", json=RANK).status_code == 503
         assert http.post("/admin/reload", headers=AUTH).status_code == 503
+
+
+def closed_port_uri() -> str:
+    """A registry URI that refuses connections: a local port nothing listens on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.mark.timeout(240)
+def test_serving_started_while_mlflow_is_down_serves_its_last_known_versions(fresh: Settings, tmp_path: Path,
+                                                                            copy_home):
+    """A replica restarted during an MLflow outage serves the champion and challenger it served last, from its
+    verified cache, ready but degraded (and a metric says so), instead of 503 on every request."""
+    version = register_copy_of_champion(fresh)
+    start_canary(fresh, version)
+    with TestClient(create_app(fresh)) as http:  # served once with the registry up: cache and record filled
+        assert http.get("/healthz").json()["versions"] == {"champion": "1", "challenger": version}
+    dead = closed_port_uri()
+    home = copy_home(fresh, tmp_path / "home", feast=True, mlflow_tracking_uri=dead, admin_token=TOKEN)
+    with TestClient(create_app(home)) as http:
+        health = http.get("/healthz")
+        assert health.status_code == 200 and health.json()["ready"], health.json()
+        assert health.json()["versions"] == {"champion": "1", "challenger": version}
+        assert health.json()["share"] == 0.5
+        [degraded] = health.json()["degraded"]
+        assert degraded.startswith("ranker: serving the last known versions") and f"MLflow at {dead}" in degraded
+        ranked = http.post("/rank", json=RANK)
+        assert ranked.status_code == 200 and ranked.json()["model_version"] in ("1", version)
+        scraped = http.get("/metrics").text
+        assert 'recloop_serving_degraded{model="ranker"} 1.0' in scraped
+        assert 'recloop_serving_degraded{model="retriever"} 0.0' in scraped  # none registered: none to serve
+        assert http.post("/admin/reload", headers=AUTH).status_code == 503  # versions cannot change meanwhile
+
+
+@pytest.mark.timeout(240)
+def test_a_pool_started_from_its_cache_catches_up_when_the_registry_returns(fresh: Settings, tmp_path: Path,
+                                                                           copy_home):
+    from recloop.scoring import load_version
+    from recloop.serve.models import ModelPool, registry_wanted
+
+    assert ModelPool(fresh).try_sync()  # served v1 with the registry up: remembered
+    down = copy_home(fresh, tmp_path / "down", mlflow_tracking_uri=closed_port_uri())
+    registry_of = {"now": down}  # the replica's registry: down at start-up, back later (the same store)
+    pool = ModelPool(down, source=lambda settings: registry_wanted(registry_of["now"]),
+                     loader=lambda settings, v: load_version(registry_of["now"], v))
+    assert pool.try_sync()
+    assert pool.live.versions == {"champion": "1", "challenger": None}
+    assert pool.degraded and "unreachable" in pool.degraded and pool.registry_read_at is None
+    assert not pool.try_sync() and pool.degraded  # still down: still the cache's versions, still degraded
+    moved = register_copy_of_champion(fresh)
+    registry.set_alias(fresh, "champion", moved, who="test", why="promoted during the outage")
+    try:
+        registry_of["now"] = fresh
+        assert pool.try_sync()
+        assert pool.live.versions == {"champion": moved, "challenger": None}
+        assert pool.degraded is None and pool.last_error is None and pool.registry_read_at is not None
+    finally:
+        registry.set_alias(fresh, "champion", "1", who="test", why="reset")
+
+
+def test_no_cached_copy_of_the_last_known_champion_is_no_champion(fresh: Settings, tmp_path: Path, copy_home):
+    from recloop.serve.models import ModelPool
+
+    assert ModelPool(fresh).try_sync()
+    down = copy_home(fresh, tmp_path / "down", mlflow_tracking_uri=closed_port_uri())
+    shutil.rmtree(checkpoint.cache_dir(down) / registry.MODEL_NAME / "v1")  # the record stays, the files do not
+    pool = ModelPool(down)
+    assert not pool.try_sync() and pool.live.champion is None
+    assert "does not load from the verified cache" in pool.last_error and "MLflow at" in pool.last_error
+
+
+# --- a version's state tags --------------------------------------------------------------------------------
+
+
+def test_a_version_made_challenger_again_loses_its_stale_state_tags(fresh: Settings):
+    """A version rolled back (or that once failed to load) and made challenger again starts clean: a stale
+    ``serving.load_failed`` made the controller roll the new canary back at its first check."""
+    from recloop.canary.tag import CANARY_TAG, LOAD_FAILED_TAG
+
+    home = fresh
+    version = register_copy_of_champion(home)
+    start_canary(home, version)
+    registry.tag(home, version, {LOAD_FAILED_TAG: '{"reason": "then", "at": 0}', registry.ROLLED_BACK_TAG: "{}"})
+    registry.set_alias(home, "challenger", version, who="test", why="the same alias again: nothing changes")
+    assert {LOAD_FAILED_TAG, registry.ROLLED_BACK_TAG, CANARY_TAG} <= set(registry.version_info(home, version).tags)
+    registry.remove_alias(home, "challenger")
+    controller.set_challenger(home, version, who="test", why="tried again")
+    tags = registry.version_info(home, version).tags
+    assert not {LOAD_FAILED_TAG, registry.ROLLED_BACK_TAG, CANARY_TAG} & set(tags), tags
+    assert "alias.challenger" in tags
+    assert controller.running(home) is None  # no canary until it is started anew
+    registry.tag(home, "1", {registry.ROLLED_BACK_TAG: "{}"})
+    registry.set_alias(home, "champion", "1", who="test", why="already champion: its tags stay")
+    assert registry.ROLLED_BACK_TAG in registry.version_info(home, "1").tags
+    registry.tag(home, version, {registry.ROLLED_BACK_TAG: "{}"})
+    registry.promote(home, version, who="test", why="promoted after all")
+    assert registry.ROLLED_BACK_TAG not in registry.version_info(home, version).tags
+    registry.set_alias(home, "champion", "1", who="test", why="reset")
+
+
+def test_a_version_that_does_not_load_is_reported_again_when_appointed_again(fresh: Settings):
+    from recloop.serve.models import ModelPool
+
+    home = fresh
+    version = register_copy_of_champion(home)
+    stored = registry_file(home, version)
+    original = truncate(stored)
+    reported = []
+    pool = ModelPool(home)
+    pool.on_load_failure = reported.append
+    try:
+        registry.set_alias(home, "challenger", version, who="test", why="bad")
+        pool.try_sync()
+        registry.remove_alias(home, "challenger")
+        pool.try_sync()
+        registry.set_alias(home, "challenger", version, who="test", why="bad again")  # its tag was cleared...
+        pool.try_sync()
+    finally:
+        stored.write_bytes(original)
+    assert [f.version for f in reported] == [version, version]  # ...so serving says it again
 
 
 # --- the gate -----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import httpx
 import pyarrow.dataset as ds
 import pytest
 from polling import eventually
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from recloop import checkpoint, pipeline, registry
 from recloop.canary import CanaryConfig, controller
@@ -64,7 +64,9 @@ def _twin_of_champion(home: Settings) -> str:
     source = checkpoint.resolve(home, "1")
     target = home.home / "checkpoints" / f"twin-{uuid.uuid4().hex[:8]}" / source.name
     shutil.copytree(source, target)
-    assert load_file(target / "model.safetensors")  # a real checkpoint
+    weights = load_file(target / "model.safetensors")
+    assert weights  # a real checkpoint; saved again with metadata: another file, or it is the champion's version
+    save_file(weights, target / "model.safetensors", metadata={"twin": target.parent.name})
     base = TrainSummary(**checkpoint.read(source)["summary"])
     base.checkpoint, base.run_id = str(target), f"{base.run_id}-{target.parent.name}"
     return pipeline.register_training(home, base).version

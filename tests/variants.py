@@ -20,7 +20,9 @@ def variant(home: Settings, change, top_mlp: tuple[int, ...] | None = None) -> s
     shutil.copytree(source, target)
     weights = load_file(target / "model.safetensors")
     change(weights)
-    save_file(weights, target / "model.safetensors")
+    # a version of its own even when ``change`` leaves the weights as they are (``unchanged``): the same file
+    # would be the champion's version again (registry.log_training), the metadata makes it another file
+    save_file(weights, target / "model.safetensors", metadata={"variant": target.parent.name})
     if top_mlp is not None:
         state = json.loads((target / "state.json").read_text())
         state["model"]["top_mlp"] = list(top_mlp)

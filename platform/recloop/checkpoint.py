@@ -197,6 +197,20 @@ def manifest(step_dir: Path | str) -> dict[str, dict[str, int | str]]:
             for path in sorted(folder.iterdir()) if path.is_file()}
 
 
+WEIGHTS_TAG = "weights.sha256"
+
+
+def weights_digest(step_dir: Path | str) -> str:
+    """What makes two checkpoints the same model: the SHA-256 of its weights file and its calibration. Two
+    trainings that end with the same digest score every request alike, whatever their configurations said
+    (``fit_to_data`` raising the epochs, ``days`` that did not change the rows)."""
+    folder = Path(step_dir)
+    calibration = json.loads((folder / "state.json").read_text()).get("calibration")
+    digest = hashlib.sha256(_sha256(folder / "model.safetensors").encode())
+    digest.update(json.dumps(calibration).encode())
+    return digest.hexdigest()
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

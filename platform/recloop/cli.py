@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -173,6 +174,11 @@ def _print_ingest(summary: IngestSummary) -> None:
             reasons[code] = reasons.get(code, 0) + count
     if reasons:
         console.print("quarantined rows by reason: " + ", ".join(f"{k}={v}" for k, v in sorted(reasons.items())))
+    not_ingested = [r for r in summary.results if r.status != "ingested"]
+    for result in not_ingested[:20]:  # every file not ingested says why (all of them under --json)
+        console.print(f"{result.status}: {escape(Path(result.path).name)}: {escape(result.error or '')}")
+    if len(not_ingested) > 20:
+        console.print(f"... and {len(not_ingested) - 20} more (--json lists every file with its reason)")
     if summary.recovered:
         console.print(f"finished {len(summary.recovered)} commit(s) left by an interrupted run")
     hints = list(dict.fromkeys(h for result in summary.results for h in result.hints))
@@ -365,8 +371,13 @@ def train_command(
             f"{name} {scores['auc']:.4f}" for name, scores in summary.baselines.items()))
     if summary.grown_tables:
         console.print(f"tables grown: {summary.grown_tables}")
+    for override in summary.overrides:
+        console.print(f"[yellow]overridden[/]: {override}")
     console.print(f"checkpoint: {summary.checkpoint}")
-    if track:
+    if track and result["mlflow"]["duplicate_of"]:
+        console.print(f"MLflow: run {result['mlflow']['run_id']} trained the same weights as version "
+                      f"{result['mlflow']['duplicate_of']}: no new version registered")
+    elif track:
         console.print(f"MLflow: run {result['mlflow']['run_id']}, registered as version {result['mlflow']['version']}")
 
 
@@ -392,7 +403,8 @@ def _track(summary) -> dict:
     from recloop import pipeline
 
     logged = pipeline.register_training(Settings(), summary)
-    return {"run_id": logged.run_id, "version": logged.version, "model_uri": logged.model_uri}
+    return {"run_id": logged.run_id, "version": logged.version, "model_uri": logged.model_uri,
+            "duplicate_of": logged.duplicate_of}
 
 
 @app.command("gate")

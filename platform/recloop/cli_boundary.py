@@ -4,7 +4,7 @@ Every command runs inside ``ErrorBoundary`` (the command group's class):
 
 - a failure prints ``error: <what happened>`` on stderr, one line, and exits non-zero: 2 for a usage
   error (bad option, bad spec), 3 when a service (MLflow, Redis, PostgreSQL, Prefect) is unreachable,
-  1 for anything else. ``recloop --debug <command>`` lets the traceback through instead;
+  1 for anything else. ``recloop --debug <command>`` prints the traceback instead, with the same code;
 - with ``--json``, stdout holds exactly one JSON object whatever happens: the command's summary, or
   ``{"error": ..., "kind": ...}``. ``emit_json`` writes strict JSON: NaN and infinity become ``null``
   (``json.dumps`` would write ``NaN``, which JSON parsers refuse), numpy values plain numbers.
@@ -109,13 +109,17 @@ class ErrorBoundary(TyperGroup):
             self._report(ctx, "interrupted (Ctrl-C)", "interrupted", hint=False)
             raise typer.Exit(code=INTERRUPTED) from None
         except Exception as err:
-            if ctx.meta.get(DEBUG_KEY):
-                raise
             from recloop.endpoints import ServiceUnavailable
 
             unavailable = isinstance(err, ServiceUnavailable)
+            code = SERVICE_UNAVAILABLE if unavailable else FAILURE
+            if ctx.meta.get(DEBUG_KEY):  # the traceback, and the same exit code (a script's check must not change)
+                import traceback
+
+                traceback.print_exc(file=sys.stderr)
+                raise typer.Exit(code=code) from None
             self._report(ctx, one_line(err), "service_unavailable" if unavailable else type(err).__name__, hint=True)
-            raise typer.Exit(code=SERVICE_UNAVAILABLE if unavailable else FAILURE) from None
+            raise typer.Exit(code=code) from None
 
     @staticmethod
     def _report(ctx: typer.Context, message: str, kind: str, hint: bool) -> None:

@@ -92,7 +92,8 @@ class TrainedVersion:
 
     def to_dict(self) -> dict:
         return {**self.summary.to_dict(), "mlflow": {"run_id": self.logged.run_id, "version": self.logged.version,
-                                                     "model_uri": self.logged.model_uri}}
+                                                     "model_uri": self.logged.model_uri,
+                                                     "duplicate_of": self.logged.duplicate_of}}
 
 
 def warm_start_checkpoint(settings: Settings, source: str | Path | None = None) -> Path:

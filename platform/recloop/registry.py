@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from recloop import endpoints
 from recloop.locks import exclusive_lock
 from recloop.settings import Settings
+from recloop.version_tags import CANARY_TAG, LOAD_FAILED_TAG, ROLLED_BACK_TAG
 
 EXPERIMENT = "recloop"
 MODEL_NAME = "recloop-ranker"
@@ -46,6 +47,7 @@ class LoggedModel:
     run_id: str
     model_uri: str
     version: str
+    duplicate_of: str | None = None  # the run's weights were registered already, as this version: none new
 
 
 _METRIC_NAME = re.compile(r"[^A-Za-z0-9_\-. /]")
@@ -194,10 +196,29 @@ def aliases(settings: Settings, model_name: str = MODEL_NAME) -> dict[str, str |
     return {alias: version_by_alias(settings, alias, model_name) for alias in ALIASES}
 
 
+
+
+def stale_tags(alias: str) -> tuple[str, ...]:
+    """The tags of a version's earlier state that no longer hold once ``alias`` moves to it: a challenger (or
+    champion) again is not ``rolled_back``, and its ``serving.load_failed`` was about an earlier attempt (the
+    canary controller would roll the new canary back on it at its first check); a new challenger's ``canary``
+    tag is its old experiment's (rolled back, superseded), its new one is written when the canary starts."""
+    return {"challenger": (ROLLED_BACK_TAG, LOAD_FAILED_TAG, CANARY_TAG),
+            "champion": (ROLLED_BACK_TAG, LOAD_FAILED_TAG)}.get(alias, ())
+
+
 def set_alias(settings: Settings, alias: str, version: str, *, who: str | None = None, why: str = "",
               model_name: str = MODEL_NAME) -> None:
+    """Point ``alias`` at ``version``, recording who and why on the version; when the alias moves to it, the
+    version's tags of an earlier state are removed (``stale_tags``)."""
     client = mlflow_client(settings)
+    before = alias_version(client, alias, model_name)
     client.set_registered_model_alias(model_name, alias, version)
+    if before != str(version):
+        present = client.get_model_version(model_name, version).tags or {}
+        for key in stale_tags(alias):
+            if key in present:
+                client.delete_model_version_tag(model_name, version, key)
     tag(settings, version, {f"alias.{alias}": json.dumps({  # one tag per alias: who moved it, why, when
         "by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
         model_name)
@@ -316,7 +337,7 @@ def rollback(settings: Settings, *, who: str | None = None, why: str = "",
         raise RuntimeError("nothing to roll back to: no version has the 'previous' alias")
     current = version_by_alias(settings, "champion", model_name)
     if current is not None:
-        tag(settings, current, {"rolled_back": json.dumps({
+        tag(settings, current, {ROLLED_BACK_TAG: json.dumps({
             "by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
             model_name)
     set_alias(settings, "champion", previous, who=who, why=f"rollback: {why}", model_name=model_name)

@@ -190,6 +190,11 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             tracking = TrainingRun(settings)
             tracking.run_id = run_id
             tracking.trained(summary)
+    digest = checkpoint.weights_digest(state["path"])
+    same = _version_with_weights(client, digest)
+    if same is not None:  # the same model registered already: the run points at it, no new version
+        client.set_tag(run_id, DUPLICATE_TAG, str(same.version))
+        return LoggedModel(run_id, same.source, str(same.version), duplicate_of=str(same.version))
     with mlflow.start_run(run_id=run_id) as run:
         inputs = example[[c for c in example.columns if c.startswith(("d_", "c_", "m_"))]].copy()
         # Ids are int64 (MLflow's "long") in the signature, as the model takes them; training files hold int32
@@ -210,8 +215,23 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             )
     # What a download must match: sizes and checksums of the checkpoint's files, on the version itself.
     files = json.dumps(checkpoint.manifest(state["path"]), separators=(",", ":"))
-    version = register(settings, info.model_uri, run.info.run_id, tags={checkpoint.MANIFEST_TAG: files})
+    tags = {checkpoint.MANIFEST_TAG: files, checkpoint.WEIGHTS_TAG: digest}
+    if getattr(summary, "overrides", None):
+        tags[OVERRIDES_TAG] = json.dumps(summary.overrides)
+    version = register(settings, info.model_uri, run.info.run_id, tags=tags)
     return LoggedModel(run.info.run_id, info.model_uri, version)
+
+
+DUPLICATE_TAG = "recloop.duplicate_of_version"  # on a run whose weights a registered version has already
+OVERRIDES_TAG = "train.overrides"  # on a version: what its trainer did instead of what it was asked (JSON list)
+
+
+def _version_with_weights(client, digest: str, model_name: str = MODEL_NAME):
+    """The first registered version whose weights digest is ``digest``, or None (versions registered before the
+    digest was recorded carry none: never matched)."""
+    found = [v for v in client.search_model_versions(f"name='{model_name}'")
+             if (v.tags or {}).get(checkpoint.WEIGHTS_TAG) == digest]
+    return min(found, key=lambda v: int(v.version)) if found else None
 
 
 def _run_after_the_fact(settings: Settings, summary, state: dict, example: pd.DataFrame) -> str:

@@ -181,6 +181,9 @@ class TrainSummary:
     grown_tables: dict[str, list[int]] = field(default_factory=dict)
     resumed_from_step: int = 0
     resume_note: str = ""  # a resume that could not continue its epoch where it stopped says why
+    # what the trainer did instead of what it was asked (epochs raised by ``fit_to_data``, a ``days`` window
+    # grown back to ``train_rows`` or cut at the first training file): said, never silent
+    overrides: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -243,6 +246,7 @@ class Windows:
     train: list[Path]
     validation: list[Path]
     epochs: int
+    overrides: tuple[str, ...] = ()  # what differs from what the configuration asked, and why
 
 
 def _rows(path: Path) -> int:
@@ -286,11 +290,13 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
     since = file_hour(validation[0]) - timedelta(days=config.days)
     first = next((i for i, f in enumerate(trainable) if file_hour(f) >= since), len(trainable))
     rows = sum(_rows(f) for f in trainable[first:])
+    asked = first
     while first > 0 and rows < config.train_rows:
         first -= 1
         rows += _rows(trainable[first])
     if base is None:
-        return Windows(trainable[first:], validation, config.epochs)
+        return Windows(trainable[first:], validation, config.epochs, _days_overrides(trainable, first, asked, since,
+                                                                                     rows, config))
     new = unseen(trainable, base)
     if not new:
         raise TrainError(f"nothing new to train on: the checkpoint has seen every hour up to {base['trained_until']}")
@@ -298,6 +304,20 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
     replay_count = min(len(older), math.ceil(len(new) * config.replay_fraction))
     replay = sorted(np.random.default_rng(config.seed).choice(len(older), replay_count, replace=False).tolist())
     return Windows([older[i] for i in replay] + new, validation, config.epochs)
+
+
+def _days_overrides(trainable: list[Path], first: int, asked: int, since: datetime, rows: int,
+                    config: TrainConfig) -> tuple[str, ...]:
+    """Why a full run's window is not the ``days`` asked for: grown back to ``train_rows``, or the days reach
+    before the first training file (then more days change nothing)."""
+    span = (stem_time(trainable[-1]) + timedelta(hours=1) - stem_time(trainable[first])) / timedelta(days=1)
+    if first < asked:
+        return (f"days {config.days} → {span:.1f}: the window grew back to reach train_rows ({config.train_rows:,}"
+                f" rows; it holds {rows:,})",)
+    if first == 0 and stem_time(trainable[0]) > since:
+        return (f"days {config.days} → {span:.1f}: no training rows before {trainable[0].stem} (a longer --days "
+                "trains on the same rows)",)
+    return ()
 
 
 def fit_to_data(config: TrainConfig, windows: Windows, device: torch.device) -> tuple[TrainConfig, Windows]:
@@ -313,7 +333,11 @@ def fit_to_data(config: TrainConfig, windows: Windows, device: torch.device) -> 
     config = replace(config, batch_size=int(min(max(fitting, 256), default_batch_size(device))))
     if config.mode == "full":
         steps_per_epoch = math.ceil(rows / config.batch_size)
-        windows = replace(windows, epochs=max(windows.epochs, math.ceil(config.min_steps / steps_per_epoch)))
+        epochs = max(windows.epochs, math.ceil(config.min_steps / steps_per_epoch))
+        if epochs != windows.epochs:
+            windows = replace(windows, epochs=epochs, overrides=(*windows.overrides, (
+                f"epochs {windows.epochs} → {epochs}: {steps_per_epoch} steps of {config.batch_size} rows an epoch, "
+                f"a full run makes at least min_steps ({config.min_steps}); set a batch size to keep the epochs")))
     return config, windows
 
 
@@ -471,6 +495,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
             trained_until=hour_after(windows.train[-1].stem), full_trained_until=full_trained_until,
             state_version=schema.state_version, warm_start=base["path"] if base else None, grown_tables=grown,
             resumed_from_step=resumed["step"] if resumed else 0, resume_note=resume_note, loss_curve=loss_curve,
+            overrides=list(windows.overrides),
         )
         summary.checkpoint = str(checkpoint.step_folder(run_dir, position["step"]))  # where save puts it
         save(completed=True, summary=summary, gathered=True)

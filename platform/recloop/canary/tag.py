@@ -23,9 +23,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
+from recloop.version_tags import CANARY_TAG, KPI_BASELINE_TAG, LOAD_FAILED_TAG
+
 log = logging.getLogger(__name__)
 
-CANARY_TAG = "canary"
 State = Literal["running", "promoted", "rolled_back", "superseded"]
 Mode = Literal["interleave", "canary", "shadow"]
 _LEGACY = "canary."  # the prefix of the separate tags that versions carried before
@@ -130,8 +131,6 @@ def _from_legacy(tags: Mapping[str, str]) -> CanaryTag | None:
 
 
 # Two more concerns the canary shares with others, one tag each:
-LOAD_FAILED_TAG = "serving.load_failed"  # set by serving: {"reason", "at"}; the controller rolls back on it
-KPI_BASELINE_TAG = "kpi.baseline"  # set at promotion: {"ctr", "auc", "impressions"} the champion earned
 
 
 def load_failure(tags: Mapping[str, str]) -> str | None:

@@ -73,8 +73,9 @@ class FileResult:
 class IngestSummary:
     """The outcome of one ``ingest`` call; ``to_dict()`` is the CLI's ``--json`` output.
 
-    ``files`` counts the event files considered (ingested + skipped + rejected); ignored names are
-    counted apart in ``files_ignored``. ``results`` has one entry for everything found.
+    ``files`` counts everything found (ingested + skipped + rejected + ignored: ignored names were left out of
+    it, so the count did not match the folder); ``results`` has one entry for each, every one not ingested
+    with its reason (``error``).
     """
 
     source: str
@@ -93,7 +94,7 @@ class IngestSummary:
 
     def add(self, result: FileResult) -> None:
         self.results.append(result)
-        self.files += result.status != "ignored"
+        self.files += 1
         self.files_ingested += result.status == "ingested"
         self.files_skipped += result.status == "skipped"
         self.files_rejected += result.status == "rejected"
@@ -251,8 +252,10 @@ def _ingest_candidate(candidate: Candidate, spec: DatasetSpec, settings: Setting
             ledger.forget(key)
         known = ledger.get(key)
         if known is not None:
-            note = f"already {known.status} as {known.path}" if known.path != path else f"already {known.status}"
-            return FileResult(path, "skipped", digest, error=None if known.status == "done" else note, ledger_key=key)
+            status = "ingested" if known.status == "done" else known.status
+            note = f"already {status} as {known.path}" if known.path != path else f"already {status}"
+            return FileResult(path, "skipped", digest, error=f"{note} (the same bytes: the ledger has them)",
+                              ledger_key=key)
         staging = _Staging(settings, _token(key, reingest), now)
         ledger.begin_file()
         try:
@@ -445,7 +448,8 @@ def _replay_file(path: Path, spec: DatasetSpec, settings: Settings, ledger: Ledg
     digest = hashlib.sha256(data).hexdigest()
     key = ledger_key(digest, spec)
     if ledger.get(key) is not None:
-        return FileResult(str(path), "skipped", digest, ledger_key=key)
+        return FileResult(str(path), "skipped", digest, error="already replayed (the ledger has its bytes)",
+                          ledger_key=key)
     table = pq.read_table(path)
     split = ~np.asarray(table["_raw_line"].is_valid())
     values = table.select([c for c in table.column_names if not c.startswith("_")])

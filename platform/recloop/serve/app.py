@@ -105,7 +105,10 @@ def healthz(svc: ServiceDep) -> JSONResponse:
             "share": live.share, "mode": live.mode, "feature_state": svc.features.state_version,
             "swaps": svc.pool.swaps, "watcher_error": svc.pool.last_error,
             "load_failures": {v: f.reason for v, f in svc.pool.failures.items()},
-            "retriever": _retriever_health(svc)}
+            "retriever": _retriever_health(svc),
+            # ready but degraded: scoring works, versions cannot change until the registry answers again
+            "degraded": [f"{name}: {pool.degraded}" for name, pool in (("ranker", svc.pool),
+                                                                      ("retriever", svc.retrievers)) if pool.degraded]}
     return JSONResponse(body, status_code=200 if verdict.ready else 503)
 
 

@@ -56,6 +56,30 @@ class LoopCollector:
         yield wall
 
 
+class DegradedCollector:
+    """Whether each model is served without its registry, read from the pools at scrape time:
+    ``recloop_serving_degraded{model}`` is 1 while the versions served may not be the registry's (a replica
+    started from its cache during an MLflow outage, or polls failing since), and
+    ``recloop_registry_read_timestamp_seconds{model}`` when the registry last answered a poll."""
+
+    def __init__(self, pools: dict[str, object]):
+        self.pools = pools  # model label -> ModelPool (``degraded``, ``registry_read_at``)
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        degraded = GaugeMetricFamily("recloop_serving_degraded", "1 while a model serves versions its registry "
+                                     "could not confirm (the registry unreachable: last known versions from the "
+                                     "verified cache, or the last poll's)", labels=["model"])
+        read = GaugeMetricFamily("recloop_registry_read_timestamp_seconds", "When the registry last answered "
+                                 "the model's poll (0: not since start-up)", labels=["model"])
+        for model, pool in self.pools.items():
+            degraded.add_metric([model], 1.0 if pool.degraded else 0.0)
+            read.add_metric([model], float(pool.registry_read_at or 0.0))
+        yield degraded
+        yield read
+
+
 class ServingMetrics:
     def __init__(self, home: Path | None = None) -> None:
         self.registry = CollectorRegistry()

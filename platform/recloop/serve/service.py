@@ -28,7 +28,7 @@ from recloop.schema import DatasetSpec
 from recloop.scoring import load_retriever, score
 from recloop.serve.catalog import UnavailableItems
 from recloop.serve.health import Readiness
-from recloop.serve.metrics import ServingMetrics
+from recloop.serve.metrics import DegradedCollector, ServingMetrics
 from recloop.serve.models import Deployment, LoadFailure, ModelPool, registry_wanted
 from recloop.serve.requests import RankedItem, RankRequest, RankResponse
 from recloop.settings import Settings
@@ -55,7 +55,8 @@ class Service:
         # The retriever of /recommend: its own registered model, aliases, canary split (its own salt) and watcher.
         self.retrievers = retrievers or ModelPool(settings, loader=load_retriever, salt="recloop-retriever-canary",
                                                   source=partial(registry_wanted, model_name=RETRIEVER_NAME),
-                                                  name="retriever")
+                                                  name="retriever", model_name=RETRIEVER_NAME)
+        self.metrics.registry.register(DegradedCollector({"ranker": self.pool, "retriever": self.retrievers}))
         self.retrievers.on_swap = lambda old, new: self._retriever_deployed(new)
         self.retrievers.on_load_failure = partial(self._load_failed, model_name=RETRIEVER_NAME)
         self.unavailable = UnavailableItems(settings.unavailable_items_path)
