@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -310,11 +310,11 @@ def _days_overrides(trainable: list[Path], first: int, asked: int, since: dateti
                     config: TrainConfig) -> tuple[str, ...]:
     """Why a full run's window is not the ``days`` asked for: grown back to ``train_rows``, or the days reach
     before the first training file (then more days change nothing)."""
-    span = (stem_time(trainable[-1]) + timedelta(hours=1) - stem_time(trainable[first])) / timedelta(days=1)
+    span = (file_hour(trainable[-1]) + timedelta(hours=1) - file_hour(trainable[first])) / timedelta(days=1)
     if first < asked:
         return (f"days {config.days} → {span:.1f}: the window grew back to reach train_rows ({config.train_rows:,}"
                 f" rows; it holds {rows:,})",)
-    if first == 0 and stem_time(trainable[0]) > since:
+    if first == 0 and file_hour(trainable[0]) > since:
         return (f"days {config.days} → {span:.1f}: no training rows before {trainable[0].stem} (a longer --days "
                 "trains on the same rows)",)
     return ()

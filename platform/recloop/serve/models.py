@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from recloop.endpoints import ServiceUnavailable
