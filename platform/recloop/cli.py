@@ -151,7 +151,7 @@ def _run_ingest(source: Path, spec_name: str | None, settings: Settings, quiet: 
 
     def on_file(result: FileResult) -> None:
         progress.advance(0)
-        if result.status in ("rejected", "ignored"):
+        if result.status in ("rejected", "ignored", "skipped"):
             console.print(f"[yellow]{result.status}[/] {result.path}: {result.error}")
 
     with _progress(f"ingesting ({spec.name})", total, quiet) as progress:
@@ -308,6 +308,8 @@ def train_command(
     epochs: Annotated[int, typer.Option(min=1, help="Full: passes over the window.")] = 1,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Rows per step (default: 16384 on a GPU, 4096 on a CPU).")] = None,
     validation_hours: Annotated[int, typer.Option(min=1, help="Newest hours held out for validation.")] = 6,
+    min_validation_rows: Annotated[int, typer.Option(min=1, help="Fewer held-out rows than this: training is "
+                                                     "refused (a model judged on a handful of rows).")] = 200,
     replay: Annotated[float, typer.Option(min=0.0, help="Incremental: older hours replayed, per new hour.")] = 0.0,
     warm_start: Annotated[str | None, typer.Option("--from", help="Incremental: a registered version or a "
                                                    "checkpoint folder to start from (default: the champion).")] = None,
@@ -333,7 +335,7 @@ def train_command(
         track, json_out = False, True
     config = TrainConfig(mode=mode, days=days, epochs=epochs, batch_size=batch_size,  # type: ignore[arg-type]
                          validation_hours=validation_hours, replay_fraction=replay, device=device,
-                         deterministic=deterministic)
+                         deterministic=deterministic, min_validation_rows=min_validation_rows)
     progress = Progress(TextColumn("[bold]training"), BarColumn(), TaskProgressColumn(),
                         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console, disable=json_out)
     with progress:
@@ -422,14 +424,17 @@ def gate_command(
 def promote_command(
     version: Annotated[str, typer.Argument(help="Model version to make champion.")],
     why: Annotated[str, typer.Option(help="Recorded on the version.")] = "promoted by hand",
+    model: Annotated[str, typer.Option(help="Whose version: recloop-ranker or recloop-retriever.")]
+    = "recloop-ranker",
     json_out: JsonOption = False,
 ) -> None:
     """Make VERSION the champion by hand (the old champion becomes 'previous')."""
     from recloop import registry
+    from recloop.canary.controller import check_model
 
     try:
-        state = registry.promote(Settings(), version, why=why)
-    except registry.UnknownVersion as err:
+        state = registry.promote(Settings(), version, why=why, model_name=check_model(model))
+    except (registry.UnknownVersion, ValueError) as err:
         raise _fail(str(err)) from err
     _emit(state) if json_out else console.print(f"aliases: {state}")
 
@@ -437,14 +442,17 @@ def promote_command(
 @app.command("rollback")
 def rollback_command(
     why: Annotated[str, typer.Option(help="Recorded on the demoted version.")] = "rolled back by hand",
+    model: Annotated[str, typer.Option(help="Whose versions: recloop-ranker or recloop-retriever.")]
+    = "recloop-ranker",
     json_out: JsonOption = False,
 ) -> None:
     """Make the 'previous' version champion again."""
     from recloop import registry
+    from recloop.canary.controller import check_model
 
     try:
-        state = registry.rollback(Settings(), why=why)
-    except RuntimeError as err:
+        state = registry.rollback(Settings(), why=why, model_name=check_model(model))
+    except (RuntimeError, ValueError) as err:
         raise _fail(str(err)) from err
     _emit(state) if json_out else console.print(f"aliases: {state}")
 
