@@ -8,6 +8,7 @@ shows the traceback (see ``cli_boundary``).
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -609,7 +610,8 @@ def retrain_command(
         from flows.retrain_flow import retrain_flow
         from recloop.flow_support import in_process_runs, settings_parameter
 
-        with _quiet_logs(), in_process_runs():
+        # a failure is the boundary's one line: Prefect's ERROR records (with their tracebacks) stay out
+        with _quiet_logs(logging_level=logging.CRITICAL), in_process_runs():
             outcome = retrain_flow(mode=mode, reason=reason, spec=spec_source, settings=settings_parameter(settings))
         ingested = {k: outcome["ingest"][k] for k in ("rows_in", "rows_landed", "rows_quarantined")}
         if "skipped" in outcome:  # nothing new since the champion: nothing trained, no version registered
@@ -854,14 +856,13 @@ def _fmt(value) -> str:
 
 
 @contextmanager
-def _quiet_logs() -> Iterator[None]:
+def _quiet_logs(logging_level: int = logging.WARNING) -> Iterator[None]:
     """MLflow and Prefect log at INFO by default: the demo's own lines are the story."""
-    import logging
-
-    loggers = [logging.getLogger(name) for name in ("mlflow", "prefect", "alembic", "httpx", "uvicorn")]
+    names = ("mlflow", "prefect", "prefect.flow_runs", "prefect.task_runs", "alembic", "httpx", "uvicorn")
+    loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
-        logger.setLevel(logging.WARNING)
+        logger.setLevel(logging_level)
     try:
         yield
     finally:
