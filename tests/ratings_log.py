@@ -30,6 +30,11 @@ columns:
 START = 1_420_070_400  # 2015-01-01T00:00:00Z
 
 
+def spec_for(user: str, item: str) -> str:
+    """The spec with other names for the user and item keys (``userId``/``movieId``, as MovieLens writes them)."""
+    return SPEC.replace("name: customer,", f"name: {user},").replace("name: product,", f"name: {item},")
+
+
 def write_log(
     folder: Path,
     events: int = 6000,
@@ -38,6 +43,10 @@ def write_log(
     weeks: int = 8,
     seed: int = 0,
     files: int = 2,
+    keys: tuple[str, str] = ("customer", "product"),
+    start: int = START,
+    name: str = "ratings",
+    id_prefix: str = "r",
 ) -> Path:
     """Write the log as ``files`` CSV files under ``folder`` (time-ordered, split by time); returns the folder."""
     rng = np.random.default_rng(seed)
@@ -49,20 +58,20 @@ def write_log(
     popularity /= popularity.sum()
     activity = rng.gamma(0.8, 1.0, users)
     activity /= activity.sum()
-    ts = np.sort(START + rng.uniform(0, weeks * 7 * 86400, events)).astype(np.int64)
+    ts = np.sort(start + rng.uniform(0, weeks * 7 * 86400, events)).astype(np.int64)
     who = rng.choice(users, events, p=activity)
     what = rng.choice(items, events, p=popularity)
     affinity = np.array([taste[u, item_genres[i]].mean() for u, i in zip(who, what, strict=True)])
     logit = 1.4 * affinity + quality[what] + rng.normal(0, 0.5, events)
     liked = (rng.random(events) < 1 / (1 + np.exp(-logit))).astype(int)
     folder.mkdir(parents=True, exist_ok=True)
-    header = "rating_id,rated_at,customer,product,liked,genres,year\n"
+    header = f"rating_id,rated_at,{keys[0]},{keys[1]},liked,genres,year\n"
     bounds = np.linspace(0, events, files + 1).astype(int)
     for part, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         lines = [
-            f"r{n},{ts[n]},{who[n]},{what[n]},{liked[n]},{'|'.join(map(str, item_genres[what[n]]))},"
+            f"{id_prefix}{n},{ts[n]},{who[n]},{what[n]},{liked[n]},{'|'.join(map(str, item_genres[what[n]]))},"
             f"{year[what[n]]}.0\n"
             for n in range(lo, hi)
         ]
-        (folder / f"ratings-{part}.csv").write_text(header + "".join(lines))
+        (folder / f"{name}-{part}.csv").write_text(header + "".join(lines))
     return folder

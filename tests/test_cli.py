@@ -175,3 +175,27 @@ def test_ctrl_c_under_json_is_one_json_object(tmp_path: Path):
     assert process.returncode == 130, (stdout, stderr)
     assert json.loads(stdout) == {"error": "interrupted (Ctrl-C)", "kind": "interrupted"}
     assert "Traceback" not in stderr and "Aborted" not in stderr + stdout
+
+
+def test_promote_and_rollback_take_the_retriever_by_model(runner: CliRunner, tmp_path: Path):
+    """`recloop promote/rollback --model recloop-retriever` move the retriever's aliases, not the ranker's (a
+    retriever refused on thin evidence could not be brought up by hand: /recommend stayed 503)."""
+    from recloop import registry
+    from recloop.settings import Settings
+
+    settings = Settings()
+    registry.configure(settings)
+    source = tmp_path / "artifacts"
+    source.mkdir()
+    first = registry.register(settings, str(source), model_name=registry.RETRIEVER_NAME)
+    second = registry.register(settings, str(source), model_name=registry.RETRIEVER_NAME)
+    for version in (first, second):
+        result = runner.invoke(app, ["promote", version, "--model", "recloop-retriever", "--json"])
+        assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"champion": second, "challenger": None, "previous": first}
+    assert registry.version_by_alias(settings, "champion") is None  # the ranker's aliases untouched
+    back = runner.invoke(app, ["rollback", "--model", "recloop-retriever", "--json"])
+    assert back.exit_code == 0, back.output
+    assert registry.version_by_alias(settings, "champion", registry.RETRIEVER_NAME) == first
+    wrong = runner.invoke(app, ["promote", "1", "--model", "recloop-nothing"])
+    assert wrong.exit_code == 2 and "recloop-retriever" in wrong.output

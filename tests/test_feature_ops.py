@@ -76,6 +76,33 @@ def test_states_before_is_strictly_earlier_and_respects_ttl():
         assert before["u_last_seen"].iloc[i] == pytest.approx(expected["last_seen"])
 
 
+def test_windows_of_any_span_and_entity_count_do_not_overflow():
+    """10k entities over 22 years (a real ratings log): a packed (entity, µs) int64 key overflows there; the
+    states and the as-of lookup must still match brute force, including the 1 h / 24 h windows."""
+    rng = np.random.default_rng(7)
+    keys = 10_000
+    years = 22 * 365 * 86400 * US
+    start = 800_000_000 * US
+    key = np.concatenate([np.arange(keys), rng.integers(0, keys, 2000), np.full(4, 17)])
+    ts = np.concatenate([start + rng.integers(0, years, keys), start + rng.integers(0, years, 2000),
+                         start + years + np.array([0, 10, 3600 * US, 3600 * US + 1])])
+    events = pd.DataFrame({"k": key, "_ts_us": ts, "y": (rng.random(len(key)) < 0.4).astype(int)})
+    states = ops.entity_states(PANDAS, events, key="k", ts="_ts_us", label="y", prefix="u", since_us=None,
+                               base=None)
+    frame = states.frame
+    assert len(frame) == len(events.drop_duplicates(["k", "_ts_us"]))
+    for row in frame[frame["key"].isin([17, 5, 9_999])].itertuples(index=False):
+        expected = brute_force_state(events, row.key, row.ts, None)
+        assert {name: getattr(row, f"u_{name}") for name in expected} == pytest.approx(expected), (row.key, row.ts)
+    # The as-of lookup over the same span: entity 17's state just after its last events.
+    query_keys = pd.Series([17, 17, 9_999])
+    query_ts = np.array([start + years + 3600 * US + 2, start + years + 5, start + years + 2 * years])
+    found = ops.states_before(PANDAS, states, query_keys, query_ts, None, ttl_seconds=30 * 365 * 86400)
+    assert found["u_events_total"].iloc[0] == (events["k"] == 17).sum()
+    assert found["u_events_total"].iloc[1] == ((events["k"] == 17) & (events["_ts_us"] < query_ts[1])).sum()
+    assert np.isnan(found["u_events_total"].iloc[2])  # beyond the TTL
+
+
 def test_entity_dense_defaults_for_unknown_entities():
     nan = np.array([np.nan])
     stats = {f"u_{name}": nan for name in ops.STAT_NAMES}

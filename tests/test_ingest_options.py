@@ -204,3 +204,60 @@ def test_an_unsigned_epoch_beyond_int64_quarantines_its_row_not_the_file(setting
     [result] = ingest(landing, ratings_spec("epoch_s"), settings, now=NOW).results
     assert result.rows_landed == 2 and result.reasons == {"invalid_type:ts": 1}, result
     assert sorted(read_window(settings, ratings_spec("epoch_s"))["rating_id"].to_pylist()) == ["r0", "r2"]
+
+
+def _published_criteo_sample(path: Path, lines: list[str], fields: list[str]) -> Path:
+    """The published Criteo sample's shape: a CSV with a header, in a file named ``.txt``, counts as ``260.0``."""
+    numbers = {f"I{i}" for i in range(1, 14)}
+    rows = [",".join(fields)] + [
+        ",".join((f"{v}.0" if f in numbers and v else v) for f, v in zip(fields, line.split("\t"), strict=True))
+        for line in lines
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_the_shipped_criteo_spec_ingests_the_published_sample_read_by_content(settings, tmp_path):
+    """A CSV with a header named ``dac_sample.txt`` was read as headerless TSV (every row quarantined, no hint),
+    and its ``260.0`` counts needed a spec edit; by content, with the shipped spec as it is, every row lands,
+    the same ids as the TSV, and a hint says the name disagreed with the content."""
+    criteo = load_spec("criteo")
+    lines = criteo_lines(40, seed=5)
+    sample = _published_criteo_sample(tmp_path / "in" / "dac_sample.txt", lines, criteo.file_fields)
+    summary = ingest(sample.parent, criteo, settings, now=NOW)
+    assert (summary.rows_in, summary.rows_landed, summary.rows_quarantined) == (40, 40, 0), summary.results
+    [result] = summary.results
+    assert any("dac_sample.txt: read as CSV with a header by its content" in h for h in result.hints), result.hints
+    (tmp_path / "tsv").mkdir()
+    (tmp_path / "tsv" / "day_0").write_text("\n".join(lines) + "\n")
+    home = settings.model_copy(update={"home": tmp_path / "home-tsv"})
+    tsv = ingest(tmp_path / "tsv", criteo, home, now=NOW)
+    assert tsv.rows_landed == 40 and not tsv.results[0].hints  # a headerless TSV: what its name says
+    assert len(set(read_window(settings, criteo)["event_id"].to_pylist())) == 40
+
+
+def test_a_table_log_named_txt_is_read_by_its_header_and_a_skipped_file_says_why(settings, tmp_path):
+    landing = write_csv(tmp_path / "in" / "r.csv", rows_with([1420070400, 1420070401], [2015, 2016])).parent
+    (landing / "r.csv").rename(landing / "ratings export.txt")
+    spec = ratings_spec("epoch_s")
+    first = ingest(landing, spec, settings, now=NOW)
+    assert first.rows_landed == 2 and first.files_rejected == 0, first.results
+    assert "read as CSV with a header by its content" in first.results[0].hints[0]
+    shutil.copy(landing / "ratings export.txt", landing / "renamed.csv")
+    again = ingest(landing, spec, settings, now=NOW)
+    reasons = {Path(r.path).name: r.error for r in again.results}
+    assert again.files_skipped == 2 and all(reasons.values()), reasons
+    assert "already ingested under this version of spec 'ratings' as" in reasons["renamed.csv"]
+    assert "--reingest" in reasons["ratings export.txt"]
+
+
+def test_spec_criteo_is_the_shipped_spec_beside_a_folder_named_criteo(tmp_path, monkeypatch):
+    """`--spec criteo` in a directory holding the data folder `criteo/` said "spec file criteo does not exist"."""
+    from recloop.datasets import normalized
+
+    (tmp_path / "criteo").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert load_spec("criteo").name == "criteo" and normalized("criteo") == "criteo"
+    with pytest.raises(Exception, match="is a folder, not a YAML file"):
+        load_spec("./criteo")

@@ -14,7 +14,7 @@ from recloop.retrieval.evaluate import (
 )
 
 K = 10
-THRESHOLDS = RetrievalThresholds(k=K, min_slice_clicks=50)
+THRESHOLDS = RetrievalThresholds(k=K, min_slice_clicks=50, min_clicks=50)
 
 
 def scores_with_hits(hit: np.ndarray, new_user: np.ndarray | None = None, popular_hit_rate: float = 0.1):
@@ -82,3 +82,16 @@ def test_a_slice_regression_fails_even_when_the_average_holds():
     assert not decision.passed
     assert [r for r in decision.reasons if r.startswith("slice user=new")]
     assert decision.figures["slice user=new"]["clicks"] == 200
+
+
+def test_a_handful_of_held_out_clicks_is_insufficient_evidence_not_a_verdict():
+    """One held-out click (a sparse log's last period) judged a retriever 0.00 vs popularity 1.00 and refused it;
+    below ``min_clicks`` the gate says the evidence is insufficient instead of comparing recalls."""
+    one_miss = retrieval_scores(np.array([-1]), (K,), {}, np.array([0]))
+    decision = decide(one_miss, None, THRESHOLDS, "full")
+    assert not decision.passed
+    assert len(decision.reasons) == 1 and decision.reasons[0].startswith("insufficient evidence: 1 held-out click")
+    assert "popularity" not in decision.reasons[0] and "floor" not in decision.reasons[0]
+    assert decision.figures["evidence"] == {"clicks": 1, "min_clicks": THRESHOLDS.min_clicks}
+    enough = scores_with_hits(np.random.default_rng(1).random(THRESHOLDS.min_clicks) < 0.3)
+    assert decide(enough, None, THRESHOLDS, "full").passed

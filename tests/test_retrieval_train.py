@@ -232,3 +232,10 @@ def test_the_windows_are_time_whatever_the_files_period():
         time_windows(daily[:3], validation_hours=24 * 5, days=7)
     with pytest.raises(RetrievalTrainError, match="no training rows in the 7 days"):  # a gap before the held out
         time_windows([*daily[:3], *daily[-1:]], validation_hours=12, days=7)
+    # A sparse log's last period holds one click: the held-out window grows back to the gate's minimum, never
+    # past half of the periods.
+    clicks = {f: (1 if f == daily[-1] else 60) for f in daily}
+    validation, trainable, _ = time_windows(daily, validation_hours=12, days=7, min_clicks=150, clicks=clicks.get)
+    assert validation == daily[-4:] and trainable == daily[:-4]
+    validation, _, _ = time_windows(daily, validation_hours=12, days=7, min_clicks=10**6, clicks=clicks.get)
+    assert len(validation) == 15

@@ -8,6 +8,7 @@ shows the traceback (see ``cli_boundary``).
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -152,7 +153,7 @@ def _run_ingest(source: Path, spec_name: str | None, settings: Settings, quiet: 
 
     def on_file(result: FileResult) -> None:
         progress.advance(0)
-        if result.status in ("rejected", "ignored"):
+        if result.status in ("rejected", "ignored", "skipped"):
             console.print(f"[yellow]{result.status}[/] {result.path}: {result.error}")
 
     with _progress(f"ingesting ({spec.name})", total, quiet) as progress:
@@ -314,6 +315,8 @@ def train_command(
     epochs: Annotated[int, typer.Option(min=1, help="Full: passes over the window.")] = 1,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Rows per step (default: 16384 on a GPU, 4096 on a CPU).")] = None,
     validation_hours: Annotated[int, typer.Option(min=1, help="Newest hours held out for validation.")] = 6,
+    min_validation_rows: Annotated[int, typer.Option(min=1, help="Fewer held-out rows than this: training is "
+                                                     "refused (a model judged on a handful of rows).")] = 200,
     replay: Annotated[float, typer.Option(min=0.0, help="Incremental: older hours replayed, per new hour.")] = 0.0,
     warm_start: Annotated[str | None, typer.Option("--from", help="Incremental: a registered version or a "
                                                    "checkpoint folder to start from (default: the champion).")] = None,
@@ -339,7 +342,7 @@ def train_command(
         track, json_out = False, True
     config = TrainConfig(mode=mode, days=days, epochs=epochs, batch_size=batch_size,  # type: ignore[arg-type]
                          validation_hours=validation_hours, replay_fraction=replay, device=device,
-                         deterministic=deterministic)
+                         deterministic=deterministic, min_validation_rows=min_validation_rows)
     progress = Progress(TextColumn("[bold]training"), BarColumn(), TaskProgressColumn(),
                         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console, disable=json_out)
     with progress:
@@ -434,14 +437,17 @@ def gate_command(
 def promote_command(
     version: Annotated[str, typer.Argument(help="Model version to make champion.")],
     why: Annotated[str, typer.Option(help="Recorded on the version.")] = "promoted by hand",
+    model: Annotated[str, typer.Option(help="Whose version: recloop-ranker or recloop-retriever.")]
+    = "recloop-ranker",
     json_out: JsonOption = False,
 ) -> None:
     """Make VERSION the champion by hand (the old champion becomes 'previous')."""
     from recloop import registry
+    from recloop.canary.controller import check_model
 
     try:
-        state = registry.promote(Settings(), version, why=why)
-    except registry.UnknownVersion as err:
+        state = registry.promote(Settings(), version, why=why, model_name=check_model(model))
+    except (registry.UnknownVersion, ValueError) as err:
         raise _fail(str(err)) from err
     _emit(state) if json_out else console.print(f"aliases: {state}")
 
@@ -449,14 +455,17 @@ def promote_command(
 @app.command("rollback")
 def rollback_command(
     why: Annotated[str, typer.Option(help="Recorded on the demoted version.")] = "rolled back by hand",
+    model: Annotated[str, typer.Option(help="Whose versions: recloop-ranker or recloop-retriever.")]
+    = "recloop-ranker",
     json_out: JsonOption = False,
 ) -> None:
     """Make the 'previous' version champion again."""
     from recloop import registry
+    from recloop.canary.controller import check_model
 
     try:
-        state = registry.rollback(Settings(), why=why)
-    except RuntimeError as err:
+        state = registry.rollback(Settings(), why=why, model_name=check_model(model))
+    except (RuntimeError, ValueError) as err:
         raise _fail(str(err)) from err
     _emit(state) if json_out else console.print(f"aliases: {state}")
 
@@ -613,7 +622,8 @@ def retrain_command(
         from flows.retrain_flow import retrain_flow
         from recloop.flow_support import in_process_runs, settings_parameter
 
-        with _quiet_logs(), in_process_runs():
+        # a failure is the boundary's one line: Prefect's ERROR records (with their tracebacks) stay out
+        with _quiet_logs(logging_level=logging.CRITICAL), in_process_runs():
             outcome = retrain_flow(mode=mode, reason=reason, spec=spec_source, settings=settings_parameter(settings))
         ingested = {k: outcome["ingest"][k] for k in ("rows_in", "rows_landed", "rows_quarantined")}
         if "skipped" in outcome:  # nothing new since the champion: nothing trained, no version registered
@@ -864,14 +874,13 @@ def _fmt(value) -> str:
 
 
 @contextmanager
-def _quiet_logs() -> Iterator[None]:
+def _quiet_logs(logging_level: int = logging.WARNING) -> Iterator[None]:
     """MLflow and Prefect log at INFO by default: the demo's own lines are the story."""
-    import logging
-
-    loggers = [logging.getLogger(name) for name in ("mlflow", "prefect", "alembic", "httpx", "uvicorn")]
+    names = ("mlflow", "prefect", "prefect.flow_runs", "prefect.task_runs", "alembic", "httpx", "uvicorn")
+    loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
-        logger.setLevel(logging.WARNING)
+        logger.setLevel(logging_level)
     try:
         yield
     finally:

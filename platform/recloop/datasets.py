@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from recloop.schema import DatasetSpec, load_spec
+from recloop.schema import DatasetSpec, is_spec_path, load_spec
 from recloop.settings import Settings
 
 DEFAULT_SPEC = "synthetic"
@@ -34,7 +34,7 @@ def home_copy(settings: Settings) -> Path:
 def normalized(value: str | Path) -> str:
     """A shipped name as it is; a path made absolute (a flow may run in another directory)."""
     path = Path(value)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if is_spec_path(value):
         return str(path.expanduser().resolve())
     return str(value)
 

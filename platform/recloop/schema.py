@@ -311,6 +311,18 @@ def builtin_specs() -> list[str]:
     return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+def is_spec_path(name_or_path: str | Path) -> bool:
+    """Whether ``--spec`` names a file rather than a shipped spec: a YAML suffix, a path with a folder in it, or
+    an existing file; a shipped name stays a name even where the working directory holds a folder of that name
+    (``criteo/``, the data beside the command)."""
+    text = str(name_or_path)
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        return True
+    shipped = (resources.files("recloop") / "specs" / f"{text}.yaml").is_file() if text and "/" not in text else False
+    return not shipped and (path.exists() or "/" in text)
+
+
 def load_spec(name_or_path: str | Path) -> DatasetSpec:
     """Load and validate a spec: a shipped one by name (``synthetic``, ``criteo``) or a YAML file.
 
@@ -318,7 +330,9 @@ def load_spec(name_or_path: str | Path) -> DatasetSpec:
         SpecError: naming the file and every problem found in it.
     """
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if is_spec_path(name_or_path):
+        if path.is_dir():
+            raise SpecError(f"spec {path} is a folder, not a YAML file")
         if not path.is_file():
             raise SpecError(f"spec file {path} does not exist")
         text, source = path.read_text(encoding="utf-8"), str(path)

@@ -128,21 +128,28 @@ def entity_states(
         return EntityStates(prefix, empty)
     codes = _group_codes(xp, keys_sorted).astype(xp.int64)
     t_min = int(times.min())
-    span = int(times.max()) - t_min + 86400 * US + 1
-    if int(codes.max()) + 1 > (2**62) // span:
-        raise OverflowError("too many entities × too long a time span for one feature window; split it")
-    composite = codes * span + (times - t_min)
+    since = t_min if since_us is None else max(since_us, t_min)
+    # Binary search on (entity, time) as one sorted int64: time enters as its rank among every instant
+    # compared (event times, their window starts, ``since``), never as microseconds, so the key is below
+    # entities × 4·events whatever the span (a µs key overflowed on 10k items × 22 years).
+    instants = xp.unique(xp.concatenate([times, times - 3600 * US, times - 86400 * US,
+                                         xp.full(1, since, dtype=xp.int64)]))
+    width = int(len(instants))
+
+    def key_at(moments: Any) -> Any:
+        return codes * width + xp.searchsorted(instants, moments, side="left").astype(xp.int64)
+
+    composite = key_at(times)
     upper = xp.searchsorted(composite, composite, side="right")  # includes ties at the same time
     cum_labels = xp.concatenate([xp.zeros(1, dtype=xp.int64), xp.cumsum(labels)])
 
     def window(seconds: int) -> tuple[Any, Any]:
-        lower = xp.searchsorted(composite, composite - seconds * US, side="right")
+        lower = xp.searchsorted(composite, key_at(times - seconds * US), side="right")
         return upper - lower, cum_labels[upper] - cum_labels[lower]
 
     events_1h, _ = window(3600)
     events_24h, clicks_24h = window(86400)
-    since = t_min if since_us is None else max(since_us, t_min)
-    first = xp.searchsorted(composite, codes * span + (since - t_min), side="left")
+    first = xp.searchsorted(composite, key_at(xp.full(n, since, dtype=xp.int64)), side="left")
     events_total = upper - first
     clicks_total = cum_labels[upper] - cum_labels[first]
 
@@ -197,13 +204,13 @@ def states_before(
     query_rank = backend.values(ranks.iloc[len(candidates):]).astype(xp.int64)
     cand_ts = backend.values(candidates["ts"]).astype(xp.int64)
     query_ts = backend.values(query["ts"]).astype(xp.int64)
-    t_min = int(min(cand_ts.min(), query_ts.min())) if len(cand_ts) and len(query_ts) else 0
-    t_max = int(max(cand_ts.max(), query_ts.max())) if len(cand_ts) and len(query_ts) else 0
-    span = t_max - t_min + 1
-    cand_key = cand_rank * span + (cand_ts - t_min)
+    # Times as their rank among all instants on both sides (not µs): the key cannot overflow at any span.
+    instants = xp.unique(xp.concatenate([cand_ts, query_ts]))
+    width = int(len(instants)) + 1
+    cand_key = cand_rank * width + xp.searchsorted(instants, cand_ts).astype(xp.int64)
     order = xp.argsort(cand_key, kind="stable")
     cand_key_sorted = cand_key[order]
-    query_key = query_rank * span + (query_ts - t_min)
+    query_key = query_rank * width + xp.searchsorted(instants, query_ts).astype(xp.int64)
     pos = xp.searchsorted(cand_key_sorted, query_key, side="left") - 1  # strictly earlier
     found = pos >= 0
     pos_clipped = xp.where(found, pos, 0)

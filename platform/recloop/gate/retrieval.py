@@ -45,6 +45,9 @@ class RetrievalThresholds:
         max_ndcg_drop: tolerated absolute drop of NDCG@K.
         z: standard errors a drop beyond the tolerance must also exceed to fail (paired test).
         max_slice_recall_drop, min_slice_clicks: per slice.
+        min_clicks: held-out clicks below which the gate does not judge at all ("insufficient evidence": one
+            click's recall is 0 or 1); training grows its held-out window back to reach them
+            (``RetrievalTrainConfig.min_validation_clicks``).
     """
 
     k: int = 500
@@ -57,6 +60,7 @@ class RetrievalThresholds:
     z: float = 1.96
     max_slice_recall_drop: float = 0.05
     min_slice_clicks: int = 200
+    min_clicks: int = 100
 
 
 def per_click(ranks: np.ndarray, k: int, metric: Literal["recall", "ndcg"]) -> np.ndarray:
@@ -89,6 +93,13 @@ def decide(candidate: RetrievalScores, champion: RetrievalScores | None, thresho
         name: {"candidate": ours.get(name), "champion": champion.overall.get(name) if champion else None}
         for name in (recall, ndcg, oracle, "clicks")
     }
+    clicks = int(ours.get("clicks", len(candidate.ranks)) or 0)
+    if clicks < thresholds.min_clicks:
+        figures["evidence"] = {"clicks": clicks, "min_clicks": thresholds.min_clicks}
+        reasons.append(f"insufficient evidence: {clicks} held-out click{'s' if clicks != 1 else ''}, the gate judges on "
+                       f"at least {thresholds.min_clicks} (train with a longer held-out window, or bring it up by "
+                       "hand: recloop promote VERSION --model recloop-retriever)")
+        return GateDecision(passed=False, reasons=tuple(reasons), figures=figures, first_model=champion is None)
     value = ours.get(recall, math.nan)
     if not math.isfinite(value):
         reasons.append(f"{recall} is {value} (no held-out clicks to judge on?)")

@@ -77,6 +77,7 @@ class SourceBatch:
     source_row: np.ndarray
     unsplittable: list[tuple[int, str, str]] = field(default_factory=list)
     text: bool = False
+    notes: list[str] = field(default_factory=list)  # about the file as a whole (read by content, not name)
 
     @property
     def rows_in(self) -> int:
@@ -140,18 +141,85 @@ def read_batches(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
     if os.fstat(handle.fileno()).st_size == 0:
         raise FileRejected("empty file (0 bytes)")
     lowered = name.lower()
-    if spec.format == "criteo_tsv" and lowered.endswith(PARQUET_SUFFIXES + CSV_SUFFIXES):
-        return _criteo_table_file(handle, name, spec, batch_rows)
+    found = sniff(handle, spec)
+    by_suffix = ("parquet" if lowered.endswith(PARQUET_SUFFIXES) else "csv" if lowered.endswith(CSV_SUFFIXES)
+                 else "tsv" if lowered.endswith((".tsv", ".tsv.gz")) else None)
+    if found.kind == "parquet":
+        content = "parquet"
+    elif found.header is not None:
+        content = "csv" if found.delimiter == "," else "tsv"
+    else:
+        content = "headerless TSV" if spec.format == "criteo_tsv" else None
+    note = None
+    if content is not None and content != (by_suffix or ("headerless TSV" if spec.format == "criteo_tsv" else None)):
+        shown = {"csv": "CSV with a header", "tsv": "tab-separated text with a header"}.get(content, content)
+        note = (f"{name}: read as {shown} by its content (its name says "
+                f"{by_suffix or 'nothing of its format'}); name it {_suffix_for(content)} to say so")
     if spec.format == "criteo_tsv":
-        return _read_criteo(handle, name, spec, digest, batch_rows)
-    if lowered.endswith(PARQUET_SUFFIXES):
-        return _read_parquet(handle, batch_rows)
-    if lowered.endswith(CSV_SUFFIXES):
-        return _read_csv(handle, lowered.endswith(".gz"), batch_rows)
-    suffix = Path(name).suffix or "(no suffix)"
-    raise FileRejected(
-        f"unsupported file type {suffix!r} for spec {spec.name!r}: expected {PARQUET_SUFFIXES + CSV_SUFFIXES}"
-    )
+        if content in ("parquet", "csv", "tsv"):
+            batches = _criteo_table_file(handle, name, spec, batch_rows, content, found)
+        else:
+            batches = _read_criteo(handle, name, spec, digest, batch_rows, found.compressed)
+    elif content == "parquet" or (content is None and by_suffix == "parquet"):
+        batches = _read_parquet(handle, batch_rows)
+    elif content in ("csv", "tsv") or by_suffix == "csv":
+        batches = _read_csv(handle, found.compressed, batch_rows, found.delimiter)
+    else:
+        suffix = Path(name).suffix or "(no suffix)"
+        raise FileRejected(
+            f"unsupported file type {suffix!r} for spec {spec.name!r}: expected {PARQUET_SUFFIXES + CSV_SUFFIXES}, "
+            "or text whose first line names the spec's columns"
+        )
+    return _noted(batches, note) if note else batches
+
+
+@dataclass(frozen=True)
+class Sniffed:
+    """What a file's first bytes say it is: ``parquet`` or ``text`` (maybe gzip-compressed), and for text its
+    delimiter and whether the first line is a header (its fields, when it names the spec's columns)."""
+
+    kind: str
+    compressed: bool = False
+    delimiter: str = ","
+    header: tuple[str, ...] | None = None
+
+
+def sniff(handle: BinaryIO, spec: DatasetSpec) -> Sniffed:
+    """The file's format by its content, not its name (a CSV with a header named ``train.txt``); leaves the
+    handle at 0. A header is a first line of which at least half the fields are names of the spec's
+    columns; the delimiter is a tab or a comma, whichever the first line has more of."""
+    try:
+        head = handle.read(4)
+        handle.seek(0)
+        if head == b"PAR1":
+            return Sniffed("parquet")
+        compressed = head[:2] == b"\x1f\x8b"
+        line = _text_stream(handle, compressed).readline(1 << 20)
+        handle.seek(0)
+    except _READ_ERRORS:
+        handle.seek(0)
+        return Sniffed("text")
+    text = line.decode("utf-8-sig", errors="replace").rstrip("\r\n")
+    delimiter = "\t" if text.count("\t") > text.count(",") else ","
+    fields = tuple(f.strip() for f in next(csv.reader([text], delimiter=delimiter), []))
+    known = set(spec.file_fields) | {c.name for c in spec.columns}
+    named = sum(f in known for f in fields)
+    header = fields if fields and named >= max(1, len(fields) // 2) else None
+    return Sniffed("text", compressed, delimiter, header)
+
+
+def _suffix_for(content: str) -> str:
+    return {"parquet": ".parquet", "csv": ".csv", "tsv": ".tsv"}.get(content, "without .csv/.parquet")
+
+
+def _noted(batches: Iterator[SourceBatch], note: str) -> Iterator[SourceBatch]:
+    """The batches, the first carrying ``note`` (the run's summary prints it as a hint)."""
+    first = True
+    for batch in batches:
+        if first:
+            batch.notes.append(note)
+            first = False
+        yield batch
 
 
 def _guarded(batches: Iterator[SourceBatch], what: str) -> Iterator[SourceBatch]:
@@ -197,8 +265,8 @@ def _text_stream(handle: BinaryIO, compressed: bool) -> BinaryIO:
     return gzip.GzipFile(fileobj=handle, mode="rb") if compressed else handle  # type: ignore[return-value]
 
 
-def _read_csv(handle: BinaryIO, compressed: bool, batch_rows: int) -> Iterator[SourceBatch]:
-    """CSV with a header line; every column read as text, empty fields as null."""
+def _read_csv(handle: BinaryIO, compressed: bool, batch_rows: int, delimiter: str = ",") -> Iterator[SourceBatch]:
+    """CSV (or ``delimiter``-separated text) with a header line; every column read as text, empty fields as null."""
     try:
         header_line = _text_stream(handle, compressed).readline().rstrip(b"\r\n")
         handle.seek(0)
@@ -208,7 +276,8 @@ def _read_csv(handle: BinaryIO, compressed: bool, batch_rows: int) -> Iterator[S
         raise FileRejected("no header line")
     try:
         # utf-8-sig: Excel's "CSV UTF-8" starts with a byte order mark, not part of the first column's name.
-        names = next(csv.reader([header_line.decode("utf-8-sig")]))
+        names = [n.strip() if delimiter == "\t" else n
+                 for n in next(csv.reader([header_line.decode("utf-8-sig")], delimiter=delimiter))]
     except UnicodeDecodeError as err:
         raise FileRejected(f"not UTF-8 text (header byte {err.start})") from err
     duplicated = sorted({n for n in names if names.count(n) > 1})
@@ -229,7 +298,7 @@ def _read_csv(handle: BinaryIO, compressed: bool, batch_rows: int) -> Iterator[S
             _text_stream(handle, compressed),
             read_options=pacsv.ReadOptions(use_threads=False, block_size=max(1 << 16, batch_rows * 256),
                                            column_names=names, skip_rows=1),
-            parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid_row),
+            parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=on_invalid_row),
             convert_options=pacsv.ConvertOptions(
                 column_types={n: pa.string() for n in names}, strings_can_be_null=True, null_values=[""]
             ),
@@ -287,21 +356,21 @@ def _criteo_day(name: str, spec: DatasetSpec, total_rows: int) -> tuple[int, int
     return int(day_start.timestamp() * 1_000_000), 86_400_000_000 // max(total_rows, 1)
 
 
-def _criteo_table_file(handle: BinaryIO, name: str, spec: DatasetSpec, batch_rows: int) -> Iterator[SourceBatch]:
-    """Criteo fields in a CSV with a header or a parquet file (named columns: the spec's file fields); the
-    event id and timestamp derived as for TSV."""
-    lowered = name.lower()
+def _criteo_table_file(handle: BinaryIO, name: str, spec: DatasetSpec, batch_rows: int, content: str,
+                       found: Sniffed) -> Iterator[SourceBatch]:
+    """Criteo fields in text with a header (``content`` csv or tsv) or a parquet file (named columns: the spec's
+    file fields); the event id and timestamp derived as for TSV."""
     try:
-        if lowered.endswith(PARQUET_SUFFIXES):
+        if content == "parquet":
             total = pq.ParquetFile(handle).metadata.num_rows
         else:
-            total = max(_count_lines(_text_stream(handle, lowered.endswith(".gz"))) - 1, 0)
+            total = max(_count_lines(_text_stream(handle, found.compressed)) - 1, 0)
         handle.seek(0)
     except _READ_ERRORS as err:
         raise FileRejected(f"not a readable file: {err}") from err
     start_us, step_us = _criteo_day(name, spec, total)
-    inner = (_read_parquet(handle, batch_rows) if lowered.endswith(PARQUET_SUFFIXES)
-             else _read_csv(handle, lowered.endswith(".gz"), batch_rows))
+    inner = (_read_parquet(handle, batch_rows) if content == "parquet"
+             else _read_csv(handle, found.compressed, batch_rows, found.delimiter))
     fields = spec.file_fields
 
     def batches() -> Iterator[SourceBatch]:
@@ -319,12 +388,11 @@ def _criteo_table_file(handle: BinaryIO, name: str, spec: DatasetSpec, batch_row
 
 
 def _read_criteo(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
-                 batch_rows: int) -> Iterator[SourceBatch]:
+                 batch_rows: int, compressed: bool) -> Iterator[SourceBatch]:
     """Criteo TSV: no header, fields = the spec's file fields; id and timestamp derived (see CriteoOptions).
 
     Rows are spread evenly over the file's day, so the lines are counted first (one extra pass).
     """
-    compressed = name.lower().endswith(".gz")
     try:
         total_lines = _count_lines(_text_stream(handle, compressed))
         handle.seek(0)

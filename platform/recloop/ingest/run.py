@@ -252,10 +252,12 @@ def _ingest_candidate(candidate: Candidate, spec: DatasetSpec, settings: Setting
             ledger.forget(key)
         known = ledger.get(key)
         if known is not None:
-            status = "ingested" if known.status == "done" else known.status
-            note = f"already {status} as {known.path}" if known.path != path else f"already {status}"
-            return FileResult(path, "skipped", digest, error=f"{note} (the same bytes: the ledger has them)",
-                              ledger_key=key)
+            done = "ingested" if known.status == "done" else known.status
+            note = (f"already {done} under this version of spec {spec.name!r}"
+                    + (f" as {known.path}" if known.path != path else "")
+                    + ("" if known.status == "done" else f" ({known.error})" if known.error else "")
+                    + ": `recloop ingest FILE --reingest` reads it again")
+            return FileResult(path, "skipped", digest, error=note, ledger_key=key)
         staging = _Staging(settings, _token(key, reingest), now)
         ledger.begin_file()
         try:
@@ -313,7 +315,7 @@ def _land(batches: Iterable[SourceBatch], path: Path, key: str, spec: DatasetSpe
     reasons: Counter[str] = Counter()
     for batch in batches:
         typed, problems = _checked(batch, spec, now)
-        result.hints += [h for h in problems.hints if h not in result.hints]
+        result.hints += [h for h in (*batch.notes, *problems.hints) if h not in result.hints]
         if typed is not None:
             _flag_duplicates(typed, spec, problems, ledger)
         bad = problems.bad_mask()

@@ -33,6 +33,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -77,6 +78,8 @@ class RetrievalTrainConfig:
         batch_size: clicks per step, and so in-batch negatives per click + 1.
         lr: the towers' MLPs' Adam learning rate (the tables use ``model.embedding_lr``).
         validation_hours: newest hours held out, as the ranker's.
+        min_validation_clicks: the held-out window grows back, period by period, until it holds this many clicks
+            (the gate's ``min_clicks``) or half of the periods; a sparse log's last period may hold one click.
         eval_ks: the K of recall@K and NDCG@K in the summary (the largest is retrieved).
         seed, device: reproducibility and placement (``auto``: CUDA when present).
         model, features, index: the towers, which columns feed them, the ANN index.
@@ -90,6 +93,7 @@ class RetrievalTrainConfig:
     batch_size: int = 512
     lr: float = 3e-3
     validation_hours: int = 6
+    min_validation_clicks: int = 200
     eval_ks: tuple[int, ...] = (100, 500)
     seed: int = 0
     device: str = "auto"
@@ -160,7 +164,8 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
 
     layout = FeatureLayout.for_settings(settings)
     files = training_files(layout.training)
-    validation, trainable, recent = time_windows(files, config.validation_hours, config.days)
+    validation, trainable, recent = time_windows(files, config.validation_hours, config.days,
+                                                 config.min_validation_clicks, clicks_in)
     base = None
     if config.mode == "incremental":
         base_path = warm_start or latest_retriever(settings)
@@ -243,10 +248,20 @@ def features_for(settings: Settings, spec_source: str, schema_path: Path) -> Ret
         raise RetrievalTrainError(str(err)) from err
 
 
-def time_windows(files: list[Path], validation_hours: int, days: int) -> tuple[list[Path], list[Path], list[Path]]:
+def clicks_in(path: Path) -> int:
+    """The clicks (positive labels) of one training-rows file."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    return int(pc.sum(pq.read_table(path, columns=["label"])["label"]).as_py() or 0)
+
+
+def time_windows(files: list[Path], validation_hours: int, days: int, min_clicks: int = 0,
+                 clicks: Callable[[Path], int] | None = None) -> tuple[list[Path], list[Path], list[Path]]:
     """(held out, the files before them, the last ``days`` of those): by time, as the ranker's windows, whatever
     the files' period (an hour, a day, a week) and however many hours had no events. At least one file is
-    held out and one left to train on."""
+    held out and one left to train on; with ``min_clicks`` (counted by ``clicks``), the held-out window grows
+    back a file at a time until it holds them or half of the files."""
     if len(files) < 2:
         raise RetrievalTrainError(f"{len(files)} period(s) of training rows: one is held out, so nothing is left "
                                   "to train on (run `recloop features` first)")
@@ -257,6 +272,11 @@ def time_windows(files: list[Path], validation_hours: int, days: int) -> tuple[l
     if cut == 0:
         raise RetrievalTrainError(f"the {validation_hours} hours held out cover all {len(files)} files of training "
                                   "rows: nothing is left to train on")
+    if min_clicks and clicks is not None:
+        held = sum(clicks(f) for f in files[cut:])
+        while held < min_clicks and cut > 1 and len(files) - cut < len(files) // 2:
+            cut -= 1
+            held += clicks(files[cut])
     validation, trainable = files[cut:], files[:cut]
     since = file_hour(validation[0]) - timedelta(days=days)
     recent = [f for f in trainable if file_hour(f) >= since]
