@@ -45,6 +45,8 @@ def ingest_new(settings: Settings, spec: SpecArg = None, source: Path | None = N
     """Ingest what is new in the landing zone (or ``source``); a file seen before is skipped."""
     from recloop.ingest import ingest
 
+    if source is None:  # the home's own landing zone: nothing landed yet is an empty zone, not an error
+        settings.landing_dir.mkdir(parents=True, exist_ok=True)
     return ingest(source or settings.landing_dir, datasets.resolve(settings, spec), settings)
 
 

@@ -285,7 +285,7 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
     if held < config.min_validation_rows:
         raise TrainError(f"only {held} rows to hold out for validation (at least {config.min_validation_rows} "
                          "are needed to judge a model): build features over a longer stretch of events, or "
-                         "lower min_validation_rows knowingly")
+                         "lower it knowingly (`recloop train --min-validation-rows N`)")
     validation, trainable = files[cut:], files[:cut]
     since = file_hour(validation[0]) - timedelta(days=config.days)
     first = next((i for i, f in enumerate(trainable) if file_hour(f) >= since), len(trainable))

@@ -121,15 +121,19 @@ def held_out_rows(files: list[Path], user_key: str | None, timestamp: str | None
         n = table.num_rows
         served = pc.match_substring_regex(table[event_id], SERVED_EVENT_ID).to_numpy(zero_copy_only=False) \
             if event_id in present else np.zeros(n, dtype=bool)
-        users = table[user_key].to_numpy() if user_key in present else np.zeros(n, dtype=np.int64)
+        users = table[user_key].to_numpy(zero_copy_only=False) if user_key in present else np.zeros(n, np.int64)
         hours = (pc.cast(table[timestamp], "int64").to_numpy() // 3_600_000_000) if timestamp in present \
             else np.zeros(n, dtype=np.int64)
         parts["served"].append(np.asarray(served, dtype=bool))
-        parts["users"].append(np.asarray(users, dtype=np.int64))
+        parts["users"].append(np.asarray(users))
         del hours  # (a request id, where a dataset has one, is the better group)
-        parts["groups"].append(np.asarray(users, dtype=np.int64))
         parts["labels"].append(table["label"].to_numpy() if "label" in present else np.zeros(n))
-    return {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
+    out = {k: np.concatenate(v) if v else np.zeros(0) for k, v in parts.items()}
+    if out["users"].dtype.kind not in "iu":  # string keys (``"u17"``): one integer code per user
+        out["users"] = np.unique(out["users"].astype(str), return_inverse=True)[1]
+    out["users"] = out["users"].astype(np.int64)
+    out["groups"] = out["users"]
+    return out
 
 
 SMOKE_ROWS = 256
@@ -344,7 +348,8 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     mode = info.mode or "full"
     unloadable = _unloadable()
     layout_schema = json.loads(FeatureLayout.for_settings(settings).schema.read_text())
-    rows = held_out_rows(files, "user_id" if "user_id" in present else None, layout_schema.get("timestamp"),
+    user_key = layout_schema.get("user_key")  # the spec's (``customer``, ``userId``...), not a fixed name
+    rows = held_out_rows(files, user_key if user_key in present else None, layout_schema.get("timestamp"),
                          layout_schema.get("event_id"))
     # Served feedback is the champion's own top-k, logged without propensities: judged on, it favours the
     # champion. Left out when the rest is enough to judge on.
