@@ -396,3 +396,28 @@ def test_a_full_retrain_makes_the_same_passes_by_hand_here_or_on_a_server():
     assert run_epochs("incremental", None, full_epochs) == 1 and run_epochs("full", 5, full_epochs) == 5
     deployments = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
     assert deployments["full-retrain"]["parameters"].get("epochs", full_epochs) == full_epochs
+
+
+@pytest.mark.timeout(900)  # two ranks start torch, recloop and MLflow each: minutes on 2 shared cores
+def test_the_multi_gpu_deployment_trains_as_two_processes(prefect_server, champion_home, copy_home, tmp_path,
+                                                           monkeypatch):
+    """``train-multi-gpu``'s parameters (``nproc: 2``) run ``recloop train --nproc 2`` under torchrun from the
+    flow: two ranks train (the checkpoint records two data shards), rank 0 registers the version, and the
+    flow's result is the same report a one-process run returns."""
+    from flows.train_flow import train_flow
+    from recloop import checkpoint, registry
+    from recloop.flow_support import settings_parameter
+
+    deployment = next(d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+                      if d["name"] == "train-multi-gpu")
+    assert deployment["parameters"]["nproc"] == deployment["job_variables"]["gpus"] == 2
+    home = copy_home(champion_home, tmp_path / "home", frame_backend="pandas")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two ranks on a small machine
+    state = train_flow(**{**deployment["parameters"], "days": 2, "validation_hours": 8, "batch_size": 512},
+                       settings=settings_parameter(home), return_state=True)
+    assert state.is_completed(), state
+    result = state.result()
+    assert checkpoint.read(result["checkpoint"])["train"]["data_shards"] == 2
+    assert result["mode"] == "full" and result["steps"] > 0 and 0.5 < result["auc"] <= 1.0
+    version = result["mlflow"]["version"]
+    assert version == "2" and registry.version_info(home, version)  # the champion is 1
