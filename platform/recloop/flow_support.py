@@ -220,6 +220,11 @@ def train_run_name() -> str:
     return f"train-{_parameters().get('mode', 'incremental')}-{_scheduled_hour()}"
 
 
+def retriever_run_name() -> str:
+    """``retriever-full-2026-11-23T10``: the retriever's subflow of a retrain, by its mode and hour."""
+    return f"retriever-{_parameters().get('mode', 'incremental')}-{_scheduled_hour()}"
+
+
 def gate_run_name() -> str:
     """``gate-v7``, or ``gate-newest-<hour>`` when no version is named."""
     version = _parameters().get("version")

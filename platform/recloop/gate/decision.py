@@ -180,7 +180,9 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
     paired = decision.figures.get("grouped_auc")
     versus = "; vs champion: the paired comparison below" if paired else f"; drop ≤ {allowed} vs champion"
     rule = {"auc": f"≥ {thresholds.min_auc}" + (versus if champion else ""),
-            "logloss": f"≤ {thresholds.max_logloss}", "calibration": f"in [{low}, {high}]", "rows": ""}
+            "logloss": f"≤ {thresholds.max_logloss_ratio} × the base rate's" + (
+                f", ≤ {thresholds.max_logloss}" if thresholds.max_logloss is not None else ""),
+            "calibration": f"in [{low}, {high}]", "rows": ""}
     lines += ["", "| metric | candidate | champion | threshold |", "| --- | --- | --- | --- |"]
     for name in ("auc", "logloss", "calibration", "rows"):
         theirs = champion.overall.get(name) if champion else None
@@ -194,7 +196,7 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
         for name, scores in sorted(candidate.slices.items()):
             theirs = champion.slices.get(name, {}).get("auc") if champion else None
             lines.append(f"| {name} | {int(scores.get('rows', 0))} | {_fmt(scores.get('auc'))} | {_fmt(theirs)} |")
-        lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(thresholds).items())]
+        lines += ["", "Thresholds: " + _thresholds_line(thresholds)]
         return "\n".join(lines) + "\n"
     lines += ["", f"Slices (AUC may drop at most {thresholds.max_slice_auc_drop} vs the champion on slices of at "
               f"least {thresholds.min_slice_rows} rows):", "",
@@ -207,8 +209,13 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
     if skipped:
         lines += ["", f"**{len(skipped)} slice(s) not judged**: " + "; ".join(
             f"{name} ({why})" for name, why in skipped.items())]
-    lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in asdict(thresholds).items())]
+    lines += ["", "Thresholds: " + _thresholds_line(thresholds)]
     return "\n".join(lines) + "\n"
+
+
+def _thresholds_line(thresholds: GateThresholds) -> str:
+    """Every threshold set, ``name=value``; one not set (``None``) says so in words, never ``None``."""
+    return ", ".join(f"{k}={'not set' if v is None else v}" for k, v in asdict(thresholds).items())
 
 
 def _paired_markdown(figures: dict, allowed: float) -> list[str]:
