@@ -7,7 +7,7 @@ from prefect import flow, task
 
 from flows.canary_flow import canary_flow, running_canary_task, waits_for
 from recloop import pipeline
-from recloop.flow_support import markdown_table, publish, run_name, settings_from, tag_run
+from recloop.flow_support import markdown_table, publish, retriever_run_name, settings_from, tag_run
 from recloop.registry import RETRIEVER_NAME
 
 
@@ -36,7 +36,7 @@ def gate_retriever_task(version: str, thresholds_path: str | None, settings: dic
         "candidate": {"overall": outcome["candidate"]["overall"], "popularity": outcome["candidate"]["popularity"]}}
 
 
-@flow(name="retriever", flow_run_name=lambda: run_name("retriever"), log_prints=True)
+@flow(name="retriever", flow_run_name=retriever_run_name, log_prints=True)
 def retriever_flow(mode: Literal["incremental", "full"] = "incremental", spec: str | None = None, days: int = 7,
                    epochs: int = 3, validation_hours: int = 6, thresholds_path: str | None = None,
                    canary_config: str | None = None, wait_for_canary_hours: float | None = None,

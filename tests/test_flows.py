@@ -56,6 +56,20 @@ def test_prefect_yaml_entrypoints_import_and_schedules_parse():
         {k: v for k, v in full.items() if "{{" not in str(v)})
 
 
+def test_every_flow_names_its_runs():
+    """A flow without ``flow_run_name`` gets Prefect's random name (``retriever`` had one: "gentle-otter")."""
+    import importlib
+
+    from prefect import Flow
+
+    for path in sorted((ROOT / "flows").glob("*_flow.py")):
+        module = importlib.import_module(f"flows.{path.stem}")
+        flows = [value for value in vars(module).values() if isinstance(value, Flow)]
+        assert flows, path
+        for found in flows:
+            assert found.flow_run_name is not None, f"{path.name}: flow {found.name!r} has no run name"
+
+
 # --- the trigger: debounced, with a cool-down, never on broken data --------------------------------------------
 
 

@@ -263,6 +263,17 @@ def test_the_gate_report_shows_the_paired_comparison_that_decided():
     assert "| overall |" in passed and "REFUSED" not in passed and "**PASSED**" in passed
 
 
+def test_the_gate_report_says_no_none():
+    """An unset absolute log-loss ceiling printed ``logloss ≤ None`` (and ``max_logloss=None``): the rule the
+    log loss was held to is its ratio to the base rate's, and a threshold not set says so."""
+    from recloop.gate.decision import report_markdown
+
+    for champion in (CHAMPION, None):
+        report = report_markdown(decide(scores(), champion, T, "full"), scores(), champion, "7", "6", "full", T)
+        assert "None" not in report, report
+        assert f"| ≤ {T.max_logloss_ratio} × the base rate's |" in report and "max_logloss=not set" in report
+
+
 def test_the_baselines_are_fitted_once_per_window_and_refitted_when_a_file_changes(champion_home, copy_home, tmp_path):
     """The training run and its gate score the same window: the logistic regression is fitted once and kept
     under features/baselines/ (the gate of the champion's bootstrap read the training run's entry back); the

@@ -289,3 +289,33 @@ def test_down_leaves_a_process_that_reused_a_services_pid_alone(tmp_path: Path):
     finally:
         stranger.kill()
         stranger.wait(10)
+
+
+def test_each_home_takes_its_own_ports_and_down_stops_what_up_started_on_them(tmp_path: Path, monkeypatch):
+    """Two homes side by side: ports from the settings (``RECLOOP_UP_*_PORT``) or flags, kept in the pid file,
+    so ``down`` stops the service on the port it was started on (it looked only at the fixed 5000, 4200...)."""
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from recloop import services
+    from recloop.cli import app
+
+    monkeypatch.setenv("RECLOOP_UP_MLFLOW_PORT", "5123")
+    settings = Settings(home=tmp_path / "home")
+    ports = {s.name: s.port for s in services.services_for(settings, {"serving": 8123})}
+    assert ports == {"prefect": 4200, "mlflow": 5123, "evidently": 8001, "serving": 8123}
+    assert "--mlflow-port" in CliRunner().invoke(app, ["up", "--help"]).output
+    program = tmp_path / "bin" / "mlflow"  # what `up` starts, as /proc shows it: the program, then its port
+    program.parent.mkdir()
+    program.write_text("import time\ntime.sleep(120)\n")
+    service = subprocess.Popen([sys.executable, str(program), "ui", "--port", "5999"], start_new_session=True)
+    try:
+        (settings.home / "run").mkdir(parents=True)
+        (settings.home / "run" / "mlflow.pid").write_text(f"{service.pid} 5999")  # started with --mlflow-port 5999
+        assert services.down(settings) == {"mlflow": "stopped"}
+        assert service.wait(10) is not None
+    finally:
+        service.kill()
+        service.wait(10)

@@ -662,11 +662,22 @@ def _retriever_outcome(outcome: dict) -> dict:
 
 @app.command("up")
 def up_command(host: Annotated[str, typer.Option(help="Address the services listen on.")] = "127.0.0.1",
+               prefect_port: Annotated[int | None, typer.Option(min=1, max=65535, help="Prefect's port (default: "
+                                                               "RECLOOP_UP_PREFECT_PORT, 4200).")] = None,
+               mlflow_port: Annotated[int | None, typer.Option(min=1, max=65535, help="MLflow's port (default: "
+                                                              "RECLOOP_UP_MLFLOW_PORT, 5000).")] = None,
+               evidently_port: Annotated[int | None, typer.Option(min=1, max=65535, help="Evidently's port "
+                                                                 "(default: RECLOOP_UP_EVIDENTLY_PORT, 8001).")] = None,
+               serving_port: Annotated[int | None, typer.Option(min=1, max=65535, help="The serving API's port "
+                                                               "(default: RECLOOP_UP_SERVING_PORT, 8000).")] = None,
                json_out: JsonOption = False) -> None:
-    """Start the Prefect, MLflow and Evidently UIs and the serving API in the background; print their addresses."""
+    """Start the Prefect, MLflow and Evidently UIs and the serving API in the background; print their addresses.
+    Each home can take its own ports, so several run side by side."""
     from recloop import services
 
-    started = services.up(Settings(), host)
+    settings = Settings()
+    started = services.up(settings, host, services=services.services_for(settings, {
+        "prefect": prefect_port, "mlflow": mlflow_port, "evidently": evidently_port, "serving": serving_port}))
     prefect = started.get("prefect", {})
     api_url = f"{prefect.get('url')}/api"
     hint = services.deployments_hint(services.deployment_count(api_url), api_url, services.checkout()) \

@@ -240,6 +240,11 @@ def train_run_name() -> str:
     return f"train-{_parameters().get('mode', 'incremental')}-{_when_and_id()}"
 
 
+def retriever_run_name() -> str:
+    """``retriever-full-day2-3f9a1c``: the retriever's subflow of a retrain, by its mode and when."""
+    return f"retriever-{_parameters().get('mode', 'incremental')}-{_when_and_id()}"
+
+
 def gate_run_name() -> str:
     """``gate-v7-day2-3f9a1c``, or ``gate-newest-…`` when no version is named."""
     version = _parameters().get("version")

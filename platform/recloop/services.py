@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from recloop.settings import Settings
@@ -33,6 +33,21 @@ class Service:
 
 SERVICES = (Service("prefect", 4200, "/api/health"), Service("mlflow", 5000, "/health"),
             Service("evidently", 8001, "/"), Service("serving", 8000, "/metrics"))
+
+
+def services_for(settings: Settings, ports: dict[str, int | None] | None = None) -> tuple[Service, ...]:
+    """The services on this home's ports (``RECLOOP_UP_*_PORT``), ``ports`` (name → port, None: the
+    setting's) overriding them: two homes on one machine each get their own."""
+    chosen = {"prefect": settings.up_prefect_port, "mlflow": settings.up_mlflow_port,
+              "evidently": settings.up_evidently_port, "serving": settings.up_serving_port}
+    chosen.update({name: port for name, port in (ports or {}).items() if port is not None})
+    return tuple(replace(service, port=chosen[service.name]) for service in SERVICES)
+
+
+def _read_pid_file(path: Path) -> tuple[int, int | None]:
+    """A pid file's pid and the port its service was started on (None in a file from before ports were kept)."""
+    fields = path.read_text().split()
+    return int(fields[0]), (int(fields[1]) if len(fields) > 1 else None)
 
 
 def _command(service: Service, settings: Settings, host: str) -> list[str]:
@@ -91,7 +106,7 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
-       services: tuple[Service, ...] = SERVICES) -> dict[str, dict]:
+       services: tuple[Service, ...] | None = None) -> dict[str, dict]:
     """Start what is not running yet and wait until each answers; returns name → url, pid, status.
 
     A service counts as up only when the process started here answers: a port another process holds is a
@@ -103,6 +118,7 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
     from recloop.flow_support import configure_prefect
 
     configure_prefect(settings)
+    services = services if services is not None else services_for(settings)
     env = {**os.environ, "RECLOOP_HOME": str(settings.home.resolve()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)  # the server itself must not point at another one
     started, processes = {}, {}
@@ -114,9 +130,12 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
 
     for service in services:
         pid_file = _run_dir(settings) / f"{service.name}.pid"
-        if pid_file.exists() and _runs(int(pid_file.read_text()), service):
-            started[service.name] = {"url": service.url(host), "pid": int(pid_file.read_text()), "status": "running"}
-            continue
+        if pid_file.exists():
+            pid, port = _read_pid_file(pid_file)
+            running = replace(service, port=port or service.port)
+            if _runs(pid, running):
+                started[service.name] = {"url": running.url(host), "pid": pid, "status": "running"}
+                continue
         if not _port_free(host, service.port):
             started[service.name] = {"url": service.url(host), "pid": None, "status": (
                 f"failed: port {service.port} on {host} is held by another process (not one `recloop up` "
@@ -125,7 +144,7 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
         log = open(_run_dir(settings) / f"{service.name}.log", "ab")  # noqa: SIM115 - handed to the child
         process = subprocess.Popen(_command(service, settings, host), env=env, stdout=log, stderr=log,
                                    start_new_session=True)
-        pid_file.write_text(str(process.pid))
+        pid_file.write_text(f"{process.pid} {service.port}")  # the port too: `down` finds it by both
         processes[service.name] = process
         started[service.name] = {"url": service.url(host), "pid": process.pid, "status": "starting"}
     deadline = time.time() + timeout
@@ -183,12 +202,12 @@ def checkout() -> Path | None:
 def down(settings: Settings) -> dict[str, str]:
     """Stop every service ``up`` started (the whole process group), then forget it."""
     stopped = {}
-    for service in SERVICES:
+    for service in services_for(settings):
         pid_file = _run_dir(settings) / f"{service.name}.pid"
         if not pid_file.exists():
             continue
-        pid = int(pid_file.read_text())
-        if _runs(pid, service):
+        pid, port = _read_pid_file(pid_file)  # the port it was started on, whatever the settings say now
+        if _runs(pid, replace(service, port=port or service.port)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
             for _ in range(50):

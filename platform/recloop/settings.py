@@ -71,6 +71,9 @@ class Settings(BaseSettings):
         recommend_category_cap: most items of one category in a ``/recommend`` answer (0: no cap).
         recommend_boosts: category → multiplier of the ranker's score when ``/recommend`` orders
             (``RECLOOP_RECOMMEND_BOOSTS='{"5": 1.2}'``).
+        up_prefect_port, up_mlflow_port, up_evidently_port, up_serving_port: the ports ``recloop up`` starts
+            the services on (``--prefect-port`` ... override them), so two homes can run side by side; with
+            another Prefect port, point ``RECLOOP_PREFECT_API_URL`` at it for the flows.
     """
 
     model_config = SettingsConfigDict(env_prefix="RECLOOP_", env_file=".env", extra="ignore", frozen=True)
@@ -110,6 +113,10 @@ class Settings(BaseSettings):
     recommend_seen_hours: float = Field(default=24.0, ge=0.0)
     recommend_category_cap: int = Field(default=3, ge=0)
     recommend_boosts: dict[int, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=dict)
+    up_prefect_port: int = Field(default=4200, ge=1, le=65535)
+    up_mlflow_port: int = Field(default=5000, ge=1, le=65535)
+    up_evidently_port: int = Field(default=8001, ge=1, le=65535)
+    up_serving_port: int = Field(default=8000, ge=1, le=65535)
 
     @property
     def landing_dir(self) -> Path:

@@ -285,6 +285,11 @@ def _which_auc(candidate: ModelScores, run_auc: float | None, figures: dict) -> 
     return lines
 
 
+def _thresholds_line(thresholds: GateThresholds) -> str:
+    """Every threshold set, ``name=value``; one not set (``None``) says so in words, never ``None``."""
+    return ", ".join(f"{k}={'not set' if v is None else v}" for k, v in asdict(thresholds).items())
+
+
 def _paired_markdown(figures: dict, allowed: float) -> list[str]:
     """The paired comparison that decided against the champion: overall hold-or-beat on the estimate with
     its interval, the slices judged by a Holm-adjusted one-sided test, and the slices too small to judge."""
