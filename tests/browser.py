@@ -28,11 +28,10 @@ def _chromium(url: str, *args: str, budget_ms: int, timeout: float) -> subproces
 
 def render(url: str, screenshot: Path, budget_ms: int = 15_000, timeout: float = 90.0) -> str:
     """The page's DOM after its scripts ran (``--dump-dom``), and a PNG of it at ``screenshot``."""
-    dom = _chromium(url, "--dump-dom", budget_ms=budget_ms, timeout=timeout)
-    assert dom.returncode == 0 and "<html" in dom.stdout, (url, dom.returncode, dom.stderr[-2000:])
-    shot = _chromium(url, f"--screenshot={screenshot}", budget_ms=budget_ms, timeout=timeout)
-    assert shot.returncode == 0 and screenshot.is_file(), (url, shot.stderr[-2000:])
-    return dom.stdout
+    done = _chromium(url, f"--screenshot={screenshot}", "--dump-dom", budget_ms=budget_ms, timeout=timeout)
+    assert done.returncode == 0 and "<html" in done.stdout, (url, done.returncode, done.stderr[-2000:])
+    assert screenshot.is_file(), (url, done.stderr[-2000:])
+    return done.stdout
 
 
 def text(dom: str) -> str:

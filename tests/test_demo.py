@@ -84,6 +84,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.browser
+@pytest.mark.timeout(600)  # four services to start and six pages to render, on a loaded 2-core machine
 def test_the_pages_a_reviewer_opens_tell_the_truth(demo, tmp_path: Path, monkeypatch):
     """After the demo, `recloop up`'s four services (on free ports) and the report, opened in headless Chromium
     as a reviewer would: each page's rendered text says why each model moved, the gate table has no None or

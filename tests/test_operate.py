@@ -289,3 +289,12 @@ def test_down_leaves_a_process_that_reused_a_services_pid_alone(tmp_path: Path):
     finally:
         stranger.kill()
         stranger.wait(10)
+
+
+def test_up_tells_the_prefect_ui_the_port_its_api_is_on():
+    """On any port but 4200 the Prefect UI said "Can't connect to Server API at http://127.0.0.1:4200/api"."""
+    from recloop import services
+
+    env = services._service_env(services.Service("prefect", 4321, "/api/health"), "127.0.0.1")
+    assert env["PREFECT_UI_API_URL"] == "http://127.0.0.1:4321/api"
+    assert services._service_env(services.Service("mlflow", 5000, "/health"), "127.0.0.1") == {}
