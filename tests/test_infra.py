@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-INFRA = Path(__file__).resolve().parents[1] / "infra"
+ROOT = Path(__file__).resolve().parents[1]
+INFRA = ROOT / "infra"
 NEEDED = {"postgres", "redis", "minio", "prefect", "worker", "mlflow", "serving", "evidently", "prometheus", "grafana"}
 
 
@@ -272,3 +273,15 @@ def test_the_kubernetes_worker_can_start_and_runs_jobs_from_the_gpu_image():
     assert "gpu" in gpu and "COPY flows flows" in gpu and "torch.version.cuda" in gpu
     template = json.loads((INFRA / "k8s" / "work-pool.json").read_text())
     assert "recloop-gpu" in template["variables"]["properties"]["image"]["default"]
+
+
+def test_ci_installs_chromium_then_runs_the_readme_test_command_verbatim():
+    """The browser tests must run in CI: `.ci/run` installs Debian's chromium (skipped where it is present)
+    before the README's test command, which it runs unchanged."""
+    readme = (ROOT / "README.md").read_text()
+    command = readme.split("Run the tests:", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
+    script = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert command in script, command
+    install = next(i for i, line in enumerate(script) if "apt-get install" in line and "chromium" in line)
+    guard = next(i for i, line in enumerate(script) if "/usr/bin/chromium" in line and line.lstrip().startswith("if"))
+    assert guard < install < script.index(command)
