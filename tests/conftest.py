@@ -3,6 +3,8 @@
 - ``gpu``: skipped when CUDA is not available.
 - ``services``: needs Redis at 127.0.0.1:6379 and PostgreSQL at 127.0.0.1:5432. Skipped when they are
   not reachable, except under ``CI=true``, where a missing service is a failure: CI must run these tests.
+- ``browser``: needs Debian's headless Chromium at /usr/bin/chromium; skipped without it, except under
+  ``CI=true`` (``.ci/run`` installs it).
 """
 
 from __future__ import annotations
@@ -92,9 +94,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "services" in item.keywords and down and not in_ci:
             item.add_marker(pytest.mark.skip(reason=f"services not reachable: {down}"))
+        if "browser" in item.keywords and not in_ci and not Path(CHROMIUM).is_file():
+            item.add_marker(pytest.mark.skip(reason=f"no {CHROMIUM} (Debian's chromium package; .ci/run installs it)"))
+
+
+CHROMIUM = "/usr/bin/chromium"
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if "browser" in item.keywords and os.environ.get("CI", "").lower() == "true" and not Path(CHROMIUM).is_file():
+        pytest.fail(f"CI=true: browser tests must run, but {CHROMIUM} is missing (.ci/run installs chromium)")
     if "services" in item.keywords and os.environ.get("CI", "").lower() == "true":
         down = [name for name, address in SERVICES.items() if not _reachable(*address)]
         if down:

@@ -5,18 +5,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from recloop.settings import Settings
 
 
-def test_the_demo_runs_every_stage_each_day(prefect_server, tmp_path: Path):
-    """Two cycles after the bootstrap day, a sudden drift on day 2: the whole loop, as `recloop demo` runs it
-    (the cool-down after the drift's retrain is the chain test's)."""
+@pytest.fixture(scope="module")
+def demo(prefect_server, tmp_path_factory) -> tuple[Settings, dict]:
+    """Two cycles after the bootstrap day, a sudden drift on day 2: the whole loop, as `recloop demo` runs it;
+    run once for this file (its stages' test, and the pages a reviewer then opens)."""
     from recloop.demo import DemoConfig, run_demo
-    from recloop.monitor.dashboards import project
 
-    settings = Settings(home=tmp_path / "home", frame_backend="pandas")
+    settings = Settings(home=tmp_path_factory.mktemp("demo") / "home", frame_backend="pandas")
     summary = run_demo(settings, DemoConfig(days=3, events_per_day=4000, requests_per_day=120, rounds=3, seed=1,
                                             drift="sudden", drift_day=2, panel_requests=100))
+    return settings, summary
+
+
+def test_the_demo_runs_every_stage_each_day(demo):
+    """The whole loop, each stage each day (the cool-down after the drift's retrain is the chain test's)."""
+    from recloop.monitor.dashboards import project
+
+    settings, summary = demo
     days = summary["days"]
     assert [d["day"] for d in days] == [0, 1, 2]
     assert days[0]["gate"] == "passed → champion" and days[0]["retrain"] == "full (bootstrap)"
@@ -64,3 +74,108 @@ def test_the_table_says_why_a_finding_started_no_full_retrain():
     assert not held.retrain and not broken.retrain
     assert _held(held.reason) == "full held: cool-down"
     assert _held(broken.reason) == "no retrain on broken data"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(600)  # four services to start and six pages to render, on a loaded 2-core machine
+def test_the_pages_a_reviewer_opens_tell_the_truth(demo, tmp_path: Path, monkeypatch):
+    """After the demo, `recloop up`'s four services (on free ports) and the report, opened in headless Chromium
+    as a reviewer would: each page's rendered text says why each model moved, the gate table has no None or
+    nan, the Prefect run is named for its day and version with its outcome, the Evidently CTR panel shows the
+    loop's own figure, and Swagger lists the API's operations from files the app serves. Screenshots are kept
+    under this test's temporary folder (``screenshots/``)."""
+    import re
+
+    from browser import render, text
+    from mlflow import MlflowClient
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.settings import get_current_settings
+
+    from recloop import registry, services
+    from recloop.canary.controller import EXPERIMENT as CANARY_EXPERIMENT
+    from recloop.monitor.dashboards import project
+
+    settings, summary = demo
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    # The Prefect UI over the database this session's Prefect server (the harness) wrote the demo's runs to.
+    database = get_current_settings().server.database.connection_url
+    monkeypatch.setenv("PREFECT_SERVER_DATABASE_CONNECTION_URL", getattr(database, "get_secret_value",
+                                                                         lambda: database)())
+    wanted = tuple(services.Service(s.name, _free_port(), s.health) for s in services.SERVICES)
+    started = services.up(settings, timeout=240, services=wanted)
+    try:
+        assert all(entry["status"] == "up" for entry in started.values()), started
+        url = {name: entry["url"] for name, entry in started.items()}
+
+        # 1. The demo report: every move in the decisions table, with its evidence and reason.
+        page = render(Path(summary["report"]).as_uri(), shots / "1-demo-report.png", budget_ms=3000)
+        assert "Canary decisions: why each model moved" in text(page)
+        table = re.search(r'<table class="decisions">(.*?)</table>', page, flags=re.S).group(1)
+        rows = [text(row) for row in re.findall(r"<tr><td>.*?</tr>", table, flags=re.S)]
+        moves = [m for day in summary["days"] for m in day["decisions"]]
+        assert len(rows) == len(moves) > 0, rows
+        for row, move in zip(rows, moves, strict=True):
+            assert move["why"] in row and move["action"] in row, (row, move)
+            if move["model"] == "ranker" and move["action"] in ("step", "promote"):
+                assert "interleaving:" in row, row  # the evidence that allowed it
+        assert not re.search(r"\bNone\b|\bnan\b", text(table))
+
+        # 2. MLflow: the champion's page shows the gate report as rendered tables, no None or nan in them.
+        champion = registry.version_by_alias(settings, "champion")
+        page = render(f"{url['mlflow']}/#/models/{registry.MODEL_NAME}/versions/{champion}",
+                      shots / "2-mlflow-champion.png")
+        shown = text(page)
+        assert f"Gate: version {champion}" in shown and "Which AUC is which" in shown, shown[:3000]
+        report = shown[shown.index(f"Gate: version {champion}"):]
+        assert "threshold value" in report and not re.search(r"\bNone\b|\bnan\b", report[:6000]), report[:6000]
+        assert "<table" in page[page.index("Which AUC is which") - 20000:]
+
+        # ... and the canary run's description, the table of its decisions.
+        registry.configure(settings)
+        client = MlflowClient()
+        experiment = client.get_experiment_by_name(CANARY_EXPERIMENT)
+        run = client.search_runs([experiment.experiment_id], "tags.`recloop.model` = 'recloop-ranker'",
+                                 max_results=1, order_by=["attributes.start_time DESC"])[0]
+        page = render(f"{url['mlflow']}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}",
+                      shots / "3-mlflow-canary-run.png")
+        assert "online CTR evidence (what decides)" in text(page) and "interleaving:" in text(page)
+
+        # 3. Prefect: a canary check that moved a model, named for its day and version, its outcome its state.
+        with get_client(sync_client=True) as prefect:
+            moved = [r for r in prefect.read_flow_runs(flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=["model:recloop-ranker"]))) if "no-op" not in r.tags]
+        assert moved
+        chosen = moved[0]
+        assert re.fullmatch(r"canary-(check|start)-v\d+-day\d-[0-9a-f]{6}", chosen.name), chosen.name
+        page = render(f"{url['prefect']}/runs/flow-run/{chosen.id}", shots / "4-prefect-run.png")
+        assert chosen.name in text(page) and chosen.state.name in text(page), text(page)[:3000]
+
+        # 4. Evidently: the KPI tab's online CTR panel, at the loop's own figure.
+        _, found = project(settings)
+        page = render(f"{url['evidently']}/projects/{found.id}", shots / "5-evidently.png")
+        shown = text(page)
+        assert "Online CTR of the serving model, last check" in shown, shown[:3000]
+        last = summary["days"][-1]["monitor_ctr"]  # the report's "champion CTR (monitor)" of the last night
+        counter = shown[shown.index("Online CTR of the serving model, last check"):][:600]
+        figures = [float(f) for f in re.findall(r"(?<![\d.])(0\.\d+|1\.0+|0)(?![\d.])", counter)]
+        assert last is not None and any(abs(f - last) < 5e-4 for f in figures), (last, counter)
+        report = text(Path(summary["report"]).read_text())
+        assert "champion CTR (monitor, as Evidently plots it)" in report and f"{last:.3f}" in report
+
+        # 5. The serving API's docs: Swagger lists its operations, from files the app serves.
+        page = render(f"{url['serving']}/docs", shots / "6-swagger.png")
+        operations = set(re.findall(r'data-path="(/[^"]+)"', page)) | set(
+            re.findall(r'opblock-summary-path[^>]*>.*?<span[^>]*>(/[^<]+)<', page, flags=re.S))
+        assert {"/rank", "/recommend", "/feedback"} <= {o.replace("\u200b", "") for o in operations}, operations
+    finally:
+        services.down(settings, wanted)

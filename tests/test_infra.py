@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-INFRA = Path(__file__).resolve().parents[1] / "infra"
+ROOT = Path(__file__).resolve().parents[1]
+INFRA = ROOT / "infra"
 NEEDED = {"postgres", "redis", "minio", "prefect", "worker", "mlflow", "serving", "evidently", "prometheus", "grafana",
           "dask-scheduler", "dask-worker"}
 
@@ -549,3 +550,15 @@ def test_compose_runs_the_feature_job_on_its_dask_cluster():
     assert worker["command"].startswith(f"dask worker {settings.dask_scheduler}")
     assert worker["environment"] == env and "data:/data" in worker["volumes"] and worker["deploy"]["replicas"] >= 2
     assert "dask-scheduler" in services["worker"]["depends_on"]
+
+
+def test_ci_installs_chromium_then_runs_the_readme_test_command_verbatim():
+    """The browser tests must run in CI: `.ci/run` installs Debian's chromium (skipped where it is present)
+    before the README's test command, which it runs unchanged."""
+    readme = (ROOT / "README.md").read_text()
+    command = readme.split("Run the tests:", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
+    script = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert command in script, command
+    install = next(i for i, line in enumerate(script) if "apt-get install" in line and "chromium" in line)
+    guard = next(i for i, line in enumerate(script) if "/usr/bin/chromium" in line and line.lstrip().startswith("if"))
+    assert guard < install < script.index(command)

@@ -156,3 +156,28 @@ def test_p_values_and_distances_meet_on_one_scale():
     assert ColumnDrift("K-S p_value", 0.0, 0.05, True).over_threshold() == 10.0  # capped
     assert ColumnDrift("K-S p_value", 0.5, 0.05, False).over_threshold() == 0.1
     assert ColumnDrift("jensenshannon", 0.05, 0.1, False).over_threshold() == 0.5
+
+
+def test_the_online_ctr_panels_show_the_champions_ctr_whenever_it_had_feedback(tmp_path):
+    """The "Online CTR" panel plotted nothing (read as 0) on a day the demo reported a CTR: the KPI snapshot was
+    written only past the decision's ``min_impressions``. It now holds clicks / impressions whenever there was
+    feedback, a counter panel shows the last check's value, and snapshot names say their time is event time."""
+    from recloop.monitor import dashboards
+
+    settings = Settings(home=tmp_path)
+    reference, current = _windows()
+    _, _, _, snapshot = evidently_drift(reference, current, ["price"], MonitorConfig())
+    dashboards.record_run(settings, snapshot, kpis={"impressions": 1200.0, "clicks": 135.0}, version="1",
+                          when=datetime(2026, 1, 3, tzinfo=UTC), decision="ok", columns=("price",))
+    workspace, found = dashboards.project(settings)
+    runs = [workspace.get_run(found.id, run) for run in workspace.list_runs(found.id)]
+    assert len(runs) == 3  # the drift report, the decision's figures and the KPIs
+    clicked = [float(r.value) for run in runs for r in run.metric_results.values()
+               if str(r.display_name).strip("'").endswith("clicked")]
+    assert clicked == [pytest.approx(135 / 1200)]
+    assert dashboards.online_ctr({"impressions": 0.0, "clicks": 0.0}) is None
+    assert dashboards.online_ctr({"impressions": 3000.0, "clicks": 300.0, "ctr": 0.1}) == 0.1
+    (counter,) = [p for p in workspace.get_dashboard(found.id).panels if p.title.endswith("last check")]
+    assert counter.plot_params["plot_type"] == "counter" and counter.plot_params.get("aggregation") == "last"
+    names = [str(getattr(run, "name", "") or "") for run in workspace.list_runs(found.id)]
+    assert all("(event time)" in name for name in names if name), names

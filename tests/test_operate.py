@@ -319,3 +319,12 @@ def test_each_home_takes_its_own_ports_and_down_stops_what_up_started_on_them(tm
     finally:
         service.kill()
         service.wait(10)
+
+
+def test_up_tells_the_prefect_ui_the_port_its_api_is_on():
+    """On any port but 4200 the Prefect UI said "Can't connect to Server API at http://127.0.0.1:4200/api"."""
+    from recloop import services
+
+    env = services._service_env(services.Service("prefect", 4321, "/api/health"), "127.0.0.1")
+    assert env["PREFECT_UI_API_URL"] == "http://127.0.0.1:4321/api"
+    assert services._service_env(services.Service("mlflow", 5000, "/health"), "127.0.0.1") == {}

@@ -146,6 +146,9 @@ class DayRecord:
     decisions: list[dict] = field(default_factory=list)
     champion: str | None = None
     online_ctr: dict[str, float] = field(default_factory=dict)
+    # the champion's CTR on its served feedback in the night's monitored window (/rank and /recommend): the
+    # figure the drift monitor judges and Evidently's KPI panels plot (``dashboards.online_ctr``)
+    monitor_ctr: float | None = None
     vs_oracle: float | None = None
     baseline_vs_oracle: float | None = None
     panel: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -198,6 +201,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     last_full_day = 0
 
     from recloop import registry
+    from recloop.monitor.dashboards import online_ctr
     from recloop.serve.app import ServerThread, create_app
 
     serving = Settings(**{**settings.model_dump(), "serve_poll_seconds": 0.2, "feedback_flush_seconds": 3600,
@@ -234,6 +238,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
                                         retrain_inline=True, retrain_parameters={
                                             **train_args, "days": day + 1, "epochs": config.full_epochs})
             record.drift, record.drift_reasons = drift["decision"], list(drift["reasons"])
+            record.monitor_ctr = online_ctr(drift.get("kpi"))
             record.trigger = drift["trigger"]["reason"]
             if "retrain" in drift:
                 outcome, kind = drift["retrain"], f"full ({drift['decision']})"
@@ -712,13 +717,15 @@ twin's (never retrained: {{ "%.1f%%" % (recovery.never_retrained.recovery * 100)
 {{ "met" if efficacy.met else "not met" }}{% else %} (served traffic, one run, no interval: the twin-world
 figure above is the efficacy measure){% endif %}.</p>{% endif %}
 <table><tr><th>day</th><th>events</th><th>requests</th><th>drift</th><th>retrain</th><th>candidate AUC</th>
-<th>champion AUC</th><th>oracle AUC</th><th>gate</th><th>canary</th><th>champion</th><th>online CTR</th>
+<th>champion AUC</th><th>oracle AUC</th><th>gate</th><th>canary</th><th>champion</th><th>online CTR (/rank, by version)</th>
+<th>champion CTR (monitor, as Evidently plots it)</th>
 <th>served / oracle</th><th>never retrained / oracle</th></tr>
 {% for r in records %}<tr><td>{{ r.day }}</td><td>{{ "{:,}".format(r.events) }}</td><td>{{ r.requests }}</td>
 <td>{{ r.drift }}</td><td>{{ r.retrain }}</td><td>{{ fmt(r.candidate_auc) }}</td><td>{{ fmt(r.champion_auc) }}</td>
 <td>{{ fmt(r.oracle_auc) }}</td><td>{{ r.gate }}</td><td class="moves">{% for c in r.canary %}{{ c.split(":")[0] }}{% if not loop.last %}<br>{% endif %}{% else %}-{% endfor %}{% if r.decisions %} (<a href="#canary-decisions">why</a>){% endif %}</td>
 <td>{{ r.champion or "-" }}</td>
 <td>{% for v, c in r.online_ctr.items() %}v{{ v }}: {{ "%.3f" % c }}{% if not loop.last %}, {% endif %}{% else %}-{% endfor %}</td>
+<td class="monitor-ctr">{{ "%.3f" % r.monitor_ctr if r.monitor_ctr is not none else "-" }}</td>
 <td>{{ fmt(r.vs_oracle) }}</td><td>{{ fmt(r.baseline_vs_oracle) }}</td></tr>
 {% endfor %}</table>
 <h2 id="canary-decisions">Canary decisions: why each model moved</h2>

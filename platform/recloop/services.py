@@ -65,6 +65,15 @@ def _command(service: Service, settings: Settings, host: str) -> list[str]:
     return [str(bin_dir / "recloop"), "serve", "--host", host, "--port", str(service.port)]
 
 
+def _service_env(service: Service, host: str) -> dict[str, str]:
+    """What a service's own process needs to know of where it listens: the Prefect UI asks its API at
+    ``PREFECT_UI_API_URL``, which otherwise stays http://127.0.0.1:4200/api whatever port it was given (the UI
+    on another port said "Can't connect to Server API")."""
+    if service.name == "prefect":
+        return {"PREFECT_UI_API_URL": f"{service.url(host)}/api", "PREFECT_SERVER_API_PORT": str(service.port)}
+    return {}
+
+
 def _run_dir(settings: Settings) -> Path:
     folder = settings.home.resolve() / "run"
     folder.mkdir(parents=True, exist_ok=True)
@@ -142,8 +151,8 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
                 "started): stop it, or free the port")}
             continue
         log = open(_run_dir(settings) / f"{service.name}.log", "ab")  # noqa: SIM115 - handed to the child
-        process = subprocess.Popen(_command(service, settings, host), env=env, stdout=log, stderr=log,
-                                   start_new_session=True)
+        process = subprocess.Popen(_command(service, settings, host), env={**env, **_service_env(service, host)},
+                                   stdout=log, stderr=log, start_new_session=True)
         pid_file.write_text(f"{process.pid} {service.port}")  # the port too: `down` finds it by both
         processes[service.name] = process
         started[service.name] = {"url": service.url(host), "pid": process.pid, "status": "starting"}
@@ -199,8 +208,9 @@ def checkout() -> Path | None:
     return root if (root / "prefect.yaml").is_file() else None
 
 
-def down(settings: Settings) -> dict[str, str]:
-    """Stop every service ``up`` started (the whole process group), then forget it."""
+def down(settings: Settings, services: tuple[Service, ...] = SERVICES) -> dict[str, str]:
+    """Stop every service ``up`` started (the whole process group), then forget it (``services``: as given
+    to ``up``, on its ports)."""
     stopped = {}
     for service in services_for(settings):
         pid_file = _run_dir(settings) / f"{service.name}.pid"

@@ -35,7 +35,7 @@ def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, 
     bar for each of ``columns``: the dataset spec's monitored columns, each named with its test from ``tests``;
     an unseen-id line per entity key). A project created by an older recloop keeps its panels."""
     from evidently.sdk.models import PanelMetric
-    from evidently.sdk.panels import bar_plot_panel, line_plot_panel
+    from evidently.sdk.panels import bar_plot_panel, counter_panel, line_plot_panel
     from evidently.ui.workspace import Workspace
 
     workspace = Workspace(str(workspace_path(settings)))
@@ -80,6 +80,11 @@ def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, 
                                                         metric_labels={"column": "clicked"})],
         description="clicks / impressions from /feedback in the monitored window; the version is the run's tag"),
         tab="KPIs")
+    created.dashboard.add_panel(counter_panel(
+        "Online CTR of the serving model, last check", [PanelMetric(legend="online CTR", metric="MeanValue",
+                                                                    metric_labels={"column": "clicked"})],
+        description="the champion's clicks / impressions on /feedback in the last monitored window (the demo "
+        "report's 'champion CTR (monitor)' column)", aggregation="last"), tab="KPIs")
     created.dashboard.add_panel(line_plot_panel(
         "Online AUC of the serving model", [PanelMetric(legend="online AUC", metric="MeanValue",
                                                         metric_labels={"column": "online_auc"})],
@@ -124,14 +129,26 @@ def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: s
                                data_definition=DataDefinition(numerical_columns=list(loop)))
     workspace.add_run(found.id, Report([MeanValue(column=c) for c in loop]).run(
         current_data=data, tags=tags, timestamp=when.replace(tzinfo=None)), name=f"decision {when:%Y-%m-%d %H:%M} (event time)")
-    if kpis and kpis.get("ctr") is not None:
-        frame = pd.DataFrame({"clicked": [float(kpis["ctr"])],
-                              "online_auc": [float(kpis["auc"]) if kpis.get("auc") is not None else float("nan")]})
-        data = Dataset.from_pandas(frame, data_definition=DataDefinition(numerical_columns=["clicked", "online_auc"]))
-        snapshot = Report([MeanValue(column="clicked"), MeanValue(column="online_auc")]).run(
+    ctr = online_ctr(kpis)
+    if ctr is not None:
+        auc = (kpis or {}).get("auc")
+        values = {"clicked": [ctr], **({"online_auc": [float(auc)]} if auc is not None and auc == auc else {})}
+        data = Dataset.from_pandas(pd.DataFrame(values), data_definition=DataDefinition(numerical_columns=list(values)))
+        snapshot = Report([MeanValue(column=c) for c in values]).run(
             current_data=data, tags=tags, timestamp=when.replace(tzinfo=None))
         workspace.add_run(found.id, snapshot, name=f"KPIs {when:%Y-%m-%d %H:%M} (event time)")
     return str(reference.id)
+
+
+def online_ctr(kpis: dict | None) -> float | None:
+    """The serving champion's online CTR in the monitored window, as the KPI panels plot it: clicks /
+    impressions of its served feedback whenever there was any. The decision judges KPIs only past
+    ``min_impressions``; the panels showed nothing (read as 0) on a day the demo reported a CTR of 0.156."""
+    kpis = kpis or {}
+    if kpis.get("ctr") is not None:
+        return float(kpis["ctr"])
+    impressions = float(kpis.get("impressions") or 0.0)
+    return float(kpis.get("clicks") or 0.0) / impressions if impressions > 0 else None
 
 
 def drift_share_of(snapshot) -> float:
