@@ -133,13 +133,14 @@ def _strings(value) -> list[str]:
     return [value] if isinstance(value, str) else []
 
 
-def shipped_model(uri: str, target: Path, places: list[Path]) -> tuple[dict, list[str]]:
+def shipped_model(uri: str, tracking_uri: str, target: Path, places: list[Path]) -> tuple[dict, list[str]]:
     """The logged model at ``uri``, downloaded: its MLmodel and requirements, checked to name no absolute path
     (none of ``places``) and to carry recloop and recloop_kernels as code, sources and package data only."""
     import mlflow
     import yaml
 
-    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target)))
+    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target), tracking_uri=tracking_uri,
+                                                      registry_uri=tracking_uri))
     mlmodel = yaml.safe_load((folder / "MLmodel").read_text())
     # MLflow 3 records where the logged model lives in the artifact store (a store URI, s3://... on MinIO); it
     # reads it from the tracking server, not from a copy of the model. Everything else is module names and paths

@@ -329,10 +329,11 @@ def test_the_champion_loads_and_scores_where_recloop_is_not_installed(champion_h
     import mlflow
 
     uri = f"models:/{registry.MODEL_NAME}@champion"
-    _, requirements = isolated.shipped_model(uri, tmp_path / "download", [isolated.CHECKOUT, champion_home.home.resolve()])
+    registry.configure(champion_home)  # process-wide: an earlier test's registry URI may linger
+    _, requirements = isolated.shipped_model(uri, registry.tracking_uri(champion_home), tmp_path / "download",
+                                             [isolated.CHECKOUT, champion_home.home.resolve()])
     rows = example_rows(champion_home)
     rows.to_parquet(tmp_path / "rows.parquet")
-    registry.configure(champion_home)
     expected = mlflow.pyfunc.load_model(uri).predict(rows)  # here, with recloop installed
     found = isolated.load_and_predict(uri, tmp_path / "rows.parquet", registry.tracking_uri(champion_home), tmp_path)
     np.testing.assert_allclose(np.asarray(found["answer"], dtype=np.float32), expected, rtol=1e-5, atol=1e-6)

@@ -137,7 +137,8 @@ def test_the_champion_loads_and_answers_where_recloop_is_not_installed(home: Set
     logged = log_retriever(home, train_retriever(home, config(epochs=1)))
     assert run_retrieval_gate(home, logged.version)["alias"] == "champion"
     uri = f"models:/{registry.RETRIEVER_NAME}@champion"
-    _, requirements = isolated.shipped_model(uri, tmp_path / "download", [isolated.CHECKOUT, home.home.resolve()])
+    _, requirements = isolated.shipped_model(uri, registry.tracking_uri(home), tmp_path / "download",
+                                             [isolated.CHECKOUT, home.home.resolve()])
     rows = read_rows(sorted((home.home / "features" / "training").glob("*.parquet"))[-1:], RetrievalFeatures())
     frame = pd.DataFrame({name: rows.columns[name][:4] for name in ("c_user_id", "c_device", "c_country")})
     frame["m_history"] = [rows.take(np.array([i])).lists["m_history"][1] for i in range(4)]
