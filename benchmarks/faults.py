@@ -18,6 +18,9 @@ Sections (each prints one table):
 4. memory: peak RSS ingesting one big parquet file, per row (``--big-rows``).
 5. bad models and 6. bad requests: a trained champion behind the serving API (``fault_models.py``).
 7. dead services: the CLI and the serving API against a dead port and a server that never answers.
+8. issue 41 (``fault_probes.py``): serving started with the registry down, an identical candidate, a queued
+   retrain behind a refused one, a training SIGKILLed mid-epoch (``--only-probes``: this section alone, on a
+   champion trained for it).
 """
 
 from __future__ import annotations
@@ -431,21 +434,32 @@ def main() -> None:
     parser.add_argument("--big-rows", type=int, default=2_000_000)
     parser.add_argument("--skip-models", action="store_true", help="no training: sections 5 and 6 left out")
     parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--only-probes", action="store_true", help="section 8 alone (issue 41's probes)")
     args = parser.parse_args()
     print("# recloop fault table\nmachine: " + ", ".join(f"{k}={v}" for k, v in machine().items()))
     work = Path(tempfile.mkdtemp(prefix="recloop-faults-"))
     started = time.perf_counter()
     try:
-        bad_files(work / "files")
-        kills(work / "kills")
-        concurrent(work / "concurrent")
-        memory(work / "memory", args.big_rows)
-        models_home = None
-        if not args.skip_models:
-            from fault_models import model_and_request_faults
+        if args.only_probes:
+            from fault_models import build_home
+            from fault_probes import issue41_probes
 
-            models_home = model_and_request_faults(work / "models", check, print_table)
-        dead_services(work / "services", models_home)
+            issue41_probes(build_home(work / "champion"), work / "probes", check, print_table)
+        else:
+            bad_files(work / "files")
+            kills(work / "kills")
+            concurrent(work / "concurrent")
+            memory(work / "memory", args.big_rows)
+            models_home = None
+            if not args.skip_models:
+                from fault_models import model_and_request_faults
+
+                models_home = model_and_request_faults(work / "models", check, print_table)
+            dead_services(work / "services", models_home)
+            if models_home is not None:
+                from fault_probes import issue41_probes
+
+                issue41_probes(Settings(home=models_home, frame_backend="pandas"), work / "probes", check, print_table)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\n{len(PROBLEMS)} contract breaches; {time.perf_counter() - started:.0f} s in all")

@@ -312,6 +312,59 @@ def test_calibration_is_fitted_on_the_newest_training_rows(tmp_path: Path):
     assert abs(calibrated - 0.6) < 0.1, (raw, intercept, calibrated)
 
 
+KILLED_CONFIG = ("TrainConfig(mode='full', days=3, epochs=1, batch_size=64, validation_hours=12, checkpoint_every=25, "
+                 "device='cpu', deterministic=True, model=ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(32,)))")
+
+
+@pytest.mark.timeout(600)
+def test_a_training_killed_mid_epoch_resumes_to_the_same_weights(home: Settings, tmp_path: Path):
+    """SIGKILL in the middle of an epoch (a run made long on purpose: batches of 64, one epoch of ~300 steps,
+    killed once a checkpoint inside the epoch exists): the rerun takes up from that checkpoint, within the
+    epoch, and ends with the weights of a run never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from recloop.model import ModelConfig
+
+    config = eval(KILLED_CONFIG, {"TrainConfig": TrainConfig, "ModelConfig": ModelConfig})  # noqa: S307 - ours
+    other = Settings(home=tmp_path / "other", frame_backend="pandas")
+    shutil.copytree(home.home, other.home)
+    code = ("from recloop.model import ModelConfig\nfrom recloop.settings import Settings\n"
+            "from recloop.train import TrainConfig, train\n"
+            f"train(Settings(home={str(other.home)!r}, frame_backend='pandas'), {KILLED_CONFIG})\n")
+    child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RECLOOP_HOME": str(other.home)},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    killed_at = None
+    try:
+        deadline = time.time() + 400
+        while killed_at is None and child.poll() is None and time.time() < deadline:
+            for pointer in (other.home / "checkpoints").glob("*/latest.json"):
+                try:
+                    state = read_checkpoint(pointer.parent)
+                except Exception:  # noqa: BLE001 - being written: look again
+                    continue
+                if not state["completed"] and state["position"]["batch"] >= 50:
+                    child.send_signal(signal.SIGKILL)
+                    killed_at = state["position"]
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        stderr = child.communicate(timeout=30)[1]
+    assert killed_at is not None, f"the run ended (or never checkpointed) before it could be killed: {stderr[-2000:]}"
+    assert child.returncode == -signal.SIGKILL and killed_at["epoch"] == 0  # killed inside its only epoch
+    resumed = train(other, config)
+    assert resumed.resumed_from_step >= killed_at["step"] > 0 and not resumed.resume_note
+    uninterrupted = train(home, config)
+    assert resumed.steps == uninterrupted.steps > resumed.resumed_from_step
+    a = load_file(Path(uninterrupted.checkpoint) / "model.safetensors")
+    b = load_file(Path(resumed.checkpoint) / "model.safetensors")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 def test_a_resumed_incremental_run_still_says_which_tables_grew(home: Settings):
     """A crashed incremental run resumes from its own checkpoint, whose tables grew already: its summary
     still names the growth from the base (it came out empty, and the CLI's "tables grown" line with it)."""
