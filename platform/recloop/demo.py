@@ -729,7 +729,8 @@ figure above is the efficacy measure){% endif %}.</p>{% endif %}
 <td>{{ fmt(r.vs_oracle) }}</td><td>{{ fmt(r.baseline_vs_oracle) }}</td></tr>
 {% endfor %}</table>
 <h2 id="canary-decisions">Canary decisions: why each model moved</h2>
-<p>Each start, step, promotion and rollback of a canary, with the evidence that decided it. The ranker's
+<p>Each step, promotion and rollback the canary controller made between the rounds of a day's traffic (a
+canary starts when its challenger passes the gate: the retrain column), with the evidence that decided it. The ranker's
 canary is interleaved: its online CTR evidence is the interleaved credit (challenger − champion, relative, with
 its always-valid interval); the raw CTRs beside it are for reference only ({{ raw_ctr_note }}).</p>
 {% if decisions %}<table class="decisions"><tr><th>day</th><th>model</th><th>version</th>{% for c in columns[1:] %}<th>{{ c }}</th>{% endfor %}</tr>
