@@ -49,7 +49,7 @@ from recloop.settings import Settings
 
 log = logging.getLogger("recloop.serve")
 
-PLACEHOLDER_TOKENS = frozenset({"change-me"})  # what infra/k8s/recloop.yaml ships: anyone could send it
+PLACEHOLDER_TOKENS = frozenset({"change-me"})  # what the manifests shipped before issue 40: anyone could send it
 
 # --- routes: every handler reads the process's Service from the app's state -----------------------------------
 
