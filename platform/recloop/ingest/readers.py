@@ -151,7 +151,10 @@ def read_batches(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
     else:
         content = "headerless TSV" if spec.format == "criteo_tsv" else None
     note = None
-    if content is not None and content != (by_suffix or ("headerless TSV" if spec.format == "criteo_tsv" else None)):
+    expected = by_suffix or ("headerless TSV" if spec.format == "criteo_tsv" else None)
+    if spec.format == "criteo_tsv" and by_suffix == "tsv" and content == "headerless TSV":
+        expected = content  # a Criteo log named .tsv: what its name says
+    if content is not None and content != expected:
         shown = {"csv": "CSV with a header", "tsv": "tab-separated text with a header"}.get(content, content)
         note = (f"{name}: read as {shown} by its content (its name says "
                 f"{by_suffix or 'nothing of its format'}); name it {_suffix_for(content)} to say so")
