@@ -82,7 +82,7 @@ def test_first_model_is_champion_and_a_better_incremental_becomes_challenger(hom
     assert list(gate)[0] == "verdict" and gate["verdict"] == "passed" and gate["champion"] == "1"
     assert gate == registry.gate_record(info.tags) and "thresholds" in gate and "skipped_slices" in gate
     assert info.mode == "incremental"
-    assert set(info.tags) == {"gate", "alias.challenger", checkpoint.MANIFEST_TAG}  # one per concern
+    assert set(info.tags) == {"gate", "alias.challenger", checkpoint.MANIFEST_TAG, checkpoint.WEIGHTS_TAG}  # one per concern
     assert "Thresholds: min_auc=" in outcome.report and "| overall |" in outcome.report  # what decided, shown
     assert "Paired comparison on the same rows (what decided)" in outcome.report
     assert outcome.champion_scores.overall["rows"] == outcome.candidate.overall["rows"]  # the same held-out rows
@@ -153,7 +153,7 @@ def test_a_model_trained_on_shuffled_labels_is_refused(home: Settings):
     outcome = run_gate(home, logged.version, GateThresholds(calibration_range=(0.5, 2.0)), smoke_check=False)
     assert not outcome.passed and outcome.alias is None
     assert any("below the floor 0.55" in r for r in outcome.reasons), outcome.reasons
-    assert any("below it by more than" in r for r in outcome.reasons), outcome.reasons  # the paired test
+    assert any("shown worse" in r for r in outcome.reasons), outcome.reasons  # the paired non-inferiority test
     assert registry.gate_record(registry.version_info(home, logged.version).tags)["verdict"] == "failed"
     assert registry.aliases(home)["challenger"] is None
 
