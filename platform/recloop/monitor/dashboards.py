@@ -93,9 +93,10 @@ OVER_THRESHOLD = "_drift_over_threshold"  # a column's figure in the decision sn
 
 def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: str | None, when: datetime,
                decision: str, columns: tuple[str, ...] = (), figures: dict | None = None, config=None) -> str:
-    """Add one monitoring run: the drift report's snapshot; the decision's own figures with the thresholds
-    they were held to (unseen-id shares, drift share, each column's drift over its test's threshold, the
-    decision as a marker); and (when there was feedback) a KPI snapshot."""
+    """Add one monitoring run: the drift report's snapshot (None: the check made no report, too few rows or
+    only broken columns); the decision's own figures with the thresholds they were held to (unseen-id shares,
+    drift share, each column's drift over its test's threshold, the decision as a marker); and (when there
+    was feedback) a KPI snapshot. Returns the id of the drift report's snapshot, else the decision's."""
     from evidently import DataDefinition, Dataset, Report
     from evidently.metrics import MeanValue
 
@@ -104,22 +105,25 @@ def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: s
 
     config, figures = config or MonitorConfig(), figures or {}
     keys = tuple(k.removesuffix("_unseen_share") for k in figures if k.endswith("_unseen_share"))
-    results = column_drift(drift_snapshot)
+    results = column_drift(drift_snapshot) if drift_snapshot is not None else {}
     workspace, found = project(settings, columns, keys or ("user_id", "item_id"),
                                {column: result.method for column, result in results.items()})
     tags = [f"decision:{decision}"] + ([f"model-version:{version}"] if version else [])
-    drift_snapshot._tags = [*(drift_snapshot._tags or []), *tags]
-    reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M}")
+    reference = None
+    if drift_snapshot is not None:
+        drift_snapshot._tags = [*(drift_snapshot._tags or []), *tags]
+        reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M}")
     loop = {**{f"{key}_unseen_share": float(figures[f"{key}_unseen_share"]) for key in keys},
             **{f"{key}_unseen_limit": _unseen_limit(float(figures.get(f"{key}_unseen_expected", 0.0)),
                                                     config.new_id_share) for key in keys},
             "new_id_share_threshold": float(config.new_id_share), "drift_share_threshold": float(config.drift_share),
-            "drift_share": float(figures.get("drift_share", drift_share_of(drift_snapshot))),
+            "drift_share": float(figures.get("drift_share", drift_share_of(drift_snapshot)
+                                             if drift_snapshot is not None else 0.0)),
             "decision_code": DECISION_CODES.get(decision, 0.0),
             **{f"{column}{OVER_THRESHOLD}": result.over_threshold() for column, result in results.items()}}
     data = Dataset.from_pandas(pd.DataFrame({k: [v] for k, v in loop.items()}),
                                data_definition=DataDefinition(numerical_columns=list(loop)))
-    workspace.add_run(found.id, Report([MeanValue(column=c) for c in loop]).run(
+    figures_run = workspace.add_run(found.id, Report([MeanValue(column=c) for c in loop]).run(
         current_data=data, tags=tags, timestamp=when.replace(tzinfo=None)), name=f"decision {when:%Y-%m-%d %H:%M}")
     if kpis and kpis.get("ctr") is not None:
         frame = pd.DataFrame({"clicked": [float(kpis["ctr"])],
@@ -128,7 +132,7 @@ def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: s
         snapshot = Report([MeanValue(column="clicked"), MeanValue(column="online_auc")]).run(
             current_data=data, tags=tags, timestamp=when.replace(tzinfo=None))
         workspace.add_run(found.id, snapshot, name=f"KPIs {when:%Y-%m-%d %H:%M}")
-    return str(reference.id)
+    return str((reference or figures_run).id)
 
 
 def drift_share_of(snapshot) -> float:
