@@ -59,6 +59,25 @@ def test_drift_reports_a_sudden_shift_as_json(runner: CliRunner, tmp_path: Path)
         assert key in summary
 
 
+def test_every_drift_check_leaves_a_snapshot_the_evidently_workspace_lists(runner: CliRunner, tmp_path: Path):
+    """A check that decides "ok" leaves its snapshots in the workspace `recloop up` serves with `evidently
+    ui` (it left none, and answered `evidently_snapshot: null`): the one the answer names among them."""
+    from recloop.monitor import dashboards
+    from recloop.settings import Settings
+
+    out = tmp_path / "landing"
+    assert runner.invoke(app, ["simulate", "--out", str(out), "--days", "3", "--events-per-day", "4000",
+                               "--json"]).exit_code == 0
+    assert runner.invoke(app, ["ingest", str(out), "--json"]).exit_code == 0
+    result = runner.invoke(app, ["drift", "--hours", "24", "--reference-days", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    check = json.loads(result.stdout)
+    assert check["decision"] == "ok", check["reasons"]
+    workspace, project = dashboards.project(Settings(home=tmp_path / "home"))
+    listed = {str(run) for run in workspace.list_runs(project.id)}
+    assert check["evidently_snapshot"] in listed and len(listed) == 2  # the drift report and the decision's figures
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -341,3 +341,46 @@ def test_the_champion_loads_and_scores_where_recloop_is_not_installed(champion_h
     for package in ("recloop", "recloop_kernels"):  # from the model's own code folder
         assert Path(found[package]).parent.parent.name == "code", found[package]
     assert "torch" in found["distributions"] and not isolated.uncovered(found["distributions"], requirements)
+
+
+class FailingFirst:
+    """The real MLflow client, whose first ``failures`` version creations fail with ``code`` before reaching
+    the store (what a registry that cannot answer, or one that refuses, says)."""
+
+    def __init__(self, client, failures: int, code: int):
+        self.client, self.failures, self.code, self.calls = client, failures, code, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    def create_model_version(self, *args, **kwargs):
+        from mlflow.exceptions import MlflowException
+
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise MlflowException(f"failure {self.calls}", error_code=self.code)
+        return self.client.create_model_version(*args, **kwargs)
+
+
+def test_a_registration_is_retried_with_backoff_while_the_registry_cannot_answer(home: Settings, monkeypatch, caplog):
+    info = registry.version_info(home, "1")
+    from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+
+    client = FailingFirst(registry.mlflow_client(home), 2, TEMPORARILY_UNAVAILABLE)
+    monkeypatch.setattr(registry, "mlflow_client", lambda settings: client)
+    with caplog.at_level("WARNING", logger="recloop.registry"):
+        version = registry.register(home, info.source, info.run_id)
+    assert client.calls == 3 and version == "2" and registry.version_info(home, version).source == info.source
+    assert len([r for r in caplog.records if "Retrying" in r.getMessage()]) == 2  # each wait is logged
+
+
+def test_a_refused_registration_is_not_retried(home: Settings, monkeypatch):
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    info = registry.version_info(home, "1")
+    client = FailingFirst(registry.mlflow_client(home), 8, INVALID_PARAMETER_VALUE)
+    monkeypatch.setattr(registry, "mlflow_client", lambda settings: client)
+    with pytest.raises(MlflowException, match="failure 1"):
+        registry.register(home, info.source, info.run_id)
+    assert client.calls == 1

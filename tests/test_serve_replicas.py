@@ -356,3 +356,42 @@ def test_a_retrieval_that_failed_counts_its_feedback_in_the_champions_arm_only(t
         assert journal.retriever_user_clicks("1")[1].tolist() == [1]
     finally:
         journal.close()
+
+
+@pytest.mark.services
+def test_a_request_written_by_one_replica_wakes_feedback_waiting_on_another(request):
+    """Feedback for a request another replica has not written yet waits on LISTEN/NOTIFY: the write wakes it.
+    The fallback poll is set longer than the wait, so only the notification can end it with the request
+    found: one look before, one after (a 20 ms poll looked dozens of times)."""
+    import threading
+
+    from recloop.schema import load_spec
+
+    class Counting(PostgresJournal):
+        looks = 0
+
+        def _request(self, request_id: str):
+            found = super()._request(request_id)
+            self.looks += 1  # counted once answered: the test writes the request after the first look found none
+            return found
+
+    dsn, spec = request.getfixturevalue("database"), load_spec("synthetic")
+    serving = PostgresJournal(dsn, spec)
+    waiting = Counting(dsn, spec, request_wait_seconds=60.0, fallback_poll_seconds=120.0)
+    try:
+        eventually(waiting._listening.is_set, 30, "the replica never listened")
+        request_id, answers = f"{7:032x}", []
+        thread = threading.Thread(target=lambda: answers.append(waiting.add_feedback(request_id, [5, 6], [6])))
+        thread.start()
+        eventually(lambda: waiting.looks >= 1, 30, "the feedback never looked for its request")
+        payload = ('{"item_ids": [5, 6], "context": {"device": "mobile", "country": "US", "category": [1, 2], '
+                   '"price": [1.0, 2.0], "history": []}, "per_candidate": {"category": true, "price": true}, '
+                   '"scores": {"1": [0.9, 0.1]}, "ranked": [5, 6]}')
+        serving.record((request_id, 100.0, 1_767_225_600_000_000, 10, "champion", "1", 3.0, payload), [])
+        serving.flush()
+        thread.join(timeout=60)
+        assert answers == [{"accepted": 2, "duplicates": 0, "clicks": 1, "served_version": "1"}]
+        assert waiting.looks == 2
+    finally:
+        serving.close()
+        waiting.close()

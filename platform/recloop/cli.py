@@ -552,6 +552,7 @@ def drift_command(
     """Check the newest events for drift and broken columns against the champion's training window.
 
     Below MonitorConfig's min_rows events in either window the answer is insufficient_data (never a retrain).
+    Every check, whatever it decides, leaves its snapshots in the Evidently workspace (`recloop up` shows it).
     """
     from recloop import pipeline
     from recloop.monitor.runner import MonitorError, load_config
@@ -562,7 +563,7 @@ def drift_command(
     windows = (_window("--reference", reference), _window("--current", current)) if current else None
     try:
         result = pipeline.check_drift(Settings(), dataset, hours=hours, reference_days=reference_days,
-                                      config=load_config(config), windows=windows).to_dict()
+                                      config=load_config(config), windows=windows, snapshot=True).to_dict()
     except (MonitorError, ValueError, OSError) as err:
         raise _fail(str(err)) from err
     if json_out:

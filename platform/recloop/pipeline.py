@@ -236,13 +236,13 @@ def gate(settings: Settings, version: str | None = None, thresholds: GateThresho
 
 
 def check_drift(settings: Settings, spec: SpecArg = None, hours: int = 24, reference_days: int = 7,
-                config: MonitorConfig | None = None, log: bool = False, windows: tuple | None = None
-                ) -> MonitorReport:
+                config: MonitorConfig | None = None, log: bool = False, windows: tuple | None = None,
+                snapshot: bool = False) -> MonitorReport:
     """The drift and KPI monitor over the newest ``hours`` of the lake (``recloop.monitor.runner.check``)."""
     from recloop.monitor import runner
 
     return runner.check(settings, datasets.resolve(settings, spec), hours=hours, reference_days=reference_days,
-                        config=config, log=log, windows=windows)
+                        config=config, log=log, windows=windows, snapshot=snapshot)
 
 
 # --- the retriever: trained, registered and gated beside the ranker ------------------------------------------

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
 import os
 import re
 import time
@@ -40,6 +41,8 @@ EXPERIMENT = "recloop"
 MODEL_NAME = "recloop-ranker"
 RETRIEVER_NAME = "recloop-retriever"  # its versions: recloop.retrieval.publish; same aliases, its own
 ALIASES = ("champion", "challenger", "previous")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -138,32 +141,44 @@ def mlflow_client(settings: Settings):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+PERMANENT = frozenset({"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED", "UNAUTHENTICATED",
+                       "INVALID_STATE", "BAD_REQUEST", "FEATURE_DISABLED"})
+
+
+def _transient(err: BaseException) -> bool:
+    """Whether a failed registration may succeed when tried again: a version number taken by another
+    registration at the same moment, a locked store, a server that did not answer; not a refusal."""
+    from mlflow.exceptions import MlflowException
+
+    return isinstance(err, MlflowException) and err.error_code not in PERMANENT
+
+
 def register(settings: Settings, model_uri: str, run_id: str | None = None, attempts: int = 8,
              model_name: str = MODEL_NAME, tags: dict[str, str] | None = None) -> str:
     """A new version of the registered model (with ``tags`` from its creation); safe when several runs
     register at once.
 
     MLflow numbers versions ``MAX(version)+1``, so two registrations can collide: registrations are
-    serialized with a file lock on this machine and retried with backoff against a shared server.
+    serialized with a file lock on this machine and retried with exponential backoff (tenacity, ``attempts``
+    in all, each wait logged) against a shared server; a refusal (``PERMANENT``) is raised at once.
     """
     from mlflow.exceptions import MlflowException
+    from tenacity import Retrying, before_sleep_log, retry_if_exception, stop_after_attempt, wait_exponential
 
     client = mlflow_client(settings)
+    retrying = Retrying(stop=stop_after_attempt(attempts), wait=wait_exponential(multiplier=0.1, max=5.0),
+                        retry=retry_if_exception(_transient), reraise=True,
+                        before_sleep=before_sleep_log(log, logging.WARNING))
     with exclusive_lock(settings.home.resolve() / "mlflow-register.lock"):
-        for attempt in range(attempts):
-            try:
+        for attempt in retrying:
+            with attempt:
                 try:
                     client.create_registered_model(model_name)
                 except MlflowException as err:
                     if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
                         raise
                 version = client.create_model_version(model_name, model_uri, run_id=run_id, tags=tags)
-                return str(version.version)
-            except MlflowException:
-                if attempt == attempts - 1:
-                    raise
-                time.sleep(0.1 * 2**attempt)
-    raise RuntimeError("unreachable")
+    return str(version.version)
 
 
 def _alias_unset(err: Exception) -> bool:

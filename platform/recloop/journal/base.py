@@ -102,6 +102,11 @@ class Journal(ABC):
     def _close_store(self) -> None:
         ...
 
+    def _wait_for_request(self, request_id: str, seconds: float) -> None:
+        """Block until ``request_id`` may have been written by another replica, at most ``seconds``: a short
+        poll here; a store that can announce its writes waits for the announcement."""
+        time.sleep(max(0.0, min(0.02, seconds)))
+
     # --- requests -------------------------------------------------------------------------------------
 
     def record(self, request: tuple, evaluations: list[tuple]) -> None:
@@ -166,7 +171,7 @@ class Journal(ABC):
             try:
                 deadline = time.monotonic() + self.request_wait_seconds
                 while row is None and time.monotonic() < deadline:  # served by another replica, not written yet
-                    time.sleep(0.02)
+                    self._wait_for_request(request_id, deadline - time.monotonic())
                     row = self._request(request_id)
             finally:
                 self._waiting.release()

@@ -9,7 +9,11 @@ not race). What sharing needs, and how it is had:
 - **feedback accepted by any replica, exactly once**: the event id is the primary key and new events are
   inserted with ``ON CONFLICT DO NOTHING RETURNING``, so of two replicas receiving the same feedback at
   once, exactly one reports each event as accepted. Feedback that reaches a replica before the serving
-  replica's write queue (flushed every ~50 ms) has stored the request waits for it (``request_wait_seconds``);
+  replica's write queue (flushed every ~50 ms) has stored the request waits for it (``request_wait_seconds``):
+  each write of requests sends ``NOTIFY recloop_journal_requests`` with their ids in its transaction, and a
+  listening connection per replica wakes the waiters whose request was written (LISTEN/NOTIFY), with a poll
+  every ``fallback_poll_seconds`` only in case a notification is lost, and every 20 ms while the listening
+  connection is down;
 - **each event lands once**: a replica landing feedback claims unlanded rows with ``FOR UPDATE SKIP
   LOCKED``, writes the file, marks the rows and commits; another replica skips the claimed rows. A crash
   between writing and committing leaves the rows unlanded (written again later; ingestion drops the
@@ -22,7 +26,10 @@ Example::
 
 from __future__ import annotations
 
+import logging
+import select
 import threading
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,6 +37,11 @@ from recloop.journal.base import Journal
 from recloop.schema import DatasetSpec
 
 SCHEMA_NAME = "recloop_journal"
+CHANNEL = "recloop_journal_requests"  # NOTIFY payload: the written request ids, comma-separated ("" = any)
+_PAYLOAD_BYTES = 7900  # PostgreSQL's limit is 8000 bytes; a longer batch notifies "" (every waiter looks)
+_REMEMBERED = 100_000  # written ids kept for waiters that start looking after the notification came
+
+log = logging.getLogger(__name__)
 _SCHEMA_LOCK = 0x7265636C  # pg_advisory_xact_lock key ("recl"): one replica creates the tables at a time
 
 TABLES = """
@@ -65,13 +77,23 @@ class PostgresJournal(Journal):
             a caller finding them all busy waits for one.
         statement_seconds: the longest a statement may run (a database that hangs holds no serving thread
             longer than this).
+        fallback_poll_seconds: how often a waiter looks anyway while notifications arrive (one lost is
+            found this late).
     """
 
     def __init__(self, dsn: str, spec: DatasetSpec | None = None, request_wait_seconds: float = 2.0,
-                 pool_size: int = 8, statement_seconds: float = 30.0):
+                 pool_size: int = 8, statement_seconds: float = 30.0, fallback_poll_seconds: float = 1.0):
         import psycopg2.pool
 
         super().__init__(spec, request_wait_seconds)
+        self.fallback_poll_seconds = fallback_poll_seconds
+        self._dsn = dsn
+        self._written = threading.Condition()
+        self._written_ids: set[str] = set()
+        self._written_order: deque[str] = deque()
+        self._any_written = 0  # counts notifications that named no ids
+        self._listening = threading.Event()
+        self._listener_stop = threading.Event()
         # minconn = maxconn: psycopg2 closes every returned connection past minconn, so a pool of one kept
         # opening and closing the others under concurrent calls; and it raises at maxconn instead of waiting
         self._pool = psycopg2.pool.ThreadedConnectionPool(
@@ -82,6 +104,8 @@ class PostgresJournal(Journal):
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
             cursor.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA_NAME}")
             cursor.execute(TABLES)
+        self._listener = threading.Thread(target=self._listen_loop, name="recloop-journal-listen", daemon=True)
+        self._listener.start()
         self._start_writer()
 
     @contextmanager
@@ -103,6 +127,59 @@ class PostgresJournal(Journal):
             execute_values(cursor, "INSERT INTO requests VALUES %s ON CONFLICT (request_id) DO NOTHING", requests)
             if evaluations:
                 execute_values(cursor, "INSERT INTO evaluations VALUES %s", evaluations)
+            ids = ",".join(r[0] for r in requests)
+            # delivered when the transaction commits: a woken replica finds the rows
+            cursor.execute("SELECT pg_notify(%s, %s)", (CHANNEL, ids if len(ids) <= _PAYLOAD_BYTES else ""))
+
+    def _listen_loop(self) -> None:
+        """Keep a connection listening on ``CHANNEL`` and wake the waiters (reconnecting after a failure;
+        meanwhile waiters poll)."""
+        import psycopg2
+
+        while not self._listener_stop.is_set():
+            connection = None
+            try:
+                connection = psycopg2.connect(self._dsn)
+                connection.autocommit = True
+                connection.cursor().execute(f"LISTEN {CHANNEL}")
+                self._listening.set()
+                while not self._listener_stop.is_set():
+                    if select.select([connection], [], [], 0.5)[0]:
+                        connection.poll()
+                        self._heard([n.payload for n in connection.notifies])
+                        connection.notifies.clear()
+            except Exception as err:  # noqa: BLE001 - waiters fall back to polling; try again shortly
+                log.warning("journal: listening for written requests failed (polling meanwhile): %s", err)
+            finally:
+                self._listening.clear()
+                if connection is not None:
+                    connection.close()
+            self._listener_stop.wait(1.0)
+
+    def _heard(self, payloads: list[str]) -> None:
+        with self._written:
+            for payload in payloads:
+                if not payload:
+                    self._any_written += 1
+                for request_id in filter(None, payload.split(",")):
+                    if request_id not in self._written_ids:
+                        self._written_ids.add(request_id)
+                        self._written_order.append(request_id)
+                while len(self._written_order) > _REMEMBERED:
+                    self._written_ids.discard(self._written_order.popleft())
+            self._written.notify_all()
+
+    def _wait_for_request(self, request_id: str, seconds: float) -> None:
+        """Until a notification names ``request_id`` (or names none), at most ``seconds`` and at most
+        ``fallback_poll_seconds``; a 20 ms poll while no connection listens."""
+        if not self._listening.is_set():
+            super()._wait_for_request(request_id, seconds)
+            return
+        with self._written:
+            before = self._any_written
+            self._written.wait_for(lambda: request_id in self._written_ids or self._any_written != before
+                                   or not self._listening.is_set(),
+                                   timeout=max(0.0, min(seconds, self.fallback_poll_seconds)))
 
     def _request(self, request_id: str) -> tuple[str, str] | None:
         with self._connection() as connection, connection.cursor() as cursor:
@@ -139,4 +216,6 @@ class PostgresJournal(Journal):
             return cursor.fetchall()
 
     def _close_store(self) -> None:
+        self._listener_stop.set()
+        self._listener.join(timeout=5)
         self._pool.closeall()

@@ -98,9 +98,10 @@ OVER_THRESHOLD = "_drift_over_threshold"  # a column's figure in the decision sn
 
 def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: str | None, when: datetime,
                decision: str, columns: tuple[str, ...] = (), figures: dict | None = None, config=None) -> str:
-    """Add one monitoring run: the drift report's snapshot; the decision's own figures with the thresholds
-    they were held to (unseen-id shares, drift share, each column's drift over its test's threshold, the
-    decision as a marker); and (when there was feedback) a KPI snapshot."""
+    """Add one monitoring run: the drift report's snapshot (None: the check made no report, too few rows or
+    only broken columns); the decision's own figures with the thresholds they were held to (unseen-id shares,
+    drift share, each column's drift over its test's threshold, the decision as a marker); and (when there
+    was feedback) a KPI snapshot. Returns the id of the drift report's snapshot, else the decision's."""
     from evidently import DataDefinition, Dataset, Report
     from evidently.metrics import MeanValue
 
@@ -109,25 +110,28 @@ def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: s
 
     config, figures = config or MonitorConfig(), figures or {}
     keys = tuple(k.removesuffix("_unseen_share") for k in figures if k.endswith("_unseen_share"))
-    results = column_drift(drift_snapshot)
+    results = column_drift(drift_snapshot) if drift_snapshot is not None else {}
     workspace, found = project(settings, columns, keys or ("user_id", "item_id"),
                                {column: result.method for column, result in results.items()})
     # Snapshots are placed at the monitored window's end in event time (simulated in the demo); Prefect and
     # MLflow stamp wall-clock time: the names say which, and a tag keeps the wall-clock time of the check.
     tags = [f"decision:{decision}", f"checked-at:{datetime.now(UTC):%Y-%m-%dT%H:%M}Z (wall clock)"] + (
         [f"model-version:{version}"] if version else [])
-    drift_snapshot._tags = [*(drift_snapshot._tags or []), *tags]
-    reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M} (event time)")
+    reference = None
+    if drift_snapshot is not None:  # a check with too few rows has no drift report: its decision is still kept
+        drift_snapshot._tags = [*(drift_snapshot._tags or []), *tags]
+        reference = workspace.add_run(found.id, drift_snapshot, name=f"drift {when:%Y-%m-%d %H:%M} (event time)")
     loop = {**{f"{key}_unseen_share": float(figures[f"{key}_unseen_share"]) for key in keys},
             **{f"{key}_unseen_limit": _unseen_limit(float(figures.get(f"{key}_unseen_expected", 0.0)),
                                                     config.new_id_share) for key in keys},
             "new_id_share_threshold": float(config.new_id_share), "drift_share_threshold": float(config.drift_share),
-            "drift_share": float(figures.get("drift_share", drift_share_of(drift_snapshot))),
+            "drift_share": float(figures.get("drift_share", drift_share_of(drift_snapshot)
+                                             if drift_snapshot is not None else 0.0)),
             "decision_code": DECISION_CODES.get(decision, 0.0),
             **{f"{column}{OVER_THRESHOLD}": result.over_threshold() for column, result in results.items()}}
     data = Dataset.from_pandas(pd.DataFrame({k: [v] for k, v in loop.items()}),
                                data_definition=DataDefinition(numerical_columns=list(loop)))
-    workspace.add_run(found.id, Report([MeanValue(column=c) for c in loop]).run(
+    figures_run = workspace.add_run(found.id, Report([MeanValue(column=c) for c in loop]).run(
         current_data=data, tags=tags, timestamp=when.replace(tzinfo=None)), name=f"decision {when:%Y-%m-%d %H:%M} (event time)")
     ctr = online_ctr(kpis)
     if ctr is not None:
@@ -137,7 +141,7 @@ def record_run(settings: Settings, drift_snapshot, kpis: dict | None, version: s
         snapshot = Report([MeanValue(column=c) for c in values]).run(
             current_data=data, tags=tags, timestamp=when.replace(tzinfo=None))
         workspace.add_run(found.id, snapshot, name=f"KPIs {when:%Y-%m-%d %H:%M} (event time)")
-    return str(reference.id)
+    return str((reference or figures_run).id)
 
 
 def online_ctr(kpis: dict | None) -> float | None:

@@ -110,11 +110,13 @@ def champion(settings: Settings) -> Champion | None:
 
 def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days: int = 7,
           config: MonitorConfig | None = None, kpis: dict | None = None, baseline: dict | None = None,
-          log: bool = False, windows: tuple[Window, Window] | None = None) -> MonitorReport:
+          log: bool = False, windows: tuple[Window, Window] | None = None, snapshot: bool = False
+          ) -> MonitorReport:
     """The monitor over the newest ``hours`` of the lake against the champion's training window.
 
     ``windows``: ``(reference, current)`` chosen by the caller (``recloop drift --reference/--current``)
-    instead of ``choose_windows``.
+    instead of ``choose_windows``. ``snapshot`` (implied by ``log``): the check's Evidently snapshots go to
+    the workspace the Evidently UI shows, whatever it decides (``ok`` included), and the report names them.
 
     KPIs default to the champion's online CTR and AUC over the same hours (from the serving journal),
     against the baseline recorded when it was promoted.
@@ -136,8 +138,9 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
     inputs = served_inputs(settings, current_champion.version, reference, current, config.sample_rows) \
         if current_champion else None
     snapshots: list = []
+    snapshot = snapshot or log
     decision = compare_windows(settings, spec, reference, current, config, kpis, baseline,
-                               snapshots.append if log else None,
+                               snapshots.append if snapshot else None,
                                None if inputs is None else tuple(frame["prediction"].to_numpy() for frame in inputs),
                                concept)
     served = None
@@ -149,19 +152,21 @@ def check(settings: Settings, spec: DatasetSpec, hours: int = 24, reference_days
         served = {"drift_share": share, "drifted_columns": drifted}
     report = MonitorReport(decision, current_champion.version if current_champion else None, reference, current,
                            baseline or {}, served)
-    if not log:
+    run_id = None
+    if log:
+        run_id = log_to_mlflow(settings, report)
+        _remember(settings, report)
+    if not snapshot:
         return report
-    run_id = log_to_mlflow(settings, report)
-    _remember(settings, report)
-    snapshot_id = None
-    if snapshots:
-        from recloop.monitor import dashboards
+    from recloop.monitor import dashboards
 
-        monitored = tuple(c.name for c in spec.columns if c.role in ("categorical", "numeric"))
-        snapshot_id = dashboards.record_run(settings, snapshots[0], kpis=decision.kpi or None,
-                                            version=report.champion, when=current[1], decision=decision.decision,
-                                            columns=monitored, config=config,
-                                            figures={**decision.figures, "drift_share": decision.drift_share})
+    # every check: the drift report when there was one to make (not on too few rows or only broken columns),
+    # and always the decision's own figures
+    monitored = tuple(c.name for c in spec.columns if c.role in ("categorical", "numeric"))
+    snapshot_id = dashboards.record_run(settings, snapshots[0] if snapshots else None, kpis=decision.kpi or None,
+                                        version=report.champion, when=current[1], decision=decision.decision,
+                                        columns=monitored, config=config,
+                                        figures={**decision.figures, "drift_share": decision.drift_share})
     return replace(report, mlflow_run_id=run_id, evidently_snapshot=snapshot_id)
 
 
