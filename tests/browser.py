@@ -8,6 +8,7 @@ rendered DOM. Each run gets a fresh profile folder and no network beyond what th
 from __future__ import annotations
 
 import html
+import os
 import re
 import subprocess
 import tempfile
@@ -21,9 +22,12 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 def _chromium(url: str, *args: str, budget_ms: int, timeout: float) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="recloop-chromium-") as profile:
+        # A clean environment: the browser inherits nothing of the test process's (Prefect's, torch's, a
+        # session bus it cannot reach), which hung it under pytest while the same command ran in 9 s outside.
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": profile, "LANG": "C.UTF-8"}
         return subprocess.run([str(CHROMIUM), *FLAGS, f"--user-data-dir={profile}", "--window-size=1400,1800",
-                               f"--virtual-time-budget={budget_ms}", *args, url],
-                              capture_output=True, text=True, timeout=timeout, check=False)
+                               f"--virtual-time-budget={budget_ms}", *args, url], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout, check=False, env=env)
 
 
 def render(url: str, screenshot: Path, budget_ms: int = 15_000, timeout: float = 90.0) -> str:

@@ -127,7 +127,7 @@ def test_the_pages_a_reviewer_opens_tell_the_truth(demo, tmp_path: Path, monkeyp
         for row, move in zip(rows, moves, strict=True):
             assert move["why"] in row and move["action"] in row, (row, move)
             if move["model"] == "ranker" and move["action"] in ("step", "promote"):
-                assert "interleaving:" in row, row  # the evidence that allowed it
+                assert "interleaving" in row.split("step" if move["action"] == "step" else "promote", 1)[1], row  # the evidence that allowed it
         assert not re.search(r"\bNone\b|\bnan\b", text(table))
 
         # 2. MLflow: the champion's page shows the gate report as rendered tables, no None or nan in them.
@@ -148,7 +148,7 @@ def test_the_pages_a_reviewer_opens_tell_the_truth(demo, tmp_path: Path, monkeyp
                                  max_results=1, order_by=["attributes.start_time DESC"])[0]
         page = render(f"{url['mlflow']}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}",
                       shots / "3-mlflow-canary-run.png")
-        assert "online CTR evidence (what decides)" in text(page) and "interleaving:" in text(page)
+        assert "online CTR evidence (what decides)" in text(page) and "interleaving, user clusters:" in text(page)
 
         # 3. Prefect: a canary check that moved a model, named for its day and version, its outcome its state.
         with get_client(sync_client=True) as prefect:
@@ -167,8 +167,9 @@ def test_the_pages_a_reviewer_opens_tell_the_truth(demo, tmp_path: Path, monkeyp
         assert "Online CTR of the serving model, last check" in shown, shown[:3000]
         last = summary["days"][-1]["monitor_ctr"]  # the report's "champion CTR (monitor)" of the last night
         counter = shown[shown.index("Online CTR of the serving model, last check"):][:600]
-        figures = [float(f) for f in re.findall(r"(?<![\d.])(0\.\d+|1\.0+|0)(?![\d.])", counter)]
-        assert last is not None and any(abs(f - last) < 5e-4 for f in figures), (last, counter)
+        figures = re.findall(r"(?<![\d.])(0\.\d+|1\.0+|0)(?![\d.])", counter)  # as shown: Evidently rounds it
+        assert last is not None and any(abs(float(f) - last) <= 0.5 * 10 ** -len((f + ".").split(".")[1]) + 1e-12
+                                        for f in figures), (last, counter)
         report = text(Path(summary["report"]).read_text())
         assert "champion CTR (monitor, as Evidently plots it)" in report and f"{last:.3f}" in report
 
