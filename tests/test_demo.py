@@ -64,7 +64,7 @@ def test_the_demo_runs_every_stage_each_day(demo):
 def test_the_table_says_why_a_finding_started_no_full_retrain():
     """The retrain column of a day whose drift check found something but asked for no full retrain names the
     trigger's reason (the demo's day 3 read "kpi_decay · incremental" with no word of the cool-down)."""
-    from recloop.demo import _held
+    from recloop.demo.loop import _held
     from recloop.monitor.decision import MonitorDecision, TriggerConfig, should_retrain
 
     config = TriggerConfig(cooldown_seconds=6 * 3600)

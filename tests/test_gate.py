@@ -359,7 +359,7 @@ def test_the_smoke_checks_latency_is_judged_against_the_champions_in_the_same_pr
 
 
 def test_the_demo_hints_at_more_events_only_when_data_is_the_cause():
-    from recloop.demo import first_model_hint
+    from recloop.demo.loop import first_model_hint
 
     assert "--events-per-day" in first_model_hint(["only 120 held-out rows: at least 200 are needed to judge"])
     assert "--events-per-day" in first_model_hint(["auc 0.5100 below the floor 0.55"])

@@ -114,8 +114,8 @@ def test_libraries_deprecation_notices_stay_out_of_the_commands_output():
 
     code = """if True:
         import warnings
-        from recloop import cli
-        cli._drop_deprecation_notices()
+        from recloop.cli import base
+        base._drop_deprecation_notices()
         warnings.simplefilter("once", DeprecationWarning)  # what importing Feast does
         warnings.warn("numpy.core is deprecated", DeprecationWarning, stacklevel=1)
         warnings.warn("old", FutureWarning, stacklevel=1)
@@ -188,7 +188,8 @@ def test_the_demo_report_says_why_each_model_moved_in_a_table(tmp_path: Path):
     import re
 
     from recloop.canary import CanaryConfig, CanaryState, VariantStats, decide
-    from recloop.demo import DayRecord, DemoConfig, _decision, write_report
+    from recloop.demo import DayRecord, DemoConfig, write_report
+    from recloop.demo.loop import _decision
     from recloop.evidence.sequential import Difference
 
     config = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=10, min_feedback=10, min_effect=0.3)

@@ -51,7 +51,8 @@ def test_twin_recovery_is_one_before_the_drift_and_falls_for_a_stale_model_after
 
 
 def test_the_demos_twin_recovery_reads_both_runs_panels():
-    from recloop.demo import DemoConfig, _twin_recovery
+    from recloop.demo import DemoConfig
+    from recloop.demo.panel import twin_recovery as _twin_recovery
 
     rng = np.random.default_rng(3)
     users = rng.integers(0, 50, 300)

@@ -1,0 +1,5 @@
+"""``python -m recloop.cli``: the ``recloop`` command."""
+
+from recloop.cli import main
+
+main()

@@ -1,0 +1,109 @@
+"""The demo's reference rankings on the evaluation panel: the never-retrained model, a daily full
+retrain from scratch, and the twin-world recovery (``recloop.panel``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from recloop.demo.records import DemoConfig
+from recloop.settings import Settings
+from recloop.simulate import World
+
+
+def twin_recovery(panels: dict[int, dict], twin: dict, config: DemoConfig) -> dict:
+    """Per day from the drift on: the champion's normalized reward with the drift over its twin's, with a
+    user-cluster interval; the headline is two cycles after the drift."""
+    from recloop.panel import twin_recovery
+
+    per_day = {}
+    for day, panel in panels.items():
+        other = twin.get(day) or twin.get(str(day))
+        if day < config.drift_day or other is None:
+            continue
+        mine = panel["rewards"]
+        theirs = {k: np.asarray(v) for k, v in other.items() if k != "users"}
+        per_day[day] = {policy: twin_recovery(mine, theirs, panel["users"], policy)
+                        for policy in ("champion", "never_retrained", "daily_full") if policy in mine and policy in theirs}
+    headline = per_day.get(config.drift_day + 2) or (per_day[max(per_day)] if per_day else None)
+    return {"per_day": per_day, "day": config.drift_day + 2 if config.drift_day + 2 in per_day else
+            (max(per_day) if per_day else None), "headline": headline,
+            "target": "champion's normalized reward >= 0.95 of the no-drift twin within two cycles (95 % CI "
+                      "lower bound stated)",
+            "met": bool(headline and headline["champion"]["low"] >= 0.95)}
+
+
+def train_reference(settings: Settings, day: int, config: DemoConfig, batch_size: int):
+    """A full retrain from scratch on days 0..``day`` (held-out hours excluded, as the loop's), loaded for the
+    panel; no MLflow run, no version: it serves nobody."""
+    from recloop.scoring import load_checkpoint
+    from recloop.train import TrainConfig, train
+
+    summary = train(settings, TrainConfig(mode="full", days=day + 1, epochs=config.full_epochs,
+                                          batch_size=batch_size, validation_hours=6))
+    return load_checkpoint(summary.checkpoint, f"daily-full-day{day}")
+
+
+def rank_panel(features, world: World, panel, models: dict) -> dict[str, np.ndarray]:
+    """Each model's click probabilities for the panel's candidates, (requests, candidates), every model
+    scoring the same rows: the request's online features (``features``, a ``RequestFeatures``) as served."""
+    from datetime import datetime
+
+    from recloop.panel import request_bodies
+    from recloop.scoring import score
+
+    scores: dict[str, list] = {name: [] for name in models}
+    features.refresh_if_published()
+    for body in request_bodies(world, panel):
+        ts_us = int(datetime.fromisoformat(body["ts"]).timestamp() * 1_000_000)
+        rows, _ = features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)
+        for name, model in models.items():
+            scores[name].append(score(model, rows).numpy())
+    return {name: np.stack(values) for name, values in scores.items()}
+
+
+class FrozenRanker:
+    """The day-0 model ranking the day's requests offline with the same online features (the baseline),
+    and the day's evaluation panel scored by it and by the live champion."""
+
+    def __init__(self, settings: Settings, version: str):
+        from recloop.features.config import FeatureConfig
+        from recloop.features.online import RequestFeatures, online_reader
+        from recloop.schema import load_spec
+        from recloop.scoring import load_version
+
+        spec = load_spec("synthetic")
+        self.settings = settings
+        self.model = load_version(settings, version)
+        self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), online_reader(settings))
+        self._models = {version: self.model}
+        self.reference = None  # the daily full retrain (``DemoConfig.daily_full``), when there is one
+
+    def panel(self, world: World, day: int, config: DemoConfig, champion: str | None) -> dict:
+        """The day's panel (drawn on its own stream): per-request expected clicks of the oracle, a random
+        ranking, the never-retrained model and the live champion; normalized rewards with intervals."""
+        from recloop.panel import draw_panel, per_request, score_panel
+        from recloop.scoring import load_version
+
+        panel = draw_panel(world, day + 0.5, config.panel_requests, min(config.candidates, 50), seed=config.seed)
+        if champion is not None and champion not in self._models:
+            self._models[champion] = load_version(self.settings, champion)
+        models = {"never_retrained": self.model, "champion": self._models.get(champion, self.model)}
+        if self.reference is not None:
+            models["daily_full"] = self.reference
+        stacked = rank_panel(self.features, world, panel, models)
+        rows = per_request(world, panel, stacked, k=config.shown, seed=config.seed)
+        figures = score_panel(world, panel, stacked, k=config.shown, seed=config.seed)
+        return {"rewards": {k: v["reward"] for k, v in rows.items()}, "users": panel.users,
+                "figures": {k: {m: round(x, 4) for m, x in v.items()} for k, v in figures.items()
+                            if k in ("champion", "never_retrained", "daily_full")}}
+
+    def rank(self, body: dict) -> list[int]:
+        from datetime import datetime
+
+        from recloop.scoring import score
+
+        self.features.refresh()
+        ts_us = int(datetime.fromisoformat(body["ts"]).timestamp() * 1_000_000)
+        rows, _ = self.features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)
+        scores = score(self.model, rows).numpy()
+        return [body["item_ids"][i] for i in np.argsort(-scores, kind="stable")]
