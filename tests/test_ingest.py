@@ -337,7 +337,8 @@ def test_duplicates_across_files_and_reingestion_are_noops(small_events, setting
 
     again = ingest(landing, SYNTHETIC, settings, now=now)  # same file: skipped by the ledger
     assert (again.files_skipped, again.rows_in) == (1, 0)
-    assert [r.error for r in again.results] == ["already ingested (the same bytes: the ledger has them)"]
+    assert [r.error for r in again.results] == [
+        "already ingested under this version of spec 'synthetic': `recloop ingest FILE --reingest` reads it again"]
     shutil.copy(landing / "a.parquet", landing / "a-copy.parquet")  # same bytes, new name: skipped too
     copied = ingest(landing, SYNTHETIC, settings, now=now)
     assert copied.files_skipped == 2

@@ -83,7 +83,7 @@ def test_first_model_is_champion_and_a_better_incremental_becomes_challenger(hom
     assert gate == registry.gate_record(info.tags) and "thresholds" in gate and "skipped_slices" in gate
     assert info.mode == "incremental"
     assert set(info.tags) == {"gate", "alias.challenger", checkpoint.MANIFEST_TAG, checkpoint.WEIGHTS_TAG}  # one per concern
-    assert "Thresholds: min_auc=" in outcome.report and "| overall |" in outcome.report  # what decided, shown
+    assert "| min_auc | 0.55 |" in outcome.report and "| overall |" in outcome.report  # what decided, shown
     assert "Paired comparison on the same rows (what decided)" in outcome.report
     assert outcome.champion_scores.overall["rows"] == outcome.candidate.overall["rows"]  # the same held-out rows
     from mlflow import MlflowClient

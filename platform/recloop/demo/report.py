@@ -79,7 +79,7 @@ def write_report(settings: Settings, records: list[DayRecord], summary: dict, co
                          f"'{config.drift}' from day {config.drift_day}", xaxis3_title="simulated day")
     from recloop.canary import explain
 
-    html = _REPORT.render(records=records, summary=summary, efficacy=summary.get("efficacy"), fmt=figure, config=config,
+    html = _REPORT.render(records=records, summary=summary, efficacy=summary.get("efficacy"), fmt=as_text, config=config,
                           decisions=[m for r in records for m in r.decisions], columns=explain.COLUMNS,
                           notes=_raw_ctr_notes(records), raw_ctr_note=explain.RAW_CTR_NOTE,
                           recovery=(summary.get("recovery") or {}).get("headline"),
@@ -164,7 +164,7 @@ Total {{ summary.seconds }} s.</p></body></html>
 """)
 
 
-def figure(value) -> str:
+def as_text(value) -> str:
     return "-" if value is None or value != value else f"{value:.4f}"
 
 

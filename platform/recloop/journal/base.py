@@ -260,9 +260,11 @@ class Journal(ABC):
         self.flush()
         where, params = _request_window(since, event_window=event_window)
         condition = " AND ".join(["1 = 1", *where])
+        # A champion's ``paired`` evaluations (it scores an A/B challenger's requests too, for the paired online
+        # AUC: ``paired_scores``) are not requests it served: they stay out of its counts and latencies.
         evaluations = self._query(
             f"SELECT e.status, e.latency_ms FROM evaluations e JOIN requests r USING (request_id) "
-            f"WHERE e.version = ? AND {condition}", [version, *params])
+            f"WHERE e.version = ? AND e.role <> 'paired' AND {condition}", [version, *params])
         feedback = self._query(
             f"SELECT f.label, f.served_version, f.scores FROM feedback f JOIN requests r USING (request_id) "
             f"WHERE {condition}", params)

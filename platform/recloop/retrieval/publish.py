@@ -35,7 +35,6 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
     from mlflow import MlflowClient
 
     from recloop import checkpoint
-    from recloop.retrieval.pyfunc import RecloopRetriever
     from recloop.retrieval.train import read_state
 
     state = read_state(Path(summary.checkpoint))
@@ -70,8 +69,7 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
             with model_code.code_paths() as code:  # self-contained: recloop ships as the model's code
                 info = mlflow.pyfunc.log_model(name="retriever", loader_module="recloop.retrieval.pyfunc",
                                                data_path=summary.checkpoint, code_paths=code,
-                                               signature=model_code.signature(RecloopRetriever(summary.checkpoint),
-                                                                              example, {"k": 500}),
+                                               signature=_signature(example, {"k": 500}),
                                                input_example=(example, {"k": 500}), pip_requirements=PIP_REQUIREMENTS)
     files = json.dumps(checkpoint.manifest(summary.checkpoint), separators=(",", ":"))  # what a download must match
     version = registry.register(settings, info.model_uri, run.info.run_id, model_name=RETRIEVER_NAME,
@@ -87,3 +85,14 @@ def retriever_folder(settings: Settings, version: str) -> Path:
     return checkpoint.resolve(settings, version, RETRIEVER_NAME)
 
 
+def _signature(example, params: dict):
+    """The retriever's MLflow signature: its user rows in (inferred from ``example``), ``k`` as a parameter, and
+    what ``RecloopRetriever.predict`` answers: each row's item ids and scores. Declared rather than inferred
+    from a prediction, so that logging never depends on the weights loading (serving's load check is the place
+    where a version that does not load is found and rolled back)."""
+    from mlflow.models import ModelSignature, infer_signature
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    inferred = infer_signature(example, params=params)
+    outputs = Schema([ColSpec(Array("long"), "item_ids"), ColSpec(Array("float"), "scores")])
+    return ModelSignature(inputs=inferred.inputs, outputs=outputs, params=inferred.params)
