@@ -343,7 +343,7 @@ def test_duplicates_across_files_and_reingestion_are_noops(small_events, setting
     copied = ingest(landing, SYNTHETIC, settings, now=now)
     assert copied.files_skipped == 2
     assert {Path(r.path).name: r.error for r in copied.results}["a-copy.parquet"].startswith(
-        f"already ingested as {landing / 'a.parquet'}")
+        f"already ingested under this version of spec 'synthetic' as {landing / 'a.parquet'}")
 
     # Same events written again (different bytes): every row is a duplicate of the lake.
     overlap = pa.concat_tables([small_events.slice(0, 10), small_events.slice(0, 10)])
