@@ -22,6 +22,7 @@ def demo(prefect_server, tmp_path_factory) -> tuple[Settings, dict]:
     return settings, summary
 
 
+@pytest.mark.timeout(600)  # the module's demo runs in this test's setup: three simulated days on 2 shared cores
 def test_the_demo_runs_every_stage_each_day(demo):
     """The whole loop, each stage each day (the cool-down after the drift's retrain is the chain test's)."""
     from recloop.monitor.dashboards import project

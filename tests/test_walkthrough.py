@@ -16,7 +16,7 @@ from recloop.cli import app
 YEARS = 20
 START_1999 = 915_148_800  # 1999-01-01T00:00:00Z
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the walkthrough runs in the first test's setup
 
 
 @pytest.fixture(scope="module")
