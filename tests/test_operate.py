@@ -298,6 +298,7 @@ def test_each_home_takes_its_own_ports_and_down_stops_what_up_started_on_them(tm
     import subprocess
     import sys
 
+    from polling import eventually
     from typer.testing import CliRunner
 
     from recloop import services
@@ -313,6 +314,9 @@ def test_each_home_takes_its_own_ports_and_down_stops_what_up_started_on_them(tm
     program.write_text("import time\ntime.sleep(120)\n")
     service = subprocess.Popen([sys.executable, str(program), "ui", "--port", "5999"], start_new_session=True)
     try:
+        # until the child has exec'd, /proc shows the test's own command line, not the program's
+        eventually(lambda: str(program).encode() in Path(f"/proc/{service.pid}/cmdline").read_bytes(), 30,
+                   "the stand-in never started")
         (settings.home / "run").mkdir(parents=True)
         (settings.home / "run" / "mlflow.pid").write_text(f"{service.pid} 5999")  # started with --mlflow-port 5999
         assert services.down(settings) == {"mlflow": "stopped"}
