@@ -337,7 +337,7 @@ def test_online_ctr_per_segment_against_the_champions_own_earlier_traffic():
 def test_metrics_name_each_clock_of_a_retrain_request(settings):
     """``/metrics`` mixed clocks: the last retrain request in event time (simulated in the demo, days away
     from the scrape's wall clock) under a name that did not say so. Each clock has its own, labelled gauge."""
-    import time
+    import json
 
     from prometheus_client import generate_latest
 
@@ -346,12 +346,14 @@ def test_metrics_name_each_clock_of_a_retrain_request(settings):
     from recloop.serve.metrics import ServingMetrics
 
     simulated = 1_767_312_000.0  # 2026-01-02, the demo's world
-    before = time.time()
     assert request_retrain(settings, MonitorDecision("drift", ("price",), 0.5, ()), now=simulated).retrain
     exported = generate_latest(ServingMetrics(settings.home).registry).decode()
     values = dict(re.findall(r"^(recloop_last_retrain_request\w*) (\S+)$", exported, flags=re.M))
     assert float(values["recloop_last_retrain_request_timestamp_seconds"]) == simulated
-    assert before <= float(values["recloop_last_retrain_request_wallclock_timestamp_seconds"]) <= time.time()
+    # the wall-clock gauge is the request's own wall-clock stamp, kept beside its event time, not the event time
+    recorded = json.loads((settings.home / "loop" / "triggers.json").read_text())[-1]
+    assert float(values["recloop_last_retrain_request_wallclock_timestamp_seconds"]) == recorded["wall_at"]
+    assert recorded["at"] == simulated and recorded["wall_at"] != simulated
     assert "in event time" in exported and "in wall-clock time" in exported
 
 
