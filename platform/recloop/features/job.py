@@ -50,12 +50,11 @@ from recloop.features.state import FeatureState, StateStore
 from recloop.features.vocab import Vocabulary, count_values
 from recloop.features.window import WindowPlan, compute_window
 from recloop.formats import TRAINING_PARQUET
-from recloop.hours import hour_of_us
+from recloop.hours import US, hour_of_us
 from recloop.ingest import lake
 from recloop.schema import DatasetSpec
 from recloop.settings import Settings
 
-US = ops.US  # recloop.hours.US
 HOUR_US = 3600 * US
 DAY_US = 24 * HOUR_US
 
