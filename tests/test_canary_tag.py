@@ -12,7 +12,7 @@ import pytest
 from recloop import registry
 from recloop.canary import CanaryConfig, controller
 from recloop.canary.tag import CANARY_TAG, CanaryTag, kpi_baseline, load_failure
-from recloop.serve.models import Wanted, registry_wanted
+from recloop.serve.models import RegistryReader, Wanted, registry_wanted
 from recloop.settings import Settings
 
 # Nothing to wait for: each step is judged at once (no traffic breaks no guardrail); A/B by user.
@@ -42,14 +42,15 @@ def canary_tags(home: Settings, version: str) -> tuple[list[str], CanaryTag | No
 
 
 def test_start_step_promote_leaves_one_tag_that_serving_reads(home: Settings, challenger: str):
-    assert registry_wanted(home) == Wanted("1", challenger, 0.0, "canary", None)  # not started: no traffic
+    reader = RegistryReader()  # a watcher's source: one client kept from poll to poll sees every change
+    assert registry_wanted(home) == reader(home) == Wanted("1", challenger, 0.0, "canary", None)  # no traffic yet
     controller.start(home, QUICK, now=1000.0)
     keys, tag = canary_tags(home, challenger)
     assert keys == [CANARY_TAG]
     assert (tag.state, tag.share, tag.mode, tag.started_at, tag.step_started_at) == ("running", 0.5, "canary",
                                                                                       1000.0, 1000.0)
     assert tag.salt.startswith(f"recloop-canary-v{challenger}-")
-    assert registry_wanted(home) == Wanted("1", challenger, 0.5, "canary", tag.salt)
+    assert registry_wanted(home) == reader(home) == Wanted("1", challenger, 0.5, "canary", tag.salt)
 
     stepped = controller.step(home, QUICK, now=2000.0)
     assert stepped.action == "step", stepped.decision
@@ -70,7 +71,7 @@ def test_start_step_promote_leaves_one_tag_that_serving_reads(home: Settings, ch
     assert (final.state, final.last_action, final.run_id, final.salt) == ("promoted", "promote", tag.run_id, tag.salt)
     assert final.reasons == ("manual promote by carol: looks good",) and final.serving_share == 0.0
     assert registry.aliases(home) == {"champion": challenger, "challenger": None, "previous": "1"}
-    assert registry_wanted(home) == Wanted(challenger, None, 0.0, "canary", None)
+    assert registry_wanted(home) == reader(home) == Wanted(challenger, None, 0.0, "canary", None)
     registry.promote(home, "1", who="test", why="back to v1 for the next test")
 
 

@@ -107,7 +107,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     from recloop.monitor.dashboards import online_ctr
     from recloop.serve.app import ServerThread, create_app
 
-    serving = Settings(**{**settings.model_dump(), "serve_poll_seconds": 0.2, "feedback_flush_seconds": 3600,
+    serving = Settings(**{**settings.model_dump(), "serve_poll_seconds": 1.0, "feedback_flush_seconds": 3600,
                           "recommend_candidates": config.retrieve_k, "recommend_seen_hours": config.seen_hours})
     app = create_app(serving)
     freshness: list[float] = []
@@ -323,8 +323,8 @@ def _serve_day(url: str, app, world: World, day: int, config: DemoConfig, flows:
             for counter in ("errors", "versions", "retrievers", "sources", "impressions", "clicks", "expected_clicks",
                             "oracle_clicks"):
                 getattr(into, counter).update(getattr(summary, counter))
-        for body, who in pairs:
-            baseline_clicks += users.expected(frozen.rank(body), who)
+        for (body, who), order in zip(pairs, frozen.rank([body for body, _ in pairs]), strict=True):
+            baseline_clicks += users.expected(order, who)
             oracle_clicks += users.oracle_expected(body, who)
         moved = False
         for model_name, label in (("recloop-ranker", ""), (RETRIEVER_NAME, "retriever ")):
@@ -362,7 +362,7 @@ def _decision(day: int, label: str, step: dict) -> dict:
 
 
 def _wait_for_deployment(url: str, settings: Settings, timeout: float = 30.0) -> None:
-    """Let the server pick up moved aliases and shares before the next round (it polls every 0.2 s)."""
+    """Let the server pick up moved aliases and shares before the next round (it polls every second)."""
     import httpx
 
     from recloop.registry import RETRIEVER_NAME

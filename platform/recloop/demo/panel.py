@@ -45,20 +45,32 @@ def train_reference(settings: Settings, day: int, config: DemoConfig, batch_size
 
 def rank_panel(features, world: World, panel, models: dict) -> dict[str, np.ndarray]:
     """Each model's click probabilities for the panel's candidates, (requests, candidates), every model
-    scoring the same rows: the request's online features (``features``, a ``RequestFeatures``) as served."""
+    scoring the same rows: the request's online features (``features``, a ``RequestFeatures``) as served.
+
+    The rows of every request are built first and each model scores them in one call: scoring request by
+    request spent most of a simulated day in per-call overhead (``benchmarks/demo_stages.py``)."""
+    from recloop.panel import request_bodies
+
+    features.refresh_if_published()
+    bodies = list(request_bodies(world, panel))
+    return {name: scores.reshape(len(bodies), -1) for name, scores in _score_requests(features, bodies, models).items()}
+
+
+def _score_requests(features, bodies: list[dict], models: dict) -> dict[str, np.ndarray]:
+    """Each model's click probabilities for every candidate of ``bodies``, concatenated in request order:
+    one scoring call per model over all the requests' rows."""
     from datetime import datetime
 
-    from recloop.panel import request_bodies
+    import pyarrow as pa
+
     from recloop.scoring import score
 
-    scores: dict[str, list] = {name: [] for name in models}
-    features.refresh_if_published()
-    for body in request_bodies(world, panel):
+    tables = []
+    for body in bodies:
         ts_us = int(datetime.fromisoformat(body["ts"]).timestamp() * 1_000_000)
-        rows, _ = features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)
-        for name, model in models.items():
-            scores[name].append(score(model, rows).numpy())
-    return {name: np.stack(values) for name, values in scores.items()}
+        tables.append(features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)[0])
+    rows = pa.concat_tables(tables)
+    return {name: score(model, rows).numpy() for name, model in models.items()}
 
 
 class FrozenRanker:
@@ -97,13 +109,13 @@ class FrozenRanker:
                 "figures": {k: {m: round(x, 4) for m, x in v.items()} for k, v in figures.items()
                             if k in ("champion", "never_retrained", "daily_full")}}
 
-    def rank(self, body: dict) -> list[int]:
-        from datetime import datetime
-
-        from recloop.scoring import score
-
+    def rank(self, bodies: list[dict]) -> list[list[int]]:
+        """The never-retrained model's order of each request's candidates (one scoring call for all)."""
         self.features.refresh()
-        ts_us = int(datetime.fromisoformat(body["ts"]).timestamp() * 1_000_000)
-        rows, _ = self.features.rows(body["user_id"], body["item_ids"], body["context"], ts_us)
-        scores = score(self.model, rows).numpy()
-        return [body["item_ids"][i] for i in np.argsort(-scores, kind="stable")]
+        scores = _score_requests(self.features, bodies, {"frozen": self.model})["frozen"]
+        orders, start = [], 0
+        for body in bodies:
+            mine = scores[start:start + len(body["item_ids"])]
+            start += len(body["item_ids"])
+            orders.append([body["item_ids"][i] for i in np.argsort(-mine, kind="stable")])
+        return orders

@@ -83,13 +83,15 @@ def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted
     """Aliases and the challenger's ``canary`` tag (share, mode, salt) of a registered model (default: the
     ranker), from MLflow. A challenger without one (its canary not started) gets no traffic."""
     from recloop import registry
+
+    return wanted_from(registry.mlflow_client(settings), model_name or registry.MODEL_NAME)
+
+
+def wanted_from(client, model_name: str) -> Wanted:
+    """``registry_wanted`` through ``client`` (an ``MlflowClient``); a registry that cannot answer raises."""
+    from recloop import registry
     from recloop.canary.tag import CanaryTag
 
-    model_name = model_name or registry.MODEL_NAME
-    # Once per poll (``registry.version_by_alias`` configures again on each call, a few ms of CPU each:
-    # every watcher's poll holds the GIL that long, and a request arriving meanwhile waits).
-    client = registry.mlflow_client(settings)
-    # (a registry that cannot answer raises: the pool keeps its current models)
     champion, challenger = (registry.alias_version(client, alias, model_name) for alias in ("champion", "challenger"))
     share, mode, salt = 0.0, "canary", None
     if challenger is not None:
@@ -97,6 +99,36 @@ def registry_wanted(settings: Settings, model_name: str | None = None) -> Wanted
         if tag is not None:
             share, mode, salt = tag.serving_share, tag.mode, tag.salt  # salt: each experiment's own split of users
     return Wanted(champion, challenger, share, mode, salt)
+
+
+class RegistryReader:
+    """A watcher's source: ``registry_wanted`` with one MLflow client kept from poll to poll.
+
+    ``registry.mlflow_client`` configures MLflow (its limits, the experiment's lookup) on every call; at a
+    poll every fraction of a second that was most of a serving process's idle CPU (``benchmarks/demo_stages.py``)
+    and held the GIL while requests waited. The client is made again after a poll that failed, so a registry
+    that comes back is probed and configured afresh.
+
+    Args:
+        model_name: the registered model to read (default: the ranker).
+    """
+
+    def __init__(self, model_name: str | None = None):
+        self.model_name = model_name
+        self._client = None
+        self._uri: str | None = None
+
+    def __call__(self, settings: Settings) -> Wanted:
+        from recloop import registry
+
+        uri = registry.tracking_uri(settings)
+        if self._client is None or self._uri != uri:
+            self._client, self._uri = registry.mlflow_client(settings), uri
+        try:
+            return wanted_from(self._client, self.model_name or registry.MODEL_NAME)
+        except Exception:
+            self._client = None
+            raise
 
 
 LAST_KNOWN_FILE = "last_known.json"
@@ -152,7 +184,7 @@ class ModelPool:
     """
 
     def __init__(self, settings: Settings, loader: Callable[[Settings, str], LoadedModel] = load_version,
-                 source: Callable[[Settings], Wanted] = registry_wanted, cache_size: int = 4,
+                 source: Callable[[Settings], Wanted] | None = None, cache_size: int = 4,
                  retry_seconds: float = 60.0, salt: str = "recloop-canary", name: str = "model",
                  model_name: str | None = None):
         from recloop.registry import MODEL_NAME
@@ -169,7 +201,7 @@ class ModelPool:
         self.last_error: str | None = None
         self.failures: dict[str, LoadFailure] = {}
         self.wanted: Wanted | None = None
-        self._loader, self._source = loader, source
+        self._loader, self._source = loader, source or RegistryReader(self.model_name)
         self._cache: OrderedDict[str, LoadedModel] = OrderedDict()
         self._cache_size = cache_size
         self._retry_seconds = retry_seconds

@@ -29,7 +29,7 @@ from recloop.scoring import load_retriever, score
 from recloop.serve.catalog import UnavailableItems
 from recloop.serve.health import Readiness
 from recloop.serve.metrics import DegradedCollector, ServingMetrics
-from recloop.serve.models import Deployment, LoadFailure, ModelPool, registry_wanted
+from recloop.serve.models import Deployment, LoadFailure, ModelPool
 from recloop.serve.requests import RankedItem, RankRequest, RankResponse
 from recloop.settings import Settings
 
@@ -54,7 +54,6 @@ class Service:
         self.pool.on_load_failure = self._load_failed
         # The retriever of /recommend: its own registered model, aliases, canary split (its own salt) and watcher.
         self.retrievers = retrievers or ModelPool(settings, loader=load_retriever, salt="recloop-retriever-canary",
-                                                  source=partial(registry_wanted, model_name=RETRIEVER_NAME),
                                                   name="retriever", model_name=RETRIEVER_NAME)
         self.metrics.registry.register(DegradedCollector({"ranker": self.pool, "retriever": self.retrievers}))
         self.retrievers.on_swap = lambda old, new: self._retriever_deployed(new)
