@@ -143,7 +143,56 @@ SMOKE_REPEATS = 5
 def serving_smoke_check(settings: Settings, version: str, example_file: str, champion: str | None = None,
                         thresholds: GateThresholds | None = None) -> tuple[str | None, dict[str, float | None]]:
     """Load the registered version in a fresh process and score a sample: a reason string if it fails, and
-    the timings.
+    the timings (``start_smoke_check``, waited for)."""
+    return start_smoke_check(settings, version, example_file, champion, thresholds).result()
+
+
+class SmokeCheck:
+    """The serving check's fresh process, started by ``start_smoke_check``; ``result`` waits for its verdict.
+
+    The gate starts it before scoring the held-out window, so the fresh process's imports (Python, torch,
+    MLflow's pyfunc: most of its seconds) run while this process scores, not after it. ``cancel`` stops it
+    when the gate ends without needing it (a candidate that does not load here).
+    """
+
+    def __init__(self, process, timing: dict[str, float | None], champion: str | None,
+                 thresholds: GateThresholds, problem: str | None = None):
+        self._process, self.timing, self._champion = process, timing, champion
+        self._thresholds, self._problem = thresholds, problem
+
+    def result(self, timeout: float = 300.0) -> tuple[str | None, dict[str, float | None]]:
+        """A reason string if the check fails (None: it passed), and the timings."""
+        import subprocess
+
+        if self._process is None:
+            return self._problem, self.timing
+        try:
+            stdout, stderr = self._process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.cancel()
+            return f"serving check: the model did not load and score {SMOKE_ROWS} rows within {timeout:.0f} s", \
+                self.timing
+        if self._process.returncode != 0:
+            return f"serving check: the model does not load in a fresh process: {stderr.strip()[-300:]}", self.timing
+        result = json.loads(stdout.strip().splitlines()[-1])
+        self.timing["candidate_ms"] = float(result["ms"][0])
+        if self._champion is not None:
+            self.timing["champion_ms"] = float(result["ms"][1])
+        if not result["finite"]:
+            return "serving check: the loaded model scores NaN", self.timing
+        return smoke_latency_failure(self.timing["candidate_ms"], self.timing["champion_ms"], self._thresholds), \
+            self.timing
+
+    def cancel(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.communicate()
+
+
+def start_smoke_check(settings: Settings, version: str, example_file: str, champion: str | None = None,
+                      thresholds: GateThresholds | None = None) -> SmokeCheck:
+    """Start loading the registered version in a fresh process to score a sample (``SmokeCheck.result``: a
+    reason string if it fails, and the timings).
 
     Its speed is judged against the champion's, loaded and timed in the same process on the same rows
     (alternating, median of ``SMOKE_REPEATS``): at most ``smoke_latency_ratio`` times slower. A busy host
@@ -152,8 +201,8 @@ def serving_smoke_check(settings: Settings, version: str, example_file: str, cha
     from the thresholds file when one is set, else timed and reported only.
 
     The fresh process opens each version's verified download (``checkpoint.model_folder``: the bytes serving
-    loads, fetched once by the gate's scoring), so it pays for Python, torch and MLflow's pyfunc, not for
-    MLflow's tracking store and a second download (8 s against 12 s on a 2-core CPU)."""
+    loads, fetched here once and scored from by the gate too), so it pays for Python, torch and MLflow's
+    pyfunc, not for MLflow's tracking store and a second download (8 s against 12 s on a 2-core CPU)."""
     import subprocess
     import sys
 
@@ -166,7 +215,7 @@ def serving_smoke_check(settings: Settings, version: str, example_file: str, cha
     try:
         folders = [str(checkpoint.model_folder(settings, version))]
     except checkpoint.CheckpointError as err:  # the registry's copy is damaged: this version cannot be served
-        return f"serving check: {str(err)[-300:]}", timing
+        return SmokeCheck(None, timing, champion, thresholds, f"serving check: {str(err)[-300:]}")
     try:
         if champion is not None:
             folders.append(str(checkpoint.model_folder(settings, champion)))
@@ -183,17 +232,9 @@ def serving_smoke_check(settings: Settings, version: str, example_file: str, cha
         "        began = time.perf_counter(); m.predict(rows); t.append((time.perf_counter() - began) * 1000)\n"
         "print(json.dumps({'ms': [statistics.median(t) for t in times], 'finite': bool((outs[0] == outs[0]).all())}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code, example_file, *folders], capture_output=True, text=True,
-                          timeout=300)
-    if done.returncode != 0:
-        return f"serving check: the model does not load in a fresh process: {done.stderr.strip()[-300:]}", timing
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    timing["candidate_ms"] = float(result["ms"][0])
-    if champion is not None:
-        timing["champion_ms"] = float(result["ms"][1])
-    if not result["finite"]:
-        return "serving check: the loaded model scores NaN", timing
-    return smoke_latency_failure(timing["candidate_ms"], timing["champion_ms"], thresholds), timing
+    process = subprocess.Popen([sys.executable, "-c", code, example_file, *folders], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    return SmokeCheck(process, timing, champion, thresholds)
 
 
 def smoke_latency_failure(candidate_ms: float, champion_ms: float | None, thresholds: GateThresholds) -> str | None:
@@ -356,15 +397,31 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     keep = ~rows["served"] if rows["served"].any() and (~rows["served"]).sum() >= 1000 else None
     mine: dict = {}
     theirs: dict = {}
+    smoke = start_smoke_check(settings, candidate_version, str(files[0]), champion_version, thresholds) \
+        if smoke_check else None
     try:
-        candidate = score_version(settings, candidate_version, files, schema, keep, mine)
-    except unloadable as err:  # the candidate's own files: a verdict on it, not a failure of the gate
-        return _refuse_unloadable(settings, client, info, champion_version, mode, err)
-    try:
-        champion = score_version(settings, champion_version, files, schema, keep, theirs) if champion_version \
-            else None
-    except unloadable as err:
-        raise GateError(f"the champion v{champion_version} cannot be loaded to compare with: {err}") from err
+        try:
+            candidate = score_version(settings, candidate_version, files, schema, keep, mine)
+        except unloadable as err:  # the candidate's own files: a verdict on it, not a failure of the gate
+            return _refuse_unloadable(settings, client, info, champion_version, mode, err)
+        try:
+            champion = score_version(settings, champion_version, files, schema, keep, theirs) if champion_version \
+                else None
+        except unloadable as err:
+            raise GateError(f"the champion v{champion_version} cannot be loaded to compare with: {err}") from err
+        return _judge(settings, client, info, candidate_version, champion_version, mode, thresholds, files, schema,
+                      rows, keep, mine, theirs, candidate, champion, smoke)
+    finally:
+        if smoke is not None:
+            smoke.cancel()
+
+
+def _judge(settings: Settings, client, info, candidate_version: str, champion_version: str | None, mode: str,
+           thresholds: GateThresholds, files: list[Path], schema, rows: dict, keep, mine: dict, theirs: dict,
+           candidate, champion, smoke: SmokeCheck | None) -> GateOutcome:
+    """``run_gate``'s verdict once both versions are scored: the paired test, off-policy figures, baselines,
+    the serving check's result; then the report, tags and aliases."""
+    from recloop import registry
     paired = None
     kept = (lambda a: a[keep]) if keep is not None else (lambda a: a)
     if champion is not None and len(rows["labels"]) == len(rows["served"]) and \
@@ -385,9 +442,8 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     baseline_figures = _baselines(settings, files, schema)
     reasons += baselines.failures(candidate.overall.get("auc", float("nan")), baseline_figures,
                                   thresholds.baseline_auc_margin)
-    if smoke_check:
-        problem, timing = serving_smoke_check(settings, candidate_version, str(files[0]), champion_version,
-                                              thresholds)
+    if smoke is not None:
+        problem, timing = smoke.result()
         decision.figures["serving smoke check"] = timing
         if problem:
             reasons.append(problem)
