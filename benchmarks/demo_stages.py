@@ -4,7 +4,8 @@
 
 Runs ``demo.run_demo`` (bootstrap day 0, then ``days - 1`` simulated days, no twin, no daily full retrain)
 in a temporary ``RECLOOP_HOME`` and times each stage the demo announces (``on_stage``: landing, serving
-rounds with canary checks, night: ingest, features, drift check, retrain and gate), then lists the
+rounds with canary checks, night: ingest, features, drift check, retrain and gate), wall and CPU seconds
+(this process and its children: on a shared machine the CPU figure is the steadier one), then lists the
 functions with the largest cumulative time: where a day's fixed costs are.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import tempfile
 import time
@@ -21,6 +23,13 @@ from pathlib import Path
 from common import machine, use_source_tree
 
 use_source_tree()
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process (every thread) and of its children that have ended (the gate's fresh
+    process, multi-process training): on a shared machine a stage's CPU time says more than its wall time."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def main() -> None:
@@ -35,14 +44,15 @@ def main() -> None:
     from recloop.settings import Settings
 
     stages: list[dict] = []
-    last = [time.perf_counter()]
+    last = [time.perf_counter(), cpu_seconds()]
 
     def on_stage(day: int, what: str) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), cpu_seconds()
         if stages:
             stages[-1]["seconds"] = round(now - last[0], 1)
+            stages[-1]["cpu_seconds"] = round(cpu - last[1], 1)
         stages.append({"day": day, "stage": what})
-        last[0] = now
+        last[:] = [now, cpu]
 
     with tempfile.TemporaryDirectory() as home:
         settings = Settings(home=Path(home) / "home", frame_backend="pandas")
@@ -54,13 +64,15 @@ def main() -> None:
         profiler.disable()
         total = time.perf_counter() - began
         stages[-1]["seconds"] = round(time.perf_counter() - last[0], 1)
+        stages[-1]["cpu_seconds"] = round(cpu_seconds() - last[1], 1)
     if args.profile:
         profiler.dump_stats(str(args.profile))
     top = pstats.Stats(profiler)
     top.sort_stats("cumulative")
     print(f"total {total:.1f} s; per day: {[d.get('seconds') for d in summary['days']]}")
     for row in stages:
-        print(f"  day {row['day']}: {row.get('seconds', 0):>7.1f} s  {row['stage']}")
+        print(f"  day {row['day']}: {row.get('seconds', 0):>7.1f} s wall {row.get('cpu_seconds', 0):>7.1f} s CPU  "
+              f"{row['stage']}")
     top.print_stats(35)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "total_seconds": total, "stages": stages,

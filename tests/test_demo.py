@@ -56,8 +56,13 @@ def test_the_demo_runs_every_stage_each_day(demo):
     if days[1]["gate"] != "refused":  # the day-1 challenger was judged on day 2's traffic
         assert any(c.split()[0] in ("step", "promote", "rollback") for c in ranker(days[2]["canary"])), days[2][
             "canary"]
+    paired = summary["paired"]  # the efficacy figure: champion - never retrained on the same panel, the last day
+    assert paired["day"] == 2 and sorted(paired["per_day"]) == [1, 2]
+    headline = paired["headline"]["champion - never_retrained"]
+    assert headline["low"] <= headline["difference"] <= headline["high"]
     report = Path(summary["report"]).read_text()
     assert "plotly" in report and "served / oracle" in report and "oracle recall@100" in report
+    assert "Loop efficacy (same panel, paired)" in report
     workspace, found = project(settings)
     assert len(workspace.list_runs(found.id)) >= 2  # a drift snapshot per monitoring run (and KPIs)
 

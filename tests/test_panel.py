@@ -76,3 +76,40 @@ def test_the_demos_twin_recovery_reads_both_runs_panels():
     headline = result["headline"]["champion"]
     assert headline["recovery"] == pytest.approx((0.6 - 0.3) / (0.7 - 0.3), rel=1e-6)
     assert headline["low"] < headline["recovery"] < headline["high"] and result["met"] is False
+
+
+def test_the_paired_difference_is_zero_for_the_same_ranking_and_positive_for_a_better_one():
+    from recloop.panel import paired_difference
+
+    world = World(WorldConfig(seed=2, days=3, events_per_day=5000))
+    panel = draw_panel(world, 1.5, 400, candidates=30, seed=0)
+    good, bad = _scores(world, panel, 0.5), _scores(world, panel, 4.0)
+    rows = per_request(world, panel, {"good": good, "same": good.copy(), "bad": bad})
+    rewards = {k: v["reward"] for k, v in rows.items()}
+    same = paired_difference(rewards, panel.users, "same", "good", resamples=200)
+    assert same == {"difference": 0.0, "low": 0.0, "high": 0.0}  # paired: every resample cancels exactly
+    better = paired_difference(rewards, panel.users, "good", "bad", resamples=200)
+    figures = score_panel(world, panel, {"good": good, "bad": bad}, resamples=200)
+    assert better["difference"] == pytest.approx(
+        figures["good"]["normalized_reward"] - figures["bad"]["normalized_reward"])
+    assert 0 < better["low"] < better["difference"] < better["high"]
+    # narrower than the two policies' own intervals side by side: the pairing removes the panel's own noise
+    assert better["high"] - better["low"] < (figures["good"]["high"] - figures["good"]["low"]) + (
+        figures["bad"]["high"] - figures["bad"]["low"])
+
+
+def test_the_demos_paired_efficacy_headline_is_two_cycles_after_the_drift():
+    from recloop.demo import DemoConfig
+    from recloop.demo.panel import paired_efficacy
+
+    rng = np.random.default_rng(4)
+    users = rng.integers(0, 50, 300)
+    oracle = rng.uniform(1.0, 2.0, 300)
+    rewards = {"oracle": oracle, "random": oracle * 0.3, "champion": oracle * 0.8, "never_retrained": oracle * 0.5}
+    panels = {day: {"rewards": rewards, "users": users} for day in range(1, 6)}
+    result = paired_efficacy(panels, DemoConfig(drift_day=2))
+    assert result["day"] == 4 and sorted(result["per_day"]) == [1, 2, 3, 4, 5]
+    headline = result["headline"]["champion - never_retrained"]
+    assert headline["difference"] == pytest.approx((0.8 - 0.3) / 0.7 - (0.5 - 0.3) / 0.7)
+    assert headline["low"] <= headline["difference"] <= headline["high"]
+    assert paired_efficacy(panels, DemoConfig(drift="none"))["day"] == 5  # no drift: the last day

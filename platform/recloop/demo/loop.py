@@ -30,10 +30,13 @@ items it retrieves) beside the popularity baseline's, on its held-out hours.
 Each day also scores an **evaluation panel** (``recloop.panel``): requests drawn independently of serving,
 ranked by the live champion and the never-retrained model (and, with ``daily_full``, a full retrain from
 scratch on every day so far: the upper reference), as normalized reward (0: random, 1: the oracle) with a
-user-cluster bootstrap interval. With ``twin`` the same loop runs again on the world's no-drift twin
-(same seed, identical until the drift day) under ``home/twin``, and the summary's efficacy figure is the
-**twin-world recovery**: the champion's normalized reward with the drift over the twin's, two cycles after
-the drift, with its interval.
+user-cluster bootstrap interval. The summary's efficacy figure (``paired``) is the **same-panel
+difference**: the champion's normalized reward minus the never-retrained model's (and the daily full
+retrain's) on the same requests, with a paired user-cluster interval, two cycles after the drift. With
+``twin`` the same loop runs again on the world's no-drift twin (same seed, identical until the drift day)
+under ``home/twin`` (twice the time), adding the **twin-world recovery**: the champion's normalized reward
+with the drift over the twin's, two cycles after the drift, with its interval (a ratio: wide when the
+twin's champion is weak, and its interval covers one run's panel users, not runs).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from recloop.canary import CanaryConfig
-from recloop.demo.panel import FrozenRanker, train_reference, twin_recovery
+from recloop.demo.panel import FrozenRanker, paired_efficacy, train_reference, twin_recovery
 from recloop.demo.records import DayRecord, DemoConfig
 from recloop.demo.report import summarize, write_report
 from recloop.gate.retrieval import RetrievalThresholds
@@ -173,6 +176,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     summary = summarize(records, config, freshness, last_full_day)
     summary["panels"] = {day: {k: v.tolist() for k, v in panel["rewards"].items()} | {"users": panel["users"].tolist()}
                          for day, panel in panels.items()}
+    summary["paired"] = paired_efficacy(panels, config)
     if config.twin and config.drift != "none":
         from dataclasses import replace
 

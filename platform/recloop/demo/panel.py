@@ -32,6 +32,22 @@ def twin_recovery(panels: dict[int, dict], twin: dict, config: DemoConfig) -> di
             "met": bool(headline and headline["champion"]["low"] >= 0.95)}
 
 
+def paired_efficacy(panels: dict[int, dict], config: DemoConfig) -> dict:
+    """Per day: the champion's normalized reward minus the never-retrained model's (and the daily full
+    retrain's, when there is one) on that day's panel, paired, with a user-cluster interval; the headline is
+    two cycles after the drift (the last day when the run is shorter), as the twin recovery's."""
+    from recloop.panel import paired_difference
+
+    per_day = {}
+    for day, panel in panels.items():
+        rewards = panel["rewards"]
+        per_day[day] = {f"champion - {other}": paired_difference(rewards, panel["users"], "champion", other)
+                        for other in ("never_retrained", "daily_full") if other in rewards}
+    wanted = config.drift_day + 2 if config.drift != "none" else max(per_day, default=None)
+    day = wanted if wanted in per_day else max(per_day, default=None)
+    return {"per_day": per_day, "day": day, "headline": per_day.get(day)}
+
+
 def train_reference(settings: Settings, day: int, config: DemoConfig, batch_size: int):
     """A full retrain from scratch on days 0..``day`` (held-out hours excluded, as the loop's), loaded for the
     panel; no MLflow run, no version: it serves nobody."""

@@ -82,7 +82,7 @@ def write_report(settings: Settings, records: list[DayRecord], summary: dict, co
     html = _REPORT.render(records=records, summary=summary, efficacy=summary.get("efficacy"), fmt=as_text, config=config,
                           decisions=[m for r in records for m in r.decisions], columns=explain.COLUMNS,
                           notes=_raw_ctr_notes(records), raw_ctr_note=explain.RAW_CTR_NOTE,
-                          recovery=(summary.get("recovery") or {}).get("headline"),
+                          recovery=(summary.get("recovery") or {}).get("headline"), paired=summary.get("paired") or {},
                           plot=Markup(figure.to_html(full_html=False, include_plotlyjs=True)))
     path = settings.home.resolve() / "reports" / "demo.html"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +109,10 @@ _REPORT = Environment(autoescape=True).from_string("""<!doctype html>
 td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td.moves{white-space:nowrap;text-align:left}
 table.decisions td{text-align:left;vertical-align:top}</style></head><body>
 <h1>recloop demo</h1>
+{% for name, found in (paired.headline or {}).items() %}<p><b>Loop efficacy (same panel, paired)</b>: on day
+{{ paired.day }} the champion's normalized reward is {{ "%+.3f" % found.difference }} [95% CI {{ "%+.3f" % found.low }},
+{{ "%+.3f" % found.high }}] against the {{ name[11:].replace("_", " ") }} model's on the same panel requests (user-cluster
+interval; 0 is random, 1 the oracle).</p>{% endfor %}
 {% if recovery %}<p><b>Loop efficacy (twin worlds)</b>: on day {{ summary.recovery.day }} the champion's normalized
 reward on the evaluation panel is {{ "%.1f%%" % (recovery.champion.recovery * 100) }} [95% CI
 {{ "%.1f%%" % (recovery.champion.low * 100) }}, {{ "%.1f%%" % (recovery.champion.high * 100) }}] of the no-drift
@@ -116,9 +120,9 @@ twin's (never retrained: {{ "%.1f%%" % (recovery.never_retrained.recovery * 100)
 {{ "met" if summary.recovery.met else "not met" }}.</p>{% endif %}
 {% if efficacy %}<p>Served clicks relative to the oracle: two cycles after the drift the served ranking earns
 {{ "%.1f%%" % (efficacy.recovery * 100) }} of its pre-drift share of the oracle's clicks (never retrained:
-{{ "%.1f%%" % (efficacy.never_retrain_recovery * 100) }}){% if not recovery %}; target ≥ 95%:
-{{ "met" if efficacy.met else "not met" }}{% else %} (served traffic, one run, no interval: the twin-world
-figure above is the efficacy measure){% endif %}.</p>{% endif %}
+{{ "%.1f%%" % (efficacy.never_retrain_recovery * 100) }}){% if not recovery and not paired.headline %}; target ≥ 95%:
+{{ "met" if efficacy.met else "not met" }}{% else %} (served traffic, one run, no interval: the
+{{ "twin-world" if recovery else "same-panel" }} figure above is the efficacy measure){% endif %}.</p>{% endif %}
 <table><tr><th>day</th><th>events</th><th>requests</th><th>drift</th><th>retrain</th><th>candidate AUC</th>
 <th>champion AUC</th><th>oracle AUC</th><th>gate</th><th>canary</th><th>champion</th><th>online CTR (/rank, by version)</th>
 <th>champion CTR (monitor, as Evidently plots it)</th>
