@@ -4,6 +4,7 @@ is registered, gated and aliased as ``recloop-retriever`` beside the ranker."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -13,11 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from recloop import registry
+from recloop import checkpoint, registry, tracking
 from recloop.features.config import FeatureConfig
 from recloop.features.job import build_features
 from recloop.retrieval.data import RetrievalFeatures, read_rows
 from recloop.retrieval.evaluate import WorldOracle
+from recloop.retrieval.publish import CONTENT
 from recloop.retrieval.retriever import Retriever, score_window
 from recloop.retrieval.train import RetrievalTrainConfig, features_for, train_retriever
 from recloop.schema import load_spec
@@ -97,6 +99,16 @@ def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
     first = train_retriever(home, config(epochs=2))
     logged = log_retriever(home, first)
     assert log_retriever(home, first).version == logged.version  # a rerun finds it
+    # another run that ended with the same towers and catalog (its own folder, its own run): no new version
+    copy = Path(first.checkpoint).parent / f"{Path(first.checkpoint).name}-again"
+    shutil.copytree(first.checkpoint, copy)
+    (copy / "index.json").write_text((copy / "index.json").read_text() + "\n")  # the index is not the model
+    again = log_retriever(home, replace(first, checkpoint=str(copy), run_id=f"{first.run_id}-again"))
+    assert (again.version, again.duplicate_of) == (logged.version, logged.version) and again.run_id != logged.run_id
+    assert registry.mlflow_client(home).get_run(again.run_id).data.tags[tracking.DUPLICATE_TAG] == logged.version
+    assert len(registry.mlflow_client(home).search_model_versions(f"name='{registry.RETRIEVER_NAME}'")) == 1
+    digest = registry.version_info(home, logged.version, registry.RETRIEVER_NAME).tags[checkpoint.WEIGHTS_TAG]
+    assert digest == checkpoint.files_digest(copy, CONTENT)
     outcome = run_retrieval_gate(home, logged.version)
     assert outcome["passed"] and outcome["alias"] == "champion", outcome["reasons"]
     second = train_retriever(home, config(epochs=3))

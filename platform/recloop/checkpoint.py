@@ -211,6 +211,18 @@ def weights_digest(step_dir: Path | str) -> str:
     return digest.hexdigest()
 
 
+def files_digest(folder: Path | str, names: tuple[str, ...]) -> str:
+    """The retriever's ``WEIGHTS_TAG``: one SHA-256 over the named files that exist in ``folder`` (each file's name
+    and checksum): for a retriever, its towers and the catalog they index (``items.safetensors``: the items'
+    vectors and clicks; ``attributes.json``), not the index built from them (rebuilt, it need not be byte-equal)."""
+    digest = hashlib.sha256()
+    for name in names:
+        path = Path(folder) / name
+        if path.is_file():
+            digest.update(f"{name}:{_sha256(path)}\n".encode())
+    return digest.hexdigest()
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

@@ -191,7 +191,7 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             tracking.run_id = run_id
             tracking.trained(summary)
     digest = checkpoint.weights_digest(state["path"])
-    same = _version_with_weights(client, digest)
+    same = version_with_weights(client, digest)
     if same is not None:  # the same model registered already: the run points at it, no new version
         client.set_tag(run_id, DUPLICATE_TAG, str(same.version))
         return LoggedModel(run_id, same.source, str(same.version), duplicate_of=str(same.version))
@@ -226,7 +226,7 @@ DUPLICATE_TAG = "recloop.duplicate_of_version"  # on a run whose weights a regis
 OVERRIDES_TAG = "train.overrides"  # on a version: what its trainer did instead of what it was asked (JSON list)
 
 
-def _version_with_weights(client, digest: str, model_name: str = MODEL_NAME):
+def version_with_weights(client, digest: str, model_name: str = MODEL_NAME):
     """The first registered version whose weights digest is ``digest``, or None (versions registered before the
     digest was recorded carry none: never matched)."""
     found = [v for v in client.search_model_versions(f"name='{model_name}'")

@@ -56,15 +56,26 @@ class Service:
         self.retrievers = retrievers or ModelPool(settings, loader=load_retriever, salt="recloop-retriever-canary",
                                                   source=partial(registry_wanted, model_name=RETRIEVER_NAME),
                                                   name="retriever", model_name=RETRIEVER_NAME)
-        self.metrics.registry.register(DegradedCollector({"ranker": self.pool, "retriever": self.retrievers}))
         self.retrievers.on_swap = lambda old, new: self._retriever_deployed(new)
         self.retrievers.on_load_failure = partial(self._load_failed, model_name=RETRIEVER_NAME)
         self.unavailable = UnavailableItems(settings.unavailable_items_path)
         self.readiness = Readiness(self.pool, self.features)
-        self.journal = open_journal(settings, spec)  # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas
+        # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas. A PostgreSQL down at start-up is not a reason to serve
+        # nothing: requests are kept until it answers, feedback is refused meanwhile (``Journal.degraded``).
+        self.journal = open_journal(settings, spec, connect_later=True)
+        kept = self.journal.queue_kept(self.kept_requests_dir)
+        if kept:
+            log.warning("journal: %d request rows an earlier process could not write are queued again", kept)
+        self.metrics.registry.register(DegradedCollector({"ranker": self.pool, "retriever": self.retrievers},
+                                                         self.journal))
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self._rng = np.random.default_rng()  # interleaving's coin and exploration's draws
+
+    @property
+    def kept_requests_dir(self):
+        """Where request rows the journal's store never took wait for the next process (``Journal.keep_unwritten``)."""
+        return self.settings.serving_dir / "journal-kept"
 
     def _deployed(self, live: Deployment) -> None:
         self.metrics.swaps.inc()
@@ -118,7 +129,12 @@ class Service:
         if self._flusher:
             self._flusher.join(timeout=10)
         self.land_feedback()
-        self.journal.close()
+        try:
+            self.journal.close()
+        except Exception as err:  # noqa: BLE001 - the store is down: keep its rows for the next process
+            path = self.journal.keep_unwritten(self.kept_requests_dir)
+            log.error("journal: the store did not answer before stopping (%s); its request rows are kept in %s and "
+                      "written by the next serving process", err, path)
 
     def land_feedback(self, raise_errors: bool = False) -> int:
         """Write the feedback not landed yet to the landing zone; returns its rows. A failure keeps it in the
