@@ -130,12 +130,12 @@ def queued_retrain(home: Settings, check: Callable[[bool, str], str], work: Path
     states = [retrain_flow(mode="incremental", reason="drift", gate_thresholds=str(strict), retriever=False,
                            settings=settings_parameter(home), return_state=True) for _ in range(2)]
     version = states[0].result()["train"]["mlflow"]["version"] if states[0].name == "Refused" else None
-    verdict = registry.version_info(home, version).tags.get(registry.GATE_TAG) if version else None
+    verdict = registry.gate_record(registry.version_info(home, version).tags) if version else None
     ok = states[0].name == "Refused" and states[1].name == "Skipped" and "judged already" in states[1].message
     return {"probe": "queued retrain (two in a row, the first's candidate refused)",
             "before": "the second re-ran the gate on the version the first refused",
             "outcome": f"first: {states[0].name} (v{version}); second: {states[1].name}: {states[1].message[:110]}; "
-                       f"v{version}'s gate tag unchanged: {registry.version_info(home, version).tags.get(registry.GATE_TAG) == verdict}",
+                       f"v{version}'s gate tag unchanged: {registry.gate_record(registry.version_info(home, version).tags) == verdict}",
             "check": check(ok, "queued retrain")}
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from recloop import endpoints
 from recloop.locks import exclusive_lock
 from recloop.settings import Settings
-from recloop.version_tags import CANARY_TAG, LOAD_FAILED_TAG, ROLLED_BACK_TAG
+from recloop.version_tags import CANARY_TAG, LOAD_FAILED_TAG, ROLLED_BACK_TAG, both, readable, record
 
 EXPERIMENT = "recloop"
 MODEL_NAME = "recloop-ranker"
@@ -231,12 +231,17 @@ def set_alias(settings: Settings, alias: str, version: str, *, who: str | None =
     client.set_registered_model_alias(model_name, alias, version)
     if before != str(version):
         present = client.get_model_version(model_name, version).tags or {}
-        for key in stale_tags(alias):
+        for key in (name for stale in stale_tags(alias) for name in both(stale)):
             if key in present:
                 client.delete_model_version_tag(model_name, version, key)
-    tag(settings, version, {f"alias.{alias}": json.dumps({  # one tag per alias: who moved it, why, when
-        "by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
-        model_name)
+    tag(settings, version, moved_by(f"alias.{alias}", who, why), model_name)  # one per alias: who moved it, why, when
+
+
+def moved_by(name: str, who: str | None, why: str) -> dict[str, str]:
+    """Tag ``name`` saying who moved the version, why and when: a line to read, and its record (``by``, ``why``, ``at``)."""
+    moved = {"by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    when = moved["at"].replace("T", " ").removesuffix("Z") + " UTC"
+    return readable(name, f"by {moved['by']} at {when}" + (f": {why}" if why else ""), moved)
 
 
 def remove_alias(settings: Settings, alias: str, model_name: str = MODEL_NAME) -> None:
@@ -253,15 +258,19 @@ GATE_TAG = "gate"
 
 
 def gate_tag(passed: bool, **detail) -> dict[str, str]:
-    """The gate's one tag: ``{"gate": JSON}``, the verdict first (what the MLflow UI shows of it), then
-    ``detail`` (champion, window, reasons, figures, thresholds)."""
-    return {GATE_TAG: json.dumps({"verdict": "passed" if passed else "failed", **detail}, default=str)}
+    """The gate's verdict: ``gate`` says it in a line ("failed vs champion v1: AUC ...", the first reason), ``gate.json``
+    holds the record, the verdict first, then ``detail`` (champion, window, reasons, figures, thresholds)."""
+    verdict = "passed" if passed else "failed"
+    reasons = [str(r) for r in detail.get("reasons") or ()]
+    summary = verdict + (f" vs champion v{detail['champion']}" if detail.get("champion") else "")
+    summary += (f": {reasons[0]}" if reasons else "") + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else "")
+    return readable(GATE_TAG, summary, {"verdict": verdict, **detail})
 
 
 def gate_record(tags: dict[str, str]) -> dict | None:
     """A version's gate verdict and detail (``{"verdict": "passed" | "failed", ...}``), ``None`` if never gated.
     Versions gated before the one tag carry a plain verdict (and ``gate.detail`` JSON): read as the same."""
-    raw = tags.get(GATE_TAG)
+    raw = record(tags, GATE_TAG)
     if raw is None:
         return None
     if raw in ("passed", "failed"):
@@ -271,10 +280,10 @@ def gate_record(tags: dict[str, str]) -> dict | None:
             detail = {}
         return {"verdict": raw, **(detail if isinstance(detail, dict) else {})}
     try:
-        record = json.loads(raw)
+        found = json.loads(raw)
     except ValueError:
         return None
-    return record if isinstance(record, dict) and record.get("verdict") in ("passed", "failed") else None
+    return found if isinstance(found, dict) and found.get("verdict") in ("passed", "failed") else None
 
 
 def describe(settings: Settings, version: str, description: str, model_name: str = MODEL_NAME) -> None:
@@ -352,9 +361,7 @@ def rollback(settings: Settings, *, who: str | None = None, why: str = "",
         raise RuntimeError("nothing to roll back to: no version has the 'previous' alias")
     current = version_by_alias(settings, "champion", model_name)
     if current is not None:
-        tag(settings, current, {ROLLED_BACK_TAG: json.dumps({
-            "by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
-            model_name)
+        tag(settings, current, moved_by(ROLLED_BACK_TAG, who, why), model_name)
     set_alias(settings, "champion", previous, who=who, why=f"rollback: {why}", model_name=model_name)
     remove_alias(settings, "previous", model_name)
     return aliases(settings, model_name)

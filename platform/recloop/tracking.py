@@ -27,6 +27,7 @@ from recloop.ranker_pyfunc import RecloopRanker
 from recloop.registry import MODEL_NAME, LoggedModel, configure, register
 from recloop.settings import Settings
 from recloop.train import RunStart
+from recloop.version_tags import readable
 
 
 def flatten_params(prefix: str, value, out: dict) -> dict:
@@ -214,10 +215,9 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
                 pip_requirements=model_code.requirements(model_code.RANKER),
             )
     # What a download must match: sizes and checksums of the checkpoint's files, on the version itself.
-    files = json.dumps(checkpoint.manifest(state["path"]), separators=(",", ":"))
-    tags = {checkpoint.MANIFEST_TAG: files, checkpoint.WEIGHTS_TAG: digest}
+    tags = {**checkpoint.manifest_tags(state["path"]), checkpoint.WEIGHTS_TAG: digest}
     if getattr(summary, "overrides", None):
-        tags[OVERRIDES_TAG] = json.dumps(summary.overrides)
+        tags.update(readable(OVERRIDES_TAG, "; ".join(summary.overrides), list(summary.overrides)))
     version = register(settings, info.model_uri, run.info.run_id, tags=tags)
     return LoggedModel(run.info.run_id, info.model_uri, version)
 

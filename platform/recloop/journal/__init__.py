@@ -35,8 +35,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from recloop import endpoints
-from recloop.journal.base import (FeedbackError, Journal, JournalBusy, JournalUnavailable, UnknownRequest,
-                                  retriever_key)
+from recloop.journal.base import (
+    FeedbackError,
+    Journal,
+    JournalBusy,
+    JournalUnavailable,
+    UnknownRequest,
+    retriever_key,
+)
 from recloop.journal.sqlite import SqliteJournal, journal_path
 from recloop.schema import DatasetSpec
 

@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -79,9 +78,8 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
                                                data_path=summary.checkpoint, code_paths=code,
                                                signature=_signature(example, {"k": 500}),
                                                input_example=(example, {"k": 500}), pip_requirements=PIP_REQUIREMENTS)
-    files = json.dumps(checkpoint.manifest(summary.checkpoint), separators=(",", ":"))  # what a download must match
     version = registry.register(settings, info.model_uri, run.info.run_id, model_name=RETRIEVER_NAME,
-                                tags={checkpoint.MANIFEST_TAG: files, checkpoint.WEIGHTS_TAG: digest})
+                                tags={**checkpoint.manifest_tags(summary.checkpoint), checkpoint.WEIGHTS_TAG: digest})
     return LoggedModel(run.info.run_id, info.model_uri, version)
 
 

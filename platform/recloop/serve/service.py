@@ -88,11 +88,11 @@ class Service:
     def _load_failed(self, failure: LoadFailure, model_name: str | None = None) -> None:
         """Mark the version in the registry: the canary controller rolls back a challenger so marked."""
         from recloop import registry
-        from recloop.canary.tag import LOAD_FAILED_TAG
+        from recloop.canary.tag import load_failure_tag
 
         try:
-            registry.tag(self.settings, failure.version, {LOAD_FAILED_TAG: json.dumps(
-                {"reason": failure.reason[:4000], "at": failure.at})}, model_name or registry.MODEL_NAME)
+            registry.tag(self.settings, failure.version, load_failure_tag(failure.reason, failure.at),
+                         model_name or registry.MODEL_NAME)
         except Exception as err:  # noqa: BLE001 - the registry may be what is down; the watcher retries
             log.warning("could not mark v%s as failing to load: %s", failure.version, err)
 
