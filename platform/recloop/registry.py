@@ -286,8 +286,58 @@ def gate_record(tags: dict[str, str]) -> dict | None:
     return found if isinstance(found, dict) and found.get("verdict") in ("passed", "failed") else None
 
 
-def describe(settings: Settings, version: str, description: str, model_name: str = MODEL_NAME) -> None:
-    mlflow_client(settings).update_model_version(model_name, version, description=description)
+DESCRIPTION_CHARACTERS = 5000  # MLflow's SQL stores keep a version's description in a VARCHAR(5000)
+
+
+def describe(settings: Settings, version: str, description: str, model_name: str = MODEL_NAME, *,
+             whole: str = "") -> None:
+    """Set the version's description (markdown, rendered on its MLflow page), cut to what the store keeps
+    (``fit_description``; ``whole`` says where the whole text is), its tables' cells spaced (``spaced_cells``)."""
+    mlflow_client(settings).update_model_version(model_name, version,
+                                                 description=spaced_cells(fit_description(description, whole)))
+
+
+CELL_GAP = "&nbsp;" * 3
+
+
+def spaced_cells(markdown: str) -> str:
+    """Markdown tables with a gap after each cell's text, for MLflow's page: it renders a description's tables
+    (Showdown, GitHub flavour) with no cell padding and strips every style attribute, so adjacent columns ran
+    together ("candidatechampion"). The separator rows and everything outside tables are left as they are.
+
+    Example::
+
+        spaced_cells("| a | b |\n| --- | --- |")  # '| a&nbsp;&nbsp;&nbsp; | b&nbsp;&nbsp;&nbsp; |\n| --- | --- |'
+    """
+    out = []
+    for line in markdown.split("\n"):
+        if line.startswith("|") and not re.fullmatch(r"\|(\s*:?-{3,}:?\s*\|)+\s*", line):
+            cells = re.split(r"(?<!\\)\|", line)[1:-1]
+            line = "|" + "|".join(f" {c.strip()}{CELL_GAP} " if c.strip() else c for c in cells) + "|"
+        out.append(line)
+    return "\n".join(out)
+
+
+def fit_description(markdown: str, whole: str = "", limit: int = DESCRIPTION_CHARACTERS) -> str:
+    """``markdown`` as a version's description: whole when it fits MLflow's ``limit``, else its first blocks
+    (paragraphs, lists, tables: never a table cut in its middle, which rendered as stray text) and a last line
+    saying what was left out and where the whole is. A PostgreSQL or MySQL tracking store refused longer ones
+    (the gate failed on ``value too long``); SQLite kept them.
+
+    Example::
+
+        fit_description(report, whole="artifact gate_report_v3.md of the training run")
+    """
+    if len(markdown) <= limit:
+        return markdown
+    blocks, kept = markdown.split("\n\n"), []
+    for block in blocks:
+        note = (f"\n\n*{len(blocks) - len(kept)} more sections not shown here (MLflow keeps {limit} characters)"
+                + (f": the whole report is the {whole}" if whole else "") + ".*")
+        if len("\n\n".join([*kept, block])) + len(note) + 200 > limit:
+            return "\n\n".join(kept) + note
+        kept.append(block)
+    return "\n\n".join(kept)[:limit]
 
 
 @dataclass(frozen=True)
