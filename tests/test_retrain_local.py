@@ -35,7 +35,7 @@ def test_retrain_runs_in_its_own_process_without_a_prefect_server(champion_home:
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
     out = json.loads(done.stdout)
     assert out["mode"] == "incremental" and out["version"] == "2", out
-    assert isinstance(out["gate"]["passed"], bool) and out["gate"]["reasons"], out["gate"]
+    assert out["gate"]["passed"] is True or out["gate"]["reasons"], out["gate"]  # a refusal says why
     assert out["gate"]["alias"] == ("challenger" if out["gate"]["passed"] else None)
     assert "version" in out["retriever"] or "skipped" in out["retriever"], out["retriever"]
     info = registry.version_info(home, "2")

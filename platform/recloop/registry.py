@@ -261,8 +261,10 @@ def gate_tag(passed: bool, **detail) -> dict[str, str]:
     """The gate's verdict: ``gate`` says it in a line ("failed vs champion v1: AUC ...", the first reason), ``gate.json``
     holds the record, the verdict first, then ``detail`` (champion, window, reasons, figures, thresholds)."""
     verdict = "passed" if passed else "failed"
-    reasons = [str(r) for r in detail.get("reasons") or ()]
-    summary = verdict + (f" vs champion v{detail['champion']}" if detail.get("champion") else "")
+    reasons = [str(r) for r in detail.get("reasons") or detail.get("insufficient_evidence") or ()]
+    # the record's verdict stays passed/failed (what programs read); the line says when the canary decides instead
+    shown = "insufficient evidence (the canary decides)" if detail.get("insufficient_evidence") else verdict
+    summary = shown + (f" vs champion v{detail['champion']}" if detail.get("champion") else "")
     summary += (f": {reasons[0]}" if reasons else "") + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else "")
     return readable(GATE_TAG, summary, {"verdict": verdict, **detail})
 
