@@ -11,7 +11,14 @@ import pytest
 
 from recloop import registry
 from recloop.canary import CanaryConfig, controller
-from recloop.canary.tag import CANARY_TAG, CanaryTag, kpi_baseline, kpi_baseline_tag, load_failure, load_failure_tag
+from recloop.canary.tag import (
+    CANARY_TAG,
+    CanaryTag,
+    kpi_baseline,
+    kpi_baseline_tag,
+    load_failure,
+    load_failure_tag,
+)
 from recloop.serve.models import Wanted, registry_wanted
 from recloop.settings import Settings
 

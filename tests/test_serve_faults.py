@@ -4,6 +4,7 @@ MLflow is named within seconds, and a truncated candidate is refused by the gate
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import sqlite3
@@ -308,6 +309,90 @@ def test_serving_started_while_its_postgres_journal_is_down_serves_and_catches_u
     db.close()
     assert written == {a.json()["request_id"] for a in first + served}  # nothing served during the outage lost
     assert not kept.exists()  # written, so no later process writes it again
+
+
+class Forwarder:
+    """A TCP port that leads to a real service while ``open`` and refuses connections otherwise: the service
+    going down and coming back at one address, with the service itself untouched (the shared Redis)."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target, self.port, self._listener, self._conns = target, _free_port(), None, []
+
+    def open(self) -> None:
+        import threading
+
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        listener = self._listener
+
+        def pump(source, sink) -> None:
+            try:
+                while data := source.recv(65536):
+                    sink.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for end in (source, sink):
+                    end.close()
+
+        def accept() -> None:
+            while True:
+                try:
+                    client, _ = listener.accept()
+                except OSError:
+                    return
+                server = socket.create_connection(self.target)
+                self._conns += [client, server]
+                for a, b in ((client, server), (server, client)):
+                    threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        self._conns = []
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.services
+@pytest.mark.timeout(180)
+def test_serving_started_while_redis_is_down_says_why_and_serves_once_it_answers(fresh: Settings, tmp_path: Path,
+                                                                                 copy_home):
+    """The online store is needed to score a request, not only to change versions: a replica started while Redis
+    is down starts (no crash, no exit), answers 503 with the reason on /healthz and /rank, and serves once Redis
+    answers, with no restart (the audit of serving's start-up dependencies, issue 41)."""
+    import redis
+    from polling import eventually
+
+    redis.Redis(host="127.0.0.1", port=6379, db=12).flushdb()
+    door = Forwarder(("127.0.0.1", 6379))
+    door.open()  # up while Feast's repository is applied for this home (apply checks Redis first)
+    home = copy_home(fresh, tmp_path / "home", feast=True, feast_online_store="redis",
+                     redis_url=f"redis://127.0.0.1:{door.port}/12")
+    door.close()
+    try:
+        with TestClient(create_app(home)) as http:
+            health = http.get("/healthz")
+            assert health.status_code == 503, health.json()
+            assert "features cannot be built" in health.json()["reasons"][0], health.json()
+            answer = http.post("/rank", json=RANK)
+            assert answer.status_code == 503 and "features unavailable" in answer.json()["detail"], answer.json()
+            door.open()  # Redis answers again at the same address
+            eventually(lambda: http.get("/healthz").json()["ready"], 60, "serving never saw Redis come back")
+            answer = http.post("/rank", json=RANK)
+            assert answer.status_code == 200 and answer.json()["model_version"] == "1", answer.text
+    finally:
+        door.close()
+        redis.Redis(host="127.0.0.1", port=6379, db=12).flushdb()
 
 
 def test_no_cached_copy_of_the_last_known_champion_is_no_champion(fresh: Settings, tmp_path: Path, copy_home):
