@@ -348,7 +348,9 @@ class Forwarder:
         threading.Thread(target=accept, daemon=True).start()
 
     def close(self) -> None:
-        if self._listener is not None:
+        if self._listener is not None:  # shut down first: a close alone leaves a blocked accept() listening
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
         for conn in self._conns:
             with contextlib.suppress(OSError):
@@ -379,6 +381,8 @@ def test_serving_started_while_redis_is_down_says_why_and_serves_once_it_answers
     home = copy_home(fresh, tmp_path / "home", feast=True, feast_online_store="redis",
                      redis_url=f"redis://127.0.0.1:{door.port}/12")
     door.close()
+    with pytest.raises(redis.ConnectionError):  # down, as the replica will find it
+        redis.Redis(host="127.0.0.1", port=door.port, db=12, socket_connect_timeout=2).ping()
     try:
         with TestClient(create_app(home)) as http:
             health = http.get("/healthz")
