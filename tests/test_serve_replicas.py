@@ -395,3 +395,12 @@ def test_a_request_written_by_one_replica_wakes_feedback_waiting_on_another(requ
     finally:
         serving.close()
         waiting.close()
+
+
+def test_the_journal_names_its_database_without_the_password():
+    """What /healthz's degraded line and the logs show of RECLOOP_POSTGRES_DSN, URL or libpq string alike."""
+    from recloop.journal import _shown
+
+    assert _shown("postgresql://recloop:s3cret@db:5432/recloop") == "postgresql://recloop:***@db:5432/recloop"
+    assert "s3cret" not in _shown("host=db password=s3cret dbname=recloop")
+    assert "s3 cret" not in _shown("host=db password='s3 cret' dbname=recloop")

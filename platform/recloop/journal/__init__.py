@@ -72,8 +72,15 @@ def open_journal(settings: Settings, spec: DatasetSpec | None = None, *, create:
         if not connect_later:
             endpoints.require_postgres(settings.postgres_dsn, limits)  # a dead database: one line, in seconds
         return PostgresJournal(endpoints.with_connect_timeout(settings.postgres_dsn, limits), spec,
-                               connect_later=connect_later, shown_as=endpoints.redact(settings.postgres_dsn))
+                               connect_later=connect_later, shown_as=_shown(settings.postgres_dsn))
     path = journal_path(settings)
     if not create and not path.exists():
         return None
     return SqliteJournal(path, spec)
+
+
+def _shown(dsn: str) -> str:
+    """The DSN as messages and ``/healthz`` may show it: no password, in a URL or a libpq ``key=value`` string."""
+    import re
+
+    return endpoints.redact(dsn) if "://" in dsn else re.sub(r"password\s*=\s*('[^']*'|\S+)", "password=***", dsn)
