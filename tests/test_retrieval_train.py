@@ -252,3 +252,19 @@ def test_the_windows_are_time_whatever_the_files_period():
     assert validation == daily[-4:] and trainable == daily[:-4]
     validation, _, _ = time_windows(daily, validation_hours=12, days=7, min_clicks=10**6, clicks=clicks.get)
     assert len(validation) == 15
+
+
+def test_a_retriever_flow_whose_candidate_was_judged_already_does_not_gate_it_again(prefect_server, home: Settings):
+    """Two retriever flows in a row on one home (a retrain queued behind another): the first trains, registers and
+    gates v1; the second finds the same run done and v1 judged, and skips the gate, saying so (issue 41)."""
+    from flows.retriever_flow import retriever_flow
+    from recloop.flow_support import settings_parameter
+
+    first = retriever_flow(mode="full", days=3, epochs=1, validation_hours=12, settings=settings_parameter(home))
+    assert first["gate"]["alias"] == "champion", first["gate"]
+    record = registry.gate_record(registry.version_info(home, "1", registry.RETRIEVER_NAME).tags)
+    second = retriever_flow(mode="full", days=3, epochs=1, validation_hours=12, settings=settings_parameter(home))
+    assert "gate" not in second and second["train"]["mlflow"]["version"] == "1"
+    assert second["skipped"].startswith("v1 was judged already (passed by the gate"), second["skipped"]
+    assert registry.gate_record(registry.version_info(home, "1", registry.RETRIEVER_NAME).tags) == record
+    assert len(registry.mlflow_client(home).search_model_versions(f"name='{registry.RETRIEVER_NAME}'")) == 1

@@ -154,14 +154,15 @@ class Journal(ABC):
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            # files kept by an earlier process: their rows were queued before the file was listed, so they are in
+            # this batch or in an earlier one that was written
             files, self._recovered = self._recovered, []
-            if not batch:
-                return
-            try:
-                self._write_requests([r for r, _ in batch], [e for _, es in batch for e in es])
-            except BaseException:
-                self._unwritten, self._recovered = batch, files + self._recovered
-                raise
+            if batch:
+                try:
+                    self._write_requests([r for r, _ in batch], [e for _, es in batch for e in es])
+                except BaseException:
+                    self._unwritten, self._recovered = batch, files + self._recovered
+                    raise
         for path in files:  # written: what an earlier process kept for this store is in it now
             path.unlink(missing_ok=True)
 
