@@ -118,7 +118,8 @@ def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
     tags = registry.version_info(home, challenger.version, name).tags
     gate = registry.gate_record(tags)
     assert gate["verdict"] == ("passed" if outcome["passed"] else "failed") and gate["reasons"] == outcome["reasons"]
-    assert [k for k in tags if k.startswith("gate")] == ["gate"] and any(k.startswith("recall@") for k in gate)
+    assert sorted(k for k in tags if k.startswith("gate")) == ["gate", "gate.json"] and any(k.startswith("recall@") for k in gate)
+    assert tags["gate"].startswith(gate["verdict"])  # the line a person reads; its record in gate.json
     assert outcome["alias"] == ("challenger" if outcome["passed"] else None)
     assert registry.aliases(home, name)["champion"] == logged.version
     assert registry.aliases(home) == {"champion": None, "challenger": None, "previous": None}  # the ranker's
