@@ -9,7 +9,11 @@
 - queued retrain: two retrains of one home in a row, the gate refusing the first's candidate: what the
   second does with the version the first refused;
 - mid-epoch kill: a training made long on purpose (batches of 64), SIGKILLed once a checkpoint inside its
-  epoch exists; the rerun resumes and its weights are compared with an uninterrupted run's.
+  epoch exists; the rerun resumes and its weights are compared with an uninterrupted run's;
+- journal down at serving start: ``recloop serve`` with its PostgreSQL journal (the real one at 127.0.0.1:5432)
+  in a database that refuses connections (``ALLOW_CONNECTIONS false``): time to the first ``/healthz``, 200
+  ``/rank``s, feedback's answer; then the database lets connections in: time until the journal caught up, the
+  feedback accepted, and the request rows in the database against those served.
 """
 
 from __future__ import annotations
@@ -89,6 +93,68 @@ def registry_down_at_start(home: Settings, check: Callable[[bool, str], str]) ->
             "check": check(bool(ok), "serving with the registry down at start-up")}
 
 
+ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def journal_down_at_start(home: Settings, check: Callable[[bool, str], str]) -> dict:
+    import uuid
+
+    import httpx
+    import psycopg2
+
+    name = f"recloop_faults_{uuid.uuid4().hex[:10]}"
+    admin = psycopg2.connect(ADMIN_DSN)
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {name}")
+    admin.cursor().execute(f"ALTER DATABASE {name} ALLOW_CONNECTIONS false")
+    dsn = f"postgresql://postgres@127.0.0.1:5432/{name}"
+    env = {"RECLOOP_FRAME_BACKEND": "pandas", "RECLOOP_JOURNAL": "postgres", "RECLOOP_POSTGRES_DSN": dsn,
+           "RECLOOP_FEEDBACK_FLUSH_SECONDS": "3600",
+           "RECLOOP_FEAST_REPO": str(Path(__file__).resolve().parents[1] / "feature_repo")}
+    server = None
+    try:
+        seconds, answer, server, port = _serve(home.home, env)
+        url = f"http://127.0.0.1:{port}"
+        statuses: Counter = Counter()
+        served = []
+        for user in range(200):
+            ranked = httpx.post(f"{url}/rank", json={"user_id": user, "item_ids": [1, 2, 3]}, timeout=10)
+            statuses[str(ranked.status_code)] += 1
+            if ranked.status_code == 200:
+                served.append(ranked.json())
+        shown = [item["item_id"] for item in served[0]["items"]] if served else []
+        feedback = {"request_id": served[0]["request_id"] if served else "", "impressions": shown, "clicks": shown[:1]}
+        refused = httpx.post(f"{url}/feedback", json=feedback, timeout=10)
+        admin.cursor().execute(f"ALTER DATABASE {name} ALLOW_CONNECTIONS true")
+        reopened = time.perf_counter()
+        while time.perf_counter() - reopened < 120 and httpx.get(f"{url}/healthz", timeout=10).json()["degraded"]:
+            time.sleep(0.2)
+        caught_up = time.perf_counter() - reopened
+        accepted = httpx.post(f"{url}/feedback", json=feedback, timeout=10)
+        with psycopg2.connect(dsn) as db, db.cursor() as cursor:
+            cursor.execute("SELECT COUNT(*) FROM recloop_journal.requests")
+            (written,) = cursor.fetchone()
+        db.close()
+    finally:
+        if server is not None:
+            _stop(server)
+        admin.cursor().execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+    body = answer.json() if answer is not None else {}
+    journal = [d for d in body.get("degraded", []) if d.startswith("journal")]
+    ok = (answer is not None and answer.status_code == 200 and body.get("ready") and statuses["200"] == 200
+          and journal and refused.status_code == 503 and accepted.status_code == 200 and written == len(served))
+    return {"probe": "journal (PostgreSQL) down at serving start",
+            "before": "`recloop serve` exited 3 (one line): no serving at all until the database answered",
+            "outcome": f"/healthz {answer.status_code if answer is not None else '-'} after {seconds:.1f} s, "
+                       f"ready={body.get('ready')}, degraded: {(journal or ['-'])[0][:90]}...; /rank: "
+                       + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items()))
+                       + f"; /feedback {refused.status_code} (Retry-After {refused.headers.get('retry-after')}); "
+                       f"database back: caught up in {caught_up:.1f} s, /feedback {accepted.status_code}, "
+                       f"{written} of {len(served)} request rows written",
+            "check": check(bool(ok), "serving with the journal down at start-up")}
+
+
 def identical_candidate(home: Settings, check: Callable[[bool, str], str]) -> dict:
     from mlflow import MlflowClient
 
@@ -130,12 +196,12 @@ def queued_retrain(home: Settings, check: Callable[[bool, str], str], work: Path
     states = [retrain_flow(mode="incremental", reason="drift", gate_thresholds=str(strict), retriever=False,
                            settings=settings_parameter(home), return_state=True) for _ in range(2)]
     version = states[0].result()["train"]["mlflow"]["version"] if states[0].name == "Refused" else None
-    verdict = registry.version_info(home, version).tags.get(registry.GATE_TAG) if version else None
+    verdict = registry.gate_record(registry.version_info(home, version).tags) if version else None
     ok = states[0].name == "Refused" and states[1].name == "Skipped" and "judged already" in states[1].message
     return {"probe": "queued retrain (two in a row, the first's candidate refused)",
             "before": "the second re-ran the gate on the version the first refused",
             "outcome": f"first: {states[0].name} (v{version}); second: {states[1].name}: {states[1].message[:110]}; "
-                       f"v{version}'s gate tag unchanged: {registry.version_info(home, version).tags.get(registry.GATE_TAG) == verdict}",
+                       f"v{version}'s gate tag unchanged: {registry.gate_record(registry.version_info(home, version).tags) == verdict}",
             "check": check(ok, "queued retrain")}
 
 
@@ -192,18 +258,20 @@ def mid_epoch_kill(home: Settings, check: Callable[[bool, str], str], work: Path
 def issue41_probes(home: Settings, work: Path, check: Callable[[bool, str], str], print_table: Callable) -> None:
     """Run every probe on copies of ``home`` (a trained champion's installation); print one table."""
     rows = []
-    for n, probe in enumerate((registry_down_at_start, identical_candidate, queued_retrain, mid_epoch_kill)):
+    for n, probe in enumerate((registry_down_at_start, journal_down_at_start, identical_candidate, queued_retrain,
+                               mid_epoch_kill)):
         copy = work / f"home-{n}"
         (work / f"probe-{n}").mkdir(parents=True, exist_ok=True)
         shutil.copytree(home.home, copy, ignore=shutil.ignore_patterns("serving", "registry.db"))
         settings = Settings(home=copy, frame_backend="pandas", serve_poll_seconds=0.5)
-        if probe is registry_down_at_start:
+        if probe in (registry_down_at_start, journal_down_at_start):
             from recloop.features import store
 
             store.apply_repo(settings)
         started = time.perf_counter()
         try:
-            row = probe(settings, check) if probe in (registry_down_at_start, identical_candidate) else \
+            row = probe(settings, check) if probe in (registry_down_at_start, journal_down_at_start,
+                                                      identical_candidate) else \
                 probe(settings, check, work / f"probe-{n}")
         except Exception as err:  # noqa: BLE001 - a probe that breaks is a row saying so
             row = {"probe": probe.__name__, "before": "", "outcome": f"{type(err).__name__}: {err}"[:300],
@@ -211,5 +279,5 @@ def issue41_probes(home: Settings, work: Path, check: Callable[[bool, str], str]
         row["seconds"] = f"{time.perf_counter() - started:.0f}"
         rows.append(row)
         print(f"  {row['probe']}: {row['check']}", flush=True)
-    print_table("8. issue 41: serving without its registry, one version per model, queued retrains, a kill "
-                "mid-epoch", rows)
+    print_table("8. issue 41: serving without its registry or its journal, one version per model, queued retrains, "
+                "a kill mid-epoch", rows)

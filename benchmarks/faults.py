@@ -18,9 +18,10 @@ Sections (each prints one table):
 4. memory: peak RSS ingesting one big parquet file, per row (``--big-rows``).
 5. bad models and 6. bad requests: a trained champion behind the serving API (``fault_models.py``).
 7. dead services: the CLI and the serving API against a dead port and a server that never answers.
-8. issue 41 (``fault_probes.py``): serving started with the registry down, an identical candidate, a queued
-   retrain behind a refused one, a training SIGKILLed mid-epoch (``--only-probes``: this section alone, on a
-   champion trained for it).
+8. issue 41 (``fault_probes.py``): serving started with the registry down, serving started with its PostgreSQL
+   journal down (the real one, a database refusing connections), an identical candidate, a queued retrain behind
+   a refused one, a training SIGKILLed mid-epoch (``--only-probes``: this section alone, on a champion trained
+   for it).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from common import machine, report
 from serve import REDIS_URL, TOKEN, cpu_seconds, setup
 from serve import offer as offer_rank
 
-from recloop import checkpoint, registry
+from recloop import checkpoint, registry, version_tags
 from recloop.features.definition import FeatureLayout
 from recloop.features.vocab import FIRST_INDEX
 from recloop.model.retrieval import TwoTowerModel
@@ -107,7 +107,7 @@ def catalog_retriever(settings: Settings, world: World, items: int) -> str:
     registry.set_alias(settings, "champion", logged.version, who="benchmark", model_name=RETRIEVER_NAME)
     info = registry.version_info(settings, logged.version, RETRIEVER_NAME)
     return registry.register(settings, info.source, info.run_id, model_name=RETRIEVER_NAME,
-                             tags={checkpoint.MANIFEST_TAG: info.tags[checkpoint.MANIFEST_TAG]})
+                             tags={k: info.tags[k] for k in version_tags.both(checkpoint.MANIFEST_TAG) if k in info.tags})
 
 
 def recommend_versions(body: dict, answer: dict) -> str | None:

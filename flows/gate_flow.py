@@ -32,3 +32,25 @@ def gate_flow(version: str | None = None, thresholds_path: str | None = None, sl
     tag_run(f"model-version:{outcome['version']}", f"gate:{verdict}")
     publish("gate-report", outcome.pop("report"), f"gate of version {outcome['version']}")
     return outcome
+
+
+@task
+def judged_task(version: str, settings: dict | None, model_name: str = "recloop-ranker") -> dict | None:
+    """The version's recorded gate verdict (``registry.gate_record``), None when it was never gated."""
+    from recloop import registry
+
+    return registry.gate_record(registry.version_info(settings_from(settings), version, model_name).tags)
+
+
+def already_judged(version: str, duplicate_of: str | None, record: dict | None) -> str | None:
+    """Why a retrain's candidate is not gated (None: it is): its weights are a registered version's, or it was
+    judged already (a queued retrain that found the run before it trained, registered and gated this very
+    version: judging it again moved nothing, or moved aliases a refusal had settled)."""
+    if record is not None:
+        verdict = "passed" if record["verdict"] == "passed" else "refused"
+        return (f"v{version} was judged already ({verdict} by the gate"
+                + (f" against champion v{record['champion']}" if record.get("champion") else "") + "): not gated again"
+                + ("; this run trained the same weights" if duplicate_of else ""))
+    if duplicate_of is not None:
+        return f"this run trained the same weights as registered v{version}: no new version, not gated"
+    return None

@@ -23,7 +23,7 @@ from prefect.states import Cancelled
 
 from flows.canary_flow import canary_flow, running_canary_task, waits_for
 from flows.features_flow import features_flow
-from flows.gate_flow import gate_flow
+from flows.gate_flow import already_judged, gate_flow, judged_task
 from flows.ingest_flow import ingest_flow
 from flows.retriever_flow import retriever_flow
 from flows.train_flow import train_flow
@@ -62,28 +62,6 @@ def periodic_full_task(validation_hours: int, every_hours: float | None, setting
         pipeline.record_periodic_full(resolved, pending)
         return None
     return pipeline.periodic_full_due(resolved, pending, every_hours)
-
-
-@task
-def judged_task(version: str, settings: dict | None) -> dict | None:
-    """The version's recorded gate verdict (``registry.gate_record``), None when it was never gated."""
-    from recloop import registry
-
-    return registry.gate_record(registry.version_info(settings_from(settings), version).tags)
-
-
-def already_judged(version: str, duplicate_of: str | None, record: dict | None) -> str | None:
-    """Why a retrain's candidate is not gated (None: it is): its weights are a registered version's, or it was
-    judged already (a queued retrain that found the run before it trained, registered and gated this very
-    version: judging it again moved nothing, or moved aliases a refusal had settled)."""
-    if record is not None:
-        verdict = "passed" if record["verdict"] == "passed" else "refused"
-        return (f"v{version} was judged already ({verdict} by the gate"
-                + (f" against champion v{record['champion']}" if record.get("champion") else "") + "): not gated again"
-                + ("; this run trained the same weights" if duplicate_of else ""))
-    if duplicate_of is not None:
-        return f"this run trained the same weights as registered v{version}: no new version, not gated"
-    return None
 
 
 @flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True, on_failure=[record_failed_run],
@@ -214,7 +192,8 @@ def _finish(settings: dict | None, name: str, message: str, result: dict, retrie
     if retriever_step is not None:
         result["retriever"] = retriever = retriever_step(result["spec"], result["mode"])
         gate = retriever.get("gate")
-        message += ("; retriever: " + retriever["train"]["skipped"] if gate is None else
+        skipped = retriever.get("skipped") or retriever["train"].get("skipped")
+        message += ("; retriever: " + skipped if gate is None else
                     f"; retriever v{gate['version']} " + (f"passed its gate → {gate['alias']}" if gate["passed"]
                                                            else "failed its gate"))
     record_outcome(settings_from(settings), "retrain", name.lower())

@@ -1,11 +1,14 @@
 """Train the retriever (incremental from its champion, or full), build its index, register, gate, and start
-its canary: the same steps as the ranker's, for ``recloop-retriever``. Run by the retrain flow."""
+its canary: the same steps as the ranker's, for ``recloop-retriever``. Run by the retrain flow. A retriever
+whose towers and catalog are a registered version's registers nothing new and, like a version judged already,
+is not gated (``skipped`` says why)."""
 
 from typing import Literal
 
 from prefect import flow, task
 
 from flows.canary_flow import canary_flow, running_canary_task, waits_for
+from flows.gate_flow import already_judged, judged_task
 from recloop import pipeline
 from recloop.flow_support import markdown_table, publish, retriever_run_name, settings_from, tag_run
 from recloop.registry import RETRIEVER_NAME
@@ -55,6 +58,12 @@ def retriever_flow(mode: Literal["incremental", "full"] = "incremental", spec: s
         publish("retriever", f"retriever not trained: {result['train']['skipped']}", "retriever training")
         return result
     version = result["train"]["mlflow"]["version"]
+    record = judged_task(version, settings, RETRIEVER_NAME)
+    if (skip := already_judged(version, result["train"]["mlflow"].get("duplicate_of"), record)) is not None:
+        # the same towers and catalog as a registered version, or a version judged already: no gate, as the ranker
+        tag_run(f"model:{RETRIEVER_NAME}", f"model-version:{version}", "gate:skipped")
+        publish("retriever", f"retriever not gated: {skip}", "retriever training")
+        return {**result, "skipped": skip}
     result["gate"] = gate_retriever_task(version, thresholds_path, settings)
     if result["gate"]["alias"] == "challenger":
         result["canary"] = canary_flow(config_path=canary_config, start=True, settings=settings,

@@ -11,7 +11,14 @@ import pytest
 
 from recloop import registry
 from recloop.canary import CanaryConfig, controller
-from recloop.canary.tag import CANARY_TAG, CanaryTag, kpi_baseline, load_failure
+from recloop.canary.tag import (
+    CANARY_TAG,
+    CanaryTag,
+    kpi_baseline,
+    kpi_baseline_tag,
+    load_failure,
+    load_failure_tag,
+)
 from recloop.serve.models import RegistryReader, Wanted, registry_wanted
 from recloop.settings import Settings
 
@@ -46,7 +53,7 @@ def test_start_step_promote_leaves_one_tag_that_serving_reads(home: Settings, ch
     assert registry_wanted(home) == reader(home) == Wanted("1", challenger, 0.0, "canary", None)  # no traffic yet
     controller.start(home, QUICK, now=1000.0)
     keys, tag = canary_tags(home, challenger)
-    assert keys == [CANARY_TAG]
+    assert keys == [CANARY_TAG, f"{CANARY_TAG}.json"]  # a line to read, the state as JSON
     assert (tag.state, tag.share, tag.mode, tag.started_at, tag.step_started_at) == ("running", 0.5, "canary",
                                                                                       1000.0, 1000.0)
     assert tag.salt.startswith(f"recloop-canary-v{challenger}-")
@@ -55,7 +62,7 @@ def test_start_step_promote_leaves_one_tag_that_serving_reads(home: Settings, ch
     stepped = controller.step(home, QUICK, now=2000.0)
     assert stepped.action == "step", stepped.decision
     keys, tag = canary_tags(home, challenger)
-    assert keys == [CANARY_TAG]
+    assert keys == [CANARY_TAG, f"{CANARY_TAG}.json"]  # a line to read, the state as JSON
     assert (tag.state, tag.share, tag.step_started_at, tag.started_at, tag.last_action) == ("running", 1.0, 2000.0,
                                                                                             1000.0, "step")
     assert tag.run_id is not None and tag.last_reasons == stepped.decision.reasons
@@ -67,7 +74,7 @@ def test_start_step_promote_leaves_one_tag_that_serving_reads(home: Settings, ch
     assert (tag.state, tag.share, tag.step_started_at, tag.last_action) == ("running", 1.0, 2000.0, "hold")
     controller.manual(home, "promote", "looks good", who="carol")
     keys, final = canary_tags(home, challenger)
-    assert keys == [CANARY_TAG]
+    assert keys == [CANARY_TAG, f"{CANARY_TAG}.json"]  # a line to read, the state as JSON
     assert (final.state, final.last_action, final.run_id, final.salt) == ("promoted", "promote", tag.run_id, tag.salt)
     assert final.reasons == ("manual promote by carol: looks good",) and final.serving_share == 0.0
     assert registry.aliases(home) == {"champion": challenger, "challenger": None, "previous": "1"}
@@ -86,12 +93,14 @@ def test_start_rollback_leaves_one_tag_saying_rolled_back(home: Settings, challe
 
     controller.manual(home, "rollback", "bad reviews", who="bob")
     keys, tag = canary_tags(home, challenger)
-    assert keys == [CANARY_TAG]
+    assert keys == [CANARY_TAG, f"{CANARY_TAG}.json"]  # a line to read, the state as JSON
     assert (tag.state, tag.share, tag.last_action) == ("rolled_back", 0.0, "rollback")
     assert tag.reasons == ("manual rollback by bob: bad reviews",) and tag.run_id is not None
     assert registry.aliases(home)["challenger"] is None and registry_wanted(home).challenger is None
-    # One JSON value, readable as is in MLflow's UI.
-    assert json.loads(registry.version_info(home, challenger).tags[CANARY_TAG])["state"] == "rolled_back"
+    # A line a person reads in MLflow's UI, and the state as one JSON record beside it.
+    tags = registry.version_info(home, challenger).tags
+    assert json.loads(tags[f"{CANARY_TAG}.json"])["state"] == "rolled_back"
+    assert tags[CANARY_TAG] == "rolled back: manual rollback by bob: bad reviews"
 
 
 def test_a_version_tagged_before_the_one_tag_is_read_from_its_old_tags(home: Settings, challenger: str):
@@ -117,11 +126,20 @@ def test_an_unreadable_tag_is_no_canary_not_a_crash(home: Settings, challenger: 
 def test_tag_round_trip_and_the_other_one_tag_concerns():
     tag = CanaryTag(share=0.25, mode="interleave", salt="s", started_at=1.0, step_started_at=2.0, run_id="r",
                     last_action="step", last_reasons=("held", "every guardrail"))
-    assert CanaryTag.from_tags(tag.to_tag()) == tag and list(tag.to_tag()) == [CANARY_TAG]
+    assert CanaryTag.from_tags(tag.to_tag()) == tag and list(tag.to_tag()) == [f"{CANARY_TAG}.json", CANARY_TAG]
+    assert tag.to_tag()[CANARY_TAG] == "running: 25% of users, interleave; last check: step (held)"
+    legacy = {CANARY_TAG: tag.to_tag()[f"{CANARY_TAG}.json"]}  # a version tagged before the readable line
+    assert CanaryTag.from_tags(legacy) == tag
     assert CanaryTag.from_tags({}) is None and CanaryTag.from_tags({"gate": "passed"}) is None
     failed = {"serving.load_failed": json.dumps({"reason": "bad bytes", "at": time.time()})}
     assert load_failure(failed) == "bad bytes" and load_failure({"serving.load_failed": "old text"}) == "old text"
     assert load_failure({}) is None
+    marked = load_failure_tag("bad bytes " * 100, 5.0)
+    assert load_failure(marked) == ("bad bytes " * 100)[:4000] and marked["serving.load_failed"].startswith(
+        "does not load in serving: bad bytes") and len(marked["serving.load_failed"]) <= 250
+    earned = kpi_baseline_tag({"ctr": 0.1234, "auc": None, "impressions": 4321})
+    assert kpi_baseline(earned) == {"ctr": 0.1234, "impressions": 4321.0}
+    assert earned["kpi.baseline"] == "earned in its canary: CTR 0.1234, over 4,321 impressions"
     assert kpi_baseline({"kpi.baseline": json.dumps({"ctr": 0.1, "auc": None})}) == {"ctr": 0.1}
     assert kpi_baseline({"kpi.baseline_ctr": "0.2", "kpi.baseline_auc": "0.7"}) == {"ctr": 0.2, "auc": 0.7}
     assert kpi_baseline({"kpi.baseline": "[1, 2]"}) == {}

@@ -100,6 +100,7 @@ def test_the_pages_a_reviewer_opens_tell_the_truth(demo, tmp_path: Path, monkeyp
     under this test's temporary folder (``screenshots/``)."""
     import re
 
+    import httpx
     from browser import render, text
     from mlflow import MlflowClient
     from prefect import get_client
@@ -145,10 +146,18 @@ def test_the_pages_a_reviewer_opens_tell_the_truth(demo, tmp_path: Path, monkeyp
         report = shown[shown.index(f"Gate: version {champion}"):]
         assert "threshold value" in report and not re.search(r"\bNone\b|\bnan\b", report[:6000]), report[:6000]
         assert "<table" in page[page.index("Which AUC is which") - 20000:]
-
-        # ... and the canary run's description, the table of its decisions.
+        # its cells spaced (MLflow pads no table cell and strips styles: "candidatechampion" ran together)
+        assert re.search(r"<th>candidate(&nbsp;|\u00a0)+</th>", page), page[page.index("<table"):][:600]
+        # the version's tags read as lines (the page showed raw JSON), each record beside it under <name>.json
         registry.configure(settings)
         client = MlflowClient()
+        tags = client.get_model_version(registry.MODEL_NAME, champion).tags
+        for name in ("gate", "alias.champion", "checkpoint.manifest"):
+            assert not tags[name].startswith(("{", "[")) and tags[name] in shown, (name, tags[name])
+            assert f"{name}.json" in tags, sorted(tags)
+        assert tags["gate"].startswith(("passed", "insufficient evidence (the canary decides)")), tags["gate"]
+
+        # ... and the canary run's description, the table of its decisions.
         experiment = client.get_experiment_by_name(CANARY_EXPERIMENT)
         run = client.search_runs([experiment.experiment_id], "tags.`recloop.model` = 'recloop-ranker'",
                                  max_results=1, order_by=["attributes.start_time DESC"])[0]
@@ -165,6 +174,15 @@ def test_the_pages_a_reviewer_opens_tell_the_truth(demo, tmp_path: Path, monkeyp
         assert re.fullmatch(r"canary-(check|start)-v\d+-day\d-[0-9a-f]{6}", chosen.name), chosen.name
         page = render(f"{url['prefect']}/runs/flow-run/{chosen.id}", shots / "4-prefect-run.png")
         assert chosen.name in text(page) and chosen.state.name in text(page), text(page)[:3000]
+        with get_client(sync_client=True) as prefect:
+            runs = prefect.read_flow_runs(limit=200)  # the API's most; a 3-day demo makes ~45
+        names = [r.name for r in runs]
+        assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)  # 44 runs had ~10 names
+        assert all(re.search(r"-day\d", r.name) for r in runs if r.name.startswith("canary-")), names
+        noop = [r for r in runs if "no-op" in r.tags]  # checks that moved nothing: filterable, named so
+        assert all(r.state.name in ("NoCanary", "Held") for r in noop), [(r.name, r.state.name) for r in noop]
+        api = f"{url['prefect']}/api"  # an empty Deployments page after `up` says how to fill it
+        assert "prefect deploy --all" in services.deployments_hint(services.deployment_count(api), api, None)
 
         # 4. Evidently: the KPI tab's online CTR panel, at the loop's own figure.
         _, found = project(settings)
@@ -178,11 +196,20 @@ def test_the_pages_a_reviewer_opens_tell_the_truth(demo, tmp_path: Path, monkeyp
                                         for f in figures), (last, counter)
         report = text(Path(summary["report"]).read_text())
         assert "champion CTR (monitor, as Evidently plots it)" in report and f"{last:.3f}" in report
+        assert "Dates: event time" in shown, shown[:3000]  # its clock named (Prefect and MLflow show wall-clock time)
+        scraped = httpx.get(f"{url['serving']}/metrics", timeout=30).text  # /metrics: both clocks, each named
+        assert re.search(r"# HELP recloop_last_retrain_request_timestamp_seconds .*in event time", scraped)
+        assert re.search(r"# HELP recloop_last_retrain_request_wallclock_timestamp_seconds .*wall-clock", scraped)
 
         # 5. The serving API's docs: Swagger lists its operations, from files the app serves.
         page = render(f"{url['serving']}/docs", shots / "6-swagger.png")
         operations = set(re.findall(r'data-path="(/[^"]+)"', page)) | set(
             re.findall(r'opblock-summary-path[^>]*>.*?<span[^>]*>(/[^<]+)<', page, flags=re.S))
         assert {"/rank", "/recommend", "/feedback"} <= {o.replace("\u200b", "") for o in operations}, operations
+        for docs in ("/docs", "/redoc"):  # both pages' files from the app itself, none from a CDN
+            served = httpx.get(f"{url['serving']}{docs}", timeout=30).text
+            assets = re.findall(r'(?:src|href)="([^"]+\.(?:js|css))"', served)
+            assert assets and all(a.startswith("/") for a in assets), (docs, assets)
+            assert all(httpx.get(f"{url['serving']}{a}", timeout=30).status_code == 200 for a in assets), assets
     finally:
         services.down(settings, wanted)

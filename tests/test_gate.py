@@ -342,6 +342,45 @@ def test_the_gate_report_renders_cleanly_and_names_each_auc():
         assert f"pooled over the {int(GOOD['rows'])} held-out rows" in report
 
 
+def test_a_report_longer_than_mlflow_keeps_is_cut_between_blocks_and_says_where_the_rest_is():
+    """MLflow's SQL stores keep 5000 characters of a version's description (a PostgreSQL store refused a longer
+    gate report): the description is the report's first blocks, never a table cut in its middle, and a last line
+    naming the artifact with all of it."""
+    import re
+
+    from recloop.gate.decision import report_markdown
+    from recloop.registry import DESCRIPTION_CHARACTERS, fit_description, spaced_cells
+
+    many = {f"category={i}": {"auc": 0.6 + i / 1000, "rows": 400 + i} for i in range(150)}
+    candidate, champion = ModelScores(GOOD, many), ModelScores(GOOD, many)
+    report = report_markdown(decide(candidate, champion, T, "full"), candidate, champion, "8", "6", "full", T)
+    assert len(report) > DESCRIPTION_CHARACTERS
+    shown = fit_description(report, "artifact gate_report_v8.md of the training run")
+    assert len(shown) <= DESCRIPTION_CHARACTERS and report.startswith(shown.rsplit("\n\n", 1)[0])
+    assert shown.endswith("the whole report is the artifact gate_report_v8.md of the training run.*")
+    assert "| auc | 0.7000 | 0.7000 |" in shown  # the verdict's table is kept
+    for block in shown.split("\n\n"):  # each table whole: a header, its rule, rows of its width
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        if rows:
+            assert rows[1].startswith("| ---") and len({len(re.split(r"(?<!\\)\|", r)) for r in rows}) == 1, block
+    assert fit_description("short", "x") == "short"
+    # MLflow's page renders tables with no cell padding (and strips style attributes): each cell is followed by a gap
+    spaced = spaced_cells(shown)
+    assert "| metric&nbsp;&nbsp;&nbsp; | candidate&nbsp;&nbsp;&nbsp; |" in spaced and "| --- | --- | --- | --- |" in spaced
+    assert spaced.replace("&nbsp;", "").replace("  |", " |") == shown.replace("  |", " |")
+
+
+def test_the_retriever_gate_report_has_no_nan():
+    from recloop.gate.decision import GateDecision
+    from recloop.gate.retrieval import report_markdown
+    from recloop.retrieval.evaluate import RetrievalScores
+
+    candidate = RetrievalScores({"recall@100": 0.4, "ndcg@100": float("nan")}, {"device=mobile": {
+        "recall@100": float("nan"), "clicks": 3}}, popularity={"recall@100": float("nan")})
+    report = report_markdown(GateDecision(True, (), {}, True), candidate, None, "2", None, "full")
+    assert "nan" not in report and "| ndcg@100 | - | - | - |" in report
+
+
 def test_the_smoke_checks_latency_is_judged_against_the_champions_in_the_same_process():
     """A busy host slows candidate and champion alike: judged by their ratio, never a fixed wall-clock figure
     (500 ms per 256 rows refused the demo's first model twice under load). A first model, with no champion,

@@ -78,11 +78,18 @@ def test_first_model_is_champion_and_a_better_incremental_becomes_challenger(hom
     assert outcome.passed, outcome.reasons
     assert outcome.alias == "challenger" and registry.aliases(home)["challenger"] == logged.version
     info = registry.version_info(home, logged.version)
-    gate = json.loads(info.tags["gate"])
+    gate = json.loads(info.tags["gate.json"])  # the record programs read
     assert list(gate)[0] == "verdict" and gate["verdict"] == "passed" and gate["champion"] == "1"
     assert gate == registry.gate_record(info.tags) and "thresholds" in gate and "skipped_slices" in gate
+    # ... and the line a person reads on the version's page (issue 43: the page showed the JSON)
+    assert info.tags["gate"].startswith("passed vs champion v1") and "{" not in info.tags["gate"]
+    assert info.tags["alias.challenger"].startswith("by gate at ") and info.tags["alias.challenger"].endswith(
+        "UTC: passed the gate"), info.tags["alias.challenger"]
+    assert info.tags[checkpoint.MANIFEST_TAG].split(" files, ")[0].isdigit()
     assert info.mode == "incremental"
-    assert set(info.tags) == {"gate", "alias.challenger", checkpoint.MANIFEST_TAG, checkpoint.WEIGHTS_TAG}  # one per concern
+    assert set(info.tags) == {"gate", "gate.json", "alias.challenger", "alias.challenger.json", checkpoint.MANIFEST_TAG,
+                              f"{checkpoint.MANIFEST_TAG}.json", checkpoint.WEIGHTS_TAG}  # one pair per concern
+    assert all(len(value) <= 250 for key, value in info.tags.items() if not key.endswith(".json"))
     assert "| min_auc | 0.55 |" in outcome.report and "| overall |" in outcome.report  # what decided, shown
     assert "Paired comparison on the same rows (what decided)" in outcome.report
     assert outcome.champion_scores.overall["rows"] == outcome.candidate.overall["rows"]  # the same held-out rows
@@ -204,10 +211,12 @@ def test_promote_and_rollback_move_the_aliases(home: Settings):
     second = registry.register(home, info.source, info.run_id)
     state = registry.promote(home, second, who="alice", why="manual review")
     assert state == {"champion": second, "challenger": None, "previous": "1"}
-    assert json.loads(registry.version_info(home, second).tags["alias.champion"])["by"] == "alice"
+    assert json.loads(registry.version_info(home, second).tags["alias.champion.json"])["by"] == "alice"
+    assert registry.version_info(home, second).tags["alias.champion"].endswith("UTC: manual review")
     state = registry.rollback(home, who="bob", why="bad online CTR")
     assert state == {"champion": "1", "challenger": None, "previous": None}
-    assert json.loads(registry.version_info(home, second).tags["rolled_back"])["why"] == "bad online CTR"
+    assert json.loads(registry.version_info(home, second).tags["rolled_back.json"])["why"] == "bad online CTR"
+    assert registry.version_info(home, second).tags["rolled_back"].startswith("by bob at ")
     with pytest.raises(RuntimeError, match="nothing to roll back"):
         registry.rollback(home, why="again")
 

@@ -4,6 +4,7 @@ is registered, gated and aliased as ``recloop-retriever`` beside the ranker."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -13,11 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from recloop import registry
+from recloop import checkpoint, registry, tracking
 from recloop.features.config import FeatureConfig
 from recloop.features.job import build_features
 from recloop.retrieval.data import RetrievalFeatures, read_rows
 from recloop.retrieval.evaluate import WorldOracle
+from recloop.retrieval.publish import CONTENT
 from recloop.retrieval.retriever import Retriever, score_window
 from recloop.retrieval.train import RetrievalTrainConfig, features_for, train_retriever
 from recloop.schema import load_spec
@@ -97,6 +99,16 @@ def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
     first = train_retriever(home, config(epochs=2))
     logged = log_retriever(home, first)
     assert log_retriever(home, first).version == logged.version  # a rerun finds it
+    # another run that ended with the same towers and catalog (its own folder, its own run): no new version
+    copy = Path(first.checkpoint).parent / f"{Path(first.checkpoint).name}-again"
+    shutil.copytree(first.checkpoint, copy)
+    (copy / "index.json").write_text((copy / "index.json").read_text() + "\n")  # the index is not the model
+    again = log_retriever(home, replace(first, checkpoint=str(copy), run_id=f"{first.run_id}-again"))
+    assert (again.version, again.duplicate_of) == (logged.version, logged.version) and again.run_id != logged.run_id
+    assert registry.mlflow_client(home).get_run(again.run_id).data.tags[tracking.DUPLICATE_TAG] == logged.version
+    assert len(registry.mlflow_client(home).search_model_versions(f"name='{registry.RETRIEVER_NAME}'")) == 1
+    digest = registry.version_info(home, logged.version, registry.RETRIEVER_NAME).tags[checkpoint.WEIGHTS_TAG]
+    assert digest == checkpoint.files_digest(copy, CONTENT)
     outcome = run_retrieval_gate(home, logged.version)
     assert outcome["passed"] and outcome["alias"] == "champion", outcome["reasons"]
     second = train_retriever(home, config(epochs=3))
@@ -106,7 +118,8 @@ def test_registered_gated_and_aliased_beside_the_ranker(home: Settings):
     tags = registry.version_info(home, challenger.version, name).tags
     gate = registry.gate_record(tags)
     assert gate["verdict"] == ("passed" if outcome["passed"] else "failed") and gate["reasons"] == outcome["reasons"]
-    assert [k for k in tags if k.startswith("gate")] == ["gate"] and any(k.startswith("recall@") for k in gate)
+    assert sorted(k for k in tags if k.startswith("gate")) == ["gate", "gate.json"] and any(k.startswith("recall@") for k in gate)
+    assert tags["gate"].startswith(gate["verdict"])  # the line a person reads; its record in gate.json
     assert outcome["alias"] == ("challenger" if outcome["passed"] else None)
     assert registry.aliases(home, name)["champion"] == logged.version
     assert registry.aliases(home) == {"champion": None, "challenger": None, "previous": None}  # the ranker's
@@ -240,3 +253,19 @@ def test_the_windows_are_time_whatever_the_files_period():
     assert validation == daily[-4:] and trainable == daily[:-4]
     validation, _, _ = time_windows(daily, validation_hours=12, days=7, min_clicks=10**6, clicks=clicks.get)
     assert len(validation) == 15
+
+
+def test_a_retriever_flow_whose_candidate_was_judged_already_does_not_gate_it_again(prefect_server, home: Settings):
+    """Two retriever flows in a row on one home (a retrain queued behind another): the first trains, registers and
+    gates v1; the second finds the same run done and v1 judged, and skips the gate, saying so (issue 41)."""
+    from flows.retriever_flow import retriever_flow
+    from recloop.flow_support import settings_parameter
+
+    first = retriever_flow(mode="full", days=3, epochs=1, validation_hours=12, settings=settings_parameter(home))
+    assert first["gate"]["alias"] == "champion", first["gate"]
+    record = registry.gate_record(registry.version_info(home, "1", registry.RETRIEVER_NAME).tags)
+    second = retriever_flow(mode="full", days=3, epochs=1, validation_hours=12, settings=settings_parameter(home))
+    assert "gate" not in second and second["train"]["mlflow"]["version"] == "1"
+    assert second["skipped"].startswith("v1 was judged already (passed by the gate"), second["skipped"]
+    assert registry.gate_record(registry.version_info(home, "1", registry.RETRIEVER_NAME).tags) == record
+    assert len(registry.mlflow_client(home).search_model_versions(f"name='{registry.RETRIEVER_NAME}'")) == 1

@@ -4,6 +4,7 @@ MLflow is named within seconds, and a truncated candidate is refused by the gate
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import sqlite3
@@ -239,6 +240,163 @@ def test_a_pool_started_from_its_cache_catches_up_when_the_registry_returns(fres
         assert pool.degraded is None and pool.last_error is None and pool.registry_read_at is not None
     finally:
         registry.set_alias(fresh, "champion", "1", who="test", why="reset")
+
+
+ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+@pytest.fixture
+def locked_database():
+    """A database of the real PostgreSQL that refuses connections (``ALLOW_CONNECTIONS false``, as a database being
+    restored or restarted does): ``(dsn, reopen)``; ``reopen()`` lets connections in. Dropped afterwards."""
+    import psycopg2
+
+    name = f"recloop_down_{uuid.uuid4().hex[:12]}"
+    admin = psycopg2.connect(ADMIN_DSN)
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE DATABASE {name}")
+    admin.cursor().execute(f"ALTER DATABASE {name} ALLOW_CONNECTIONS false")
+    try:
+        yield (f"postgresql://postgres@127.0.0.1:5432/{name}",
+               lambda: admin.cursor().execute(f"ALTER DATABASE {name} ALLOW_CONNECTIONS true"))
+    finally:
+        admin.cursor().execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
+
+
+@pytest.mark.services
+@pytest.mark.timeout(240)
+def test_serving_started_while_its_postgres_journal_is_down_serves_and_catches_up(fresh: Settings, tmp_path: Path,
+                                                                                  copy_home, locked_database):
+    """A replica (re)started while its journal's PostgreSQL refuses connections serves, ready but degraded: requests
+    kept in memory (and, by a process stopped meanwhile, on disk for the next one), feedback refused with a 503 the
+    client retries; once the database answers, every request served meanwhile is written and feedback is accepted."""
+    import psycopg2
+    from polling import eventually
+
+    dsn, reopen = locked_database
+    home = copy_home(fresh, tmp_path / "home", feast=True, journal="postgres", postgres_dsn=dsn, admin_token=TOKEN)
+    kept_dir = home.serving_dir / "journal-kept"
+    with TestClient(create_app(home)) as http:  # a replica stopped during the outage: its rows go to disk
+        first = [http.post("/rank", json={**RANK, "user_id": user}) for user in range(5)]
+        assert {a.status_code for a in first} == {200}
+    [kept] = kept_dir.glob("requests-*.json")
+    with TestClient(create_app(home)) as http:  # the next one, still during the outage
+        health = http.get("/healthz")
+        assert health.status_code == 200 and health.json()["ready"], health.json()
+        [degraded] = health.json()["degraded"]
+        assert degraded.startswith("journal: PostgreSQL at") and "not currently accepting connections" in degraded
+        served = [http.post("/rank", json={**RANK, "user_id": user}) for user in range(20)]
+        assert {a.status_code for a in served} == {200}
+        request_id = served[0].json()["request_id"]
+        shown = [item["item_id"] for item in served[0].json()["items"]]
+        refused = http.post("/feedback", json={"request_id": request_id, "impressions": shown, "clicks": shown[:1]})
+        assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+        assert "feedback not recorded" in refused.json()["detail"] and "send it again" in refused.json()["detail"]
+        scraped = http.get("/metrics").text
+        assert "recloop_journal_degraded 1.0" in scraped and "recloop_feedback_refused_total 1.0" in scraped
+        assert "recloop_journal_unwritten_requests 25.0" in scraped  # the 5 kept on disk, queued again, and 20
+
+        reopen()  # the database answers again
+        eventually(lambda: not http.get("/healthz").json()["degraded"], 60, "the journal never caught up")
+        accepted = http.post("/feedback", json={"request_id": request_id, "impressions": shown, "clicks": shown[:1]})
+        assert accepted.status_code == 200 and accepted.json()["accepted"] == len(shown), accepted.text
+        scraped = http.get("/metrics").text
+        assert "recloop_journal_degraded 0.0" in scraped and "recloop_journal_unwritten_requests 0.0" in scraped
+    with psycopg2.connect(dsn) as db, db.cursor() as cursor:
+        cursor.execute("SELECT request_id FROM recloop_journal.requests")
+        written = {request_id for (request_id,) in cursor.fetchall()}
+    db.close()
+    assert written == {a.json()["request_id"] for a in first + served}  # nothing served during the outage lost
+    assert not kept.exists()  # written, so no later process writes it again
+
+
+class Forwarder:
+    """A TCP port that leads to a real service while ``open`` and refuses connections otherwise: the service
+    going down and coming back at one address, with the service itself untouched (the shared Redis)."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target, self.port, self._listener, self._conns = target, _free_port(), None, []
+
+    def open(self) -> None:
+        import threading
+
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        listener = self._listener
+
+        def pump(source, sink) -> None:
+            try:
+                while data := source.recv(65536):
+                    sink.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for end in (source, sink):
+                    end.close()
+
+        def accept() -> None:
+            while True:
+                try:
+                    client, _ = listener.accept()
+                except OSError:
+                    return
+                server = socket.create_connection(self.target)
+                self._conns += [client, server]
+                for a, b in ((client, server), (server, client)):
+                    threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+
+    def close(self) -> None:
+        if self._listener is not None:  # shut down first: a close alone leaves a blocked accept() listening
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        self._conns = []
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.services
+@pytest.mark.timeout(180)
+def test_serving_started_while_redis_is_down_says_why_and_serves_once_it_answers(fresh: Settings, tmp_path: Path,
+                                                                                 copy_home):
+    """The online store is needed to score a request, not only to change versions: a replica started while Redis
+    is down starts (no crash, no exit), answers 503 with the reason on /healthz and /rank, and serves once Redis
+    answers, with no restart (the audit of serving's start-up dependencies, issue 41)."""
+    import redis
+    from polling import eventually
+
+    redis.Redis(host="127.0.0.1", port=6379, db=12).flushdb()
+    door = Forwarder(("127.0.0.1", 6379))
+    door.open()  # up while Feast's repository is applied for this home (apply checks Redis first)
+    home = copy_home(fresh, tmp_path / "home", feast=True, feast_online_store="redis",
+                     redis_url=f"redis://127.0.0.1:{door.port}/12")
+    door.close()
+    with pytest.raises(redis.ConnectionError):  # down, as the replica will find it
+        redis.Redis(host="127.0.0.1", port=door.port, db=12, socket_connect_timeout=2).ping()
+    try:
+        with TestClient(create_app(home)) as http:
+            health = http.get("/healthz")
+            assert health.status_code == 503, health.json()
+            assert "features cannot be built" in health.json()["reasons"][0], health.json()
+            answer = http.post("/rank", json=RANK)
+            assert answer.status_code == 503 and "features unavailable" in answer.json()["detail"], answer.json()
+            door.open()  # Redis answers again at the same address
+            eventually(lambda: http.get("/healthz").json()["ready"], 60, "serving never saw Redis come back")
+            answer = http.post("/rank", json=RANK)
+            assert answer.status_code == 200 and answer.json()["model_version"] == "1", answer.text
+    finally:
+        door.close()
+        redis.Redis(host="127.0.0.1", port=6379, db=12).flushdb()
 
 
 def test_no_cached_copy_of_the_last_known_champion_is_no_champion(fresh: Settings, tmp_path: Path, copy_home):

@@ -395,3 +395,35 @@ def test_a_request_written_by_one_replica_wakes_feedback_waiting_on_another(requ
     finally:
         serving.close()
         waiting.close()
+
+
+def test_the_journal_names_its_database_without_the_password():
+    """What /healthz's degraded line and the logs show of RECLOOP_POSTGRES_DSN, URL or libpq string alike."""
+    from recloop.journal import _shown
+
+    assert _shown("postgresql://recloop:s3cret@db:5432/recloop") == "postgresql://recloop:***@db:5432/recloop"
+    assert "s3cret" not in _shown("host=db password=s3cret dbname=recloop")
+    assert "s3 cret" not in _shown("host=db password='s3 cret' dbname=recloop")
+
+
+def test_request_rows_kept_by_a_stopped_process_are_written_by_the_next(tmp_path: Path):
+    """A journal that could not write its request rows before stopping keeps them in a file; the next process
+    queues them again and removes the file once they are in the store (each row once)."""
+    from recloop.schema import load_spec
+
+    spec = load_spec("synthetic")
+    payload = '{"item_ids": [5], "context": {}, "per_candidate": {}, "scores": {"1": [0.5]}, "ranked": [5]}'
+    first = SqliteJournal(tmp_path / "first.db", spec)
+    first.close()
+    first.record(("a" * 32, 1.0, 1, 7, "champion", "1", 2.0, payload), [("a" * 32, "1", "served", "ok", 1.0, 1.0)])
+    kept = first.keep_unwritten(tmp_path / "kept")  # what Service.stop does when the store refused the last flush
+    assert kept is not None and first.keep_unwritten(tmp_path / "kept") is None
+    second = SqliteJournal(tmp_path / "second.db", spec)
+    try:
+        assert second.queue_kept(tmp_path / "kept") == 1 and second.unwritten_requests == 1
+        second.flush()
+        assert not kept.exists() and second.stats("1").requests == 1
+        second.flush()  # nothing queued: nothing written twice
+        assert second.stats("1").requests == 1
+    finally:
+        second.close()

@@ -186,6 +186,17 @@ def cache_dir(settings: Settings) -> Path:
 
 
 MANIFEST_TAG = "checkpoint.manifest"
+
+
+def manifest_tags(step_dir: Path | str) -> dict[str, str]:
+    """The version's ``MANIFEST_TAG``: a line to read (how many files, how large) and the manifest itself, each
+    file's size and SHA-256 (``manifest``), as its record: what every download must match."""
+    from recloop.version_tags import readable
+
+    files = manifest(step_dir)
+    size = sum(f["size"] for f in files.values())
+    return readable(MANIFEST_TAG, f"{len(files)} files, {size / 1e6:,.1f} MB: a download must match each file's size "
+                                  f"and SHA-256 ({MANIFEST_TAG}.json)", files)
 _MANIFEST_FILE = ".manifest.json"  # beside ``.complete``: what the cached copy was checked against
 
 
@@ -208,6 +219,18 @@ def weights_digest(step_dir: Path | str) -> str:
     calibration = json.loads((folder / "state.json").read_text()).get("calibration")
     digest = hashlib.sha256(_sha256(folder / "model.safetensors").encode())
     digest.update(json.dumps(calibration).encode())
+    return digest.hexdigest()
+
+
+def files_digest(folder: Path | str, names: tuple[str, ...]) -> str:
+    """The retriever's ``WEIGHTS_TAG``: one SHA-256 over the named files that exist in ``folder`` (each file's name
+    and checksum): for a retriever, its towers and the catalog they index (``items.safetensors``: the items'
+    vectors and clicks; ``attributes.json``), not the index built from them (rebuilt, it need not be byte-equal)."""
+    digest = hashlib.sha256()
+    for name in names:
+        path = Path(folder) / name
+        if path.is_file():
+            digest.update(f"{name}:{_sha256(path)}\n".encode())
     return digest.hexdigest()
 
 
@@ -317,7 +340,9 @@ def _download(settings: Settings, name: str, version: str, target: Path) -> Path
     from recloop import registry
 
     uri = registry.tracking_uri(settings)  # named, not process-wide: a server thread of another home may move it
-    recorded = registry.mlflow_client(settings).get_model_version(name, version).tags.get(MANIFEST_TAG)
+    from recloop.version_tags import record
+
+    recorded = record(registry.mlflow_client(settings).get_model_version(name, version).tags or {}, MANIFEST_TAG)
     expected = json.loads(recorded) if recorded else None
     staging = target.with_name(f".v{version}.{os.getpid()}.{threading.get_ident()}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from recloop import endpoints
 from recloop.locks import exclusive_lock
 from recloop.settings import Settings
-from recloop.version_tags import CANARY_TAG, LOAD_FAILED_TAG, ROLLED_BACK_TAG
+from recloop.version_tags import CANARY_TAG, LOAD_FAILED_TAG, ROLLED_BACK_TAG, both, readable, record
 
 EXPERIMENT = "recloop"
 MODEL_NAME = "recloop-ranker"
@@ -231,12 +231,17 @@ def set_alias(settings: Settings, alias: str, version: str, *, who: str | None =
     client.set_registered_model_alias(model_name, alias, version)
     if before != str(version):
         present = client.get_model_version(model_name, version).tags or {}
-        for key in stale_tags(alias):
+        for key in (name for stale in stale_tags(alias) for name in both(stale)):
             if key in present:
                 client.delete_model_version_tag(model_name, version, key)
-    tag(settings, version, {f"alias.{alias}": json.dumps({  # one tag per alias: who moved it, why, when
-        "by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
-        model_name)
+    tag(settings, version, moved_by(f"alias.{alias}", who, why), model_name)  # one per alias: who moved it, why, when
+
+
+def moved_by(name: str, who: str | None, why: str) -> dict[str, str]:
+    """Tag ``name`` saying who moved the version, why and when: a line to read, and its record (``by``, ``why``, ``at``)."""
+    moved = {"by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    when = moved["at"].replace("T", " ").removesuffix("Z") + " UTC"
+    return readable(name, f"by {moved['by']} at {when}" + (f": {why}" if why else ""), moved)
 
 
 def remove_alias(settings: Settings, alias: str, model_name: str = MODEL_NAME) -> None:
@@ -253,15 +258,21 @@ GATE_TAG = "gate"
 
 
 def gate_tag(passed: bool, **detail) -> dict[str, str]:
-    """The gate's one tag: ``{"gate": JSON}``, the verdict first (what the MLflow UI shows of it), then
-    ``detail`` (champion, window, reasons, figures, thresholds)."""
-    return {GATE_TAG: json.dumps({"verdict": "passed" if passed else "failed", **detail}, default=str)}
+    """The gate's verdict: ``gate`` says it in a line ("failed vs champion v1: AUC ...", the first reason), ``gate.json``
+    holds the record, the verdict first, then ``detail`` (champion, window, reasons, figures, thresholds)."""
+    verdict = "passed" if passed else "failed"
+    reasons = [str(r) for r in detail.get("reasons") or detail.get("insufficient_evidence") or ()]
+    # the record's verdict stays passed/failed (what programs read); the line says when the canary decides instead
+    shown = "insufficient evidence (the canary decides)" if detail.get("insufficient_evidence") else verdict
+    summary = shown + (f" vs champion v{detail['champion']}" if detail.get("champion") else "")
+    summary += (f": {reasons[0]}" if reasons else "") + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else "")
+    return readable(GATE_TAG, summary, {"verdict": verdict, **detail})
 
 
 def gate_record(tags: dict[str, str]) -> dict | None:
     """A version's gate verdict and detail (``{"verdict": "passed" | "failed", ...}``), ``None`` if never gated.
     Versions gated before the one tag carry a plain verdict (and ``gate.detail`` JSON): read as the same."""
-    raw = tags.get(GATE_TAG)
+    raw = record(tags, GATE_TAG)
     if raw is None:
         return None
     if raw in ("passed", "failed"):
@@ -271,14 +282,64 @@ def gate_record(tags: dict[str, str]) -> dict | None:
             detail = {}
         return {"verdict": raw, **(detail if isinstance(detail, dict) else {})}
     try:
-        record = json.loads(raw)
+        found = json.loads(raw)
     except ValueError:
         return None
-    return record if isinstance(record, dict) and record.get("verdict") in ("passed", "failed") else None
+    return found if isinstance(found, dict) and found.get("verdict") in ("passed", "failed") else None
 
 
-def describe(settings: Settings, version: str, description: str, model_name: str = MODEL_NAME) -> None:
-    mlflow_client(settings).update_model_version(model_name, version, description=description)
+DESCRIPTION_CHARACTERS = 5000  # MLflow's SQL stores keep a version's description in a VARCHAR(5000)
+
+
+def describe(settings: Settings, version: str, description: str, model_name: str = MODEL_NAME, *,
+             whole: str = "") -> None:
+    """Set the version's description (markdown, rendered on its MLflow page), cut to what the store keeps
+    (``fit_description``; ``whole`` says where the whole text is), its tables' cells spaced (``spaced_cells``)."""
+    mlflow_client(settings).update_model_version(model_name, version,
+                                                 description=spaced_cells(fit_description(description, whole)))
+
+
+CELL_GAP = "&nbsp;" * 3
+
+
+def spaced_cells(markdown: str) -> str:
+    """Markdown tables with a gap after each cell's text, for MLflow's page: it renders a description's tables
+    (Showdown, GitHub flavour) with no cell padding and strips every style attribute, so adjacent columns ran
+    together ("candidatechampion"). The separator rows and everything outside tables are left as they are.
+
+    Example::
+
+        spaced_cells("| a | b |\n| --- | --- |")  # '| a&nbsp;&nbsp;&nbsp; | b&nbsp;&nbsp;&nbsp; |\n| --- | --- |'
+    """
+    out = []
+    for line in markdown.split("\n"):
+        if line.startswith("|") and not re.fullmatch(r"\|(\s*:?-{3,}:?\s*\|)+\s*", line):
+            cells = re.split(r"(?<!\\)\|", line)[1:-1]
+            line = "|" + "|".join(f" {c.strip()}{CELL_GAP} " if c.strip() else c for c in cells) + "|"
+        out.append(line)
+    return "\n".join(out)
+
+
+def fit_description(markdown: str, whole: str = "", limit: int = DESCRIPTION_CHARACTERS) -> str:
+    """``markdown`` as a version's description: whole when it fits MLflow's ``limit``, else its first blocks
+    (paragraphs, lists, tables: never a table cut in its middle, which rendered as stray text) and a last line
+    saying what was left out and where the whole is. A PostgreSQL or MySQL tracking store refused longer ones
+    (the gate failed on ``value too long``); SQLite kept them.
+
+    Example::
+
+        fit_description(report, whole="artifact gate_report_v3.md of the training run")
+    """
+    if len(markdown) <= limit:
+        return markdown
+    blocks, kept = markdown.split("\n\n"), []
+    for block in blocks:
+        note = (f"\n\n*{len(blocks) - len(kept)} more sections not shown here (MLflow keeps {limit} characters)"
+                + (f": the whole report is the {whole}" if whole else "") + ".*")
+        if len("\n\n".join([*kept, block])) + len(note) + 200 > limit:
+            return "\n\n".join(kept) + note
+        kept.append(block)
+    return "\n\n".join(kept)[:limit]
 
 
 @dataclass(frozen=True)
@@ -352,9 +413,7 @@ def rollback(settings: Settings, *, who: str | None = None, why: str = "",
         raise RuntimeError("nothing to roll back to: no version has the 'previous' alias")
     current = version_by_alias(settings, "champion", model_name)
     if current is not None:
-        tag(settings, current, {ROLLED_BACK_TAG: json.dumps({
-            "by": who or getpass.getuser(), "why": why, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
-            model_name)
+        tag(settings, current, moved_by(ROLLED_BACK_TAG, who, why), model_name)
     set_alias(settings, "champion", previous, who=who, why=f"rollback: {why}", model_name=model_name)
     remove_alias(settings, "previous", model_name)
     return aliases(settings, model_name)

@@ -27,6 +27,7 @@ from recloop.ranker_pyfunc import RecloopRanker
 from recloop.registry import MODEL_NAME, LoggedModel, configure, register
 from recloop.settings import Settings
 from recloop.train import RunStart
+from recloop.version_tags import readable
 
 
 def flatten_params(prefix: str, value, out: dict) -> dict:
@@ -191,7 +192,7 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
             tracking.run_id = run_id
             tracking.trained(summary)
     digest = checkpoint.weights_digest(state["path"])
-    same = _version_with_weights(client, digest)
+    same = version_with_weights(client, digest)
     if same is not None:  # the same model registered already: the run points at it, no new version
         client.set_tag(run_id, DUPLICATE_TAG, str(same.version))
         return LoggedModel(run_id, same.source, str(same.version), duplicate_of=str(same.version))
@@ -214,10 +215,9 @@ def log_training(settings: Settings, summary, example: pd.DataFrame) -> LoggedMo
                 pip_requirements=model_code.requirements(model_code.RANKER),
             )
     # What a download must match: sizes and checksums of the checkpoint's files, on the version itself.
-    files = json.dumps(checkpoint.manifest(state["path"]), separators=(",", ":"))
-    tags = {checkpoint.MANIFEST_TAG: files, checkpoint.WEIGHTS_TAG: digest}
+    tags = {**checkpoint.manifest_tags(state["path"]), checkpoint.WEIGHTS_TAG: digest}
     if getattr(summary, "overrides", None):
-        tags[OVERRIDES_TAG] = json.dumps(summary.overrides)
+        tags.update(readable(OVERRIDES_TAG, "; ".join(summary.overrides), list(summary.overrides)))
     version = register(settings, info.model_uri, run.info.run_id, tags=tags)
     return LoggedModel(run.info.run_id, info.model_uri, version)
 
@@ -226,7 +226,7 @@ DUPLICATE_TAG = "recloop.duplicate_of_version"  # on a run whose weights a regis
 OVERRIDES_TAG = "train.overrides"  # on a version: what its trainer did instead of what it was asked (JSON list)
 
 
-def _version_with_weights(client, digest: str, model_name: str = MODEL_NAME):
+def version_with_weights(client, digest: str, model_name: str = MODEL_NAME):
     """The first registered version whose weights digest is ``digest``, or None (versions registered before the
     digest was recorded carry none: never matched)."""
     found = [v for v in client.search_model_versions(f"name='{model_name}'")

@@ -23,7 +23,6 @@ clicks of the answers it retrieved for); the guardrails are the same ``decide``.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -42,7 +41,14 @@ from recloop.canary.decision import (
     experiment_salt,
 )
 from recloop.canary.decision import start as first_step
-from recloop.canary.tag import KPI_BASELINE_TAG, LOAD_FAILED_TAG, CanaryTag, Mode, load_failure
+from recloop.canary.tag import (
+    KPI_BASELINE_TAG,
+    LOAD_FAILED_TAG,
+    CanaryTag,
+    Mode,
+    kpi_baseline_tag,
+    load_failure,
+)
 from recloop.journal import open_journal
 from recloop.registry import MODEL_NAME, RETRIEVER_NAME
 from recloop.settings import Settings
@@ -388,7 +394,7 @@ def _apply(settings: Settings, challenger: str, decision: CanaryDecision, who: s
         # The KPIs it earned in the canary are its baseline: the drift monitor judges decay against them.
         baseline = kpi_baseline_at_promotion(decision.figures, mode)
         if baseline:
-            registry.tag(settings, challenger, {KPI_BASELINE_TAG: json.dumps(baseline)}, model_name)
+            registry.tag(settings, challenger, kpi_baseline_tag(baseline), model_name)
         registry.promote(settings, challenger, who=who, why="; ".join(decision.reasons), model_name=model_name)
     elif decision.action == "rollback" and registry.version_by_alias(settings, "challenger", model_name) == challenger:
         # only the version judged: a retrain's gate may have made another the challenger meanwhile

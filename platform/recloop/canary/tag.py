@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
-from recloop.version_tags import CANARY_TAG, KPI_BASELINE_TAG, LOAD_FAILED_TAG
+from recloop.version_tags import CANARY_TAG, KPI_BASELINE_TAG, LOAD_FAILED_TAG, readable, record
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +69,25 @@ class CanaryTag:
         return self.share if self.state == "running" else 0.0
 
     def to_tag(self) -> dict[str, str]:
-        """``{"canary": JSON}``: the one tag to set on the version (``registry.tag``)."""
+        """The tags to set on the version (``registry.tag``): ``canary`` in a line ("running: 50% of users,
+        interleave; last: hold"), ``canary.json`` the state itself."""
         value = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-        return {CANARY_TAG: json.dumps(value)}
+        return readable(CANARY_TAG, self.summary(), value)
+
+    def summary(self) -> str:
+        """The canary's state in a line a person reads."""
+        if self.state == "running":
+            line = f"running: {self.share:.0%} of users, {self.mode}"
+            if self.last_action:
+                line += f"; last check: {self.last_action}" + (f" ({self.last_reasons[0]})" if self.last_reasons else "")
+            return line
+        state = {"rolled_back": "rolled back", "promoted": "promoted", "superseded": "superseded"}[self.state]
+        return state + (f": {self.reasons[0]}" if self.reasons else "")
 
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> CanaryTag | None:
         """The version's canary from its tags; ``None`` when it has none (or only an unreadable one, logged)."""
-        raw = tags.get(CANARY_TAG)
+        raw = record(tags, CANARY_TAG)
         if raw is None:
             return _from_legacy(tags)
         try:
@@ -135,7 +146,7 @@ def _from_legacy(tags: Mapping[str, str]) -> CanaryTag | None:
 
 def load_failure(tags: Mapping[str, str]) -> str | None:
     """Why serving could not load the version (``None``: it loaded); a plain-text tag from before is the reason."""
-    raw = tags.get(LOAD_FAILED_TAG)
+    raw = record(tags, LOAD_FAILED_TAG)
     if raw is None:
         return None
     try:
@@ -148,7 +159,7 @@ def load_failure(tags: Mapping[str, str]) -> str | None:
 def kpi_baseline(tags: Mapping[str, str]) -> dict[str, float]:
     """The online KPIs a champion earned in its canary (the drift monitor's baseline); older versions carry
     them as ``kpi.baseline_<name>`` tags."""
-    raw = tags.get(KPI_BASELINE_TAG)
+    raw = record(tags, KPI_BASELINE_TAG)
     try:
         value = json.loads(raw) if raw is not None else {
             k: tags[f"{KPI_BASELINE_TAG}_{k}"] for k in ("ctr", "auc", "impressions") if f"{KPI_BASELINE_TAG}_{k}" in tags}
@@ -156,3 +167,17 @@ def kpi_baseline(tags: Mapping[str, str]) -> dict[str, float]:
     except (ValueError, TypeError, AttributeError) as err:
         log.warning("unreadable %r tag (%s): no baseline", KPI_BASELINE_TAG, err)
         return {}
+
+
+def load_failure_tag(reason: str, at: float) -> dict[str, str]:
+    """Serving's mark on a version that does not load: a line to read and its record (``reason``, ``at``)."""
+    return readable(LOAD_FAILED_TAG, f"does not load in serving: {reason}", {"reason": reason[:4000], "at": at})
+
+
+def kpi_baseline_tag(baseline: dict) -> dict[str, str]:
+    """The KPIs a champion earned in its canary: a line to read and its record (``ctr``, ``auc``, ``impressions``)."""
+    shown = [f"{name} {baseline[key]:.4f}" for key, name in (("ctr", "CTR"), ("auc", "online AUC"))
+             if isinstance(baseline.get(key), int | float)]
+    if baseline.get("impressions") is not None:
+        shown.append(f"over {int(baseline['impressions']):,} impressions")
+    return readable(KPI_BASELINE_TAG, "earned in its canary: " + (", ".join(shown) or "no figures"), baseline)

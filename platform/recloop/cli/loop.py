@@ -148,6 +148,8 @@ def _retriever_outcome(outcome: dict) -> dict:
     """The retrain's retriever part in a few fields: its version and gate, or why it was not trained."""
     if "skipped" in outcome.get("train", {}):
         return {"skipped": outcome["train"]["skipped"]}
+    if "skipped" in outcome:  # trained, not gated: the same retriever as a registered version, or judged already
+        return {"version": outcome["train"]["mlflow"]["version"], "skipped": outcome["skipped"]}
     if "gate" not in outcome:
         return {}
     return {"version": outcome["gate"]["version"], **{k: outcome["gate"][k] for k in ("passed", "alias", "reasons")},

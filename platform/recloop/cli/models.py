@@ -200,10 +200,8 @@ def serve_command(
 
     settings = Settings()
     dataset = load_spec(settings, spec)
-    if settings.journal == "postgres":  # the journal is needed to serve at all: a dead one is one line, exit 3
-        from recloop import endpoints
-
-        endpoints.require_postgres(settings.postgres_dsn, endpoints.limits_for(settings))
+    # A journal (PostgreSQL) or registry (MLflow) down at start-up does not stop serving: the models come from the
+    # verified cache, requests are kept until the journal answers; /healthz lists what is degraded.
     console.print(f"serving on http://{host}:{port} (models from {settings.resolved_mlflow_tracking_uri()})")
     uvicorn.run(create_app(settings, dataset), host=host, port=port, log_level="warning")
 

@@ -160,6 +160,7 @@ def report_markdown(decision: GateDecision, candidate: RetrievalScores, champion
 
 
 def _fmt(value) -> str:
-    if value is None:
+    """A cell: ``-`` for nothing (None, NaN: MLflow's page showed ``nan``), 4 decimals for a float."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     return f"{value:.4f}" if isinstance(value, float) else str(value)

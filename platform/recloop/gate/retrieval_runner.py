@@ -52,7 +52,8 @@ def run_retrieval_gate(settings: Settings, version: str, thresholds: RetrievalTh
     from mlflow import MlflowClient
 
     MlflowClient().log_text(info.run_id, report, f"gate_report_v{version}.md")
-    registry.describe(settings, version, report, RETRIEVER_NAME)
+    registry.describe(settings, version, report, RETRIEVER_NAME,
+                      whole=f"artifact gate_report_v{version}.md of the retriever's run")
     recall = f"recall@{thresholds.k}"
     registry.tag(settings, version, registry.gate_tag(
         decision.passed, champion=champion_version, window=list(window), reasons=list(decision.reasons),

@@ -320,7 +320,7 @@ def _refuse_unloadable(settings: Settings, client, info, champion_version: str |
     decision = GateDecision(False, tuple(reasons), {}, champion_version is None)
     report = report_markdown(decision, empty, None, version, champion_version, mode)
     client.log_text(info.run_id, report, f"gate_report_v{version}.md")
-    registry.describe(settings, version, report)
+    registry.describe(settings, version, report, whole=f"artifact gate_report_v{version}.md of the training run")
     registry.tag(settings, version, registry.gate_tag(False, champion=champion_version,
                                                       window=list(info.validation_window or ()), reasons=reasons))
     return GateOutcome(version, False, tuple(reasons), None, champion_version, mode, champion_version is None,
@@ -457,7 +457,8 @@ def _judge(settings: Settings, client, info, candidate_version: str, champion_ve
     client.log_text(info.run_id, report, f"gate_report_v{candidate_version}.md")
     client.log_dict(info.run_id, baseline_figures, f"gate_baselines_v{candidate_version}.json")
     _log_gate_metrics(client, info.run_id, passed, candidate, champion)
-    registry.describe(settings, candidate_version, report)
+    registry.describe(settings, candidate_version, report,
+                      whole=f"artifact gate_report_v{candidate_version}.md of the training run")
     best_name, best_value = baselines.best_auc(baseline_figures)
     registry.tag(settings, candidate_version, registry.gate_tag(
         passed, champion=champion_version, window=list(info.validation_window or ()), reasons=reasons,

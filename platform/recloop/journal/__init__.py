@@ -35,28 +35,52 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from recloop import endpoints
-from recloop.journal.base import FeedbackError, Journal, JournalBusy, UnknownRequest, retriever_key
+from recloop.journal.base import (
+    FeedbackError,
+    Journal,
+    JournalBusy,
+    JournalUnavailable,
+    UnknownRequest,
+    retriever_key,
+)
 from recloop.journal.sqlite import SqliteJournal, journal_path
 from recloop.schema import DatasetSpec
 
 if TYPE_CHECKING:
     from recloop.settings import Settings
 
-__all__ = ["FeedbackError", "Journal", "JournalBusy", "SqliteJournal", "UnknownRequest", "journal_path",
+__all__ = ["FeedbackError", "Journal", "JournalBusy", "JournalUnavailable", "SqliteJournal", "UnknownRequest", "journal_path",
            "open_journal", "retriever_key"]
 
 
-def open_journal(settings: Settings, spec: DatasetSpec | None = None, *, create: bool = True) -> Journal | None:
+def open_journal(settings: Settings, spec: DatasetSpec | None = None, *, create: bool = True,
+                 connect_later: bool = False) -> Journal | None:
     """The journal ``settings`` name (``RECLOOP_JOURNAL``): SQLite under ``home``, or PostgreSQL at
     ``RECLOOP_POSTGRES_DSN``. With ``create=False``, None where a SQLite journal does not exist yet (a
-    reader that must not create one)."""
+    reader that must not create one).
+
+    Args:
+        connect_later: serving's journal: a PostgreSQL that does not answer yet is not a failure. The journal
+            opens without it (``degraded`` says so), keeps the requests served meanwhile in memory, refuses
+            feedback with ``JournalUnavailable`` and connects on a later write. Readers (the canary controller,
+            the monitor) fail at once instead: they have nothing to do without it.
+    """
     if settings.journal == "postgres":
         from recloop.journal.postgres import PostgresJournal
 
         limits = endpoints.limits_for(settings)
-        endpoints.require_postgres(settings.postgres_dsn, limits)  # a dead database: one line, in seconds
-        return PostgresJournal(endpoints.with_connect_timeout(settings.postgres_dsn, limits), spec)
+        if not connect_later:
+            endpoints.require_postgres(settings.postgres_dsn, limits)  # a dead database: one line, in seconds
+        return PostgresJournal(endpoints.with_connect_timeout(settings.postgres_dsn, limits), spec,
+                               connect_later=connect_later, shown_as=_shown(settings.postgres_dsn))
     path = journal_path(settings)
     if not create and not path.exists():
         return None
     return SqliteJournal(path, spec)
+
+
+def _shown(dsn: str) -> str:
+    """The DSN as messages and ``/healthz`` may show it: no password, in a URL or a libpq ``key=value`` string."""
+    import re
+
+    return endpoints.redact(dsn) if "://" in dsn else re.sub(r"password\s*=\s*('[^']*'|\S+)", "password=***", dsn)

@@ -43,6 +43,20 @@ class JournalBusy(RuntimeError):
     request rows it might name, or every wait for a request another replica has not written is taken."""
 
 
+class JournalUnavailable(JournalBusy):
+    """The journal's store cannot be reached (a serving replica started while its database was down, or one
+    gone since): requests are kept in memory and written once it answers; feedback is refused until then, so
+    the client keeps it and sends it again (nothing is accepted that could not be recorded).
+
+    Args:
+        retry_after: seconds until the store is tried again (what a client should wait).
+    """
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class Journal(ABC):
     """The journal's interface and everything that does not depend on the store (see the module docstring).
 
@@ -69,6 +83,8 @@ class Journal(ABC):
         self._waiting = threading.BoundedSemaphore(2)
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="recloop-journal", daemon=True)
+        self.write_error: str | None = None  # the last failed write of requests, until one succeeds
+        self._recovered: list[Path] = []  # files of rows an earlier process could not write, queued again
 
     def _start_writer(self) -> None:
         self._writer.start()
@@ -107,6 +123,21 @@ class Journal(ABC):
         poll here; a store that can announce its writes waits for the announcement."""
         time.sleep(max(0.0, min(0.02, seconds)))
 
+    # --- how the store is doing -------------------------------------------------------------------------
+
+    @property
+    def unwritten_requests(self) -> int:
+        """Request rows served but not in the store yet (queued for the writer, or kept after a failed write)."""
+        return len(self._unwritten) + self._queue.qsize()
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the journal cannot record right now (None: it can): serving goes on, requests kept in memory."""
+        if self.write_error is None:
+            return None
+        return (f"{self.unwritten_requests} request rows kept in memory until the journal's store answers "
+                f"(feedback refused meanwhile): {self.write_error}")
+
     # --- requests -------------------------------------------------------------------------------------
 
     def record(self, request: tuple, evaluations: list[tuple]) -> None:
@@ -123,22 +154,60 @@ class Journal(ABC):
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            # files kept by an earlier process: their rows were queued before the file was listed, so they are in
+            # this batch or in an earlier one that was written
+            files, self._recovered = self._recovered, []
+            if batch:
+                try:
+                    self._write_requests([r for r, _ in batch], [e for _, es in batch for e in es])
+                except BaseException:
+                    self._unwritten, self._recovered = batch, files + self._recovered
+                    raise
+        for path in files:  # written: what an earlier process kept for this store is in it now
+            path.unlink(missing_ok=True)
+
+    def keep_unwritten(self, folder: Path) -> Path | None:
+        """Write the request rows the store has not taken (it is down while the process stops) to a JSON file in
+        ``folder``; a later process queues them again (``queue_kept``). Returns the file (None: nothing kept)."""
+        with self._flushing:
+            batch, self._unwritten = self._unwritten, []
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             if not batch:
-                return
-            try:
-                self._write_requests([r for r, _ in batch], [e for _, es in batch for e in es])
-            except BaseException:
-                self._unwritten = batch
-                raise
+                return None
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            path = Path(folder) / f"requests-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.json"
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps([[list(r), [list(e) for e in es]] for r, es in batch]))
+            tmp.rename(path)  # atomic: a later process reads all of it or nothing
+            return path
+
+    def queue_kept(self, folder: Path) -> int:
+        """Queue again the request rows earlier processes kept in ``folder`` (``keep_unwritten``); each file is
+        removed once its rows are written. Returns the rows queued."""
+        rows = 0
+        for path in sorted(Path(folder).glob("requests-*.json")) if Path(folder).is_dir() else ():
+            for request, evaluations in json.loads(path.read_text()):
+                self._queue.put((tuple(request), [tuple(e) for e in evaluations]))
+                rows += 1
+            with self._flushing:
+                self._recovered.append(path)
+        return rows
 
     def _write_loop(self) -> None:
         failures = 0
         while not self._stop.wait(min(0.05 * 2 ** failures, 5.0)):  # backs off while the store fails
             try:
                 self.flush()
-                failures = 0
+                if self.write_error is not None:
+                    log.warning("journal: the store answers again; the request rows kept meanwhile are written")
+                failures, self.write_error = 0, None
             except Exception as err:  # noqa: BLE001 - the rows are kept; the thread must live on
                 failures = min(failures + 1, 7)
+                self.write_error = f"{type(err).__name__}: {str(err).strip()}"
                 log.warning("journal: writing %d request rows failed (kept, retried): %s",
                             len(self._unwritten), err)
 
@@ -160,6 +229,8 @@ class Journal(ABC):
         """Record one event per impression (label 1 if clicked); returns counts of new and repeated events."""
         try:
             self.flush()  # the request may still be queued
+        except JournalUnavailable:
+            raise
         except Exception as err:  # noqa: BLE001 - kept and retried by the writer; the request may be among them
             raise JournalBusy(f"the journal's store refused the queued requests ({type(err).__name__}): "
                               "retry") from err

@@ -17,7 +17,11 @@ not race). What sharing needs, and how it is had:
 - **each event lands once**: a replica landing feedback claims unlanded rows with ``FOR UPDATE SKIP
   LOCKED``, writes the file, marks the rows and commits; another replica skips the claimed rows. A crash
   between writing and committing leaves the rows unlanded (written again later; ingestion drops the
-  duplicate ids), as with SQLite.
+  duplicate ids), as with SQLite;
+- **a replica starts while the database is down** (``connect_later``, what serving opens): it serves, keeps
+  the request rows in memory, refuses feedback with ``JournalUnavailable`` (a 503 the client retries) and
+  tries the database again every ``retry_seconds``; the first write that reaches it creates the tables and
+  writes every row kept meanwhile.
 
 Example::
 
@@ -29,11 +33,12 @@ from __future__ import annotations
 import logging
 import select
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from recloop.journal.base import Journal
+from recloop.journal.base import Journal, JournalUnavailable
 from recloop.schema import DatasetSpec
 
 SCHEMA_NAME = "recloop_journal"
@@ -79,12 +84,16 @@ class PostgresJournal(Journal):
             longer than this).
         fallback_poll_seconds: how often a waiter looks anyway while notifications arrive (one lost is
             found this late).
+        connect_later: a database that does not answer now is not an error: the journal opens without it
+            (``degraded`` says why) and connects on a later call (see the module docstring).
+        retry_seconds: while the database is unreachable, how often a call tries it again (the others are
+            refused at once, so a dead database costs a request nothing).
+        shown_as: how messages name the database (the DSN without its password).
     """
 
     def __init__(self, dsn: str, spec: DatasetSpec | None = None, request_wait_seconds: float = 2.0,
-                 pool_size: int = 8, statement_seconds: float = 30.0, fallback_poll_seconds: float = 1.0):
-        import psycopg2.pool
-
+                 pool_size: int = 8, statement_seconds: float = 30.0, fallback_poll_seconds: float = 1.0,
+                 *, connect_later: bool = False, retry_seconds: float = 5.0, shown_as: str = "its DSN"):
         super().__init__(spec, request_wait_seconds)
         self.fallback_poll_seconds = fallback_poll_seconds
         self._dsn = dsn
@@ -94,24 +103,74 @@ class PostgresJournal(Journal):
         self._any_written = 0  # counts notifications that named no ids
         self._listening = threading.Event()
         self._listener_stop = threading.Event()
-        # minconn = maxconn: psycopg2 closes every returned connection past minconn, so a pool of one kept
-        # opening and closing the others under concurrent calls; and it raises at maxconn instead of waiting
-        self._pool = psycopg2.pool.ThreadedConnectionPool(
-            pool_size, pool_size, dsn,
-            options=f"-c search_path={SCHEMA_NAME} -c statement_timeout={int(statement_seconds * 1000)}")
+        self._pool_size, self._statement_seconds = pool_size, statement_seconds
+        self._retry_seconds, self._shown_as = retry_seconds, shown_as
+        self._pool = None
+        self._opening = threading.Lock()
+        self._unreachable: str | None = None  # why the database could not be reached, until it is
+        self._next_try = 0.0  # monotonic time of the next try while unreachable
         self._slots = threading.BoundedSemaphore(pool_size)
-        with self._connection() as connection, connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-            cursor.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA_NAME}")
-            cursor.execute(TABLES)
+        try:
+            self._open_store()
+        except JournalUnavailable as err:
+            if not connect_later:
+                raise
+            log.warning("journal: %s", err)
         self._listener = threading.Thread(target=self._listen_loop, name="recloop-journal-listen", daemon=True)
         self._listener.start()
         self._start_writer()
 
+    @property
+    def degraded(self) -> str | None:
+        if self._unreachable is not None:
+            return (f"PostgreSQL at {self._shown_as} unreachable since start-up: {self.unwritten_requests} request "
+                    f"rows kept in memory, feedback refused until it answers ({self._unreachable})")
+        return super().degraded
+
+    def _open_store(self) -> None:
+        """Connect the pool and create the schema (once); while the database is unreachable, at most one try per
+        ``retry_seconds``, every other call refused at once with ``JournalUnavailable``."""
+        import psycopg2.pool
+
+        with self._opening:
+            if self._pool is not None:
+                return
+            wait = self._next_try - time.monotonic()
+            if wait > 0:
+                raise JournalUnavailable(f"PostgreSQL at {self._shown_as} is unreachable ({self._unreachable}); "
+                                         f"tried again in {wait:.0f} s", retry_after=max(1.0, wait))
+            pool = None
+            try:
+                # minconn = maxconn: psycopg2 closes every returned connection past minconn, so a pool of one kept
+                # opening and closing the others under concurrent calls; and it raises at maxconn instead of waiting
+                pool = psycopg2.pool.ThreadedConnectionPool(
+                    self._pool_size, self._pool_size, self._dsn,
+                    options=f"-c search_path={SCHEMA_NAME} -c statement_timeout={int(self._statement_seconds * 1000)}")
+                connection = pool.getconn()
+                try:
+                    with connection, connection.cursor() as cursor:
+                        cursor.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+                        cursor.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA_NAME}")
+                        cursor.execute(TABLES)
+                finally:
+                    pool.putconn(connection)
+            except psycopg2.Error as err:
+                if pool is not None:
+                    pool.closeall()
+                self._unreachable = " ".join(str(err).split()) or type(err).__name__
+                self._next_try = time.monotonic() + self._retry_seconds
+                raise JournalUnavailable(f"PostgreSQL at {self._shown_as} is unreachable: {self._unreachable}",
+                                         retry_after=self._retry_seconds) from err
+            if self._unreachable is not None:
+                log.warning("journal: PostgreSQL at %s answers again", self._shown_as)
+            self._pool, self._unreachable = pool, None
+
     @contextmanager
     def _connection(self) -> Iterator:
         """A pooled connection (waiting for a free one); its transaction commits when the block ends (rolls
-        back on an error)."""
+        back on an error). Raises ``JournalUnavailable`` while the database cannot be reached."""
+        if self._pool is None:
+            self._open_store()
         with self._slots:
             connection = self._pool.getconn()
             try:
@@ -136,6 +195,7 @@ class PostgresJournal(Journal):
         meanwhile waiters poll)."""
         import psycopg2
 
+        failing = False
         while not self._listener_stop.is_set():
             connection = None
             try:
@@ -143,13 +203,17 @@ class PostgresJournal(Journal):
                 connection.autocommit = True
                 connection.cursor().execute(f"LISTEN {CHANNEL}")
                 self._listening.set()
+                failing = False
                 while not self._listener_stop.is_set():
                     if select.select([connection], [], [], 0.5)[0]:
                         connection.poll()
                         self._heard([n.payload for n in connection.notifies])
                         connection.notifies.clear()
             except Exception as err:  # noqa: BLE001 - waiters fall back to polling; try again shortly
-                log.warning("journal: listening for written requests failed (polling meanwhile): %s", err)
+                # once per outage: a database down for an hour is one warning here, not one a second
+                (log.debug if failing else log.warning)(
+                    "journal: listening for written requests failed (polling meanwhile): %s", err)
+                failing = True
             finally:
                 self._listening.clear()
                 if connection is not None:
@@ -218,4 +282,5 @@ class PostgresJournal(Journal):
     def _close_store(self) -> None:
         self._listener_stop.set()
         self._listener.join(timeout=5)
-        self._pool.closeall()
+        if self._pool is not None:
+            self._pool.closeall()

@@ -29,6 +29,11 @@ def workspace_path(settings: Settings) -> Path:
     return path
 
 
+# Evidently dates each snapshot at its window's end in event time (the monitored events' own clock, simulated in the
+# demo) while Prefect, MLflow and Prometheus stamp wall-clock time: each panel says which clock its dates are on.
+EVENT_TIME = ". Dates: event time (the monitored events' clock; simulated in the demo), not the wall clock"
+
+
 def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, ...] = ("user_id", "item_id"),
             tests: dict[str, str] | None = None):
     """The workspace and its ``recloop`` project, created with its panels the first time (a per-column drift
@@ -46,7 +51,8 @@ def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, 
     created.dashboard.add_panel(line_plot_panel(
         "Drift share over time", [PanelMetric(legend="share of drifted columns", metric="DriftedColumnsCount",
                                               metric_labels={"value_type": "share"})],
-        description="Evidently DataDriftPreset: recent events vs the champion's training window"), tab="Drift")
+        description="Evidently DataDriftPreset: recent events vs the champion's training window" + EVENT_TIME),
+        tab="Drift")
     created.dashboard.add_panel(bar_plot_panel(
         "Per-column drift ÷ its test's threshold (1 = the threshold, above = drifted)",
         [PanelMetric(legend=f"{column} ({tests[column]})" if column in (tests or {}) else column, metric="MeanValue",
@@ -70,16 +76,16 @@ def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, 
             PanelMetric(legend="drift share", metric="MeanValue", metric_labels={"column": "drift_share"}),
             PanelMetric(legend="threshold", metric="MeanValue",
                         metric_labels={"column": "drift_share_threshold"})],
-        description="share of drifted columns; drift at or above the threshold (drift_share)"), tab="Drift")
+        description="share of drifted columns; drift at or above the threshold (drift_share)" + EVENT_TIME), tab="Drift")
     created.dashboard.add_panel(bar_plot_panel(
         "Decisions: 1 = drift or KPI decay (a full retrain is requested unless cooling down), -1 = broken data",
         [PanelMetric(legend="decision", metric="MeanValue", metric_labels={"column": "decision_code"})],
-        description="one bar per monitoring check: the retrain markers"), tab="Drift")
+        description="one bar per monitoring check: the retrain markers" + EVENT_TIME), tab="Drift")
     created.dashboard.add_panel(line_plot_panel(
         "Online CTR of the serving model", [PanelMetric(legend="online CTR", metric="MeanValue",
                                                         metric_labels={"column": "clicked"})],
-        description="clicks / impressions from /feedback in the monitored window; the version is the run's tag"),
-        tab="KPIs")
+        description="clicks / impressions from /feedback in the monitored window; the version is the run's tag"
+        + EVENT_TIME), tab="KPIs")
     created.dashboard.add_panel(counter_panel(
         "Online CTR of the serving model, last check", [PanelMetric(legend="online CTR", metric="MeanValue",
                                                                     metric_labels={"column": "clicked"})],
@@ -88,7 +94,7 @@ def project(settings: Settings, columns: tuple[str, ...] = (), keys: tuple[str, 
     created.dashboard.add_panel(line_plot_panel(
         "Online AUC of the serving model", [PanelMetric(legend="online AUC", metric="MeanValue",
                                                         metric_labels={"column": "online_auc"})],
-        description="ranking quality on served impressions"), tab="KPIs")
+        description="ranking quality on served impressions" + EVENT_TIME), tab="KPIs")
     return workspace, created
 
 

@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -23,12 +22,15 @@ from recloop.registry import RETRIEVER_NAME, LoggedModel
 from recloop.settings import Settings
 
 PIP_REQUIREMENTS = model_code.requirements(model_code.RETRIEVER)
+CONTENT = ("model.safetensors", "items.safetensors", "attributes.json")  # what the digest covers (not the index)
 
 
 def log_retriever(settings: Settings, summary) -> LoggedModel:
     """Log a finished retriever run (configuration, held-out scores, windows, folder) and register it.
 
-    A rerun with the same run id finds the version registered before.
+    A rerun with the same run id finds the version registered before. A retriever whose towers and catalog are
+    a registered version's (the same digest, ``checkpoint.WEIGHTS_TAG``) registers no version: its run points at
+    that one (``tracking.DUPLICATE_TAG``) and the ``LoggedModel`` says ``duplicate_of``.
     """
     import mlflow
     import pandas as pd
@@ -61,6 +63,11 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
             "recloop.state_version": str(summary.state_version), "recloop.warm_start": summary.warm_start or "",
         })
         mlflow.log_dict(summary.scores, "validation_scores.json")
+        digest = checkpoint.files_digest(summary.checkpoint, CONTENT)
+        same = tracking.version_with_weights(client, digest, RETRIEVER_NAME)
+        if same is not None:  # the same retriever registered already: the run points at it, no new version
+            mlflow.set_tag(tracking.DUPLICATE_TAG, str(same.version))
+            return LoggedModel(run.info.run_id, same.source, str(same.version), duplicate_of=str(same.version))
         features = state["features"]
         example = pd.DataFrame({features["user_id"]: [2], **{c: [2] for c in features["context"]},
                                 **{c: [[2, 3]] for c in features["history"]}})
@@ -71,9 +78,8 @@ def log_retriever(settings: Settings, summary) -> LoggedModel:
                                                data_path=summary.checkpoint, code_paths=code,
                                                signature=_signature(example, {"k": 500}),
                                                input_example=(example, {"k": 500}), pip_requirements=PIP_REQUIREMENTS)
-    files = json.dumps(checkpoint.manifest(summary.checkpoint), separators=(",", ":"))  # what a download must match
     version = registry.register(settings, info.model_uri, run.info.run_id, model_name=RETRIEVER_NAME,
-                                tags={checkpoint.MANIFEST_TAG: files})
+                                tags={**checkpoint.manifest_tags(summary.checkpoint), checkpoint.WEIGHTS_TAG: digest})
     return LoggedModel(run.info.run_id, info.model_uri, version)
 
 

@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from recloop.endpoints import ServiceUnavailable
 from recloop.features.online import OnlineReader
-from recloop.journal import FeedbackError, JournalBusy, UnknownRequest
+from recloop.journal import FeedbackError, JournalBusy, JournalUnavailable, UnknownRequest
 from recloop.schema import DatasetSpec
 from recloop.serve.body_limit import BodyLimit
 from recloop.serve.models import ModelPool
@@ -87,6 +87,10 @@ def feedback(body: FeedbackRequest, svc: ServiceDep) -> dict:
     except UnknownRequest as err:
         svc.metrics.invalid.labels("/feedback", "404").inc()
         raise HTTPException(404, str(err)) from err
+    except JournalUnavailable as err:  # the store is down: nothing recorded, the client keeps it and retries
+        svc.metrics.feedback_refused.inc()
+        raise HTTPException(503, f"feedback not recorded: the serving journal cannot be reached, send it again "
+                                 f"later ({err})", headers={"Retry-After": str(int(err.retry_after + 0.999))}) from err
     except JournalBusy as err:  # may be accepted on a retry: not a client error
         raise HTTPException(503, str(err), headers={"Retry-After": "1"}) from err
     except FeedbackError as err:
@@ -106,9 +110,11 @@ def healthz(svc: ServiceDep) -> JSONResponse:
             "swaps": svc.pool.swaps, "watcher_error": svc.pool.last_error,
             "load_failures": {v: f.reason for v, f in svc.pool.failures.items()},
             "retriever": _retriever_health(svc),
-            # ready but degraded: scoring works, versions cannot change until the registry answers again
+            # ready but degraded: scoring works; versions cannot change until the registry answers again, feedback
+            # is refused until the journal's store does
             "degraded": [f"{name}: {pool.degraded}" for name, pool in (("ranker", svc.pool),
-                                                                      ("retriever", svc.retrievers)) if pool.degraded]}
+                                                                      ("retriever", svc.retrievers)) if pool.degraded]
+            + ([f"journal: {svc.journal.degraded}"] if svc.journal.degraded else [])}
     return JSONResponse(body, status_code=200 if verdict.ready else 503)
 
 

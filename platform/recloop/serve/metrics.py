@@ -62,8 +62,9 @@ class DegradedCollector:
     started from its cache during an MLflow outage, or polls failing since), and
     ``recloop_registry_read_timestamp_seconds{model}`` when the registry last answered a poll."""
 
-    def __init__(self, pools: dict[str, object]):
+    def __init__(self, pools: dict[str, object], journal=None):
         self.pools = pools  # model label -> ModelPool (``degraded``, ``registry_read_at``)
+        self.journal = journal  # the serving journal (``degraded``, ``unwritten_requests``)
 
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
@@ -78,6 +79,15 @@ class DegradedCollector:
             read.add_metric([model], float(pool.registry_read_at or 0.0))
         yield degraded
         yield read
+        if self.journal is not None:
+            journal = GaugeMetricFamily("recloop_journal_degraded", "1 while the serving journal's store cannot "
+                                        "record (requests kept in memory, feedback refused with 503)")
+            journal.add_metric([], 1.0 if self.journal.degraded else 0.0)
+            yield journal
+            unwritten = GaugeMetricFamily("recloop_journal_unwritten_requests", "Request rows served but not in the "
+                                          "journal's store yet (queued, or kept while it is down)")
+            unwritten.add_metric([], float(self.journal.unwritten_requests))
+            yield unwritten
 
 
 class ServingMetrics:
@@ -103,6 +113,9 @@ class ServingMetrics:
         self.clicks = Counter("recloop_clicks", "Feedback clicks by serving version", ["version"], registry=r)
         self.online_ctr = Gauge("recloop_online_ctr", "Clicks / impressions by serving version since start",
                                 ["version"], registry=r)
+        self.feedback_refused = Counter("recloop_feedback_refused", "Feedback calls refused with 503 because the "
+                                        "journal's store could not be reached (the client sends them again)",
+                                        registry=r)
         self.duplicates = Counter("recloop_feedback_duplicates", "Feedback events already recorded (ignored)",
                                   registry=r)
         self.landed = Counter("recloop_feedback_landed_events", "Feedback events written to the landing zone",

@@ -55,15 +55,26 @@ class Service:
         # The retriever of /recommend: its own registered model, aliases, canary split (its own salt) and watcher.
         self.retrievers = retrievers or ModelPool(settings, loader=load_retriever, salt="recloop-retriever-canary",
                                                   name="retriever", model_name=RETRIEVER_NAME)
-        self.metrics.registry.register(DegradedCollector({"ranker": self.pool, "retriever": self.retrievers}))
         self.retrievers.on_swap = lambda old, new: self._retriever_deployed(new)
         self.retrievers.on_load_failure = partial(self._load_failed, model_name=RETRIEVER_NAME)
         self.unavailable = UnavailableItems(settings.unavailable_items_path)
         self.readiness = Readiness(self.pool, self.features)
-        self.journal = open_journal(settings, spec)  # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas
+        # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas. A PostgreSQL down at start-up is not a reason to serve
+        # nothing: requests are kept until it answers, feedback is refused meanwhile (``Journal.degraded``).
+        self.journal = open_journal(settings, spec, connect_later=True)
+        kept = self.journal.queue_kept(self.kept_requests_dir)
+        if kept:
+            log.warning("journal: %d request rows an earlier process could not write are queued again", kept)
+        self.metrics.registry.register(DegradedCollector({"ranker": self.pool, "retriever": self.retrievers},
+                                                         self.journal))
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self._rng = np.random.default_rng()  # interleaving's coin and exploration's draws
+
+    @property
+    def kept_requests_dir(self):
+        """Where request rows the journal's store never took wait for the next process (``Journal.keep_unwritten``)."""
+        return self.settings.serving_dir / "journal-kept"
 
     def _deployed(self, live: Deployment) -> None:
         self.metrics.swaps.inc()
@@ -76,11 +87,11 @@ class Service:
     def _load_failed(self, failure: LoadFailure, model_name: str | None = None) -> None:
         """Mark the version in the registry: the canary controller rolls back a challenger so marked."""
         from recloop import registry
-        from recloop.canary.tag import LOAD_FAILED_TAG
+        from recloop.canary.tag import load_failure_tag
 
         try:
-            registry.tag(self.settings, failure.version, {LOAD_FAILED_TAG: json.dumps(
-                {"reason": failure.reason[:4000], "at": failure.at})}, model_name or registry.MODEL_NAME)
+            registry.tag(self.settings, failure.version, load_failure_tag(failure.reason, failure.at),
+                         model_name or registry.MODEL_NAME)
         except Exception as err:  # noqa: BLE001 - the registry may be what is down; the watcher retries
             log.warning("could not mark v%s as failing to load: %s", failure.version, err)
 
@@ -117,7 +128,12 @@ class Service:
         if self._flusher:
             self._flusher.join(timeout=10)
         self.land_feedback()
-        self.journal.close()
+        try:
+            self.journal.close()
+        except Exception as err:  # noqa: BLE001 - the store is down: keep its rows for the next process
+            path = self.journal.keep_unwritten(self.kept_requests_dir)
+            log.error("journal: the store did not answer before stopping (%s); its request rows are kept in %s and "
+                      "written by the next serving process", err, path)
 
     def land_feedback(self, raise_errors: bool = False) -> int:
         """Write the feedback not landed yet to the landing zone; returns its rows. A failure keeps it in the
