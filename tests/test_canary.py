@@ -99,6 +99,40 @@ def test_the_retrievers_ab_evidence_rolls_back_on_harm_and_promotes_on_the_guard
     assert rolled.action == "rollback" and "significantly worse" in rolled.reasons[0]
 
 
+def test_a_ranker_the_gate_showed_non_inferior_is_promoted_unless_shown_worse_online():
+    """The gate's paired test passed: the canary does not ask for non-inferiority again (a day of modest
+    traffic cannot reach a 5 % margin: +45 % [-5 %, +95 %] was held for three simulated days and the loop kept
+    its day-0 model). Online harm still rolls it back; insufficient offline evidence still needs it online."""
+    from recloop.evidence.sequential import Difference
+
+    config = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=10, min_feedback=10, min_effect=0.05)
+    stats = VariantStats(requests=100, impressions=1000, clicks=100)
+    promising = Difference(estimate=0.45, variance=0.06, low=-0.05, high=0.95, units=120, method="interleaving")
+    harm = Difference(estimate=-0.3, variance=0.01, low=-0.5, high=-0.1, units=200, method="interleaving")
+    last, middle = CanaryState(1.0, 0.0), CanaryState(0.5, 0.0)
+    held = decide(stats, stats, last, config, now=10.0, evidence=promising)  # insufficient offline evidence
+    assert held.action == "hold" and "not yet shown within 5%" in held.reasons[0]
+    promoted = decide(stats, stats, last, config, now=10.0, evidence=promising, shown_offline=True)
+    assert promoted.action == "promote", promoted.reasons
+    assert "non-inferiority shown offline by the gate" in promoted.reasons[0]
+    assert decide(stats, stats, middle, config, now=10.0, evidence=promising, shown_offline=True).action == "step"
+    rolled = decide(stats, stats, last, config, now=10.0, evidence=harm, shown_offline=True)
+    assert rolled.action == "rollback" and "significantly worse" in rolled.reasons[0]
+    few = VariantStats(requests=5, impressions=5, clicks=1)  # the guardrails' minimum traffic still applies
+    assert decide(stats, few, last, config, now=10.0, evidence=promising, shown_offline=True).action == "hold"
+
+
+def test_the_controller_reads_the_gates_verdict_from_the_version_tags():
+    from recloop import registry
+    from recloop.canary.controller import gate_passed
+
+    assert gate_passed(registry.gate_tag(True, champion="1", reasons=[]))
+    insufficient = registry.gate_tag(False, champion="1", insufficient_evidence=["window too small"], reasons=[])
+    assert not gate_passed(insufficient)
+    assert not gate_passed(registry.gate_tag(False, champion="1", reasons=["AUC worse"]))
+    assert not gate_passed({})  # made challenger by hand: no verdict
+
+
 def test_guardrails_roll_back_while_the_evidence_is_still_inconclusive():
     """At the last step a challenger waits for non-inferiority; a guardrail it fails meanwhile rolls it back
     (it was held, at 95 % of users, until max_users)."""

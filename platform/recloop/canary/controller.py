@@ -268,10 +268,18 @@ def status(settings: Settings, config: CanaryConfig | None = None, now: float | 
         stats["challenger"] = _shadowed(stats["challenger"], stats["champion"])
     decision = decide(stats["champion"], stats["challenger"], state, config, now, load_error=load_failure(tags),
                       evidence=evidence, require_non_inferiority=model_name == MODEL_NAME,
-                      auc_evidence=auc_evidence)
+                      auc_evidence=auc_evidence, shown_offline=gate_passed(tags))
     return CanaryStatus(True, aliases, "", challenger, champion, state.share, mode, started, tag is not None,
                         stats, decision, evidence.to_dict() if evidence else None, model=model_name,
                         auc_evidence=auc_evidence.to_dict() if auc_evidence else None)
+
+
+def gate_passed(tags: dict[str, str]) -> bool:
+    """Whether the gate showed this version non-inferior to the champion on its held-out window: its verdict
+    ``passed`` (a version handed to the canary on insufficient evidence is tagged ``failed`` with
+    ``insufficient_evidence``; one made challenger by hand carries no verdict)."""
+    found = registry.gate_record(tags)
+    return bool(found) and found.get("verdict") == "passed"
 
 
 def paired_auc_evidence(journal, champion: str, challenger: str, since: float, config: CanaryConfig):

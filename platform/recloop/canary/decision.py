@@ -162,7 +162,7 @@ def start(config: CanaryConfig, mode: Mode | None = None) -> CanaryDecision:
 
 def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState, config: CanaryConfig,
            now: float, load_error: str | None = None, evidence=None,
-           require_non_inferiority: bool = True, auc_evidence=None) -> CanaryDecision:
+           require_non_inferiority: bool = True, auc_evidence=None, shown_offline: bool = False) -> CanaryDecision:
     """Hold, step the share up, promote (after the last step) or roll back; with reasons and figures.
 
     ``load_error``: why a serving process could not load the challenger; it is rolled back at once.
@@ -177,7 +177,14 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
     ``require_non_inferiority``: promotion from the last step needs the evidence to show non-inferiority
     (the ranker's rule). False (the retriever's A/B canary): the evidence only rolls back a challenger it
     shows significantly worse, and promotion rides on the guardrails.
+    ``shown_offline``: the gate showed the challenger non-inferior on the held-out window (its paired test
+    passed, not "insufficient evidence"): non-inferiority need not be shown a second time online, where a
+    day of modest traffic cannot reach a 5 % margin (a challenger +45 % [−5 %, +95 %] after three simulated
+    days was held for ever and the loop kept its day-0 model). The online evidence still rolls back what it
+    shows significantly worse, on CTR or on the paired AUC; only a challenger that reached the canary on
+    insufficient offline evidence must show non-inferiority online.
     """
+    require_non_inferiority = require_non_inferiority and not shown_offline
     figures = {
         "share": state.share, "challenger_requests": challenger.requests, "champion_requests": champion.requests,
         "challenger_error_rate": challenger.error_rate, "champion_error_rate": champion.error_rate,
@@ -256,7 +263,8 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
     shown = []
     if evidence is not None:
         rule = (f"non-inferior: its bottom is above −{config.min_effect:.0%}"
-                if require_non_inferiority and not later else "not significantly worse")
+                if require_non_inferiority and not later else "not significantly worse" + (
+                    " (non-inferiority shown offline by the gate)" if shown_offline and not later else ""))
         shown = [f"online CTR ({evidence.method}) {evidence.estimate:+.1%} [{evidence.low:+.1%}, "
                  f"{evidence.high:+.1%}] over {evidence.units} users: {rule}"]
     if not later:
