@@ -119,9 +119,11 @@ def run_canary(
     max_looks: int,
     day: float,
     draw: int,
+    shown_offline: bool = False,
 ) -> dict:
     """Look after look until promote or roll back (an undecided canary at ``max_looks`` is rolled back as
-    inconclusive, as ``max_users`` does in the controller)."""
+    inconclusive, as ``max_users`` does in the controller). ``shown_offline``: the challenger passed the
+    gate's non-inferiority test, so the canary promotes unless the online evidence shows it worse."""
     users_all = np.arange(len(world.user_taste))
     salt = "recloop-canary" if legacy else experiment_salt("2", float(draw))
     place = np.array([position(int(u), salt) for u in users_all])
@@ -215,7 +217,8 @@ def run_canary(
                 alpha=config.alpha,
             )
         decision = decide(
-            stats_a, stats_b, CanaryState(share, 0.0), config, now=1e12, evidence=evidence, auc_evidence=auc_evidence
+            stats_a, stats_b, CanaryState(share, 0.0), config, now=1e12, evidence=evidence, auc_evidence=auc_evidence,
+            shown_offline=shown_offline,
         )
         if legacy and stats_b.impressions >= config.min_feedback and stats_a.ctr > 0 and \
                 stats_b.ctr < stats_a.ctr * (1 - LEGACY_MAX_CTR_DROP):  # the raw ratio the canary once ran
@@ -264,8 +267,10 @@ def canary_rates(
 ) -> dict:
     # the shipped canary (CanaryConfig()'s margins, the paired online AUC guardrail included) at the
     # simulation's pace: what prefect.yaml's canary-check and the demo run
+    # a mode named "<mode>+offline": the same canary for a challenger the gate showed non-inferior offline
     config_new = {
-        mode: shipped(bake_seconds=0, min_requests=200, min_feedback=1000, mode=mode) for mode in modes
+        mode: shipped(bake_seconds=0, min_requests=200, min_feedback=1000, mode=mode.removesuffix("+offline"))
+        for mode in modes
     }
     legacy = CanaryConfig(
         bake_seconds=0,
@@ -303,6 +308,7 @@ def canary_rates(
                         max_looks=max_looks,
                         day=1.0,
                         draw=seed * 10_000 + draw,
+                        shown_offline=name.endswith("+offline"),
                     )
                     entry = results.setdefault(name, {}).setdefault(label, [])
                     entry.append({**outcome, "true_effect": measured})
