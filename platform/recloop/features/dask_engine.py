@@ -144,15 +144,16 @@ def _written(names: list[str], rows: list[int], backend: str) -> Any:
 # --- tasks (run on the workers) ------------------------------------------------------------------------------
 
 
-def read_events(item: tuple[int, str], job: Job) -> Any:
-    """One lake file's events read for the window, with their time, lake order and whether in the window."""
-    index, path = item
-    table = lake.read_window_file(job.settings, job.spec, path, job.read_from_us, job.end_us,
-                                  columns=list(job.columns))
-    table = definition.with_event_time(table, job.spec)
-    table = table.append_column(ORDER, pa.array((index << 32) + np.arange(table.num_rows, dtype=np.int64)))
-    table = table.append_column(IN_WINDOW, pc.greater_equal(table["_ts_us"], job.start_us))
-    return _frame(table, job.backend)
+def read_events(items: list[tuple[int, str]], job: Job) -> Any:
+    """Some lake files' events read for the window, with their time, lake order and whether in the window."""
+    tables = []
+    for index, path in items:
+        table = lake.read_window_file(job.settings, job.spec, path, job.read_from_us, job.end_us,
+                                      columns=list(job.columns))
+        table = definition.with_event_time(table, job.spec)
+        table = table.append_column(ORDER, pa.array((index << 32) + np.arange(table.num_rows, dtype=np.int64)))
+        tables.append(table.append_column(IN_WINDOW, pc.greater_equal(table["_ts_us"], job.start_us)))
+    return _frame(pa.concat_tables(tables), job.backend)
 
 
 def summarize(frame: Any, job: Job, vocabulary_columns: list[str]) -> tuple[dict[str, pa.Table], dict | None]:
@@ -176,11 +177,26 @@ def read_base(item: tuple[str, str], job: Job) -> Any:
     return _frame(table.append_column(PART, pa.array(partition_of(table["key"], job.key_parts))), job.backend)
 
 
-def read_between(item: tuple[int, str], job: Job, key: str, since_us: int | None, key_type: pa.DataType) -> Any:
-    """One lake file's sightings of ``key`` between the counted state and the window (``value``, ``count``)."""
-    table = lake.read_window_file(job.settings, job.spec, item[1], since_us, job.start_us, columns=[key])
-    counts = count_values(table[key] if table.num_rows else pa.chunked_array([], key_type), key_type)
-    return _frame(counts.append_column(PART, pa.array(partition_of(counts["value"], job.key_parts))), job.backend)
+def read_between(items: list[tuple[int, str]], job: Job, key: str, since_us: int | None,
+                 key_type: pa.DataType) -> Any:
+    """Some lake files' sightings of ``key`` between the counted state and the window (``value``, ``count``)."""
+    tables = [lake.read_window_file(job.settings, job.spec, path, since_us, job.start_us, columns=[key])
+              for _, path in items]
+    return _frame(_key_counts(pa.concat_tables(tables)[key], job, key_type), job.backend)
+
+
+def between_in_events(frame: Any, job: Job, key: str, since_us: int | None, key_type: pa.DataType) -> Any:
+    """The same sightings from events already read (when the window's read reaches back to the counted state)."""
+    table = _arrow(frame)
+    keep = pc.less(table["_ts_us"], job.start_us)
+    if since_us is not None:
+        keep = pc.and_(keep, pc.greater_equal(table["_ts_us"], since_us))
+    return _frame(_key_counts(table.filter(keep)[key], job, key_type), job.backend)
+
+
+def _key_counts(values: pa.ChunkedArray, job: Job, key_type: pa.DataType) -> pa.Table:
+    counts = count_values(values if len(values) else pa.chunked_array([], key_type), key_type)
+    return counts.append_column(PART, pa.array(partition_of(counts["value"], job.key_parts)))
 
 
 def key_stage(events: Any, base: Any | None, prior: Any | None, job: Job, prefix: str, number: int,
@@ -332,8 +348,10 @@ def build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, p
               min(periods, key_parts), layout.training, entity_folders)
     event_schema = pa.schema([*(schema.field(n) for n in names), ("_ts_us", pa.int64()), (ORDER, pa.int64()),
                               (IN_WINDOW, pa.bool_())])
-    events = dd.from_map(read_events, list(enumerate(files)), job=job, meta=_empty(event_schema, backend),
-                         enforce_metadata=False)
+    groups = _groups(list(enumerate(files)), 4 * max(1, len(client.scheduler_info()["workers"])))
+    # read once, held in the workers' memory (never the driver's) while both steps use them
+    events = dd.from_map(read_events, groups, job=job, meta=_empty(event_schema, backend),
+                         enforce_metadata=False).persist()
 
     # 1. vocabularies and statistics: per partition counts and exact sums, merged on the driver
     if plan.new_state:
@@ -369,7 +387,8 @@ def build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, p
                                    enforce_metadata=False), PART, key_parts).to_delayed()
         prior = [None] * key_parts
         if key in admission:
-            prior = _by(_prior(dd, job, files, key, schema.field(key).type, counted), PART, key_parts).to_delayed()
+            prior = _by(_prior(dd, job, events, groups, key, schema.field(key).type, counted), PART,
+                        key_parts).to_delayed()
         stages = [dask.delayed(key_stage)(e, b, p, job, prefix, number, staging)
                   for number, (e, b, p) in enumerate(zip(rows, base, prior, strict=True))]
         stat_fields = [(f"{prefix}_{s}", pa.float64()) for s in STAT_NAMES]
@@ -413,9 +432,11 @@ def build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, p
                          {prefix: _arrow(found).to_pylist() for prefix, found in parts.items()})
 
 
-def _prior(dd: Any, job: Job, files: list[str], key: str, key_type: pa.DataType, counted: FeatureState | None):
+def _prior(dd: Any, job: Job, events: Any, groups: list, key: str, key_type: pa.DataType,
+           counted: FeatureState | None):
     """Sightings of ``key`` before the window: the counted state's vocabulary counts and the lake's events
-    between that state and the window (``job._keys_admitted_so_far``), as (value, count) rows by key partition."""
+    between that state and the window (``job._keys_admitted_so_far``), as (value, count) rows by key partition:
+    taken from the events read when they reach back that far, else read from the lake."""
     since = counted.as_of_us if counted else None
     meta = _empty(pa.schema([("value", key_type), ("count", pa.int64()), (PART, pa.int64())]), job.backend)
     frames = []
@@ -425,9 +446,17 @@ def _prior(dd: Any, job: Job, files: list[str], key: str, key_type: pa.DataType,
         table = table.append_column(PART, pa.array(partition_of(table["value"], job.key_parts)))
         frames.append(dd.from_pandas(_frame(table, job.backend), npartitions=1))
     if since is None or since < job.start_us:
-        frames.append(dd.from_map(read_between, list(enumerate(files)), job=job, key=key, since_us=since,
-                                  key_type=key_type, meta=meta, enforce_metadata=False))
+        read = job.read_from_us is None or (since is not None and since >= job.read_from_us)
+        frames.append(events.map_partitions(between_in_events, job, key, since, key_type, meta=meta) if read else
+                      dd.from_map(read_between, groups, job=job, key=key, since_us=since, key_type=key_type,
+                                  meta=meta, enforce_metadata=False))
     return dd.concat(frames) if frames else dd.from_pandas(meta, npartitions=1)
+
+
+def _groups(items: list, parts: int) -> list[list]:
+    """``items`` in at most ``parts`` consecutive groups of near-equal size (a partition reads a group)."""
+    size = -(-len(items) // max(1, min(parts, len(items))))
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def _snapshot_files(settings: Settings, base: FeatureState) -> dict[str, list[tuple[str, str]]]:
