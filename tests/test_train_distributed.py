@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,27 @@ def test_two_ranks_train_the_same_model_as_one_process(lake: Settings, tmp_path:
     assert [r.data.tags["recloop.run_id"] for r in runs] == [double.run_id] and runs[0].info.status == "FINISHED"
     losses = client.get_metric_history(runs[0].info.run_id, "train_loss")
     assert [[m.step, m.value] for m in losses] == double.loss_curve and runs[0].data.metrics["auc"] == double.auc
+
+    # The periodic checkpoints under 2 ranks kept the tables sharded: each rank wrote its own shards through
+    # torch.distributed.checkpoint (safetensors with their offsets, no pickle), none gathered every table.
+    run_dir = Path(double.checkpoint).parent
+    periodic = [p for p in sorted(run_dir.glob("step-*")) if p != Path(double.checkpoint)][-1]
+    assert sorted(p.name for p in (periodic / checkpoint.TABLES).iterdir()) == [
+        "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+    assert {p.suffix for p in periodic.rglob("*") if p.is_file()} == {".safetensors", ".json"}
+    assert "sparse_arch.embeddings.weights" not in load_file(periodic / "model.safetensors")
+    assert not (Path(double.checkpoint) / checkpoint.TABLES).exists()  # the completed one is whole (it serves)
+    # One process resumes the 2-rank run from its sharded checkpoint (2 data shards: the same global batches)
+    # and ends where the 2 ranks did.
+    (run_dir / "latest.json").write_text(json.dumps({"step_dir": periodic.name, "completed": False}))
+    for later in (p for p in run_dir.glob("step-*") if p.name > periodic.name):
+        shutil.rmtree(later)
+    resumed = train(Settings(home=tmp_path / "two", frame_backend="pandas"), CONFIG)
+    assert resumed.resumed_from_step == checkpoint.read(periodic)["position"]["step"] > 0
+    assert resumed.steps == double.steps
+    again = load_file(Path(resumed.checkpoint) / "model.safetensors")
+    for name, tensor in two.items():
+        torch.testing.assert_close(again[name], tensor, atol=WEIGHT_TOLERANCE, rtol=0, msg=name)
 
     # The 2-rank checkpoint warm-starts one process (six newer hours: the first run held out eight).
     warm = train(_copy(lake, tmp_path / "warm"),
