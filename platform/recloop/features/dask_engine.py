@@ -230,13 +230,13 @@ def key_stage(events: Any, base: Any | None, prior: Any | None, job: Job, prefix
 def _seen(window: pa.Table, key: str, prior: pa.Table) -> np.ndarray:
     """Sightings of each window row's key before it: counted before the window (``prior``), then earlier
     rows in time order (lake order within a time), as ``job._keys_admitted_so_far`` counts them."""
-    totals = prior.group_by("value").aggregate([("count", "sum")]) if prior.num_rows else None
+    # pandas, not Acero: the shuffled buffers arrive unaligned, which Acero warns about on every call
+    totals = prior.to_pandas().groupby("value", sort=False)["count"].sum() if prior.num_rows else None
 
     def before(unique: np.ndarray) -> np.ndarray:
         if totals is None:
             return np.zeros(len(unique), dtype=np.int64)
-        found = pc.index_in(pa.array(unique).cast(totals["value"].type), value_set=totals["value"])
-        return pc.take(totals["count_sum"], found).fill_null(0).to_numpy()
+        return totals.reindex(unique).fillna(0).astype(np.int64).to_numpy()
 
     order = np.lexsort((window[ORDER].to_numpy(), window["_ts_us"].to_numpy()))
     return sightings_before(window[key].to_numpy(zero_copy_only=False), order, before)
