@@ -326,6 +326,16 @@ def build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, p
         with dask_client(settings) as own:
             return build_window(settings, spec, config, plan, layout, period_us, counted, staging, own)
     import dask
+
+    # the partitions' Arrow types are the ones wanted: dask's conversion of strings would only cost a pass
+    with dask.config.set({"dataframe.convert-string": False}):
+        return _build_window(settings, spec, config, plan, layout, period_us, counted, staging, client)
+
+
+def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, plan: WindowPlan,
+                  layout: FeatureLayout, period_us: int, counted: FeatureState | None, staging: Path | None,
+                  client: Client) -> WrittenWindow | None:
+    import dask
     import dask.dataframe as dd
 
     settings = settings.model_copy(update={"home": settings.home.resolve()})  # workers resolve nothing
