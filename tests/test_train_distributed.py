@@ -217,3 +217,26 @@ def test_sharded_tables_count_ids_outside_them_and_raise(tmp_path: Path):
         sharded.raise_id_errors()  # reset by the raise
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two torchrun launches of 2 ranks: about a minute on 2 shared cores
+def test_two_ranks_resume_from_their_sharded_checkpoint(lake: Settings, tmp_path: Path):
+    """Killed after a periodic checkpoint (here: pointed back at it), 2 ranks read back each its own table
+    shards (torch.distributed.checkpoint) and end at the uninterrupted run's weights."""
+    home = _copy(lake, tmp_path / "home").home
+    (tmp_path / "first").mkdir()
+    done = TrainSummary(**_torchrun(home, CONFIG, tmp_path / "first")[0]["summary"])
+    final = load_file(Path(done.checkpoint) / "model.safetensors")
+    run_dir = Path(done.checkpoint).parent
+    periodic = [p for p in sorted(run_dir.glob("step-*")) if p != Path(done.checkpoint)][-1]
+    assert (periodic / checkpoint.TABLES).is_dir()
+    (run_dir / "latest.json").write_text(json.dumps({"step_dir": periodic.name, "completed": False}))
+    shutil.rmtree(done.checkpoint)
+    (tmp_path / "again").mkdir()
+    again = TrainSummary(**_torchrun(home, CONFIG, tmp_path / "again")[0]["summary"])
+    assert again.resumed_from_step == checkpoint.read(periodic)["position"]["step"] > 0
+    assert again.steps == done.steps
+    resumed = load_file(Path(again.checkpoint) / "model.safetensors")
+    assert resumed.keys() == final.keys()
+    for name, tensor in final.items():  # the same ranks and order of sums: bit for bit
+        assert torch.equal(resumed[name], tensor), name
