@@ -1,11 +1,13 @@
 """Waiting in tests for something another thread or process does (a server loading a model, a replica
-starting): poll a condition until it holds or a deadline passes. A readiness wait, not a speed claim."""
+starting): poll a condition until it holds or a deadline passes, through the platform's one readiness
+helper (``recloop.readiness.wait_until``). A readiness wait, not a speed claim."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from recloop.readiness import NotReady, wait_until
 
 T = TypeVar("T")
 
@@ -13,14 +15,10 @@ T = TypeVar("T")
 def eventually(probe: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
     """``probe()`` until it returns something truthy (returned); AssertionError naming ``what`` after
     ``timeout`` seconds. ``what`` may be a callable for a message built from the last state."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(what() if callable(what) else what)
-        time.sleep(interval)
+    try:
+        return wait_until(probe, what="a test's condition", timeout=timeout, interval=interval)
+    except NotReady:
+        raise AssertionError(what() if callable(what) else what) from None
 
 
 def wait_for(http, condition: Callable[[dict], bool], timeout: float = 20.0) -> dict:

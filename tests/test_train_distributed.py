@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,27 @@ def test_two_ranks_train_the_same_model_as_one_process(lake: Settings, tmp_path:
     losses = client.get_metric_history(runs[0].info.run_id, "train_loss")
     assert [[m.step, m.value] for m in losses] == double.loss_curve and runs[0].data.metrics["auc"] == double.auc
 
+    # The periodic checkpoints under 2 ranks kept the tables sharded: each rank wrote its own shards through
+    # torch.distributed.checkpoint (safetensors with their offsets, no pickle), none gathered every table.
+    run_dir = Path(double.checkpoint).parent
+    periodic = [p for p in sorted(run_dir.glob("step-*")) if p != Path(double.checkpoint)][-1]
+    assert sorted(p.name for p in (periodic / checkpoint.TABLES).iterdir()) == [
+        "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+    assert {p.suffix for p in periodic.rglob("*") if p.is_file()} == {".safetensors", ".json"}
+    assert "sparse_arch.embeddings.weights" not in load_file(periodic / "model.safetensors")
+    assert not (Path(double.checkpoint) / checkpoint.TABLES).exists()  # the completed one is whole (it serves)
+    # One process resumes the 2-rank run from its sharded checkpoint (2 data shards: the same global batches)
+    # and ends where the 2 ranks did.
+    (run_dir / "latest.json").write_text(json.dumps({"step_dir": periodic.name, "completed": False}))
+    for later in (p for p in run_dir.glob("step-*") if p.name > periodic.name):
+        shutil.rmtree(later)
+    resumed = train(Settings(home=tmp_path / "two", frame_backend="pandas"), CONFIG)
+    assert resumed.resumed_from_step == checkpoint.read(periodic)["position"]["step"] > 0
+    assert resumed.steps == double.steps
+    again = load_file(Path(resumed.checkpoint) / "model.safetensors")
+    for name, tensor in two.items():
+        torch.testing.assert_close(again[name], tensor, atol=WEIGHT_TOLERANCE, rtol=0, msg=name)
+
     # The 2-rank checkpoint warm-starts one process (six newer hours: the first run held out eight).
     warm = train(_copy(lake, tmp_path / "warm"),
                  TrainConfig(mode="incremental", validation_hours=2, validation_rows=0, batch_size=256, device="cpu",
@@ -195,3 +217,26 @@ def test_sharded_tables_count_ids_outside_them_and_raise(tmp_path: Path):
         sharded.raise_id_errors()  # reset by the raise
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two torchrun launches of 2 ranks: about a minute on 2 shared cores
+def test_two_ranks_resume_from_their_sharded_checkpoint(lake: Settings, tmp_path: Path):
+    """Killed after a periodic checkpoint (here: pointed back at it), 2 ranks read back each its own table
+    shards (torch.distributed.checkpoint) and end at the uninterrupted run's weights."""
+    home = _copy(lake, tmp_path / "home").home
+    (tmp_path / "first").mkdir()
+    done = TrainSummary(**_torchrun(home, CONFIG, tmp_path / "first")[0]["summary"])
+    final = load_file(Path(done.checkpoint) / "model.safetensors")
+    run_dir = Path(done.checkpoint).parent
+    periodic = [p for p in sorted(run_dir.glob("step-*")) if p != Path(done.checkpoint)][-1]
+    assert (periodic / checkpoint.TABLES).is_dir()
+    (run_dir / "latest.json").write_text(json.dumps({"step_dir": periodic.name, "completed": False}))
+    shutil.rmtree(done.checkpoint)
+    (tmp_path / "again").mkdir()
+    again = TrainSummary(**_torchrun(home, CONFIG, tmp_path / "again")[0]["summary"])
+    assert again.resumed_from_step == checkpoint.read(periodic)["position"]["step"] > 0
+    assert again.steps == done.steps
+    resumed = load_file(Path(again.checkpoint) / "model.safetensors")
+    assert resumed.keys() == final.keys()
+    for name, tensor in final.items():  # the same ranks and order of sums: bit for bit
+        assert torch.equal(resumed[name], tensor), name

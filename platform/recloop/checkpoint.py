@@ -6,6 +6,11 @@ counters), never pickle, and points ``latest.json`` at the newest complete one (
     $RECLOOP_HOME/checkpoints/<run id>/step-000400/{model.safetensors, dense_optimizer.safetensors, state.json}
     $RECLOOP_HOME/checkpoints/<run id>/latest.json
 
+Under several ranks a run's periodic checkpoints keep the tables sharded: every rank writes its own rows to
+``step-…/tables/`` (``recloop.model.sharded_checkpoint``: DCP, safetensors, no pickle) and rank 0 writes the
+rest without them (``save(..., staged=…, sharded_tables=True)``); ``load_weights`` reads either kind, whole
+or leaving the tables to each rank. A run's completed checkpoint (the one registered and served) is whole.
+
 A registered model version carries its step folder as an MLflow artifact, and the size and SHA-256 of
 each of its files as a version tag (``MANIFEST_TAG``, see ``manifest``). Everything that starts from a
 registered version (the gate, warm start, serving, the monitor's scoring) goes through ``resolve``,
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
 
 STEP_PREFIX = "step-"
 KEEP_STEPS = 2
+TABLES = "tables"  # a sharded checkpoint's folder of per-rank table shards
+TABLE_BUFFERS = ("weights", "state1", "state2", "step")  # what a sharded checkpoint keeps in TABLES only
 log = logging.getLogger("recloop.checkpoint")
 
 
@@ -83,16 +90,24 @@ def step_folder(run_dir: Path, step: int) -> Path:
     return folder
 
 
+def staging_folder(run_dir: Path, step_dir: Path) -> Path:
+    return run_dir / f".{step_dir.name}.tmp"
+
+
 def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: dict,
-         completed: bool) -> Path:
+         completed: bool, staged: Path | None = None, sharded_tables: bool = False) -> Path:
     """Write a step folder (``step_folder``: model, dense optimizer, ``state.json`` = ``info`` + the
     optimizer's scalars), then point ``latest.json`` at it. A crash at any point leaves the previous
-    checkpoint intact."""
-    step_dir = step_folder(run_dir, step)
-    staging = run_dir / f".{step_dir.name}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, staging / "model.safetensors")
+    checkpoint intact. ``staged``: the step's staging folder, where the ranks wrote their table shards
+    (``sharded_tables``: the model's file then leaves them out)."""
+    step_dir = step_folder(run_dir, step) if staged is None else run_dir / staged.name[1:-len(".tmp")]
+    staging = staging_folder(run_dir, step_dir)
+    if staged is None:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    left_out = _table_keys(model) if sharded_tables else set()  # rank 0's copies of them are stale
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in left_out}
+    save_file(weights, staging / "model.safetensors")
     tensors, meta = _optimizer_tensors(optimizer)
     save_file(tensors, staging / "dense_optimizer.safetensors")
     (staging / "state.json").write_text(json.dumps({**info, "optimizer": meta, "completed": completed}, indent=2)
@@ -152,12 +167,36 @@ def load_model(path: Path | str, device: str | torch.device = "cpu") -> tuple[Ra
     inputs = trained_inputs(state)
     model = RankingModel(ModelConfig.from_dict(state["model"]), len(inputs.dense), list(inputs.tables),
                          device=device)
-    model.load_state_dict(load_file(Path(state["path"]) / "model.safetensors", device=str(torch.device(device))))
+    load_weights(model, Path(state["path"]), torch.device(device))
     model.eval()
     model.map_unknown_ids = True
     if state.get("calibration"):
         model.calibration = (float(state["calibration"][0]), float(state["calibration"][1]))
     return model, state
+
+
+def load_weights(model: RankingModel, folder: Path, device: torch.device, tables: bool = True) -> bool:
+    """A step folder's weights into ``model``; returns whether its tables are sharded (``TABLES``). Those are
+    read whole here unless ``tables`` is False (each rank then reads its own: ``sharded_checkpoint.load_tables``)."""
+    weights = load_file(folder / "model.safetensors", device=str(device))
+    if not (folder / TABLES).is_dir():
+        model.load_state_dict(weights)
+        return False
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - _table_keys(model):
+        raise CheckpointError(f"{folder}: model.safetensors does not match the model (missing {missing}, "
+                              f"unexpected {unexpected})")
+    if tables:
+        from recloop.model.sharded_checkpoint import read_full_tables
+
+        read_full_tables(folder / TABLES, model.embeddings)
+    return True
+
+
+def _table_keys(model: torch.nn.Module) -> set[str]:
+    """The model's state keys of its embedding tables' buffers (their rows, optimizer state, step)."""
+    prefix = next(name for name, module in model.named_modules() if module is model.embeddings)
+    return {f"{prefix}.{buffer}" for buffer in TABLE_BUFFERS}
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, path: Path | str, device: torch.device) -> None:

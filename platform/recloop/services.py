@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from recloop.readiness import NotReady, wait_until
 from recloop.settings import Settings
 
 
@@ -159,17 +160,15 @@ def up(settings: Settings, host: str = "127.0.0.1", timeout: float = 120.0,
     deadline = time.time() + timeout
     for service in services:
         entry = started[service.name]
-        while not entry["status"].startswith(("up", "failed")):
-            try:
-                if httpx.get(entry["url"] + service.health, timeout=2).status_code == 200 and alive(service.name):
-                    entry["status"] = "up"
-                    break
-            except httpx.HTTPError:
-                pass
-            if not alive(service.name) or time.time() > deadline:
-                entry["status"] = f"failed: see {_run_dir(settings) / (service.name + '.log')}"
-                break
-            time.sleep(0.5)
+        if entry["status"].startswith("failed"):
+            continue
+        try:  # up once the process started here answers (not someone else on its port)
+            wait_until(lambda s=service, e=entry: httpx.get(e["url"] + s.health, timeout=2).status_code == 200
+                       and alive(s.name), what=service.name, timeout=deadline - time.time(), interval=0.5,
+                       errors=(httpx.HTTPError,), gone=lambda s=service: None if alive(s.name) else "it exited")
+            entry["status"] = "up"
+        except NotReady:
+            entry["status"] = f"failed: see {_run_dir(settings) / (service.name + '.log')}"
     return started
 
 
@@ -220,11 +219,9 @@ def down(settings: Settings, services: tuple[Service, ...] = SERVICES) -> dict[s
         if _runs(pid, replace(service, port=port or service.port)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
-            for _ in range(50):
-                if not _alive(pid):
-                    break
-                time.sleep(0.1)
-            else:
+            try:
+                wait_until(lambda p=pid: not _alive(p), what=f"{service.name} stopping", timeout=5, interval=0.1)
+            except NotReady:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
             stopped[service.name] = "stopped"

@@ -56,7 +56,8 @@ class Settings(BaseSettings):
             key on a Dask cluster: ``dask_scheduler``, or a local cluster of ``dask_workers`` processes).
         dask_scheduler: a Dask scheduler address (``tcp://scheduler:8786``); empty starts a local cluster.
         dask_workers: worker processes of that local cluster.
-        dask_partitions: hash partitions of the entity keys (0: two per worker).
+        dask_partitions: hash partitions of the entity keys, and at most as many period partitions (0: two per
+            worker).
         explore_share: the share of (champion-served) requests ranked by a Plackett-Luce draw over the
             model's logits instead of by score, each position's propensity logged in the journal, so a
             candidate's online CTR can be estimated off-policy (IPS / SNIPS / DR) before its canary. 0: off.

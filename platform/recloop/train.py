@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -41,7 +42,6 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import torch
-from safetensors.torch import load_file
 
 from recloop import baselines, checkpoint, distributed
 from recloop.data import BATCH_PLAN, ChunkLoader, FeatureSchema, training_files
@@ -437,16 +437,24 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = distributed.device_for(config.device, ranks)
-    model, optimizer, grown, resumed = _build(config, schema, device, run_dir, base)
+    model, optimizer, grown, resumed = _build(config, schema, device, run_dir, base, whole_tables=ranks.world == 1)
     position, resume_note = resume_position(resumed)
     if resume_note:
         log.warning("%s: %s", run_id, resume_note)
     sharded = config.data_shards > 1 or ranks.world > 1
     trained = distributed.wrap(model, ranks, config.row_wise_above or None) if sharded else model
+    if resumed and ranks.world > 1 and (tables := Path(checkpoint.read(run_dir)["path"]) / checkpoint.TABLES).is_dir():
+        from recloop.model.sharded_checkpoint import load_tables
+
+        load_tables(tables, trained.module.sparse)  # each rank its own rows, whatever the plan that wrote them
 
     def save(completed: bool, summary: TrainSummary | None = None, gathered: bool = False) -> Path:
-        if sharded and not gathered:
-            distributed.gather(trained, model, ranks)  # the tables of every rank, into rank 0's model
+        staged = None
+        if ranks.world > 1 and not gathered:  # each rank writes its own table shards: none gathers them all
+            from recloop.model.sharded_checkpoint import save_tables
+
+            staged = _stage_checkpoint(run_dir, position["step"])
+            save_tables(staged / checkpoint.TABLES, trained.module.sparse)
         if not ranks.leader:
             return run_dir
         info = {"model": model.config.to_dict(), "train": config.to_dict(),
@@ -457,7 +465,8 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
                 "calibration": list(model.calibration) if model.calibration else None,
                 "grown_tables": grown,  # (a resumed run's summary says it too)
                 "summary": asdict(summary) if summary else None}
-        return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed)
+        return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed, staged=staged,
+                               sharded_tables=staged is not None)
 
     start = RunStart(
         run_id=run_id, mode=config.mode, params={"train": config.to_dict(), "model": model.config.to_dict()},
@@ -504,6 +513,20 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
     if tracker is not None:
         tracker.trained(summary)
     return summary
+
+
+def _stage_checkpoint(run_dir: Path, step: int) -> Path:
+    """This step's staging folder, made empty by rank 0 and named to every rank (collective)."""
+    import torch.distributed as dist
+
+    box = [None]
+    if dist.get_rank() == 0:
+        staging = checkpoint.staging_folder(run_dir, checkpoint.step_folder(run_dir, step))
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        box = [str(staging)]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
 
 
 @contextmanager
@@ -672,8 +695,10 @@ def slice_values(extras: dict[str, np.ndarray], layout: FeatureLayout) -> dict[s
     return out
 
 
-def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run_dir: Path, base: dict | None):
-    """The model and dense optimizer: resumed from this run, warm-started from ``base``, or new."""
+def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run_dir: Path, base: dict | None,
+           whole_tables: bool = True):
+    """The model and dense optimizer: resumed from this run, warm-started from ``base``, or new.
+    ``whole_tables`` False: a sharded checkpoint's tables are left for each rank to read its own."""
     model_config = ModelConfig.from_dict({**config.model.to_dict(), "multi_hot_columns": tuple(schema.multi_hot)})
     tables = schema.tables
     source, resumed = None, None
@@ -703,7 +728,7 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
                              f"{schema.state_version}); retrain with --mode full")
         model = RankingModel(ModelConfig.from_dict(source["model"]), len(schema.dense), old_tables, device=device,
                              seed=config.seed)
-        model.load_state_dict(load_file(Path(source["path"]) / "model.safetensors", device=str(device)))
+        checkpoint.load_weights(model, Path(source["path"]), device, tables=whole_tables)
         if resumed is not None:  # the run's own checkpoint: its tables grew from the base already (it says how)
             grown = {name: list(change) for name, change in (source.get("grown_tables") or {}).items()}
         for name, rows in old_tables:

@@ -42,6 +42,7 @@ twin's champion is weak, and its interval covers one run's panel users, not runs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -56,6 +57,7 @@ from recloop.demo.panel import FrozenRanker, paired_efficacy, train_reference, t
 from recloop.demo.records import DayRecord, DemoConfig
 from recloop.demo.report import summarize, write_report
 from recloop.gate.retrieval import RetrievalThresholds
+from recloop.readiness import NotReady, wait_until
 from recloop.retrieval.evaluate import WorldOracle
 from recloop.settings import Settings
 from recloop.simulate import World, WorldConfig
@@ -376,27 +378,28 @@ def _wait_for_deployment(url: str, settings: Settings, timeout: float = 30.0) ->
         return wanted.champion, wanted.challenger, wanted.share if wanted.challenger else 0.0
 
     target = (deployed(registry_wanted(settings)), deployed(registry_wanted(settings, RETRIEVER_NAME)))
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+
+    def serving() -> tuple:
         health = httpx.get(f"{url}/healthz").json()
         retriever = health["retriever"]
-        if ((health["versions"]["champion"], health["versions"]["challenger"], health["share"]),
-                (retriever["versions"]["champion"], retriever["versions"]["challenger"], retriever["share"])) == target:
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"the serving API did not pick up {target} within {timeout:.0f} s")
+        return ((health["versions"]["champion"], health["versions"]["challenger"], health["share"]),
+                (retriever["versions"]["champion"], retriever["versions"]["challenger"], retriever["share"]))
+
+    wait_until(lambda: serving() == target, what=f"the serving API picking up {target}", timeout=timeout)
 
 
 def _until_serving(url: str, version: str, timeout: float = 30.0) -> float:
-    """Seconds until the server routes canary traffic to ``version``."""
+    """Seconds until the server routes canary traffic to ``version`` (``timeout`` if it never does: the
+    freshness figure then shows the wait, as it always has)."""
     import httpx
 
-    began = time.perf_counter()
-    while time.perf_counter() - began < timeout:
+    def routed() -> bool:
         health = httpx.get(f"{url}/healthz").json()
-        if health["versions"]["challenger"] == version and health["share"] > 0:
-            break
-        time.sleep(0.05)
+        return health["versions"]["challenger"] == version and health["share"] > 0
+
+    began = time.perf_counter()
+    with contextlib.suppress(NotReady):
+        wait_until(routed, what=f"canary traffic to version {version}", timeout=timeout)
     return time.perf_counter() - began
 
 

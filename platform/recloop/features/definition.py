@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 from recloop.features import ops
 from recloop.features.backend import FrameBackend
 from recloop.features.config import CategoricalFeature, FeatureConfig
+from recloop.features.moments import Moments
 from recloop.features.state import FeatureState
 from recloop.features.vocab import Vocabulary
 from recloop.formats import ARROW_TYPES, id_dtype
@@ -146,16 +147,33 @@ def _numeric_values(np_module: Any, feature, column: pa.ChunkedArray) -> np.ndar
                                  log1p=feature.log1p)
 
 
-def initial_stats(config: FeatureConfig, spec: DatasetSpec, events: pa.Table) -> dict:
+LABEL_MOMENTS = "_label"  # the labels' entry among ``stats_moments``' (a feature column never starts with _)
+
+
+def stats_moments(config: FeatureConfig, spec: DatasetSpec, events: pa.Table) -> dict[str, Moments]:
+    """What the first state's statistics are computed from, mergeable across partitions of ``events``
+    (exact sums: one process and a Dask cluster get the same floats, see ``recloop.features.moments``)."""
+    moments = {f.column: Moments.of(_numeric_values(np, f, events[f.column])) for f in config.numeric}
+    moments[LABEL_MOMENTS] = Moments.of(events[spec.label].cast(pa.float64()).to_numpy())
+    return moments
+
+
+def stats_from_moments(config: FeatureConfig, moments: dict[str, Moments]) -> dict:
     """Statistics stored once, with the first state, so the model's inputs keep one scale afterwards."""
-    numeric = {}
-    for feature in config.numeric:
-        values = _numeric_values(np, feature, events[feature.column])
-        finite = values[np.isfinite(values)]
-        numeric[feature.column] = {"mean": float(finite.mean()) if len(finite) else 0.0,
-                                   "std": float(finite.std()) if len(finite) > 1 else 1.0}
-    labels = events[spec.label].cast(pa.float64()).to_numpy()
-    return {"prior_ctr": float(labels.mean()) if len(labels) else 0.0, "numeric": numeric}
+    numeric = {f.column: {"mean": moments[f.column].mean(), "std": moments[f.column].std()} for f in config.numeric}
+    return {"prior_ctr": moments[LABEL_MOMENTS].mean(), "numeric": numeric}
+
+
+def initial_stats(config: FeatureConfig, spec: DatasetSpec, events: pa.Table) -> dict:
+    """``stats_from_moments`` of all ``events`` (the single-process job's)."""
+    return stats_from_moments(config, stats_moments(config, spec, events))
+
+
+def admission_counted(config: FeatureConfig, spec: DatasetSpec) -> list[CategoricalFeature]:
+    """The entity-key vocabularies whose ids are out of vocabulary in a window's rows before their
+    ``min_count``-th sighting (``recloop.features.job``): vocabulary (not hashed) keys with ``min_count > 1``."""
+    return [f for f in config.categorical
+            if not f.hash_buckets and f.min_count > 1 and f.column in (spec.user_key, spec.item_key)]
 
 
 def training_rows(backend: FrameBackend, config: FeatureConfig, spec: DatasetSpec, window: pa.Table,

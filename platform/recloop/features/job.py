@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -35,28 +34,36 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from recloop.features import dask_engine, ops
+from recloop.features import dask_engine
 from recloop.features.backend import FrameBackend, get_backend
 from recloop.features.config import FeatureConfig
 from recloop.features.definition import (
     FeatureLayout,
+    admission_counted,
     one_hot_tables,
     role_of,
     update_vocabularies,
     vocabulary_features,
     vocabulary_values,
 )
+from recloop.features.outputs import (
+    DAY_US,
+    HOUR_US,
+    entity_table,
+    snapshot_of,
+    write_periods,
+)
+from recloop.features.outputs import period_start as _period_start
 from recloop.features.state import FeatureState, StateStore
-from recloop.features.vocab import Vocabulary, count_values
+from recloop.features.vocab import Vocabulary, count_values, out_of_vocabulary_until, sightings_before
 from recloop.features.window import WindowPlan, compute_window
 from recloop.formats import TRAINING_PARQUET
-from recloop.hours import US, hour_of_us
+from recloop.hours import US
 from recloop.ingest import lake
 from recloop.schema import DatasetSpec
 from recloop.settings import Settings
 
-HOUR_US = 3600 * US
-DAY_US = 24 * HOUR_US
+__all__ = ["DAY_US", "HOUR_US", "FeatureRunSummary", "build_features", "choose_period_hours"]
 
 
 @dataclass
@@ -89,16 +96,6 @@ PERIOD_HOURS = (1, 24, 168)
 MAX_PERIODS = 2_000  # nor more files than this for the first window (a sparse log over decades: weeks)
 MIN_ROWS_PER_PERIOD = 10  # the period is the shortest whose average period with events holds this many
 MAX_WINDOW_ROWS = 2_000_000
-
-
-def _period_file(folder: Path, period_us: int) -> Path:
-    return folder / f"{hour_of_us(period_us)}.parquet"
-
-
-def _period_start(t_us, period_us: int):
-    """The start of the period holding ``t_us`` (an int or an array); weeks start on Monday 00:00 UTC."""
-    offset = 4 * DAY_US if period_us == 7 * DAY_US else 0  # 1970-01-01 was a Thursday
-    return (t_us - offset) // period_us * period_us + offset
 
 
 def choose_period_hours(ts_us: np.ndarray) -> int:
@@ -216,10 +213,7 @@ def _keys_admitted_so_far(settings: Settings, spec: DatasetSpec, config: Feature
     Counted here: the base state's sightings, the events between it and the window, and the window's own
     events before the row (time order; lake order within equal times). Keys only: their raw values are in
     the rows; the other vocabularies admit at one sighting (``min_count`` 1) by default."""
-    from recloop.features.vocab import OOV_INDEX
-
-    keys = [f for f in config.categorical if not f.hash_buckets and f.min_count > 1 and f"c_{f.column}" in
-            training.column_names and f.column in training.column_names and f.column in (spec.user_key, spec.item_key)]
+    keys = [f for f in admission_counted(config, spec) if f.column in training.column_names]
     if not keys or not training.num_rows:
         return training
     since = base.as_of_us if base else None
@@ -228,36 +222,26 @@ def _keys_admitted_so_far(settings: Settings, spec: DatasetSpec, config: Feature
     order = np.lexsort((np.arange(training.num_rows), training["_ts_us"].to_numpy()))
     for feature in keys:
         name, values = f"c_{feature.column}", training[feature.column].to_numpy(zero_copy_only=False)
-        ordered = values[order]
-        unique, inverse = np.unique(ordered, return_inverse=True)
-        prior = np.zeros(len(unique), dtype=np.int64)  # sightings before the window, per distinct id
         counted = base.vocabularies[feature.column].table if base and feature.column in base.vocabularies else None
-        if counted is not None and counted.num_rows:
-            found = pc.index_in(pa.array(unique).cast(counted["value"].type), value_set=counted["value"])
-            prior += pc.take(counted["count"], found).fill_null(0).to_numpy()
-        earlier, counts = np.unique(between[feature.column].drop_null().to_numpy(), return_counts=True) \
-            if between.num_rows else (np.empty(0), np.empty(0, np.int64))
-        if len(earlier):
-            at = np.searchsorted(earlier, unique).clip(max=len(earlier) - 1)
-            prior += np.where(earlier[at] == unique, counts[at], 0)
-        before = prior[inverse]
-        seen = np.empty(len(values), dtype=np.int64)  # sightings before each row
-        seen[order] = before + _earlier_in_group(inverse)
-        index = training[name].to_numpy()
-        masked = np.where((index > OOV_INDEX) & (seen < feature.min_count), OOV_INDEX, index).astype(index.dtype)
+        earlier = between[feature.column].drop_null() if between.num_rows else None
+        seen = sightings_before(values, order, lambda unique, c=counted, e=earlier: _prior_sightings(unique, c, e))
+        masked = out_of_vocabulary_until(training[name].to_numpy(), seen, feature.min_count)
         training = training.set_column(training.column_names.index(name), name, pa.array(masked))
     return training
 
 
-def _earlier_in_group(groups: np.ndarray) -> np.ndarray:
-    """For each element, how many elements before it belong to its group (pandas' ``cumcount``)."""
-    by_group = np.argsort(groups, kind="stable")
-    sorted_groups = groups[by_group]
-    starts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
-    run_start = np.repeat(starts, np.diff(np.r_[starts, len(groups)]))
-    out = np.empty(len(groups), dtype=np.int64)
-    out[by_group] = np.arange(len(groups)) - run_start
-    return out
+def _prior_sightings(unique: np.ndarray, counted: pa.Table | None, earlier: pa.ChunkedArray | None) -> np.ndarray:
+    """Sightings of each of ``unique`` (sorted distinct ids) before a window: a state's vocabulary counts
+    (``counted``) plus the ids of the events between that state and the window (``earlier``)."""
+    prior = np.zeros(len(unique), dtype=np.int64)
+    if counted is not None and counted.num_rows:
+        found = pc.index_in(pa.array(unique).cast(counted["value"].type), value_set=counted["value"])
+        prior += pc.take(counted["count"], found).fill_null(0).to_numpy()
+    if earlier is not None and len(earlier):
+        values, counts = np.unique(earlier.to_numpy(), return_counts=True)
+        at = np.searchsorted(values, unique).clip(max=len(values) - 1)
+        prior += np.where(values[at] == unique, counts[at], 0)
+    return prior
 
 
 def _late_events(settings: Settings, spec: DatasetSpec, config: FeatureConfig, layout: FeatureLayout,
@@ -300,100 +284,59 @@ def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, 
     """One window ``[start_us, end_us)`` (period-aligned) of ``build_features``; a window of a ``rebuild``
     (late events: ``from_us``, ``until_us``, the ``vocabularies`` with their sightings) maps its ids with
     those vocabularies and saves a corrected state at its end, for the windows after it."""
-    latest = store.latest()
+    engine = settings.features_engine
+    local = engine == "local"  # the Dask engine's workers read the snapshots themselves: the driver never does
+    latest = store.latest(snapshots=local)
     if rebuild is not None and latest is not None and latest.as_of_us <= rebuild["until_us"]:
         latest = replace(latest, vocabularies=rebuild["vocabularies"])
-    engine = settings.features_engine
-    summary = FeatureRunSummary(_iso(start_us), _iso(end_us), backend.name if engine == "local" else
+    summary = FeatureRunSummary(_iso(start_us), _iso(end_us), backend.name if local else
                                 f"dask/{settings.frame_backend}")
-    base = store.at_or_before(start_us)
+    base = store.at_or_before(start_us, snapshots=local)
     since_us = base.as_of_us if base else None
     new_state = latest is None or end_us > latest.as_of_us
     plan = WindowPlan(start_us, end_us, since_us, since_us - DAY_US if since_us else None,
                       (latest.as_of_us if latest else None) if new_state else None, new_state, latest, base)
-    if engine == "dask":
-        computed = dask_engine.compute_window(settings, spec, config, plan)
-    else:
+    correcting = not new_state and rebuild is not None and end_us <= rebuild["until_us"]
+    counted = store.at_or_before(start_us, counted=True, snapshots=False)
+    if local:
         computed = compute_window(backend, spec, config, plan, lake.read_window(settings, spec, plan.read_from_us,
                                                                                  end_us))
-    if computed is None:
-        summary.message = f"no events between {summary.start} and {summary.end}"
-        return summary
+        if computed is None:
+            summary.message = f"no events between {summary.start} and {summary.end}"
+            return summary
+        summary.rows = computed.training.num_rows
+        training = _keys_admitted_so_far(settings, spec, config, computed.training, counted, start_us)
+        summary.hours_written = write_periods(layout.training, training, "_ts_us", start_us, end_us, period_us,
+                                              TRAINING_PARQUET)
+        for prefix, entity_states in computed.states.items():
+            table = entity_table(backend, entity_states, getattr(spec, role_of(prefix)), start_us, end_us)
+            summary.entity_rows[prefix] = table.num_rows
+            write_periods(layout.entity_table(prefix), table, "_ts_us", start_us, end_us, period_us)
+        vocabularies, stats, staged, parts = computed.vocabularies, computed.stats, None, None
+        snapshots = {prefix: snapshot_of(backend, s, base.snapshots.get(prefix) if base else None)
+                     for prefix, s in computed.states.items()} if new_state or correcting else {}
+    else:
+        staged = store.stage() if new_state or correcting else None
+        written = dask_engine.build_window(settings, spec, config, plan, layout, period_us, counted, staged)
+        if written is None:
+            store.unstage(staged)
+            summary.message = f"no events between {summary.start} and {summary.end}"
+            return summary
+        summary.rows, summary.hours_written = written.rows, written.periods
+        summary.entity_rows = written.entity_rows
+        vocabularies, stats, parts, snapshots = written.vocabularies, written.stats, written.snapshots, {}
 
-    summary.rows = computed.training.num_rows
-    training = _keys_admitted_so_far(settings, spec, config, computed.training,
-                                     store.at_or_before(start_us, counted=True), start_us)
-    written = _write_periods(layout.training, training, "_ts_us", start_us, end_us, period_us, TRAINING_PARQUET)
-    for prefix, entity_states in computed.states.items():
-        table = entity_table(backend, entity_states, getattr(spec, role_of(prefix)), start_us, end_us)
-        summary.entity_rows[prefix] = table.num_rows
-        _write_periods(layout.entity_table(prefix), table, "_ts_us", start_us, end_us, period_us)
-    summary.hours_written = written
-
-    correcting = not new_state and rebuild is not None and end_us <= rebuild["until_us"]
     if new_state or correcting:  # a corrected state keeps the latest vocabularies and statistics
-        snapshots = {prefix: _snapshot(backend, s, base.snapshots.get(prefix) if base else None)
-                     for prefix, s in computed.states.items()}
         marker = {k: rebuild[k] for k in ("from_us", "until_us", "first_version")} if correcting else None
-        saved = store.save(FeatureState(end_us, computed.vocabularies, computed.stats, snapshots),
-                           publish=new_state or end_us == rebuild["until_us"], rebuild=marker)
+        saved = store.save(FeatureState(end_us, vocabularies, stats, snapshots),
+                           publish=new_state or end_us == rebuild["until_us"], rebuild=marker, staged=staged,
+                           snapshot_parts=parts)
     else:
         saved = latest
     summary.state_version = saved.version
-    summary.vocabulary_sizes = {c: v.size for c, v in computed.vocabularies.items()}
-    _write_schema(layout, config, spec, computed.vocabularies, saved.version)
+    summary.vocabulary_sizes = {c: v.size for c, v in vocabularies.items()}
+    _write_schema(layout, config, spec, vocabularies, saved.version)
     return summary
-
-
-def entity_table(backend: FrameBackend, states: ops.EntityStates, key: str, start_us: int, end_us: int) -> pa.Table:
-    """State rows with ``start <= ts < end``, as the Feast source: ``<key>, event_timestamp, <stats>``."""
-    table = backend.to_arrow(states.frame)
-    table = table.filter(pc.and_(pc.greater_equal(table["ts"], start_us), pc.less(table["ts"], end_us)))
-    stat_columns = [c for c in table.column_names if c.startswith(f"{states.prefix}_")]
-    return pa.table({
-        key: table["key"], "event_timestamp": table["ts"].cast(pa.timestamp("us", tz="UTC")), "_ts_us": table["ts"],
-        **{c: table[c].cast(pa.float64() if c.endswith("last_seen") else pa.int64()) for c in stat_columns},
-    })
-
-
-def _snapshot(backend: FrameBackend, states: ops.EntityStates, previous: pa.Table | None) -> pa.Table:
-    """The latest state row per entity: new state rows win over the carried-over snapshot."""
-    table = backend.to_arrow(states.frame)
-    stat_columns = [c for c in table.column_names if c.startswith(f"{states.prefix}_")]
-    table = table.select(["key", *stat_columns])
-    if previous is not None and previous.num_rows:
-        table = pa.concat_tables([previous.select(table.column_names).cast(table.schema), table])
-    frame = table.to_pandas()
-    frame = frame.drop_duplicates("key", keep="last").sort_values("key")
-    return pa.Table.from_pandas(frame, preserve_index=False)
-
-
-def _write_periods(folder: Path, table: pa.Table, ts_column: str, start_us: int, end_us: int,
-                   period_us: int, parquet: dict | None = None) -> int:
-    """One file per period of the window that has rows, staged beside the folder and renamed in; the window's
-    other files (periods now empty) removed. Work follows the rows: empty periods cost nothing."""
-    folder.mkdir(parents=True, exist_ok=True)
-    staging = folder.parent / f".staging-{folder.name}"
-    staging.mkdir(exist_ok=True)
-    ts = table[ts_column].to_numpy() if table.num_rows else np.empty(0, dtype=np.int64)
-    periods = _period_start(ts, period_us)
-    first, last = _period_file(folder, start_us).stem, _period_file(folder, end_us).stem
-    stale = {p for p in folder.glob("*.parquet") if first <= p.stem < last}
-    order = np.argsort(periods, kind="stable")
-    bounds = np.flatnonzero(np.diff(periods[order])) + 1
-    written = 0
-    for rows in np.split(order, bounds) if len(order) else []:
-        path = _period_file(folder, int(periods[rows[0]]))
-        part = table.take(pa.array(np.sort(rows))).drop_columns([ts_column])
-        tmp = staging / path.name
-        pq.write_table(part, tmp, **(parquet or {}))
-        os.replace(tmp, path)
-        stale.discard(path)
-        written += 1
-    for path in stale:
-        path.unlink(missing_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    return written
 
 
 def _write_schema(layout: FeatureLayout, config: FeatureConfig, spec: DatasetSpec,

@@ -9,6 +9,8 @@ trained on, and because vocabularies are append-only every later version maps it
         manifest.json              version, as_of, statistics, file names and SHA-256 checksums
         vocab-<column>.parquet     one per categorical column with a vocabulary
         snapshot-<entity>.parquet  latest state row per entity before as_of (what the online store holds)
+        snapshot-<entity>/part-00003.parquet   the same in parts, when Dask workers wrote it (one part per
+                                   hash partition of the keys; read back as one table sorted by key)
 
 A version is written into a hidden folder and renamed into place, so it appears whole or not at all. A
 missing or corrupt file is an error that names it.
@@ -25,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from recloop.features.vocab import Vocabulary
@@ -122,43 +125,60 @@ class StateStore:
         versions = self._current()
         return max(versions, key=lambda v: (self._as_of(v), v)) if versions else None
 
-    def latest(self) -> FeatureState | None:
+    def latest(self, snapshots: bool = True) -> FeatureState | None:
         version = self.latest_version()
-        return self.load(version) if version is not None else None
+        return self.load(version, snapshots) if version is not None else None
 
-    def at_or_before(self, t_us: int, counted: bool = False) -> FeatureState | None:
+    def at_or_before(self, t_us: int, counted: bool = False, snapshots: bool = True) -> FeatureState | None:
         """The newest valid state whose ``as_of`` is not after ``t_us`` (of equal ones, the last written).
         ``counted``: only one whose vocabulary counts are as of its own time (a rebuild's corrected states
-        before its end carry the latest counts)."""
+        before its end carry the latest counts). ``snapshots``: False leaves them unread (``snapshot_files``)."""
         found = [(as_of, v) for v in self._current() if (as_of := self._as_of(v)) <= t_us and not (
             counted and (r := self._manifest(v).get("rebuild")) and as_of < r["until_us"])]
-        return self.load(max(found)[1]) if found else None
+        return self.load(max(found)[1], snapshots) if found else None
 
     def next_version(self) -> int:
         return (self.versions() or [0])[-1] + 1
 
-    def load(self, version: int) -> FeatureState:
+    def load(self, version: int, snapshots: bool = True) -> FeatureState:
+        """A version, with its snapshots unless ``snapshots`` is False (a driver that leaves them to workers)."""
         manifest = self._manifest(version)
         folder = self.root / f"v{version:06d}"
         vocabularies = {
             column: Vocabulary(column, entry["min_count"], _read_checked(folder / entry["file"], entry["sha256"]))
             for column, entry in manifest["vocabularies"].items()
         }
-        snapshots = {
-            prefix: _read_checked(folder / entry["file"], entry["sha256"])
-            for prefix, entry in manifest["snapshots"].items()
-        }
-        return FeatureState(manifest["as_of_us"], vocabularies, manifest["stats"], snapshots, version)
+        tables = {prefix: _read_snapshot(files) for prefix, files in self.snapshot_files(version).items()} \
+            if snapshots else {}
+        return FeatureState(manifest["as_of_us"], vocabularies, manifest["stats"], tables, version)
 
-    def save(self, state: FeatureState, publish: bool = True, rebuild: dict | None = None) -> FeatureState:
-        """Write ``state`` as the next version (announced to readers unless ``publish`` is False: a corrected
-        earlier state); returns it with its version number. ``rebuild``: a corrected state's rebuild
-        (``from_us``, ``until_us``, ``first_version``: the first version it wrote), see ``_current``."""
-        version = self.next_version()
-        final = self.root / f"v{version:06d}"
-        staging = self.root / f".v{version:06d}.tmp"
+    def snapshot_files(self, version: int) -> dict[str, list[tuple[str, str]]]:
+        """Each snapshot's files (path, SHA-256): one, or a Dask job's parts."""
+        folder = self.root / f"v{version:06d}"
+        return {prefix: [(str(folder / part["file"]), part["sha256"]) for part in entry.get("parts", [entry])]
+                for prefix, entry in self._manifest(version)["snapshots"].items()}
+
+    def stage(self) -> Path:
+        """The next version's staging folder, empty: Dask workers write snapshot parts into it
+        (``write_snapshot_part``) before ``save(..., staged=...)`` adds the rest and renames it in."""
+        staging = self.root / f".v{self.next_version():06d}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
+        return staging
+
+    def unstage(self, staging: Path | None) -> None:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def save(self, state: FeatureState, publish: bool = True, rebuild: dict | None = None,
+             staged: Path | None = None, snapshot_parts: dict[str, list[dict]] | None = None) -> FeatureState:
+        """Write ``state`` as the next version (announced to readers unless ``publish`` is False: a corrected
+        earlier state); returns it with its version number. ``rebuild``: a corrected state's rebuild
+        (``from_us``, ``until_us``, ``first_version``: the first version it wrote), see ``_current``.
+        ``staged``, ``snapshot_parts``: the folder of ``stage`` and, per entity, the parts written into it."""
+        version = self.next_version()
+        final = self.root / f"v{version:06d}"
+        staging = staged if staged is not None else self.stage()
         manifest = {
             "version": version, "as_of_us": state.as_of_us, "as_of": state.as_of.isoformat(),
             "created_at": datetime.now(UTC).isoformat(), "stats": state.stats,
@@ -174,11 +194,34 @@ class StateStore:
             name = f"snapshot-{prefix}.parquet"
             manifest["snapshots"][prefix] = {"file": name, "rows": table.num_rows,
                                              "sha256": _write(table, staging / name)}
+        for prefix, parts in (snapshot_parts or {}).items():
+            parts = sorted(parts, key=lambda p: p["file"])
+            manifest["snapshots"][prefix] = {"parts": parts, "rows": sum(p["rows"] for p in parts)}
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(staging, final)
         if publish:
             self.publish(version)
         return FeatureState(state.as_of_us, state.vocabularies, state.stats, state.snapshots, version)
+
+
+def write_snapshot_part(table: pa.Table, staging: Path, prefix: str, number: int) -> dict:
+    """One hash partition's snapshot rows, written by a Dask worker into a staged version; its manifest entry."""
+    name = f"snapshot-{prefix}/part-{number:05d}.parquet"
+    (staging / name).parent.mkdir(exist_ok=True)
+    return {"file": name, "rows": table.num_rows, "sha256": _write(table, staging / name)}
+
+
+def read_snapshot_part(path: str, sha256: str) -> pa.Table:
+    return _read_checked(Path(path), sha256)
+
+
+def _read_snapshot(files: list[tuple[str, str]]) -> pa.Table:
+    """A snapshot's table: its one file, or its parts in one table sorted by key (as one process writes it)."""
+    tables = [_read_checked(Path(path), sha256) for path, sha256 in files]
+    if len(tables) == 1:
+        return tables[0]
+    table = pa.concat_tables(tables)
+    return table.take(pc.sort_indices(table["key"]))
 
 
 def _write(table: pa.Table, path: Path) -> str:

@@ -129,3 +129,30 @@ def merge_counts(parts: list[pa.Table]) -> pa.Table:
     table = pa.concat_tables(parts)
     summed = table.group_by("value").aggregate([("count", "sum")])
     return pa.table({"value": summed["value"], "count": summed["count_sum"].cast(pa.int64())})
+
+
+def earlier_in_group(groups: np.ndarray) -> np.ndarray:
+    """For each element, how many elements before it belong to its group (pandas' ``cumcount``)."""
+    by_group = np.argsort(groups, kind="stable")
+    sorted_groups = groups[by_group]
+    starts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
+    run_start = np.repeat(starts, np.diff(np.r_[starts, len(groups)]))
+    out = np.empty(len(groups), dtype=np.int64)
+    out[by_group] = np.arange(len(groups)) - run_start
+    return out
+
+
+def sightings_before(values: np.ndarray, order: np.ndarray, prior) -> np.ndarray:
+    """How often each row's value was seen before the row: ``prior(distinct)`` (sightings before all of
+    them, per distinct value in sorted order) plus the rows before it in ``order`` (time order) with it."""
+    ordered = values[order]
+    unique, inverse = np.unique(ordered, return_inverse=True)
+    seen = np.empty(len(values), dtype=np.int64)
+    seen[order] = np.asarray(prior(unique), dtype=np.int64)[inverse] + earlier_in_group(inverse)
+    return seen
+
+
+def out_of_vocabulary_until(index: np.ndarray, seen: np.ndarray, min_count: int) -> np.ndarray:
+    """Vocabulary indices with an admitted id made out of vocabulary in the rows before its ``min_count``-th
+    sighting (``seen``: sightings before each row)."""
+    return np.where((index > OOV_INDEX) & (seen < min_count), OOV_INDEX, index).astype(index.dtype)

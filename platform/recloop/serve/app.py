@@ -26,7 +26,6 @@ Example::
 import logging
 import secrets
 import threading
-import time
 from contextlib import asynccontextmanager
 from typing import Annotated, Literal
 
@@ -264,12 +263,11 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, name="recloop-uvicorn", daemon=True)
 
     def __enter__(self) -> "ServerThread":
+        from recloop.readiness import wait_until
+
         self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.time() > deadline:
-                raise RuntimeError("the serving API did not start")
-            time.sleep(0.02)
+        wait_until(lambda: self.server.started, what="the serving API starting", timeout=60, interval=0.02,
+                   gone=lambda: None if self.thread.is_alive() else "its thread ended")
         return self
 
     def __exit__(self, *exc) -> None:
