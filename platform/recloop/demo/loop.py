@@ -14,8 +14,9 @@ it champion. The serving API starts (in this process). Then each simulated day:
    otherwise the hourly schedule's work runs as one incremental ``retrain``, or a full one from scratch
    once the champion's chain of incremental runs spans ``full_every_days``
    (ingest → features → train → gate → canary start, for the ranker and then the retriever); a model
-   whose canary is still running is not retrained that night (``waits for v2's canary``): a new challenger
-   would reset its evidence.
+   whose canary started that night is not retrained (``waits for v2's canary``): a new challenger
+   would reset its evidence; one still undecided after a whole day of traffic is superseded, as
+   ``canary_wait_hours`` (24 h) supersedes it in real time.
 
 Every flow is a Prefect flow run (state under ``$RECLOOP_HOME/prefect``), every model an MLflow run and
 version, so ``recloop up`` shows the same history in the Prefect and MLflow UIs.
@@ -119,7 +120,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     panels: dict[int, dict] = {}
     with ServerThread(app) as server:
         for day in range(1, config.days):
-            began = time.perf_counter()
+            began, day_started_at = time.perf_counter(), time.time()
             clock["day"] = day
             record = DayRecord(day=day)
             stage(day, f"serving {config.requests_per_day} requests in {config.rounds} rounds (canary checks between)")
@@ -154,7 +155,11 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
             else:
                 stage(day, "scheduled retrain (incremental; from scratch when the chain is long): train, gate "
                            "(ranker, then retriever)")
+                # A canary waits at most a day of traffic, as ``canary_wait_hours`` (24) does in real time:
+                # one started before today's traffic began has had its day and is superseded (a wall-clock
+                # 24 h never passes in the demo, so an undecided challenger held back every later retrain).
                 outcome = flows["retrain"](mode="incremental", reason="scheduled", days=day + 1,
+                                           canary_wait_hours=(time.time() - day_started_at) / 3600,
                                            replay_fraction=config.replay_fraction,
                                            full_every_hours=config.full_every_days * 24 or None,
                                            full_epochs=config.full_epochs, **train_args)
