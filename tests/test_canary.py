@@ -200,3 +200,23 @@ def test_the_canary_run_in_mlflow_describes_each_decision_with_its_evidence(sett
     assert rows[1].startswith("| 0 | step | 95% | interleaving: +12.0% [-8.0%, +35.0%], 240 users")
     assert rows[2].startswith("| 1 | promote | 100% |") and "raw CTR is lower" in rows[2]
     assert "None" not in note and "nan" not in note
+
+
+def test_a_long_canarys_decisions_table_drops_its_oldest_rows_whole_and_counts_them():
+    """MLflow keeps 8000 characters of a run's description: a canary held hour after hour was cut in the middle of
+    a row, and every later row was appended to the cut one. The oldest rows give way, whole, and a line before the
+    table counts every row dropped so far."""
+    from recloop.canary import explain
+
+    row = {column: "figures " * 8 for column in explain.COLUMNS}
+    note = "# Canary of recloop-ranker v2 against champion v1\n\nMode: interleave.\n\n" + explain.markdown_header()
+    for step in range(60):
+        note = explain.fit_note(note + explain.markdown_row({**row, "step": str(step)}))
+        assert len(note) <= explain.NOTE_CHARACTERS
+    lines = note.splitlines()
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith(("| step", "| ---"))]
+    first = int(rows[0].split("|")[1])
+    assert rows[-1].startswith("| 59 |") and [int(r.split("|")[1]) for r in rows] == list(range(first, 60))
+    assert f"*The first {first} decisions are not shown here" in note and note.count("are not shown here") == 1
+    assert lines[0].startswith("# Canary of") and sum(line.startswith("| step |") for line in lines) == 1
+    assert explain.fit_note("short") == "short"

@@ -8,6 +8,7 @@ import re
 import threading
 from pathlib import Path
 
+import pytest
 from fastapi.testclient import TestClient
 
 from recloop.settings import Settings
@@ -222,26 +223,32 @@ def test_the_demo_report_says_why_each_model_moved_in_a_table(tmp_path: Path):
     assert "interleaving: +12.0%" in note
 
 
-def test_serving_with_a_dead_journal_database_is_one_line_naming_it(tmp_path: Path, monkeypatch):
+def test_a_dead_journal_database_is_one_line_for_its_readers_and_no_outage_for_serving(tmp_path: Path):
+    """Readers of the journal (the canary controller, the monitor) fail at once with one line naming the database;
+    serving's journal opens without it (issue 41: `recloop serve` exited 3, so a replica restarted during the outage
+    served nothing), says why, and refuses feedback until the database answers (tests/test_serve_faults.py serves
+    through such an outage on the real PostgreSQL)."""
     import socket
 
-    from typer.testing import CliRunner
-
-    from recloop.cli import app
+    from recloop.endpoints import ServiceUnavailable
+    from recloop.journal import JournalUnavailable, open_journal
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        dsn = f"postgresql://recloop@127.0.0.1:{probe.getsockname()[1]}/recloop"
-    monkeypatch.setenv("RECLOOP_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("RECLOOP_JOURNAL", "postgres")
-    monkeypatch.setenv("RECLOOP_POSTGRES_DSN", dsn)
-    result = CliRunner().invoke(app, ["serve", "--port", "1"])
-    assert result.exit_code == 3 and "Traceback" not in result.output
-    assert [line for line in result.output.splitlines() if line.strip()] == [
-        line
-        for line in result.output.splitlines()
-        if line.startswith(f"error: PostgreSQL at {dsn} is unreachable")
-    ]
+        dsn = f"postgresql://recloop:s3cret@127.0.0.1:{probe.getsockname()[1]}/recloop"
+    settings = Settings(home=tmp_path / "home", journal="postgres", postgres_dsn=dsn, service_retries=1,
+                        connect_timeout_seconds=0.5)
+    shown = dsn.replace("s3cret", "***")
+    with pytest.raises(ServiceUnavailable, match=f"^PostgreSQL at {re.escape(shown)} is unreachable"):
+        open_journal(settings)
+    journal = open_journal(settings, connect_later=True)
+    try:
+        assert journal.degraded.startswith(f"PostgreSQL at {shown} unreachable since start-up"), journal.degraded
+        assert "s3cret" not in journal.degraded
+        with pytest.raises(JournalUnavailable, match=f"PostgreSQL at {re.escape(shown)} is unreachable"):
+            journal.add_feedback("0" * 32, [1], [])
+    finally:
+        journal.close()
 
 
 def test_up_does_not_take_a_reused_pid_for_its_service(tmp_path: Path):

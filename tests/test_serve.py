@@ -397,7 +397,10 @@ def test_a_good_challenger_is_stepped_up_and_promoted(client: httpx.Client, home
     wait_for(client, lambda h: h["versions"] == {"champion": version, "challenger": None})
     tags = registry.version_info(home, version).tags
     tag = CanaryTag.from_tags(tags)
-    assert tag.state == "promoted" and tag.last_action == "promote" and not [k for k in tags if k.startswith("canary.")]
+    # one tag and its record (canary, canary.json): none of the separate canary.* tags of before
+    assert tag.state == "promoted" and tag.last_action == "promote"
+    assert sorted(k for k in tags if k.startswith("canary")) == ["canary", "canary.json"]
+    assert tags["canary"].startswith("promoted: "), tags["canary"]
     run = MlflowClient().get_run(tag.run_id)
     assert run.data.tags["recloop.kind"] == "canary" and run.info.status == "FINISHED"
     shares = [m.value for m in MlflowClient().get_metric_history(run.info.run_id, "share")]

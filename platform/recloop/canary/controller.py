@@ -491,4 +491,4 @@ def _decisions_note(client, run_id: str, current: CanaryStatus, decision: Canary
                 f"Mode: {current.mode}. Each row is one decision of the controller.\n\n" + explain.markdown_header())
     note += explain.markdown_row(explain.decision_row(index, decision.action, decision.share, decision.figures,
                                                       decision.reasons))
-    return note
+    return explain.fit_note(note)  # the oldest rows give way (MLflow cut a long canary's mid-row)

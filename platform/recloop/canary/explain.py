@@ -11,6 +11,7 @@ text out.
 from __future__ import annotations
 
 import math
+import re
 
 COLUMNS = ("step", "action", "share", "online CTR evidence (what decides)", "raw CTR champion / challenger",
            "guardrails (champion / challenger)", "why")
@@ -68,6 +69,41 @@ def markdown_header() -> str:
 
 def markdown_row(row: dict[str, str]) -> str:
     return "| " + " | ".join(row[c].replace("|", "\\|").replace("\n", " ") for c in COLUMNS) + " |\n"
+
+
+NOTE_CHARACTERS = 7900  # MLflow keeps 8000 characters of a tag (a run's description is one) and cuts the rest
+_NOT_SHOWN = re.compile(r"^\*The first (\d+) decisions are not shown here")
+
+
+def fit_note(note: str, limit: int = NOTE_CHARACTERS) -> str:
+    """A description holding a decisions table (``markdown_header`` and rows after it) cut to ``limit`` by
+    dropping its oldest rows, never cutting one, with a line before the table counting every row dropped so
+    far (MLflow cut a long canary's description in the middle of a row, and each later row was appended to it).
+
+    Example::
+
+        note = fit_note(note + markdown_row(row))
+    """
+    if len(note) <= limit:
+        return note
+    lines = note.split("\n")
+    rule = next(i for i, line in enumerate(lines) if line.startswith("| ---"))
+    preamble, header, rows = lines[:rule - 1], lines[rule - 1:rule + 1], [line for line in lines[rule + 1:] if line]
+    dropped = 0
+    for i, line in enumerate(preamble):
+        if (found := _NOT_SHOWN.match(line)) is not None:
+            dropped = int(found.group(1))
+            preamble = preamble[:i] + preamble[i + 2:]  # the line and its blank one: written again below
+            break
+
+    def text(rows: list[str], dropped: int) -> str:
+        notice = (f"*The first {dropped} decisions are not shown here (MLflow keeps {limit + 100} characters of a "
+                  "description): each decision is the run's artifact `canary/decision-NNN.json`.*")
+        return "\n".join([*preamble, notice, "", *header, *rows]) + "\n"
+
+    while len(rows) > 1 and len(text(rows, dropped)) > limit:
+        rows, dropped = rows[1:], dropped + 1
+    return text(rows, dropped)
 
 
 def raw_ctr_disagrees(action: str, champion_ctr: float | None, challenger_ctr: float | None) -> bool:
