@@ -156,6 +156,31 @@ class DynamicEmbeddingBagCollection(nn.Module):
     def embedding_dim(self) -> int:
         return self.inner.embedding_dim
 
+    # The inner collection's buffers, for code written against ``EmbeddingBagCollection`` (the trainer's id
+    # checks, warm-start state decay, layout).
+    @property
+    def weights(self) -> torch.Tensor:
+        return self.inner.weights
+
+    @property
+    def state1(self) -> torch.Tensor:
+        return self.inner.state1
+
+    @property
+    def state2(self) -> torch.Tensor:
+        return self.inner.state2
+
+    @property
+    def step(self) -> torch.Tensor:
+        return self.inner.step
+
+    @property
+    def id_errors(self) -> torch.Tensor:
+        return self.inner.id_errors
+
+    def prepare_for_graphs(self) -> None:
+        self.inner.prepare_for_graphs()
+
     def rows_held(self) -> dict[str, int]:
         """Admitted rows per dynamic table (one host synchronization)."""
         held = {}

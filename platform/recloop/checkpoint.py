@@ -178,6 +178,65 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: Path | str, device: t
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
+# --- table logs: checkpoints of what changed ------------------------------------------------------------------
+#
+# A dynamic table (``recloop_kernels.dynamic``) marks every row, slot and map position it changes, so an hourly
+# checkpoint of a huge table can hold only those: a log of safetensors files, a full one every ``full_every``,
+# deltas between, and ``log.json`` naming the chain since the last full one::
+#
+#     <folder>/0000001-full.safetensors  0000002-delta.safetensors  0000003-delta.safetensors  log.json
+
+TABLE_LOG = "log.json"
+
+
+def write_tables(folder: Path, embeddings, full_every: int) -> dict:
+    """Append a checkpoint of ``embeddings`` (a ``DynamicEmbeddingBagCollection``) to the table log in ``folder``.
+
+    Full (its ``state_dict``) when the log is empty or the chain holds ``full_every`` entries, else the delta
+    since the previous entry. A crash leaves the previous log intact (the file, then the log, are renamed
+    into place); a new full entry removes the chain before it. Returns the entry: file, kind, bytes.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    chain = _table_chain(folder)
+    full = not chain or len(chain) >= max(1, full_every)
+    number = chain[-1]["number"] + 1 if chain else 1
+    name = f"{number:07d}-{'full' if full else 'delta'}.safetensors"
+    tensors = dict(embeddings.state_dict()) if full else embeddings.delta_state_dict()
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, folder / f".{name}.tmp")
+    os.replace(folder / f".{name}.tmp", folder / name)
+    entry = {"number": number, "file": name, "kind": "full" if full else "delta",
+             "bytes": (folder / name).stat().st_size}
+    chain = [entry] if full else [*chain, entry]
+    (folder / f"{TABLE_LOG}.tmp").write_text(json.dumps({"chain": chain}, indent=1) + "\n")
+    os.replace(folder / f"{TABLE_LOG}.tmp", folder / TABLE_LOG)
+    keep = {e["file"] for e in chain}
+    for old in folder.glob("*.safetensors"):
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+    embeddings.clear_touched()
+    return entry
+
+
+def restore_tables(folder: Path, embeddings) -> int:
+    """Load the table log in ``folder`` into ``embeddings``: its full entry, then each delta in order (bit for
+    bit the state when the last entry was written). Returns the entries applied."""
+    chain = _table_chain(Path(folder))
+    if not chain:
+        raise CheckpointError(f"{folder} holds no table log ({TABLE_LOG})")
+    device = str(embeddings.weights.device)
+    embeddings.load_state_dict(load_file(Path(folder) / chain[0]["file"], device=device))
+    for entry in chain[1:]:
+        embeddings.apply_delta(load_file(Path(folder) / entry["file"], device=device))
+    embeddings.clear_touched()
+    return len(chain)
+
+
+def _table_chain(folder: Path) -> list[dict]:
+    path = folder / TABLE_LOG
+    return json.loads(path.read_text())["chain"] if path.exists() else []
+
+
 # --- finding a registered version's checkpoint -------------------------------------------------------------------
 
 

@@ -442,6 +442,9 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
     if resume_note:
         log.warning("%s: %s", run_id, resume_note)
     sharded = config.data_shards > 1 or ranks.world > 1
+    if sharded and model.dynamic_tables:
+        raise TrainError(f"tables {list(model.dynamic_tables)} have row budgets: dynamic tables train in one process "
+                         "with one data shard (sharding them is not built yet)")
     trained = distributed.wrap(model, ranks, config.row_wise_above or None) if sharded else model
 
     def save(completed: bool, summary: TrainSummary | None = None, gathered: bool = False) -> Path:
@@ -674,8 +677,12 @@ def slice_values(extras: dict[str, np.ndarray], layout: FeatureLayout) -> dict[s
 
 def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run_dir: Path, base: dict | None):
     """The model and dense optimizer: resumed from this run, warm-started from ``base``, or new."""
-    model_config = ModelConfig.from_dict({**config.model.to_dict(), "multi_hot_columns": tuple(schema.multi_hot)})
+    # Row budgets: the features' (per column) and the model configuration's (per table; it wins).
+    budgets = tuple({**dict(schema.budgets), **dict(config.model.max_rows)}.items())
+    model_config = ModelConfig.from_dict({**config.model.to_dict(), "multi_hot_columns": tuple(schema.multi_hot),
+                                          "max_rows": budgets})
     tables = schema.tables
+    dynamic = {name for name, _ in budgets}
     source, resumed = None, None
     if (run_dir / "latest.json").exists():
         source = checkpoint.read(run_dir)
@@ -691,6 +698,12 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
     else:
         old_tables = [tuple(t) for t in source["tables"]]
         current = dict(tables)
+        source_config = ModelConfig.from_dict(source["model"])
+        if {name for name, _ in source_config.max_rows} != dynamic:
+            raise TrainError(f"checkpoint {source['path']} has row budgets on {sorted(dict(source_config.max_rows))}, "
+                             f"the features and model configuration on {sorted(dynamic)}; retrain with --mode full")
+        # A dynamic table's rows are a budget, not a vocabulary's size: nothing to compare or grow.
+        current.update({name: rows for name, rows in old_tables if name in dynamic})
         rehashed = [name for name, rows in old_tables if name in schema.hashed and current.get(name) != rows]
         if rehashed:  # a vocabulary grows (new ids get new rows); buckets renumber every id when their count moves
             raise TrainError(f"checkpoint {source['path']} hashed {rehashed} into other bucket counts "
@@ -701,8 +714,7 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
             raise TrainError(f"checkpoint {source['path']} does not match the features: its tables "
                              f"{old_tables} vs {tables} (vocabulary version {source['state_version']} vs "
                              f"{schema.state_version}); retrain with --mode full")
-        model = RankingModel(ModelConfig.from_dict(source["model"]), len(schema.dense), old_tables, device=device,
-                             seed=config.seed)
+        model = RankingModel(source_config, len(schema.dense), old_tables, device=device, seed=config.seed)
         model.load_state_dict(load_file(Path(source["path"]) / "model.safetensors", device=str(device)))
         if resumed is not None:  # the run's own checkpoint: its tables grew from the base already (it says how)
             grown = {name: list(change) for name, change in (source.get("grown_tables") or {}).items()}
