@@ -213,7 +213,7 @@ def test_state_dict_round_trip_serves_the_same_rows():
 
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
 def test_delta_checkpoints_restore_bit_exactly(optimizer):
-    kwargs = dict(optimizer=optimizer, lr=0.1, count_half_life=4, sketch_width=256)  # a delta holds the sketch
+    kwargs = dict(optimizer=optimizer, lr=0.1, count_half_life=4)
     module = DynamicEmbeddingBagCollection(MIXED, budgets("lfu"), **kwargs)
     _train(module, stream(MIXED, 10, 11))
     full = save(dict(module.state_dict()))
@@ -236,12 +236,13 @@ def test_delta_checkpoints_restore_bit_exactly(optimizer):
 def test_a_delta_holds_only_what_changed():
     tables = [TableConfig("item", 1, 32)]
     dynamic = {"item": DynamicTableConfig(max_rows=2000, admit_after=1, fallback_rows=16)}
-    module = DynamicEmbeddingBagCollection(tables, dynamic, optimizer="rowwise_adagrad", sketch_width=1024)
+    module = DynamicEmbeddingBagCollection(tables, dynamic, optimizer="rowwise_adagrad")
     _train(module, stream(tables, 5, 1, batch_size=64, id_range=3000))
     module.clear_touched()
     _train(module, stream(tables, 1, 2, batch_size=4, id_range=3000))
     delta = module.delta_state_dict()
     assert 0 < delta["rows.0"].numel() <= 12 + 16 and delta["slots"].numel() <= 12
+    assert delta["sketch_cells"].numel() <= 12 * 4  # the counters of 12 ids, 4 rows of the sketch
     assert len(save(delta)) < len(save(dict(module.state_dict()))) / 10
 
 

@@ -98,13 +98,14 @@ class DynamicEmbeddingBagCollection(nn.Module):
         tables: every table, static and dynamic, in the order of the bags (a dynamic table's
             ``num_embeddings`` is ignored: it holds ``fallback_rows + max_rows`` rows).
         dynamic: table name → its ``DynamicTableConfig``.
-        sketch_depth, sketch_width: the admission sketch (shared by the dynamic tables).
+        sketch_depth, sketch_width: the admission sketch (shared by the dynamic tables); the width defaults
+            to the total budget rounded up to a power of two (at least 1024): 16 bytes a budgeted row.
         count_half_life: training steps after which the sketch's counts are halved (0: never).
         **kwargs: as ``EmbeddingBagCollection`` (optimizer, lr, dtype, device, seed, backend...).
     """
 
     def __init__(self, tables: Sequence[TableConfig], dynamic: Mapping[str, DynamicTableConfig],
-                 sketch_depth: int = 4, sketch_width: int = 1 << 16, count_half_life: int = 0, **kwargs):
+                 sketch_depth: int = 4, sketch_width: int | None = None, count_half_life: int = 0, **kwargs):
         super().__init__()
         names = [t.name for t in tables]
         unknown = set(dynamic) - set(names)
@@ -120,9 +121,11 @@ class DynamicEmbeddingBagCollection(nn.Module):
         configs = list(self.dynamic.values())
         self._dynamic_of = [self._tables.index(t) if t in self._tables else -1 for t in range(len(tables))]
         self._slot_offsets = [sum(c.max_rows for c in configs[:d]) for d in range(len(configs))]
+        total_slots = sum(c.max_rows for c in configs)
+        if sketch_width is None:
+            sketch_width = max(1024, 1 << math.ceil(math.log2(max(total_slots, 1))))
         self.sketch = CountMinSketch(sketch_depth, sketch_width)
         self.map = WindowedHashMap([map_capacity(c.max_rows) for c in configs])
-        total_slots = sum(c.max_rows for c in configs)
         map_keys, map_slots = self.map.new(device)
         self.register_buffer("map_keys", map_keys)
         self.register_buffer("map_slots", map_slots)
@@ -138,6 +141,8 @@ class DynamicEmbeddingBagCollection(nn.Module):
                              persistent=False)
         self.register_buffer("touched_map", torch.zeros(self.map.total, dtype=torch.bool, device=device),
                              persistent=False)
+        self.register_buffer("touched_sketch", torch.zeros(sketch_depth * sketch_width, dtype=torch.bool,
+                                                           device=device), persistent=False)
         self.failed_inserts = 0  # admissions refused because a map window was full (see slot_map.py)
         self.admitted = 0
         self.evicted = 0
@@ -250,7 +255,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         now = int(self.clock)
         picked = is_dynamic.nonzero().squeeze(1)
         keys, tables = keys[picked], dynamic_of[picked]
-        self.sketch.add(self.sketch_counts, keys, tables)
+        self.touched_sketch[self.sketch.add(self.sketch_counts, keys, tables)] = True
         found, slot = self.map.lookup(self.map_keys, self.map_slots, keys, tables)
         slot_offsets = torch.tensor(self._slot_offsets, dtype=torch.int64, device=keys.device)
         in_use = (slot_offsets[tables] + slot)[found]
@@ -270,6 +275,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         self.slot_last[used] = now
         self.touched_slots[used] = True
         if self.count_half_life and now % self.count_half_life == 0:
+            self.touched_sketch |= self.sketch_counts.view(-1) > 0  # every count the halving changes
             self.sketch_counts.bitwise_right_shift_(1)
 
     def _admit(self, tables: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor, in_use: torch.Tensor,
@@ -352,13 +358,13 @@ class DynamicEmbeddingBagCollection(nn.Module):
 
     def clear_touched(self) -> None:
         """Start a new delta: nothing has changed since now."""
-        for mark in (self.touched_rows, self.touched_slots, self.touched_map):
+        for mark in (self.touched_rows, self.touched_slots, self.touched_map, self.touched_sketch):
             mark.zero_()
 
     def delta_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything changed since ``clear_touched()``: touched rows (weights, optimizer state), slots, map
-        positions, and the small tensors in full (sketch, clock, step). ``apply_delta`` on a module holding
-        the state as of that moment gives this one's state bit for bit."""
+        positions and sketch counters, and the clock and step. ``apply_delta`` on a module holding the state
+        as of that moment gives this one's state bit for bit."""
         inner, layout = self.inner, self.inner.layout
         delta: dict[str, torch.Tensor] = {}
         for t in range(layout.num_tables):
@@ -374,10 +380,12 @@ class DynamicEmbeddingBagCollection(nn.Module):
                     delta[f"{name}.{t}"] = reference.table_view(state, layout, t)[rows].contiguous()
         slots = self.touched_slots.nonzero().squeeze(1)
         positions = self.touched_map.nonzero().squeeze(1)
+        cells = self.touched_sketch.nonzero().squeeze(1)
         delta.update({"slots": slots, "slot_keys": self.slot_keys[slots], "slot_last": self.slot_last[slots],
                       "slot_freq": self.slot_freq[slots], "map_positions": positions,
                       "map_keys": self.map_keys[positions], "map_slots": self.map_slots[positions],
-                      "sketch_counts": self.sketch_counts.clone(), "clock": self.clock.clone(),
+                      "sketch_cells": cells, "sketch_counts": self.sketch_counts.view(-1)[cells],
+                      "clock": self.clock.clone(),
                       "step": inner.step.clone(), "num_embeddings": inner.num_embeddings.clone()})
         return {k: v.detach().contiguous() for k, v in delta.items()}
 
@@ -402,7 +410,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
             getattr(self, name)[slots] = delta[name].to(device)
         self.map_keys[positions] = delta["map_keys"].to(device)
         self.map_slots[positions] = delta["map_slots"].to(device)
-        self.sketch_counts.copy_(delta["sketch_counts"])
+        self.sketch_counts.view(-1)[delta["sketch_cells"].to(device)] = delta["sketch_counts"].to(device)
         self.clock.copy_(delta["clock"])
         inner.step.copy_(delta["step"])
 

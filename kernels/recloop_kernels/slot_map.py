@@ -102,10 +102,11 @@ class CountMinSketch:
         rows = [(mix64(keys, salts + d) & (self.width - 1)) + d * self.width for d in range(self.depth)]
         return torch.stack(rows) if rows else keys.new_zeros(0, keys.numel())
 
-    def add(self, counters: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor) -> None:
-        """Count one sighting of each (key, table) pair (repeats count again)."""
+    def add(self, counters: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Count one sighting of each (key, table) pair (repeats count again); returns the flat cells changed."""
         cells = self._cells(keys, tables).reshape(-1)
         counters.view(-1).index_add_(0, cells, torch.ones_like(cells, dtype=torch.int32))
+        return cells
 
     def estimate(self, counters: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Sightings so far of each pair (int64; an overestimate only where every row collides)."""
