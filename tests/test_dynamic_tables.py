@@ -7,6 +7,7 @@ PyTorch reference backend over the same slots.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -265,3 +266,21 @@ def test_static_tables_keep_their_rows_and_grow():
     assert module.rows_for(*one_batch([[5], [19], [7]])).tolist()[1] == 19
     with pytest.raises(ValueError, match="dynamic"):
         module.grow("item", 100)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_map_and_the_kernels_match_the_cpu_reference():
+    """The same stream on CUDA (the map's tensors and the Triton kernels there) and on the CPU reference;
+    zero-initialized tables, so that both devices' random draws do not matter."""
+    tables = [dataclasses.replace(t, init="zeros") for t in MIXED]
+    kwargs = dict(optimizer="rowwise_adagrad", lr=0.3, count_half_life=5)
+    fast = DynamicEmbeddingBagCollection(tables, budgets("lfu"), device="cuda", backend="triton", **kwargs)
+    slow = DynamicEmbeddingBagCollection(tables, budgets("lfu"), backend="reference", **kwargs)
+    weights = torch.randn(4, sum(t.dim for t in MIXED), generator=torch.Generator().manual_seed(0))
+    for _, values, offsets in stream(MIXED, 30, 9, skew=True):
+        out_fast, out_slow = fast(values.cuda(), offsets.cuda()), slow(values, offsets)
+        torch.testing.assert_close(out_fast.cpu(), out_slow, rtol=1e-5, atol=1e-6)
+        (out_fast * weights.cuda()).sum().backward()
+        (out_slow * weights).sum().backward()
+    assert torch.equal(fast.slot_keys.cpu(), slow.slot_keys) and fast.evicted == slow.evicted > 0
+    torch.testing.assert_close(fast.inner.weights.cpu(), slow.inner.weights, rtol=1e-5, atol=1e-6)

@@ -68,3 +68,27 @@ def test_bad_ids_stay_errors_and_padding_is_ignored():
     offsets = torch.tensor([0, 2, 3, 4])
     with pytest.raises(IndexError):
         tiered(values, offsets)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_pinned_store_with_prefetch_trains_as_the_whole_table():
+    """The CUDA path: pinned host store, copies on a side stream, prefetch while a batch is in flight."""
+    kwargs = dict(optimizer="rowwise_adagrad", lr=0.2, seed=4)
+    tiered = HostCachedEmbeddingBagCollection(TABLES, cache_rows=[60, 50, 20], device="cuda", **kwargs)
+    assert tiered.store.weights.is_pinned()
+    whole = EmbeddingBagCollection(TABLES, device="cuda", **kwargs)
+    with torch.no_grad():  # the store's rows were drawn on the host: start the whole table from the same ones
+        whole.weights.copy_(tiered.store.weights)
+    batches = [(v.cuda(), o.cuda()) for v, o in zipf_batches(30, 16, seed=1)]
+    head = torch.randn(16, whole.embedding_dim, device="cuda")
+    for step, (values, offsets) in enumerate(batches):
+        out_whole, out_tiered = whole(values, offsets), tiered(values, offsets)
+        torch.testing.assert_close(out_tiered, out_whole, rtol=1e-6, atol=1e-7)
+        (out_whole * head).sum().backward()
+        if step + 1 < len(batches):
+            tiered.prefetch(*batches[step + 1])
+        (out_tiered * head).sum().backward()
+    tiered.flush()
+    torch.testing.assert_close(tiered.store.weights.cuda(), whole.weights, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(tiered.store.state1.cuda(), whole.state1, rtol=1e-6, atol=1e-7)
+    assert 0.3 < tiered.hit_rate < 1.0

@@ -203,6 +203,8 @@ class HostCachedEmbeddingBagCollection(nn.Module):
             rows, used, event = staged[2:]
             if event is not None:
                 torch.cuda.current_stream().wait_event(event)
+                for tensor in (rows, used):  # made on the copy stream, used on this one: freed after this one
+                    tensor.record_stream(torch.cuda.current_stream())
         else:
             rows, used = self._stage(values, offsets, self._in_flight)
         self._staged = None
