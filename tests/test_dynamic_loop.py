@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow.dataset as ds
+import pytest
 import torch
+from safetensors.torch import load_file
 
 from recloop import checkpoint
 from recloop.features.config import FeatureConfig
@@ -18,6 +21,7 @@ from recloop.features.job import build_features
 from recloop.model import ModelConfig, RankingModel
 from recloop.schema import load_spec
 from recloop.scoring import load_checkpoint, score
+from recloop.settings import Settings
 from recloop.simulate import WorldConfig
 from recloop.train import TrainConfig, train
 from recloop_kernels import DynamicEmbeddingBagCollection, EmbeddingBagCollection
@@ -91,7 +95,14 @@ def test_table_logs_restore_bit_exactly_and_deltas_cost_what_changed(tmp_path: P
     fulls = [w["bytes"] for w in written if w["kind"] == "full"]
     deltas = [w["bytes"] for w in written if w["kind"] == "delta"]
     assert max(deltas) < min(fulls)
-    assert sorted(p.name for p in (tmp_path / "tables").glob("*.safetensors")) == [w["file"] for w in written[-2:]]
+    # on disk: the newest chain and the one before it, each entry restorable by number
+    assert sorted(p.name for p in (tmp_path / "tables").glob("*.safetensors")) == [w["file"] for w in written[4:]]
+    for number, hour in ((6, 5), (9, 8), (8, 7)):
+        fresh = RankingModel(BUDGETED, 2, TABLES, seed=7)
+        checkpoint.restore_tables(tmp_path / "tables", fresh.embeddings, upto=number)
+        assert all(torch.equal(v, snapshots[hour][k]) for k, v in fresh.embeddings.state_dict().items()), number
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.restore_tables(tmp_path / "tables", fresh.embeddings, upto=3)  # its chain is gone
 
 
 def test_a_served_model_maps_evicted_ids_to_their_fallback_rows(tmp_path: Path):
@@ -119,20 +130,39 @@ def test_a_served_model_maps_evicted_ids_to_their_fallback_rows(tmp_path: Path):
     assert fallback[1] >= BUDGETED.fallback_rows  # an admitted id: its own row
 
 
-def test_the_trainer_takes_a_budget_from_the_features_and_serving_loads_its_map(tmp_path, lake_factory):
-    """Three simulated days, features with an item budget, a full run, the checkpoint scored (~10 s)."""
+@pytest.fixture(scope="module")
+def budgeted_lake(tmp_path_factory, lake_factory) -> Path:
+    """Three simulated days ingested; features with an item budget (60 rows) for the first two and a half."""
+    root = tmp_path_factory.mktemp("budgeted")
     spec = load_spec("synthetic")
-    settings = lake_factory(tmp_path, WorldConfig(seed=3, days=3, events_per_day=3000), features=False)
+    settings = lake_factory(root, WorldConfig(seed=3, days=3, events_per_day=3000), features=False)
     base = FeatureConfig.for_spec(spec)
     budgeted = tuple(dataclasses.replace(f, min_count=1, max_rows=60) if f.column == "item_id" else f
                      for f in base.categorical)
     build_features(settings, spec, dataclasses.replace(base, categorical=budgeted),
                    end=datetime(2026, 1, 3, 12, tzinfo=UTC))
+    return settings.home
+
+
+def copied(lake: Path, where: Path) -> Settings:
+    shutil.copytree(lake, where)
+    return Settings(home=where, frame_backend="pandas")
+
+
+SMALL = ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(16,), admit_after=1, fallback_rows=16)
+
+
+def budget_config(**changes) -> TrainConfig:
+    return TrainConfig(**{**dict(mode="full", days=3, epochs=1, batch_size=256, validation_hours=12, device="cpu",
+                                 model=SMALL, calibration_rows=0, baselines=False), **changes})
+
+
+def test_the_trainer_takes_a_budget_from_the_features_and_serving_loads_its_map(budgeted_lake, tmp_path):
+    """A full run on features with an item budget; its checkpoint loaded and scored as serving does (~10 s)."""
+    settings = copied(budgeted_lake, tmp_path / "home")
     schema = json.loads(FeatureLayout.for_settings(settings).schema.read_text())
     assert schema["categorical"]["c_item_id"]["max_rows"] == 60
-    small = ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(16,), admit_after=1, fallback_rows=16)
-    summary = train(settings, TrainConfig(mode="full", days=3, epochs=1, batch_size=256, validation_hours=12,
-                                          device="cpu", model=small, calibration_rows=0, baselines=False))
+    summary = train(settings, budget_config())
     loaded = load_checkpoint(summary.checkpoint, "budgeted")
     embeddings = loaded.model.embeddings
     assert loaded.model.dynamic_tables == ("c_item_id",)
@@ -144,3 +174,29 @@ def test_the_trainer_takes_a_budget_from_the_features_and_serving_loads_its_map(
     probabilities = score(loaded, rows)
     assert probabilities.shape == (200,) and torch.isfinite(probabilities).all()
     assert summary.auc > 0.55, summary.to_dict()
+
+
+@pytest.mark.slow
+def test_a_crashed_run_with_table_logs_resumes_to_the_same_weights(budgeted_lake, tmp_path):
+    """Periodic checkpoints hold the tables as table-log deltas; a crash resumes from them bit for bit (~30 s)."""
+    config = budget_config(deterministic=True, checkpoint_every=4, table_log_full_every=3)
+    uninterrupted = train(copied(budgeted_lake, tmp_path / "a"), config)
+    other = copied(budgeted_lake, tmp_path / "b")
+
+    def crash(step: int) -> None:
+        if step == 14:
+            raise KeyboardInterrupt("simulated crash")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(other, config, on_step=crash)
+    run_dir = next((other.home / "checkpoints").iterdir())
+    state = checkpoint.read(run_dir)
+    assert state["table_log"] == 3 and state["position"]["step"] == 12  # saves at 4 (full), 8, 12 (deltas)
+    assert not any(k.startswith("sparse_arch.embeddings.") for k in load_file(Path(state["path"]) / "model.safetensors"))
+    resumed = train(other, config)
+    assert resumed.resumed_from_step == 12 and resumed.steps == uninterrupted.steps
+    a = load_file(Path(uninterrupted.checkpoint) / "model.safetensors")
+    b = load_file(Path(resumed.checkpoint) / "model.safetensors")
+    assert "sparse_arch.embeddings.map_keys" in a  # the completed checkpoint is whole (it is what serving loads)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

@@ -116,6 +116,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         inner = [replace(t, num_embeddings=dynamic[t.name].fallback_rows + dynamic[t.name].max_rows)
                  if t.name in dynamic else t for t in tables]
         self.inner = EmbeddingBagCollection(inner, **kwargs)
+        self._seed = int(kwargs.get("seed", 0))
         device = self.inner.weights.device
         self._tables = [names.index(name) for name in self.dynamic]  # collection index of dynamic table d
         configs = list(self.dynamic.values())
@@ -325,14 +326,19 @@ class DynamicEmbeddingBagCollection(nn.Module):
             if evict > 0:  # a victim slot nobody took still had its row: it is now free, and starts fresh later
                 self.touched_slots[lo + victims] = True
             self.admitted += int(slots.numel())
-            self._reset_rows(self._tables[d], config.fallback_rows + slots)
+            self._reset_rows(self._tables[d], config.fallback_rows + slots, now)
 
-    def _reset_rows(self, t: int, rows: torch.Tensor) -> None:
-        """Fresh rows: the table's init, and zero optimizer state (an admitted id starts from nothing)."""
+    def _reset_rows(self, t: int, rows: torch.Tensor, now: int) -> None:
+        """Fresh rows: the table's init, and zero optimizer state (an admitted id starts from nothing).
+
+        The values are drawn from a generator seeded by (seed, step, table), not from a running one, so that
+        a run resumed from a checkpoint (which holds the clock, not a generator's state) draws the same."""
         inner = self.inner
         layout = inner.layout
+        generator = torch.Generator(device=inner._generator.device).manual_seed(
+            (self._seed * 1_000_003 + now * 1_009 + t) % (2**63))
         fresh = torch.empty(rows.numel(), layout.dims[t], device=inner._generator.device)
-        inner.tables[t].initialize(fresh, inner._generator)
+        inner.tables[t].initialize(fresh, generator)
         reference.table_view(inner.weights, layout, t)[rows] = fresh.to(inner.weights)
         for state in (inner.state1, inner.state2):
             if state.numel() == layout.total_rows:  # one value a row (row-wise Adagrad)

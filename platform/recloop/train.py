@@ -63,6 +63,7 @@ ORACLE_COLUMNS = ("p_click",)
 # Columns of the training rows the validation is sliced by (when present): new vs returning users,
 # device, item category. The gate compares candidate and champion on each slice.
 SLICE_COLUMNS = ("user_is_new", "c_device", "c_category")
+TABLES_PREFIX = "sparse_arch.embeddings."  # the model's tables in its state_dict (a table log holds them)
 VALUES_BUCKET = 1 << 14  # ids per batch are padded to a multiple of this on a GPU (few shapes: CUDA graphs)
 
 
@@ -117,6 +118,11 @@ class TrainConfig:
         min_steps: see ``fit_to_data`` (0: batch size and epochs exactly as given).
         train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
             sparse log's last 7 days may hold a few hundred).
+        table_log_full_every: with dynamic tables (row budgets), each periodic checkpoint writes the tables
+            to the run's table log (``recloop.checkpoint.write_tables``: the rows, slots and map positions
+            changed since the last one, a full copy every this many) and the step folder without them, so an
+            hourly checkpoint of a huge table costs what changed; the completed checkpoint (registered and
+            served) holds everything. 0: every checkpoint whole.
         baselines: score the simple baselines on the held-out rows too (``recloop.baselines.window_baselines``:
             learnt from the rows before the window, kept for the gate that judges this run).
     """
@@ -138,6 +144,7 @@ class TrainConfig:
     seed: int = 0
     deterministic: bool = False
     device: str = "auto"
+    table_log_full_every: int = 0
     compile: str = "auto"
     data_shards: int = 0
     row_wise_above: int = 0
@@ -460,6 +467,11 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
                 "calibration": list(model.calibration) if model.calibration else None,
                 "grown_tables": grown,  # (a resumed run's summary says it too)
                 "summary": asdict(summary) if summary else None}
+        if config.table_log_full_every and model.dynamic_tables and not completed:
+            entry = checkpoint.write_tables(run_dir / "tables", model.embeddings, config.table_log_full_every)
+            info["table_log"] = entry["number"]
+            return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed,
+                                   without=TABLES_PREFIX)
         return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed)
 
     start = RunStart(
@@ -715,7 +727,15 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
                              f"{old_tables} vs {tables} (vocabulary version {source['state_version']} vs "
                              f"{schema.state_version}); retrain with --mode full")
         model = RankingModel(source_config, len(schema.dense), old_tables, device=device, seed=config.seed)
-        model.load_state_dict(load_file(Path(source["path"]) / "model.safetensors", device=str(device)))
+        tensors = load_file(Path(source["path"]) / "model.safetensors", device=str(device))
+        if source.get("table_log"):  # a periodic checkpoint: its tables are in the run's table log
+            missing, unexpected = model.load_state_dict(tensors, strict=False)
+            if unexpected or any(not key.startswith(TABLES_PREFIX) for key in missing):
+                raise TrainError(f"checkpoint {source['path']} does not fit the model: {missing + unexpected}")
+            checkpoint.restore_tables(Path(source["path"]).parent / "tables", model.embeddings,
+                                      upto=source["table_log"], drop_later=resumed is not None)
+        else:
+            model.load_state_dict(tensors)
         if resumed is not None:  # the run's own checkpoint: its tables grew from the base already (it says how)
             grown = {name: list(change) for name, change in (source.get("grown_tables") or {}).items()}
         for name, rows in old_tables:
