@@ -87,8 +87,9 @@ class DynamicTableConfig:
 
 
 def map_capacity(max_rows: int) -> int:
-    """Positions of a table's map: a power of two ≥ 2 × max_rows (a load of one half at most)."""
-    return max(PROBE, 1 << math.ceil(math.log2(2 * max_rows)))
+    """Positions of a table's map: 4 × max_rows rounded up to a whole window (a load of a quarter at most,
+    where a full window is a ~1e-9 event: slot_map.py)."""
+    return -(-4 * max_rows // PROBE) * PROBE
 
 
 class DynamicEmbeddingBagCollection(nn.Module):
@@ -240,10 +241,13 @@ class DynamicEmbeddingBagCollection(nn.Module):
         keys = values.to(torch.int64)
         dynamic_of = torch.tensor(self._dynamic_of, device=values.device)[table]
         is_dynamic = (dynamic_of >= 0) & (position >= offsets[0]) & (position < offsets[-1]) & (keys >= 0)
-        if self.training:
-            self._train_step(keys, dynamic_of, is_dynamic)
         d = dynamic_of.clamp(min=0)
-        found, slot = self.map.lookup(self.map_keys, self.map_slots, keys, d)
+        if self.training:  # the step's own lookup, after admission, serves: no second pass over the batch
+            picked, picked_found, picked_slot = self._train_step(keys, dynamic_of, is_dynamic)
+            found = torch.zeros_like(is_dynamic).index_put_((picked,), picked_found)
+            slot = torch.full_like(keys, -1).index_put_((picked,), picked_slot)
+        else:
+            found, slot = self.map.lookup(self.map_keys, self.map_slots, keys, d)
         fallback_rows = torch.tensor([c.fallback_rows for c in self.dynamic.values()], device=values.device)[d]
         mapped = torch.where(found, fallback_rows + slot, bucket(keys, d, fallback_rows))
         rows = torch.where(is_dynamic, mapped, torch.where(dynamic_of >= 0, -1, keys))
@@ -251,7 +255,9 @@ class DynamicEmbeddingBagCollection(nn.Module):
             self._mark_rows(rows, table, position < offsets[-1])
         return rows.to(values.dtype)
 
-    def _train_step(self, keys: torch.Tensor, dynamic_of: torch.Tensor, is_dynamic: torch.Tensor) -> None:
+    def _train_step(self, keys: torch.Tensor, dynamic_of: torch.Tensor,
+                    is_dynamic: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Count, admit (evicting), score; returns the dynamic positions, and whether / where each has a slot."""
         self.clock += 1
         now = int(self.clock)
         picked = is_dynamic.nonzero().squeeze(1)
@@ -278,6 +284,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         if self.count_half_life and now % self.count_half_life == 0:
             self.touched_sketch |= self.sketch_counts.view(-1) > 0  # every count the halving changes
             self.sketch_counts.bitwise_right_shift_(1)
+        return picked, found, slot
 
     def _admit(self, tables: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor, in_use: torch.Tensor,
                now: int) -> None:

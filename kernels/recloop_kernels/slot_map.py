@@ -9,7 +9,7 @@ Everything here is a handful of vectorized torch ops over whole batches, so it r
   is the minimum over the rows, never below the true count (collisions only add), and it is halved every
   ``half_life`` steps so that old sightings fade and a months-long stream does not saturate it.
 - ``WindowedHashMap``: open addressing where a key lives within ``PROBE`` positions of its home
-  (``mix64(key, table) & mask``), one region of positions per table::
+  (``mix64(key, table) mod capacity``), one region of positions per table::
 
       region of table t:  | home .. home+PROBE-1 (wrapping inside the region) |
       lookup:  gather the key's PROBE positions at once (n, PROBE) → compare → the one match, or none
@@ -17,9 +17,10 @@ Everything here is a handful of vectorized torch ops over whole batches, so it r
                index wins and the others try again next round (a round per conflict, a few at most)
       delete:  mark the position free (a lookup scans the whole window, so no tombstone is needed)
 
-  The lookup is a fixed number of gathers: no host synchronization, whatever the load. At a load of at
-  most one half (capacity ≥ 2 × rows) a window of 32 is full with a probability far below 1e-9 a key;
-  an insert that finds its window full is refused and counted (``failed_inserts``): the id stays on its
+  The lookup is a fixed number of gathers: no host synchronization, whatever the load. Linear probing's
+  clusters have a geometric tail, P(length ≥ k) ≈ (α·e^(1-α))^k at load α: at one half a window of 32
+  would be full for ~2e-3 of the inserts, at one quarter (``map_capacity``: 4 positions a row) for ~1e-9.
+  An insert that finds its window full is refused and counted (``failed_inserts``): the id stays on its
   hashed fallback row, which is what it had before admission.
 """
 
@@ -118,7 +119,7 @@ class WindowedHashMap:
     """Key → slot maps of several tables in one pair of flat tensors (module docstring).
 
     Args:
-        capacities: positions per table (powers of two, ≥ ``PROBE``); table t owns the positions
+        capacities: positions per table (multiples of ``PROBE``); table t owns the positions
             ``starts[t] : starts[t] + capacities[t]``.
 
     The state is two int64 tensors (``new``): ``keys`` (``EMPTY`` where free) and ``slots``.
@@ -126,8 +127,8 @@ class WindowedHashMap:
 
     def __init__(self, capacities: list[int]):
         for c in capacities:
-            if c & (c - 1) or c < PROBE:
-                raise ValueError(f"map capacities must be powers of two ≥ {PROBE}, got {capacities}")
+            if c % PROBE or c < PROBE:
+                raise ValueError(f"map capacities must be positive multiples of {PROBE}, got {capacities}")
         self.capacities = list(capacities)
         self.starts = [sum(capacities[:t]) for t in range(len(capacities))]
         self.total = sum(capacities)
@@ -144,9 +145,9 @@ class WindowedHashMap:
         """The PROBE positions each key may live at: (n, PROBE) flat positions."""
         starts, capacities = self._meta(keys.device)
         start, capacity = starts[tables], capacities[tables]
-        home = mix64(keys, tables.to(torch.int64) * 2 + 1) & (capacity - 1)
+        home = (mix64(keys, tables.to(torch.int64) * 2 + 1) & ((1 << 62) - 1)) % capacity
         steps = torch.arange(PROBE, device=keys.device, dtype=torch.int64)
-        return start[:, None] + ((home[:, None] + steps) & (capacity[:, None] - 1))
+        return start[:, None] + ((home[:, None] + steps) % capacity[:, None])
 
     def lookup(self, map_keys: torch.Tensor, map_slots: torch.Tensor, keys: torch.Tensor,
                tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
