@@ -269,6 +269,8 @@ def zipf_ids(n: int, universe: int, g: torch.Generator, device) -> torch.Tensor:
 
 
 def throughput_part(args) -> list[dict]:
+    """The four cases on their batches, timed round-robin (one step of each in turn, so that a machine's
+    changing load falls on all of them alike); the median step of each."""
     device = torch.device(args.device)
     tables = [TableConfig(f"t{i}", args.rows, args.dim) for i in range(args.tables)]
     g = torch.Generator().manual_seed(0)
@@ -278,24 +280,7 @@ def throughput_part(args) -> list[dict]:
         return [(torch.cat([zipf_ids(args.batch, universe, g, device) for _ in tables]),
                  torch.arange(args.tables * args.batch + 1, device=device)) for _ in range(count)]
 
-    def timed(module, data, head) -> float:
-        def step(values, offsets):
-            (module(values, offsets) * head).sum().backward()
-        for values, offsets in data[:2]:  # warm-up (compilation, allocator)
-            step(values, offsets)
-        times = []
-        for values, offsets in data[2:]:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            step(values, offsets)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
     head = torch.randn(args.batch, args.dim * args.tables, device=device)
-    rows = []
     steady = batches(args.rows, args.repeats + 2)
     static = EmbeddingBagCollection(tables, **kwargs)
     budgets = {t.name: DynamicTableConfig(max_rows=args.rows, admit_after=1, fallback_rows=64) for t in tables}
@@ -303,33 +288,45 @@ def throughput_part(args) -> list[dict]:
     for values, offsets in steady:  # admit every id the timed batches use: a steady-state table
         dynamic.rows_for(values, offsets)
     _check_dynamic_equals_static(static, dynamic, steady[-1])
-    static_s = timed(static, steady, head)
-    rows.append({"case": "static EmbeddingBagCollection", "ms/batch": round(static_s * 1e3, 2), "vs static": 1.0,
-                 "evicted": "", "hit rate": ""})
-    dynamic_s = timed(dynamic, steady, head)
-    rows.append({"case": "dynamic, steady state (all admitted)", "ms/batch": round(dynamic_s * 1e3, 2),
-                 "vs static": round(static_s / dynamic_s, 3), "evicted": dynamic.evicted, "hit rate": ""})
     churning = DynamicEmbeddingBagCollection(tables, {n: DynamicTableConfig(max_rows=args.rows // 4, admit_after=1,
                                                                             fallback_rows=64) for n in budgets}, **kwargs)
     fill(churning, args)  # full before the timing: each batch's new ids evict
     churning.evicted = 0
-    churn = batches(args.rows, args.repeats + 2)
-    churn_s = timed(churning, churn, head)
-    rows.append({"case": "dynamic, churn (budget 1/4 of the ids)", "ms/batch": round(churn_s * 1e3, 2),
-                 "vs static": round(static_s / churn_s, 3), "evicted": churning.evicted, "hit rate": ""})
     cached = HostCachedEmbeddingBagCollection(tables, cache_rows=args.rows // 4, **kwargs)
     whole = EmbeddingBagCollection(tables, **kwargs)
     values, offsets = steady[0]
     if not torch.equal(cached(values, offsets), whole(values, offsets)):
         raise SystemExit("the host tier's output differs from the whole table's: no time reported")
     fill(cached, args)  # a full cache: misses evict (and write back)
-    cached.hits = cached.lookups = cached.rows_written_back = 0  # counted over the timed batches only
-    tier_s = timed(cached, steady, head)
-    rows.append({"case": "host tier, cache 1/4 of the rows", "ms/batch": round(tier_s * 1e3, 2),
-                 "vs static": round(static_s / tier_s, 3), "evicted": cached.rows_written_back,
-                 "hit rate": round(cached.hit_rate, 3)})
-    for row in rows:
-        row["lookups/s"] = f"{args.batch * args.tables / (row['ms/batch'] / 1e3):,.0f}"
+    cases = {"static EmbeddingBagCollection": (static, steady),
+             "dynamic, steady state (all admitted)": (dynamic, steady),
+             "dynamic, churn (budget 1/4 of the ids)": (churning, batches(args.rows, args.repeats + 2)),
+             "host tier, cache 1/4 of the rows (prefetching)": (cached, steady)}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(args.repeats + 2):
+        for name, (module, data) in cases.items():
+            if i == 2 and module is cached:
+                cached.hits = cached.lookups = cached.rows_written_back = 0  # counted over the timed steps only
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = module(*data[i])
+            if module is cached and i + 1 < len(data):
+                cached.prefetch(*data[i + 1])  # the next batch's rows move while this one trains
+            (out * head).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:  # two warm-up steps (compilation, allocator)
+                times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["static EmbeddingBagCollection"])
+    rows = []
+    for name, (module, _) in cases.items():
+        seconds = statistics.median(times[name])
+        rows.append({"case": name, "ms/batch": round(seconds * 1e3, 2), "vs static": round(base / seconds, 3),
+                     "evicted": module.evicted if module in (dynamic, churning) else
+                     cached.rows_written_back if module is cached else "",
+                     "hit rate": round(cached.hit_rate, 3) if module is cached else "",
+                     "lookups/s": f"{args.batch * args.tables / seconds:,.0f}"})
     return rows
 
 

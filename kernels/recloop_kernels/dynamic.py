@@ -50,7 +50,7 @@ from torch import nn
 from recloop_kernels import reference
 from recloop_kernels.collection import EmbeddingBagCollection
 from recloop_kernels.config import TableConfig
-from recloop_kernels.slot_map import EMPTY, PROBE, CountMinSketch, WindowedHashMap, bucket
+from recloop_kernels.slot_map import EMPTY, PROBE, CountMinSketch, WindowedHashMap, bucket, unique_pairs
 
 Eviction = Literal["lru", "lfu"]
 
@@ -266,7 +266,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         found, slot = self.map.lookup(self.map_keys, self.map_slots, keys, tables)
         slot_offsets = torch.tensor(self._slot_offsets, dtype=torch.int64, device=keys.device)
         in_use = (slot_offsets[tables] + slot)[found]
-        pairs = torch.unique(torch.stack([tables[~found], keys[~found]]), dim=1)  # sorted by table, then key
+        pairs = torch.stack(unique_pairs(tables[~found], keys[~found]))  # sorted by table, then key
         if pairs.numel():
             counts = self.sketch.estimate(self.sketch_counts, pairs[1], pairs[0])
             thresholds = torch.tensor([c.admit_after for c in self.dynamic.values()], device=keys.device)

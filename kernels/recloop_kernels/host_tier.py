@@ -38,7 +38,7 @@ from recloop_kernels import reference
 from recloop_kernels.collection import EmbeddingBagCollection
 from recloop_kernels.config import TableConfig
 from recloop_kernels.dynamic import map_capacity
-from recloop_kernels.slot_map import EMPTY, WindowedHashMap
+from recloop_kernels.slot_map import EMPTY, WindowedHashMap, unique_pairs
 
 
 def copy_rows(src: EmbeddingBagCollection, src_rows: torch.Tensor, dst: EmbeddingBagCollection,
@@ -137,7 +137,7 @@ class HostCachedEmbeddingBagCollection(nn.Module):
         rows = values.to(torch.int64)
         sizes = torch.tensor(self.store.layout.rows, device=device)[table]
         valid = (rows >= 0) & (rows < sizes) & (position >= offsets[0]) & (position < offsets[-1])
-        pairs = torch.unique(torch.stack([table[valid], rows[valid]]), dim=1)
+        pairs = torch.stack(unique_pairs(table[valid], rows[valid]))
         found, slot = self.map.lookup(self.map_keys, self.map_slots, pairs[1], pairs[0])
         self.clock += 1
         self.lookups += pairs.shape[1]
