@@ -50,7 +50,15 @@ from torch import nn
 from recloop_kernels import reference
 from recloop_kernels.collection import EmbeddingBagCollection
 from recloop_kernels.config import TableConfig
-from recloop_kernels.slot_map import EMPTY, PROBE, CountMinSketch, WindowedHashMap, bucket, unique_pairs
+from recloop_kernels.slot_map import (
+    EMPTY,
+    PROBE,
+    CountMinSketch,
+    WindowedHashMap,
+    bucket,
+    mix64_int,
+    unique_pairs,
+)
 
 Eviction = Literal["lru", "lfu"]
 
@@ -338,12 +346,12 @@ class DynamicEmbeddingBagCollection(nn.Module):
     def _reset_rows(self, t: int, rows: torch.Tensor, now: int) -> None:
         """Fresh rows: the table's init, and zero optimizer state (an admitted id starts from nothing).
 
-        The values are drawn from a generator seeded by (seed, step, table), not from a running one, so that
-        a run resumed from a checkpoint (which holds the clock, not a generator's state) draws the same."""
+        The values are drawn from a generator seeded by a hash of (seed, step, table), not from a running one,
+        so that a run resumed from a checkpoint (which holds the clock, not a generator's state) draws the same."""
         inner = self.inner
         layout = inner.layout
         generator = torch.Generator(device=inner._generator.device).manual_seed(
-            (self._seed * 1_000_003 + now * 1_009 + t) % (2**63))
+            mix64_int(self._seed, now * 1_009 + t) >> 1)
         fresh = torch.empty(rows.numel(), layout.dims[t], device=inner._generator.device)
         inner.tables[t].initialize(fresh, generator)
         reference.table_view(inner.weights, layout, t)[rows] = fresh.to(inner.weights)
