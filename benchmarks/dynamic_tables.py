@@ -19,7 +19,7 @@ vs ``DynamicEmbeddingBagCollection`` on the same batches in the same process (st
 admitted; churn: ids from a universe 4x the budget, admissions and evictions every batch), and the host
 tier (a device cache of a quarter of the rows) vs the whole table; outputs are checked equal first.
 
-    python benchmarks/dynamic_tables.py                       # both parts, small default sizes (~3 min, 2 cores)
+    python benchmarks/dynamic_tables.py                       # both parts, small defaults (3-6 min, shared 2 cores)
     python benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 128 --batch 65536
 """
 
