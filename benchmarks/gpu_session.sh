@@ -11,6 +11,8 @@
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh segment # the segment pass's settings on 5 shapes (210 s)
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh final   # after new defaults: tests, ptx, embedding,
 #                                                                    # train, the profile (325 s)
+#   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh dynamic # issue 42: dynamic tables and the host
+#                                                                    # tier, tests and throughput (390 s)
 #
 # Each step runs under its own time limit, so one slow step cannot take the others' time; gpu_suite.py
 # saves its JSON after every figure, so a step stopped at its limit keeps what it measured. Everything
@@ -24,7 +26,7 @@
 # Between the calls, here: mkdir -p gpu-in && cp <call 1's files_at>/gpu_suite.json gpu-in/ (ignored), and
 # name gpu-in in call 2's carry, so that part 2 adds its steps to part 1's JSON.
 set -u
-part=${1:?which part: 1, 2 or check}
+part=${1:?which part: 1, 2, check, measure, tune, segment, final or dynamic}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -110,6 +112,17 @@ elif [ "$part" = final ]; then
     step 90 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
     step 100 python3 benchmarks/gpu_suite.py --only train --out "$suite"
     profile_passes 30
+elif [ "$part" = dynamic ]; then
+    # issue 42, not yet run on a GPU: the dynamic tables' and the host tier's gpu tests (the map and the
+    # kernels on CUDA against the CPU reference; a pinned store with side-stream prefetch against the whole
+    # table), then lookup + update throughput, dynamic and host tier vs static on the same batches, at the
+    # seeds' shape (one 10M-row table, dim 64, batch 16K) and a Criteo-like one (8 tables x 2M x 128, batch
+    # 64K). Limits add up to 390 s (guesses: no GPU has run these; the CPU run of the small shape took ~60 s).
+    step 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_dynamic_tables.py tests/test_host_tier.py
+    step 150 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 64 \
+        --tables 1 --batch 16384 --threads 8 --json "$OUT/dynamic_tables_seed_shape.json"
+    step 150 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 2000000 --dim 128 \
+        --tables 8 --batch 65536 --threads 8 --json "$OUT/dynamic_tables_criteo_like.json"
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"

@@ -95,18 +95,21 @@ def staging_folder(run_dir: Path, step_dir: Path) -> Path:
 
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: dict,
-         completed: bool, staged: Path | None = None, sharded_tables: bool = False) -> Path:
+         completed: bool, staged: Path | None = None, sharded_tables: bool = False,
+         without: str | None = None) -> Path:
     """Write a step folder (``step_folder``: model, dense optimizer, ``state.json`` = ``info`` + the
     optimizer's scalars), then point ``latest.json`` at it. A crash at any point leaves the previous
     checkpoint intact. ``staged``: the step's staging folder, where the ranks wrote their table shards
-    (``sharded_tables``: the model's file then leaves them out)."""
+    (``sharded_tables``: the model's file then leaves them out). ``without``: leave out the model's tensors
+    under this prefix (tables written to a table log instead: ``write_tables``)."""
     step_dir = step_folder(run_dir, step) if staged is None else run_dir / staged.name[1:-len(".tmp")]
     staging = staging_folder(run_dir, step_dir)
     if staged is None:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     left_out = _table_keys(model) if sharded_tables else set()  # rank 0's copies of them are stale
-    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in left_out}
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+               if k not in left_out and (without is None or not k.startswith(without))}
     save_file(weights, staging / "model.safetensors")
     tensors, meta = _optimizer_tensors(optimizer)
     save_file(tensors, staging / "dense_optimizer.safetensors")
@@ -215,6 +218,83 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: Path | str, device: t
         if "step" in group and torch.is_tensor(group["step"]):
             group["step"] = group["step"].cpu()
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+# --- table logs: checkpoints of what changed ------------------------------------------------------------------
+#
+# A dynamic table (``recloop_kernels.dynamic``) marks every row, slot, map position and sketch counter it
+# changes, so an hourly checkpoint of a huge table can hold only those: a log of safetensors files, a full one
+# every ``full_every`` entries, deltas between, and ``log.json`` listing the entries on disk::
+#
+#     <folder>/0000001-full.safetensors  0000002-delta.safetensors  ...  0000004-full.safetensors  ...  log.json
+#
+# The chain before the newest full entry is kept too (a step folder written before that entry may still be
+# the one ``latest.json`` names); older ones are removed.
+
+TABLE_LOG = "log.json"
+
+
+def write_tables(folder: Path, embeddings, full_every: int) -> dict:
+    """Append a checkpoint of ``embeddings`` (a ``DynamicEmbeddingBagCollection``) to the table log in ``folder``.
+
+    Full (its ``state_dict``) when the log is empty or ``full_every`` entries have been written since the last
+    full one, else the delta since the previous entry. A crash leaves the previous log intact (the file, then
+    the log, are renamed into place). Returns the entry: number, file, kind, bytes.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = _table_entries(folder)
+    fulls = [i for i, e in enumerate(entries) if e["kind"] == "full"]
+    full = not fulls or len(entries) - fulls[-1] >= max(1, full_every)
+    number = entries[-1]["number"] + 1 if entries else 1
+    name = f"{number:07d}-{'full' if full else 'delta'}.safetensors"
+    tensors = dict(embeddings.state_dict()) if full else embeddings.delta_state_dict()
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, folder / f".{name}.tmp")
+    os.replace(folder / f".{name}.tmp", folder / name)
+    entry = {"number": number, "file": name, "kind": "full" if full else "delta",
+             "bytes": (folder / name).stat().st_size}
+    entries.append(entry)
+    if full and len(fulls) >= 1:  # keep this chain and the one before it
+        entries = entries[fulls[-1]:]
+    (folder / f"{TABLE_LOG}.tmp").write_text(json.dumps({"entries": entries}, indent=1) + "\n")
+    os.replace(folder / f"{TABLE_LOG}.tmp", folder / TABLE_LOG)
+    keep = {e["file"] for e in entries}
+    for old in folder.glob("*.safetensors"):
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+    embeddings.clear_touched()
+    return entry
+
+
+def restore_tables(folder: Path, embeddings, upto: int | None = None, drop_later: bool = False) -> int:
+    """Load the table log in ``folder`` into ``embeddings`` as it stood at entry ``upto`` (default: the newest):
+    the last full entry up to it, then each delta after that in order, bit for bit. Returns the entries applied.
+
+    ``drop_later``: remove the entries after ``upto`` from the log (a run resuming from ``upto``: entries a
+    crash left after it describe a future that will not happen, and the next delta starts from ``upto``)."""
+    folder = Path(folder)
+    everything = _table_entries(folder)
+    entries = [e for e in everything if upto is None or e["number"] <= upto]
+    fulls = [i for i, e in enumerate(entries) if e["kind"] == "full"]
+    if not fulls or (upto is not None and entries[-1]["number"] != upto):
+        raise CheckpointError(f"{folder} holds no table log up to entry {upto}")
+    chain = entries[fulls[-1]:]
+    device = str(embeddings.weights.device)
+    embeddings.load_state_dict(load_file(Path(folder) / chain[0]["file"], device=device))
+    for entry in chain[1:]:
+        embeddings.apply_delta(load_file(Path(folder) / entry["file"], device=device))
+    embeddings.clear_touched()
+    if drop_later and len(entries) < len(everything):
+        (folder / f"{TABLE_LOG}.tmp").write_text(json.dumps({"entries": entries}, indent=1) + "\n")
+        os.replace(folder / f"{TABLE_LOG}.tmp", folder / TABLE_LOG)
+        for entry in everything[len(entries):]:
+            (folder / entry["file"]).unlink(missing_ok=True)
+    return len(chain)
+
+
+def _table_entries(folder: Path) -> list[dict]:
+    path = folder / TABLE_LOG
+    return json.loads(path.read_text())["entries"] if path.exists() else []
 
 
 # --- finding a registered version's checkpoint -------------------------------------------------------------------

@@ -42,6 +42,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import torch
+from safetensors.torch import load_file
 
 from recloop import baselines, checkpoint, distributed
 from recloop.data import BATCH_PLAN, ChunkLoader, FeatureSchema, training_files
@@ -63,6 +64,7 @@ ORACLE_COLUMNS = ("p_click",)
 # Columns of the training rows the validation is sliced by (when present): new vs returning users,
 # device, item category. The gate compares candidate and champion on each slice.
 SLICE_COLUMNS = ("user_is_new", "c_device", "c_category")
+TABLES_PREFIX = "sparse_arch.embeddings."  # the model's tables in its state_dict (a table log holds them)
 VALUES_BUCKET = 1 << 14  # ids per batch are padded to a multiple of this on a GPU (few shapes: CUDA graphs)
 
 
@@ -117,6 +119,11 @@ class TrainConfig:
         min_steps: see ``fit_to_data`` (0: batch size and epochs exactly as given).
         train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
             sparse log's last 7 days may hold a few hundred).
+        table_log_full_every: with dynamic tables (row budgets), each periodic checkpoint writes the tables
+            to the run's table log (``recloop.checkpoint.write_tables``: the rows, slots and map positions
+            changed since the last one, a full copy every this many) and the step folder without them, so an
+            hourly checkpoint of a huge table costs what changed; the completed checkpoint (registered and
+            served) holds everything. 0: every checkpoint whole.
         baselines: score the simple baselines on the held-out rows too (``recloop.baselines.window_baselines``:
             learnt from the rows before the window, kept for the gate that judges this run).
     """
@@ -138,6 +145,7 @@ class TrainConfig:
     seed: int = 0
     deterministic: bool = False
     device: str = "auto"
+    table_log_full_every: int = 0
     compile: str = "auto"
     data_shards: int = 0
     row_wise_above: int = 0
@@ -442,6 +450,9 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
     if resume_note:
         log.warning("%s: %s", run_id, resume_note)
     sharded = config.data_shards > 1 or ranks.world > 1
+    if sharded and model.dynamic_tables:
+        raise TrainError(f"tables {list(model.dynamic_tables)} have row budgets: dynamic tables train in one process "
+                         "with one data shard (sharding them is not built yet)")
     trained = distributed.wrap(model, ranks, config.row_wise_above or None) if sharded else model
     if resumed and ranks.world > 1 and (tables := Path(checkpoint.read(run_dir)["path"]) / checkpoint.TABLES).is_dir():
         from recloop.model.sharded_checkpoint import load_tables
@@ -465,6 +476,11 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
                 "calibration": list(model.calibration) if model.calibration else None,
                 "grown_tables": grown,  # (a resumed run's summary says it too)
                 "summary": asdict(summary) if summary else None}
+        if config.table_log_full_every and model.dynamic_tables and not completed:
+            entry = checkpoint.write_tables(run_dir / "tables", model.embeddings, config.table_log_full_every)
+            info["table_log"] = entry["number"]
+            return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed,
+                                   without=TABLES_PREFIX)
         return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed, staged=staged,
                                sharded_tables=staged is not None)
 
@@ -699,8 +715,12 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
            whole_tables: bool = True):
     """The model and dense optimizer: resumed from this run, warm-started from ``base``, or new.
     ``whole_tables`` False: a sharded checkpoint's tables are left for each rank to read its own."""
-    model_config = ModelConfig.from_dict({**config.model.to_dict(), "multi_hot_columns": tuple(schema.multi_hot)})
+    # Row budgets: the features' (per column) and the model configuration's (per table; it wins).
+    budgets = tuple({**dict(schema.budgets), **dict(config.model.max_rows)}.items())
+    model_config = ModelConfig.from_dict({**config.model.to_dict(), "multi_hot_columns": tuple(schema.multi_hot),
+                                          "max_rows": budgets})
     tables = schema.tables
+    dynamic = {name for name, _ in budgets}
     source, resumed = None, None
     if (run_dir / "latest.json").exists():
         source = checkpoint.read(run_dir)
@@ -716,6 +736,12 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
     else:
         old_tables = [tuple(t) for t in source["tables"]]
         current = dict(tables)
+        source_config = ModelConfig.from_dict(source["model"])
+        if {name for name, _ in source_config.max_rows} != dynamic:
+            raise TrainError(f"checkpoint {source['path']} has row budgets on {sorted(dict(source_config.max_rows))}, "
+                             f"the features and model configuration on {sorted(dynamic)}; retrain with --mode full")
+        # A dynamic table's rows are a budget, not a vocabulary's size: nothing to compare or grow.
+        current.update({name: rows for name, rows in old_tables if name in dynamic})
         rehashed = [name for name, rows in old_tables if name in schema.hashed and current.get(name) != rows]
         if rehashed:  # a vocabulary grows (new ids get new rows); buckets renumber every id when their count moves
             raise TrainError(f"checkpoint {source['path']} hashed {rehashed} into other bucket counts "
@@ -726,9 +752,16 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
             raise TrainError(f"checkpoint {source['path']} does not match the features: its tables "
                              f"{old_tables} vs {tables} (vocabulary version {source['state_version']} vs "
                              f"{schema.state_version}); retrain with --mode full")
-        model = RankingModel(ModelConfig.from_dict(source["model"]), len(schema.dense), old_tables, device=device,
-                             seed=config.seed)
-        checkpoint.load_weights(model, Path(source["path"]), device, tables=whole_tables)
+        model = RankingModel(source_config, len(schema.dense), old_tables, device=device, seed=config.seed)
+        if source.get("table_log"):  # a periodic checkpoint: its tables are in the run's table log
+            tensors = load_file(Path(source["path"]) / "model.safetensors", device=str(device))
+            missing, unexpected = model.load_state_dict(tensors, strict=False)
+            if unexpected or any(not key.startswith(TABLES_PREFIX) for key in missing):
+                raise TrainError(f"checkpoint {source['path']} does not fit the model: {missing + unexpected}")
+            checkpoint.restore_tables(Path(source["path"]).parent / "tables", model.embeddings,
+                                      upto=source["table_log"], drop_later=resumed is not None)
+        else:
+            checkpoint.load_weights(model, Path(source["path"]), device, tables=whole_tables)
         if resumed is not None:  # the run's own checkpoint: its tables grew from the base already (it says how)
             grown = {name: list(change) for name, change in (source.get("grown_tables") or {}).items()}
         for name, rows in old_tables:

@@ -64,6 +64,7 @@ class FeatureSchema:
     state_version: int = 0
     extra: tuple[str, ...] = ()  # columns carried along for evaluation (oracle, entity keys)
     hashed: tuple[str, ...] = ()  # tables of hashed ids (and crosses): their rows are buckets, not a vocabulary
+    budgets: tuple[tuple[str, int], ...] = ()  # (table, max_rows): tables keyed by id under a row budget
 
     @classmethod
     def load(cls, path: Path, extra: tuple[str, ...] = ()) -> FeatureSchema:
@@ -75,7 +76,8 @@ class FeatureSchema:
                    categorical={k: v["num_embeddings"] for k, v in raw["categorical"].items()},
                    multi_hot={k: v["num_embeddings"] for k, v in raw["multi_hot"].items()},
                    label=raw.get("label", "label"), state_version=raw.get("state_version", 0), extra=extra,
-                   hashed=tuple(k for k, v in raw["categorical"].items() if v.get("hashed")))
+                   hashed=tuple(k for k, v in raw["categorical"].items() if v.get("hashed")),
+                   budgets=tuple((k, int(v["max_rows"])) for k, v in raw["categorical"].items() if v.get("max_rows")))
 
     @property
     def tables(self) -> list[tuple[str, int]]:

@@ -21,11 +21,16 @@ class CategoricalFeature:
         column: the spec column.
         min_count: ids seen fewer times than this (over all windows so far) map to the OOV index.
         hash_buckets: hash into this many buckets instead of keeping a vocabulary (unbounded ids).
+        max_rows: a row budget: the model keys this column's table by its ids (vocabulary indices, or the
+            hashes when ``hash_buckets`` is set, as large as 2**62) and holds at most this many rows,
+            admitting and evicting ids as they come and go (``recloop_kernels.dynamic``; the model's
+            ``ModelConfig.max_rows`` says the same per table). None: a row per id, growing with the vocabulary.
     """
 
     column: str
     min_count: int = 1
     hash_buckets: int | None = None
+    max_rows: int | None = None
 
 
 @dataclass(frozen=True)

@@ -343,7 +343,9 @@ def _write_schema(layout: FeatureLayout, config: FeatureConfig, spec: DatasetSpe
                   vocabularies: dict[str, Vocabulary], version: int) -> None:
     """What the trainer needs to know about the training rows, next to them."""
     sources = {**{f.column: f.column for f in config.categorical}, **{c.name: list(c.columns) for c in config.crosses}}
-    categorical = {f"c_{name}": {"num_embeddings": size, "source": sources[name], **({"hashed": True} if hashed else {})}
+    budgets = {f.column: f.max_rows for f in config.categorical if f.max_rows}
+    categorical = {f"c_{name}": {"num_embeddings": size, "source": sources[name], **({"hashed": True} if hashed else {}),
+                                 **({"max_rows": budgets[name]} if name in budgets else {})}
                    for name, (size, hashed) in one_hot_tables(config, vocabularies).items()}
     multi_hot = {f"m_{m.column}": {"num_embeddings": vocabularies[m.vocabulary].size, "vocabulary": m.vocabulary,
                                    "max_length": m.max_length} for m in config.multi_hot}

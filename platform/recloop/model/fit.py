@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from recloop.model.ranking import RankingModel
+
+log = logging.getLogger("recloop.train")
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,9 @@ class TrainStep:
     def _compile(self) -> Callable | None:
         backend = self.config.compile
         if backend == "off" or (backend == "auto" and not self.cuda):
+            return None
+        if self.model.dynamic_tables:  # admission has data-dependent shapes: no single graph (issue 42)
+            log.info("dynamic tables %s: the training step runs eagerly", self.model.dynamic_tables)
             return None
         if backend == "auto":
             mode = "reduce-overhead" if self.config.cuda_graphs else None

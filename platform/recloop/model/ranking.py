@@ -25,7 +25,12 @@ from typing import Literal
 import torch
 from torch import nn
 
-from recloop_kernels import EmbeddingBagCollection, TableConfig
+from recloop_kernels import (
+    DynamicEmbeddingBagCollection,
+    DynamicTableConfig,
+    EmbeddingBagCollection,
+    TableConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,12 @@ class ModelConfig:
         multi_hot_pooling: pooling of list columns (one-hot columns pool a single id).
         embedding_backend: ``auto`` (the Triton kernels on a GPU, the PyTorch reference on a CPU),
             ``triton`` or ``reference`` (see ``EmbeddingBagCollection``).
+        max_rows: (table, row budget) pairs: those tables are dynamic (``recloop_kernels.dynamic``): keyed
+            by the ids the features give (vocabulary indices or hashes, any non-negative int64), holding at
+            most that many rows, admitting an id after ``admit_after`` sightings (until then it shares one
+            of ``fallback_rows`` hashed rows) and evicting by ``eviction`` (``lru``, or ``lfu`` halving
+            every ``lfu_half_life`` steps). Other tables are unchanged: a row per vocabulary index.
+        count_half_life: training steps after which the admission counts are halved (0: never).
     """
 
     embedding_dim: int = 16
@@ -53,6 +64,17 @@ class ModelConfig:
     multi_hot_pooling: Literal["sum", "mean"] = "mean"
     multi_hot_columns: tuple[str, ...] = field(default=())
     embedding_backend: str = "auto"
+    max_rows: tuple[tuple[str, int], ...] = ()
+    admit_after: int = 2
+    fallback_rows: int = 1024
+    eviction: Literal["lru", "lfu"] = "lru"
+    lfu_half_life: float = 2000.0
+    count_half_life: int = 2000
+
+    def dynamic_tables(self) -> dict[str, DynamicTableConfig]:
+        """The budgeted tables' configurations (empty: every table is static)."""
+        return {name: DynamicTableConfig(int(rows), self.admit_after, self.fallback_rows, self.eviction,
+                                         self.lfu_half_life) for name, rows in self.max_rows}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +84,7 @@ class ModelConfig:
         raw = dict(raw)
         for key in ("bottom_mlp", "top_mlp", "multi_hot_columns"):
             raw[key] = tuple(raw.get(key, ()))
+        raw["max_rows"] = tuple((str(name), int(rows)) for name, rows in raw.get("max_rows", ()))
         return cls(**raw)
 
 
@@ -95,9 +118,12 @@ class SparseArch(nn.Module):
         configs = [TableConfig(name, rows, config.embedding_dim,
                                pooling=config.multi_hot_pooling if name in config.multi_hot_columns else "sum")
                    for name, rows in tables]
-        self.embeddings = EmbeddingBagCollection(configs, optimizer=config.embedding_optimizer,
-                                                 lr=config.embedding_lr, device=device, seed=seed,
-                                                 backend=config.embedding_backend)
+        common = dict(optimizer=config.embedding_optimizer, lr=config.embedding_lr, device=device, seed=seed,
+                      backend=config.embedding_backend)
+        dynamic = {name: table for name, table in config.dynamic_tables().items() if name in dict(tables)}
+        self.embeddings: EmbeddingBagCollection | DynamicEmbeddingBagCollection = (
+            DynamicEmbeddingBagCollection(configs, dynamic, count_half_life=config.count_half_life, **common)
+            if dynamic else EmbeddingBagCollection(configs, **common))
         self.num_tables, self.dim = len(configs), config.embedding_dim
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -179,8 +205,14 @@ class RankingModel(nn.Module):
         self.to(device)
 
     @property
-    def embeddings(self) -> EmbeddingBagCollection:
+    def embeddings(self) -> EmbeddingBagCollection | DynamicEmbeddingBagCollection:
         return self.sparse_arch.embeddings
+
+    @property
+    def dynamic_tables(self) -> tuple[str, ...]:
+        """Tables keyed by id under a row budget (``ModelConfig.max_rows``)."""
+        embeddings = self.embeddings
+        return tuple(embeddings.dynamic) if isinstance(embeddings, DynamicEmbeddingBagCollection) else ()
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters for the dense optimizer (the embeddings update themselves)."""
@@ -203,10 +235,14 @@ class RankingModel(nn.Module):
     map_unknown_ids = False
 
     def known_ids(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """``values`` with ids beyond a table's rows replaced by the out-of-vocabulary row (1)."""
+        """``values`` with ids beyond a table's rows replaced by the out-of-vocabulary row (1). Dynamic tables
+        take any id (one without a row pools its hashed fallback row)."""
         tables = len(self.table_names)
         batch = (offsets.numel() - 1) // tables
         table_of_value = torch.searchsorted(offsets[::batch][1:tables].contiguous(), torch.arange(values.numel(),
                                             device=values.device), right=True)
-        rows = torch.tensor(self.embeddings.layout.rows, device=values.device)[table_of_value]
+        dynamic = set(self.dynamic_tables)
+        limits = [2**63 - 1 if name in dynamic else rows
+                  for name, rows in zip(self.table_names, self.embeddings.layout.rows, strict=True)]
+        rows = torch.tensor(limits, device=values.device)[table_of_value]
         return torch.where(values < rows, values, torch.ones_like(values))

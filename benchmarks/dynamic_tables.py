@@ -1,0 +1,413 @@
+"""Dynamic tables (issue 42): a 60-day churning world, bounded vs append-only, and lookup+update throughput.
+
+Part ``loop``: a compact churning world (users and items are born every day and leave after a few days;
+ids are random 62-bit numbers; clicks follow latent tastes and item quality). Each day the model first
+scores the day's events (never trained on: next-day, held-out AUC), then trains on them, hour by hour.
+Two runs per seed on the same events, same model shape and seed:
+
+- ``append-only`` (the baseline: recloop's vocabularies today): an id gets an index once seen
+  ``min_count`` (2) times, unseen ids share the OOV row, tables grow 1.5x when full and never shrink;
+- ``bounded``: the same tables as ``DynamicEmbeddingBagCollection`` under a row budget (admission after
+  2 sightings, a hashed fallback range, LRU eviction), fed the raw ids.
+
+It reports rows held per table per day, the AUC difference paired by seed (and by seed-day), and the
+bytes of the bounded run's hourly table checkpoints (``recloop.checkpoint.write_tables``: a full one a
+day, deltas between) against a full checkpoint every hour.
+
+Part ``throughput``: forward + backward with the fused row-wise Adagrad, static ``EmbeddingBagCollection``
+vs ``DynamicEmbeddingBagCollection`` on the same batches in the same process (steady state: every id
+admitted; churn: ids from a universe 4x the budget, admissions and evictions every batch), and the host
+tier (a device cache of a quarter of the rows) vs the whole table; outputs are checked equal first.
+
+    python benchmarks/dynamic_tables.py                       # both parts, small defaults (3-6 min, shared 2 cores)
+    python benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 128 --batch 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import machine, report, use_source_tree
+
+use_source_tree()
+
+from recloop import checkpoint  # noqa: E402
+from recloop.evaluate import metrics  # noqa: E402
+from recloop.model import ModelConfig, RankingModel  # noqa: E402
+from recloop_kernels import (  # noqa: E402
+    DynamicEmbeddingBagCollection,
+    DynamicTableConfig,
+    EmbeddingBagCollection,
+    HostCachedEmbeddingBagCollection,
+    TableConfig,
+)
+
+CATEGORIES = 20
+EMBEDDING_LR, DENSE_LR = 0.3, 1e-2  # of 0.1/3e-3 and 0.3/1e-2 on 12 days, the better for both runs (AUC 0.64 vs 0.61)
+
+
+# --- the churning world ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChurnConfig:
+    days: int = 60
+    events_per_day: int = 4000
+    new_users_per_day: int = 150
+    user_days: float = 10.0  # mean lifetime (geometric)
+    new_items_per_day: int = 80
+    item_days: float = 6.0
+    taste_dim: int = 6
+
+
+class ChurnWorld:
+    """Users and items born daily with random 62-bit ids, gone after a geometric lifetime; heavy-tailed
+    activity and popularity; P(click) = sigmoid(1.5·⟨taste_u, taste_i⟩ + quality_i − 1.2), an item's taste
+    near its category's."""
+
+    def __init__(self, config: ChurnConfig, seed: int):
+        self.config, self.rng = config, np.random.default_rng(seed)
+        self.centers = self.rng.normal(0, 1, (CATEGORIES, config.taste_dim)) / math.sqrt(config.taste_dim)
+        self.users: dict[str, np.ndarray] = {k: np.zeros(0) for k in ("id", "taste", "birth", "death", "activity")}
+        self.items: dict[str, np.ndarray] = {k: np.zeros(0) for k in ("id", "taste", "birth", "death", "pop",
+                                                                      "quality", "category")}
+
+    def _born(self, group: dict, n: int, day: int, lifetime: float, extra: dict) -> None:
+        fresh = {"id": self.rng.integers(0, 2**62, n, dtype=np.int64), "birth": np.full(n, day),
+                 "death": day + 1 + self.rng.geometric(1 / lifetime, n), **extra}
+        for key, value in fresh.items():
+            group[key] = np.concatenate([group[key], value]) if group[key].size else value
+
+    def day(self, day: int) -> dict[str, np.ndarray]:
+        c, rng = self.config, self.rng
+        self._born(self.users, c.new_users_per_day * (3 if day == 0 else 1), day, c.user_days,
+                   {"taste": rng.normal(0, 1, (c.new_users_per_day * (3 if day == 0 else 1), c.taste_dim))
+                    / math.sqrt(c.taste_dim), "activity": rng.lognormal(0, 1.2, c.new_users_per_day * (3 if day == 0
+                                                                                                      else 1))})
+        n_items = c.new_items_per_day * (3 if day == 0 else 1)
+        category = rng.integers(0, CATEGORIES, n_items)
+        self._born(self.items, n_items, day, c.item_days,
+                   {"taste": self.centers[category] + rng.normal(0, 0.5, (n_items, c.taste_dim)) / math.sqrt(c.taste_dim),
+                    "pop": rng.lognormal(0, 1.5, n_items), "quality": rng.normal(0, 0.7, n_items),
+                    "category": category})
+        users = np.flatnonzero((self.users["birth"] <= day) & (self.users["death"] > day))
+        items = np.flatnonzero((self.items["birth"] <= day) & (self.items["death"] > day))
+        u = rng.choice(users, c.events_per_day, p=self.users["activity"][users] / self.users["activity"][users].sum())
+        freshness = np.exp(-(day - self.items["birth"][items]) / 3.0)
+        weight = self.items["pop"][items] * freshness
+        i = rng.choice(items, c.events_per_day, p=weight / weight.sum())
+        logit = 1.5 * (self.users["taste"][u] * self.items["taste"][i]).sum(1) * math.sqrt(c.taste_dim) \
+            + self.items["quality"][i] - 1.2
+        label = (rng.random(c.events_per_day) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+        hour = np.sort(rng.integers(0, 24, c.events_per_day))
+        return {"user": self.users["id"][u], "item": self.items["id"][i], "category": self.items["category"][i],
+                "label": label, "hour": hour, "p_click": 1 / (1 + np.exp(-logit))}
+
+
+# --- the two runs ------------------------------------------------------------------------------------------
+
+
+class AppendOnlyVocabulary:
+    """recloop's vocabulary rule: an id gets the next index once seen ``min_count`` times; 1 is OOV."""
+
+    def __init__(self, min_count: int = 2):
+        self.min_count, self.index, self.counts = min_count, {}, {}
+
+    def update(self, ids: np.ndarray) -> None:
+        for key, n in zip(*np.unique(ids, return_counts=True), strict=True):
+            key = int(key)
+            self.counts[key] = self.counts.get(key, 0) + int(n)
+            if key not in self.index and self.counts[key] >= self.min_count:
+                self.index[key] = 2 + len(self.index)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        return np.array([self.index.get(int(k), 1) for k in ids], dtype=np.int64)
+
+    @property
+    def size(self) -> int:
+        return 2 + len(self.index)
+
+
+class Run:
+    """One model over the world: ``bounded`` (dynamic tables on raw ids) or append-only (vocabularies)."""
+
+    def __init__(self, bounded: bool, budgets: dict[str, int], seed: int, fallback_rows: int):
+        self.bounded = bounded
+        model = ModelConfig(embedding_dim=8, bottom_mlp=(8,), top_mlp=(32, 16), embedding_lr=EMBEDDING_LR,
+                            max_rows=tuple(budgets.items()) if bounded else (), admit_after=2,
+                            fallback_rows=fallback_rows, embedding_backend="reference")
+        self.vocab = {name: AppendOnlyVocabulary() for name in ("user", "item")}
+        # Both start with a table of the bounded run's size (fallback + budget): the same initial scale of
+        # their rows (uniform ±1/sqrt(rows)) and the same memory on day one; the append-only tables then grow.
+        start = [(name, fallback_rows + budgets[name]) for name in ("user", "item")]
+        self.model = RankingModel(model, 1, [*start, ("category", CATEGORIES)], seed=seed)
+        self.optimizer = torch.optim.Adam(self.model.dense_parameters(), lr=DENSE_LR)
+
+    def batch(self, events: dict, rows: slice) -> tuple[torch.Tensor, ...]:
+        user, item = events["user"][rows], events["item"][rows]
+        if not self.bounded:
+            user, item = self.vocab["user"].lookup(user), self.vocab["item"].lookup(item)
+        values = torch.from_numpy(np.concatenate([user, item, events["category"][rows]]).astype(np.int64))
+        n = len(user)
+        return (torch.ones(n, 1), values, torch.arange(3 * n + 1), torch.from_numpy(events["label"][rows]))
+
+    def score(self, events: dict) -> np.ndarray:
+        self.model.eval()
+        with torch.no_grad():
+            dense, values, offsets, _ = self.batch(events, slice(None))
+            out = torch.sigmoid(self.model(dense, values, offsets)).numpy()
+        self.model.train()
+        return out
+
+    def train_hour(self, events: dict, rows: np.ndarray, batch_size: int = 256) -> None:
+        if not self.bounded:  # the feature job's vocabulary update before the window trains
+            for name in ("user", "item"):
+                self.vocab[name].update(events[name][rows])
+                if self.vocab[name].size > self.model.embeddings.layout.rows[("user", "item").index(name)]:
+                    self.model.embeddings.grow(name, self.vocab[name].size)
+        for start in range(rows[0], rows[-1] + 1, batch_size):
+            dense, values, offsets, label = self.batch(events, slice(start, min(start + batch_size, rows[-1] + 1)))
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(self.model(dense, values, offsets), label)
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+
+    def rows_held(self) -> dict[str, int]:
+        if self.bounded:
+            return self.model.embeddings.rows_held()
+        return {name: self.vocab[name].size for name in ("user", "item")}
+
+    def table_bytes(self) -> int:
+        """Bytes the embeddings hold on the device, as allocated: rows, optimizer state and, bounded, the map,
+        slot scores and sketch (the append-only run's host vocabularies are not counted)."""
+        return sum(t.numel() * t.element_size() for t in self.model.embeddings.state_dict().values())
+
+
+def loop_part(args) -> dict:
+    config = ChurnConfig(days=args.days, events_per_day=args.events_per_day)
+    budgets = {"user": args.user_budget, "item": args.item_budget}
+    per_seed, per_day_pairs, rows_by_day, checkpoint_bytes = [], [], [], {"delta": [], "full": [], "full_hourly": []}
+    for seed in range(args.seeds):
+        world = ChurnWorld(config, seed)
+        runs = {"append-only": Run(False, budgets, seed, args.fallback_rows),
+                "bounded": Run(True, budgets, seed, args.fallback_rows)}
+        aucs: dict[str, list[float]] = {name: [] for name in runs}
+        oracle: list[float] = []
+        with tempfile.TemporaryDirectory() as log_dir:
+            for day in range(config.days):
+                events = world.day(day)
+                if day >= args.warmup_days:
+                    for name, run in runs.items():
+                        aucs[name].append(metrics(events["label"], run.score(events))["auc"])
+                    oracle.append(metrics(events["label"], events["p_click"])["auc"])
+                for hour in range(24):
+                    rows = np.flatnonzero(events["hour"] == hour)
+                    if not len(rows):
+                        continue
+                    for run in runs.values():
+                        run.train_hour(events, rows)
+                    if seed == 0:  # the bounded run's hourly table checkpoint: a full one a day, deltas between
+                        entry = checkpoint.write_tables(Path(log_dir), runs["bounded"].model.embeddings, full_every=24)
+                        checkpoint_bytes[entry["kind"]].append(entry["bytes"])
+                        if hour == 23:
+                            checkpoint_bytes["full_hourly"].append(entry["bytes"] if entry["kind"] == "full" else
+                                                                   _full_bytes(runs["bounded"]))
+                if seed == 0:
+                    rows_by_day.append({"day": day + 1, **{f"{name} {table}": held for name, run in runs.items()
+                                                            for table, held in run.rows_held().items()},
+                                        **{f"{name} MB": round(run.table_bytes() / 1e6, 2) for name, run in
+                                           runs.items()}})
+                print(f"seed {seed} day {day + 1}: " + ", ".join(
+                    f"{n} AUC {aucs[n][-1]:.4f}" for n in runs if aucs[n]) + f"; rows {rows_by_day[-1] if seed == 0 else ''}",
+                    flush=True)
+        diffs = [b - a for a, b in zip(aucs["append-only"], aucs["bounded"], strict=True)]
+        per_day_pairs += diffs
+        per_seed.append({"seed": seed, "append-only AUC": statistics.mean(aucs["append-only"]),
+                         "bounded AUC": statistics.mean(aucs["bounded"]), "difference": statistics.mean(diffs),
+                         "oracle AUC": statistics.mean(oracle),
+                         "evicted": runs["bounded"].model.embeddings.evicted,
+                         "failed_inserts": runs["bounded"].model.embeddings.failed_inserts})
+    seed_diffs = [s["difference"] for s in per_seed]
+    return {"config": {**config.__dict__, "budgets": budgets, "fallback_rows": args.fallback_rows,
+                       "seeds": args.seeds, "warmup_days": args.warmup_days},
+            "per_seed": per_seed, "difference": _interval(seed_diffs), "difference_by_seed_day": _interval(per_day_pairs),
+            "rows_by_day": rows_by_day,
+            "checkpoint_bytes": {"delta_mean": statistics.mean(checkpoint_bytes["delta"]),
+                                 "full_mean": statistics.mean(checkpoint_bytes["full"]),
+                                 "hourly_full_mean": statistics.mean(checkpoint_bytes["full_hourly"]),
+                                 "deltas": len(checkpoint_bytes["delta"]), "fulls": len(checkpoint_bytes["full"])}}
+
+
+def _full_bytes(run: Run) -> int:
+    from safetensors.torch import save
+
+    return len(save({k: v.contiguous() for k, v in run.model.embeddings.state_dict().items()}))
+
+
+def _interval(values: list[float]) -> dict:
+    """Mean and a normal-approximation 95 % interval (t for few values would be wider: n is said)."""
+    mean = statistics.mean(values)
+    half = 1.96 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(values)}
+
+
+# --- throughput ----------------------------------------------------------------------------------------------
+
+
+def zipf_ids(n: int, universe: int, g: torch.Generator, device) -> torch.Tensor:
+    """Heavy-tailed ids: rank k with P ∝ 1/k (log-uniform ranks), scrambled over the universe."""
+    ranks = torch.floor(torch.exp(torch.rand(n, generator=g) * math.log(universe))).long() - 1
+    return ((ranks * 2654435761) % universe).to(device)
+
+
+def throughput_part(args) -> list[dict]:
+    """The four cases on their batches, timed round-robin (one step of each in turn, so that a machine's
+    changing load falls on all of them alike); the median step of each."""
+    device = torch.device(args.device)
+    tables = [TableConfig(f"t{i}", args.rows, args.dim) for i in range(args.tables)]
+    g = torch.Generator().manual_seed(0)
+    kwargs = dict(optimizer="rowwise_adagrad", lr=0.05, device=device)
+
+    def batches(universe: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.cat([zipf_ids(args.batch, universe, g, device) for _ in tables]),
+                 torch.arange(args.tables * args.batch + 1, device=device)) for _ in range(count)]
+
+    head = torch.randn(args.batch, args.dim * args.tables, device=device)
+    steady = batches(args.rows, args.repeats + 2)
+    static = EmbeddingBagCollection(tables, **kwargs)
+    budgets = {t.name: DynamicTableConfig(max_rows=args.rows, admit_after=1, fallback_rows=64) for t in tables}
+    dynamic = DynamicEmbeddingBagCollection(tables, budgets, **kwargs)
+    for values, offsets in steady:  # admit every id the timed batches use: a steady-state table
+        dynamic.rows_for(values, offsets)
+    _check_dynamic_equals_static(static, dynamic, steady[-1])
+    churning = DynamicEmbeddingBagCollection(tables, {n: DynamicTableConfig(max_rows=args.rows // 4, admit_after=1,
+                                                                            fallback_rows=64) for n in budgets}, **kwargs)
+    fill(churning, args)  # full before the timing: each batch's new ids evict
+    churning.evicted = 0
+    cached = HostCachedEmbeddingBagCollection(tables, cache_rows=args.rows // 4, **kwargs)
+    whole = EmbeddingBagCollection(tables, **kwargs)
+    values, offsets = steady[0]
+    if not torch.equal(cached(values, offsets), whole(values, offsets)):
+        raise SystemExit("the host tier's output differs from the whole table's: no time reported")
+    fill(cached, args)  # a full cache: misses evict (and write back)
+    cases = {"static EmbeddingBagCollection": (static, steady),
+             "dynamic, steady state (all admitted)": (dynamic, steady),
+             "dynamic, churn (budget 1/4 of the ids)": (churning, batches(args.rows, args.repeats + 2)),
+             "host tier, cache 1/4 of the rows (prefetching)": (cached, steady)}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(args.repeats + 2):
+        for name, (module, data) in cases.items():
+            if i == 2 and module is cached:
+                cached.hits = cached.lookups = cached.rows_written_back = 0  # counted over the timed steps only
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = module(*data[i])
+            if module is cached and i + 1 < len(data):
+                cached.prefetch(*data[i + 1])  # the next batch's rows move while this one trains
+            (out * head).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:  # two warm-up steps (compilation, allocator)
+                times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["static EmbeddingBagCollection"])
+    rows = []
+    for name, (module, _) in cases.items():
+        seconds = statistics.median(times[name])
+        rows.append({"case": name, "ms/batch": round(seconds * 1e3, 2), "vs static": round(base / seconds, 3),
+                     "evicted": module.evicted if module in (dynamic, churning) else
+                     cached.rows_written_back if module is cached else "",
+                     "hit rate": round(cached.hit_rate, 3) if module is cached else "",
+                     "lookups/s": f"{args.batch * args.tables / seconds:,.0f}"})
+    return rows
+
+
+def fill(module, args) -> None:
+    """Every row of a quarter of the ids, in batches of distinct ids: a full budget (or cache) before timing."""
+    with torch.no_grad():
+        for start in range(0, args.rows // 4, args.batch):
+            ids = torch.arange(start, min(start + args.batch, args.rows // 4)) * 4 + 3  # outside the Zipf head
+            values = torch.cat([ids] * args.tables).to(args.device)
+            module(values, torch.arange(values.numel() + 1, device=args.device))
+
+
+def _check_dynamic_equals_static(static, dynamic, batch) -> None:
+    """Give each admitted id's slot the static row of that id, then both must pool the same (rule 1)."""
+    values, offsets = batch
+    with torch.no_grad():
+        for table in static.tables:
+            d = list(dynamic.dynamic).index(table.name)
+            lo = dynamic._slot_offsets[d]
+            keys = dynamic.slot_keys[lo:lo + dynamic.dynamic[table.name].max_rows]
+            slots = (keys >= 0).nonzero().squeeze(1)
+            fallback = dynamic.dynamic[table.name].fallback_rows
+            dynamic.weight(table.name)[fallback + slots] = static.weight(table.name)[keys[slots]]
+        dynamic.eval()
+        ok = torch.equal(dynamic(values, offsets), static(values, offsets))
+        dynamic.train()
+    if not ok:
+        raise SystemExit("the dynamic table's output differs from the static table's: no time reported")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("all", "loop", "throughput"), default="all")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--days", type=int, default=60)
+    parser.add_argument("--events-per-day", type=int, default=3000)
+    parser.add_argument("--warmup-days", type=int, default=3)
+    parser.add_argument("--user-budget", type=int, default=3000)
+    parser.add_argument("--item-budget", type=int, default=600)
+    parser.add_argument("--fallback-rows", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--tables", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads (1: on a shared 2-core box, OpenMP threads spin against each other)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    info = machine()
+    result: dict = {"machine": info}
+    if args.part in ("all", "loop"):
+        result["loop"] = loop_part(args)
+    if args.part in ("all", "throughput"):
+        result["throughput"] = throughput_part(args)
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if "loop" in result:
+        loop = result["loop"]
+        days = [r for r in loop["rows_by_day"] if r["day"] in (1, 10, 20, 30, 40, 50, 60) or r is loop["rows_by_day"][-1]]
+        report("rows held per table (seed 0): append-only vs bounded", days, info, None)
+        d, b = loop["difference"], loop["checkpoint_bytes"]
+        print(f"held-out AUC, bounded − append-only, paired by seed: {d['mean']:+.4f} "
+              f"[{d['low']:+.4f}, {d['high']:+.4f}] (n={d['n']}); by seed-day: "
+              f"{loop['difference_by_seed_day']['mean']:+.4f} [{loop['difference_by_seed_day']['low']:+.4f}, "
+              f"{loop['difference_by_seed_day']['high']:+.4f}] (n={loop['difference_by_seed_day']['n']})")
+        for row in loop["per_seed"]:
+            print("seed {seed}: append-only AUC {a:.4f}, bounded AUC {b:.4f}, oracle AUC {o:.4f}, evicted {e}, "
+                  "inserts refused {f}".format(seed=row["seed"], a=row["append-only AUC"], b=row["bounded AUC"],
+                                               o=row["oracle AUC"], e=row["evicted"], f=row["failed_inserts"]))
+        print(f"hourly table checkpoints (bounded, seed 0): delta {b['delta_mean'] / 1e3:,.1f} kB, "
+              f"full {b['full_mean'] / 1e3:,.1f} kB ({b['deltas']} deltas, {b['fulls']} fulls)")
+    if "throughput" in result:
+        report(f"lookup + update (forward, backward, row-wise Adagrad) on {args.device}, {args.tables} tables × "
+               f"{args.rows:,} rows × dim {args.dim}, batch {args.batch}, Zipf ids", result["throughput"], info, None)
+
+
+if __name__ == "__main__":
+    main()
