@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from recloop.canary import CanaryConfig, CanaryState, VariantStats, decide, position
-from recloop.canary.decision import experiment_salt
 from recloop.evaluate import auc
 from recloop.evidence.sequential import paired_auc_difference
 
@@ -76,7 +75,8 @@ def judge(stats, evidence, share: float = 0.05):
 
 
 def test_an_identical_challenger_is_not_rolled_back_by_the_users_it_gets():
-    salts = [experiment_salt("2", float(i)) for i in range(60)]
+    # fixed salts, shaped as experiment_salt's (which adds a random part): every run judges the same canaries
+    salts = [f"recloop-canary-v2-{i}000-{i:08x}" for i in range(60)]
     old_rule, rolled = 0, []
     for i, salt in enumerate(salts):
         stats, evidence = canary(salt, challenger_noise=1.0, seed=i)
@@ -90,7 +90,7 @@ def test_an_identical_challenger_is_not_rolled_back_by_the_users_it_gets():
 
 
 def test_the_same_model_as_challenger_has_no_auc_difference_at_all():
-    stats, evidence = canary(experiment_salt("2", 0.0), challenger_noise=1.0, seed=3, challenger_seed=1)
+    stats, evidence = canary("recloop-canary-v2-0-00000000", challenger_noise=1.0, seed=3, challenger_seed=1)
     assert evidence.estimate == 0.0 and evidence.high == pytest.approx(0.0, abs=1e-9)
     assert judge(stats, evidence).action == "step"
 
@@ -99,7 +99,7 @@ def test_a_clearly_worse_challenger_is_rolled_back_on_the_paired_auc():
     rolled = []
     for i in range(20):
         # at the second step (25 %): a few dozen users at 5 % rarely show it beyond the margin yet
-        stats, evidence = canary(experiment_salt("2", float(i)), challenger_noise=3.0, seed=i, share=0.25)
+        stats, evidence = canary(f"recloop-canary-v2-{i}000-{i:08x}", challenger_noise=3.0, seed=i, share=0.25)
         assert evidence.estimate < -0.04  # clearly worse on the same impressions
         decision = judge(stats, evidence, share=0.25)
         rolled.append(decision.action == "rollback" and "online AUC significantly worse" in decision.reasons[0])
