@@ -311,6 +311,46 @@ def test_serving_started_while_its_postgres_journal_is_down_serves_and_catches_u
     assert not kept.exists()  # written, so no later process writes it again
 
 
+@pytest.mark.services
+@pytest.mark.timeout(120)
+def test_an_outages_request_rows_past_the_bound_wait_on_disk_and_are_written_when_it_ends(tmp_path: Path,
+                                                                                          locked_database):
+    """While the journal's PostgreSQL refuses connections, request rows past ``spill_rows`` leave memory for a
+    file (a crash then loses nothing, an outage of hours does not grow the process); once it answers, the
+    spilled rows are queued again, written, and their files removed."""
+    import json
+
+    import psycopg2
+    from polling import eventually
+
+    from recloop.journal import open_journal
+
+    dsn, reopen = locked_database
+    settings = Settings(home=tmp_path / "home", journal="postgres", postgres_dsn=dsn, service_retries=1,
+                        connect_timeout_seconds=0.5)
+    journal = open_journal(settings, connect_later=True)
+    kept = tmp_path / "journal-kept"
+    journal.spill_folder, journal.spill_rows = kept, 10
+    try:
+        ids = [uuid.uuid4().hex for _ in range(25)]
+        for n, request_id in enumerate(ids):
+            journal.record((request_id, 1.0e9 + n, 1_000_000 * n, n, "champion", "1", 1.0, json.dumps({})), [])
+        eventually(lambda: list(kept.glob("requests-*.json")), 60, "nothing was spilled to disk")
+        assert journal.unwritten_requests < 10  # the rest wait on disk, not in memory
+        spilled = [row[0] for path in kept.glob("requests-*.json") for row, _ in json.loads(path.read_text())]
+        assert set(spilled) <= set(ids) and spilled
+        reopen()
+        eventually(lambda: journal.degraded is None and not list(kept.glob("requests-*.json")), 60,
+                   "the spilled rows were never written")
+    finally:
+        journal.close()
+    with psycopg2.connect(dsn) as db, db.cursor() as cursor:
+        cursor.execute("SELECT request_id FROM recloop_journal.requests")
+        written = {request_id for (request_id,) in cursor.fetchall()}
+    db.close()
+    assert written == set(ids)  # every row served during the outage, once
+
+
 class Forwarder:
     """A TCP port that leads to a real service while ``open`` and refuses connections otherwise: the service
     going down and coming back at one address, with the service itself untouched (the shared Redis)."""

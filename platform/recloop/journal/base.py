@@ -85,6 +85,11 @@ class Journal(ABC):
         self._writer = threading.Thread(target=self._write_loop, name="recloop-journal", daemon=True)
         self.write_error: str | None = None  # the last failed write of requests, until one succeeds
         self._recovered: list[Path] = []  # files of rows an earlier process could not write, queued again
+        # While the store fails, rows past ``spill_rows`` go to a file in ``spill_folder`` (``keep_unwritten``)
+        # instead of memory, and are queued again once it answers: an outage of hours neither grows the process
+        # nor loses what a crash would have taken with it. None: kept in memory (and written out at ``close``).
+        self.spill_folder: Path | None = None
+        self.spill_rows = 5_000
 
     def _start_writer(self) -> None:
         self._writer.start()
@@ -190,6 +195,8 @@ class Journal(ABC):
         removed once its rows are written. Returns the rows queued."""
         rows = 0
         for path in sorted(Path(folder).glob("requests-*.json")) if Path(folder).is_dir() else ():
+            if path in self._recovered:  # queued already, not written yet
+                continue
             for request, evaluations in json.loads(path.read_text()):
                 self._queue.put((tuple(request), [tuple(e) for e in evaluations]))
                 rows += 1
@@ -204,12 +211,19 @@ class Journal(ABC):
                 self.flush()
                 if self.write_error is not None:
                     log.warning("journal: the store answers again; the request rows kept meanwhile are written")
+                    if self.spill_folder is not None and self.queue_kept(self.spill_folder):
+                        self.flush()  # the rows spilled to disk during the outage
                 failures, self.write_error = 0, None
             except Exception as err:  # noqa: BLE001 - the rows are kept; the thread must live on
                 failures = min(failures + 1, 7)
                 self.write_error = f"{type(err).__name__}: {str(err).strip()}"
                 log.warning("journal: writing %d request rows failed (kept, retried): %s",
                             len(self._unwritten), err)
+                if self.spill_folder is not None and self.unwritten_requests >= self.spill_rows:
+                    try:
+                        self.keep_unwritten(self.spill_folder)
+                    except OSError as spill_error:  # a full disk: they stay in memory
+                        log.error("journal: could not spill the kept request rows to disk: %s", spill_error)
 
     def close(self) -> None:
         self._stop.set()

@@ -63,6 +63,7 @@ class Service:
         # nothing: requests are kept until it answers, feedback is refused meanwhile (``Journal.degraded``).
         self.journal = open_journal(settings, spec, connect_later=True)
         kept = self.journal.queue_kept(self.kept_requests_dir)
+        self.journal.spill_folder = self.kept_requests_dir  # an outage's rows past a bound wait on disk
         if kept:
             log.warning("journal: %d request rows an earlier process could not write are queued again", kept)
         self.metrics.registry.register(DegradedCollector({"ranker": self.pool, "retriever": self.retrievers},
