@@ -107,6 +107,13 @@ def _read(files: Sequence[Path], columns: list[str], max_rows: int | None = None
     return table.slice(max(0, table.num_rows - max_rows)) if max_rows is not None else table
 
 
+def dense_matrix(files: Sequence[Path], schema, max_rows: int) -> np.ndarray:
+    """The dense columns of the newest ``max_rows`` rows of ``files`` as a float32 matrix, NaN as 0."""
+    table = _read(files, list(schema.dense), max_rows)
+    return np.column_stack([np.nan_to_num(table[c].to_numpy(zero_copy_only=False).astype(np.float32))
+                            for c in schema.dense]) if table.num_rows else np.zeros((0, len(schema.dense)), np.float32)
+
+
 def _design(table: pa.Table, schema) -> tuple:
     """The logistic regression's inputs: dense columns, then one-hot ids and bags of list ids (sparse).
 
@@ -238,13 +245,21 @@ def best_auc(baselines: dict[str, dict]) -> tuple[str | None, float]:
     return name, value
 
 
-def failures(model_auc: float, baselines: dict[str, dict], margin: float | None) -> list[str]:
-    """Why the model does not beat the baselines: its AUC below the best baseline's minus ``margin``
-    (None: not checked)."""
+def failures(model_auc: float, baselines: dict[str, dict], margin: float | None, model_logloss: float = math.nan,
+             logloss_margin: float | None = None) -> list[str]:
+    """Why the model does not beat the baselines: its AUC below the best baseline's minus ``margin``, its log
+    loss above the logistic regression's plus ``logloss_margin`` (None: that one is not checked)."""
+    out = []
     name, value = best_auc(baselines)
-    if margin is None or name is None or not math.isfinite(model_auc) or model_auc >= value - margin:
-        return []
-    return [f"auc {model_auc:.4f} does not beat the {name} baseline's {value:.4f} on the same rows"]
+    if margin is not None and name is not None and math.isfinite(model_auc) and model_auc < value - margin:
+        out.append(f"auc {model_auc:.4f} does not beat the {name} baseline's {value:.4f} on the same rows"
+                   + (f" (margin {margin})" if margin else ""))
+    logistic = (baselines.get("logistic") or {}).get("logloss")
+    if logloss_margin is not None and logistic is not None and math.isfinite(logistic) and \
+            math.isfinite(model_logloss) and model_logloss > logistic + logloss_margin:
+        out.append(f"log loss {model_logloss:.4f} is worse than the logistic baseline's {logistic:.4f} on the same "
+                   "rows" + (f" (margin {logloss_margin})" if logloss_margin else ""))
+    return out
 
 
 def report_markdown(model_figures: dict, baselines: dict[str, dict]) -> str:
