@@ -147,9 +147,11 @@ def score_baselines(
     schema,
     user_key: str | None = None,
     max_train_rows: int = MAX_TRAIN_ROWS,
+    with_scores: bool = False,
 ) -> dict[str, dict]:
     """The baselines' figures on ``held_out`` (see the module docstring); the logistic regression and the base
-    rate learn from the newest ``max_train_rows`` rows of ``train_files``."""
+    rate learn from the newest ``max_train_rows`` rows of ``train_files``. ``with_scores``: each baseline's
+    entry also holds its per-row ``scores`` (held-out rows in file order; arrays, so not JSON)."""
     from sklearn.linear_model import LogisticRegression
 
     inputs = [schema.label, *schema.dense, *schema.categorical, *schema.multi_hot]
@@ -174,6 +176,7 @@ def score_baselines(
         out["ctr"] = {
             **figures(y_test, ctr.astype(np.float64), groups, False),
             "inputs": "d_user_ctr + d_item_ctr",
+            **({"scores": ctr.astype(np.float64)} if with_scores else {}),
         }
     elif "d_item_ctr" in names:
         out["ctr"] = {
@@ -181,6 +184,8 @@ def score_baselines(
                 y_test, test["d_item_ctr"].to_numpy(zero_copy_only=False).astype(np.float64), groups, False
             ),
             "inputs": "d_item_ctr",
+            **({"scores": test["d_item_ctr"].to_numpy(zero_copy_only=False).astype(np.float64)}
+               if with_scores else {}),
         }
 
     if train.num_rows >= 20 and 0 < y_train.sum() < len(y_train):
@@ -192,7 +197,8 @@ def score_baselines(
             warnings.simplefilter("ignore")  # convergence warnings: the figures say how good it is
             model.fit(_design(train, schema), y_train)
             p = model.predict_proba(_design(test, schema))[:, 1]
-        out["logistic"] = {**figures(y_test, p, groups, True), "train_rows": int(train.num_rows)}
+        out["logistic"] = {**figures(y_test, p, groups, True), "train_rows": int(train.num_rows),
+                           **({"scores": p} if with_scores else {})}
     return out
 
 
