@@ -115,6 +115,8 @@ class TrainConfig:
             scaling (slope and intercept) is fitted on them afterwards. 0: none.
         early_stopping_min_rows: fewer early-stopping rows than this (or a window of one file): none are held
             aside, every epoch runs, and the calibration falls back to a base-rate correction on training rows.
+            200: at 1000 a 3,600-row Criteo sample held none aside, ran all its 10 epochs and scored a held-out
+            log loss of 1.18 (base rate 0.50).
         patience: epochs without a lower early-stopping log loss before the run stops.
         early_stopping_checks: checks of the early-stopping rows an epoch (the last at its end): on a small log
             the best weights come within the first epoch.
@@ -155,7 +157,7 @@ class TrainConfig:
     data_shards: int = 0
     row_wise_above: int = 0
     early_stopping_share: float = 0.1
-    early_stopping_min_rows: int = 1000
+    early_stopping_min_rows: int = 200
     patience: int = 1
     early_stopping_checks: int = 4
     calibration_rows: int = 200_000
