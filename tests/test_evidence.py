@@ -10,12 +10,12 @@ from recloop.evidence.calibration import apply_platt, fit_platt
 from recloop.evidence.interleaving import CHAMPION, credit, team_draft, team_draft_batch
 from recloop.evidence.offpolicy import epsilon_greedy, estimate, plackett_luce, softmax
 from recloop.evidence.ranking import (
-    paired_logloss,
     grouped_auc,
     holm,
     min_rows_for_auc_difference,
     ndcg_at_k,
     paired_bootstrap,
+    paired_logloss,
 )
 from recloop.evidence.sequential import (
     ab_difference,
