@@ -27,7 +27,7 @@ def replayed(tmp_path_factory) -> tuple[Settings, dict]:
     config = ReplayConfig(
         period="week",
         periods=2,
-        epochs=1,
+        epochs=2,
         batch_size=512,
         device="cpu",
         model=ModelConfig(**SMALL_MODEL_DIMS),
@@ -63,6 +63,12 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
             assert low <= difference <= high and figures["units"] > 20, (name, figures)
         assert versus["logistic"]["logloss"][1] <= versus["logistic"]["logloss"][2] and "logloss" not in versus["ctr"]
     assert summary["periods"][1]["drift"] in ("ok", "drift", "insufficient_data", "data_quality")
+    # each period's incremental candidate made one pass over it (the full retrains' epochs are theirs alone)
+    from recloop import checkpoint
+
+    for period in summary["periods"]:
+        state = checkpoint.read(checkpoint.resolve(settings, period["incremental_version"]))
+        assert (state["train"]["mode"], state["train"]["epochs"]) == ("incremental", 1), state["train"]
     report = Path(summary["report"]).read_text()
     assert "baseline:logistic AUC" in report and "recloop replay: ratings" in report
     assert "champion − baseline (95 % paired bootstrap)" in report and "logistic: auc " in report

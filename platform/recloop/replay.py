@@ -267,7 +267,9 @@ def _train(settings: Settings, config: ReplayConfig, mode: str):
     train_config = TrainConfig(
         mode=mode,
         days=100_000 if mode == "full" else 7,  # type: ignore[arg-type]
-        epochs=config.epochs,
+        # an incremental run makes one pass over its new period (as documented): given the full retrain's
+        # epochs, a 900-row Criteo day was trained on 10 times and scored a log loss of 1.2-2.3
+        epochs=config.epochs if mode == "full" else 1,
         batch_size=config.batch_size,
         device=config.device,
         baselines=False,
