@@ -187,9 +187,12 @@ def test_ctrl_c_under_json_is_one_json_object(tmp_path: Path):
     command = [sys.executable, "-m", "recloop.cli", "simulate", "--out", str(tmp_path / "landing"), "--days", "400",
                "--events-per-day", "1000000", "--json"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 4  # past the imports (the landing folder may appear only at the first write)
-    while not (tmp_path / "landing").exists() and time.monotonic() < deadline:
+    # Interrupted inside the command, past its imports: its first hour's file is being written. (A signal
+    # during the imports of a loaded machine's slow start lands before the command's boundary exists.)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "landing").exists() and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.1)
+    assert (tmp_path / "landing").exists(), process.communicate()
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, (stdout, stderr)
