@@ -192,9 +192,14 @@ def test_ctrl_c_under_json_is_one_json_object(tmp_path: Path):
     deadline = time.monotonic() + 120
     while not (tmp_path / "landing").exists() and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.1)
-    assert (tmp_path / "landing").exists(), process.communicate()
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=60)
+    try:
+        assert (tmp_path / "landing").exists(), process.communicate()
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:  # never left writing 400 days of a million events a day (a timed-out run filled the disk)
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
     assert process.returncode == 130, (stdout, stderr)
     assert json.loads(stdout) == {"error": "interrupted (Ctrl-C)", "kind": "interrupted"}
     assert "Traceback" not in stderr and "Aborted" not in stderr + stdout
