@@ -186,7 +186,10 @@ def test_ctrl_c_under_json_is_one_json_object(tmp_path: Path):
     env = {**os.environ, "RECLOOP_HOME": str(tmp_path / "home")}
     command = [sys.executable, "-m", "recloop.cli", "simulate", "--out", str(tmp_path / "landing"), "--days", "400",
                "--events-per-day", "1000000", "--json"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default, as a terminal's shell starts a command: an xdist worker ignores it, and a child
+    # inherits that (Python then never raises KeyboardInterrupt: the command ran on to the timeout)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # Interrupted inside the command, past its imports: its first hour's file is being written. (A signal
     # during the imports of a loaded machine's slow start lands before the command's boundary exists.)
     deadline = time.monotonic() + 120
