@@ -153,12 +153,7 @@ class Journal(ABC):
         """Write every queued request now. If the store refuses (a database gone for a moment), the batch is
         kept, first in the next write, and the error raised: a request row is never dropped."""
         with self._flushing:
-            batch, self._unwritten = self._unwritten, []
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            batch = self._drain()
             # files kept by an earlier process: their rows were queued before the file was listed, so they are in
             # this batch or in an earlier one that was written
             files, self._recovered = self._recovered, []
@@ -171,16 +166,20 @@ class Journal(ABC):
         for path in files:  # written: what an earlier process kept for this store is in it now
             path.unlink(missing_ok=True)
 
+    def _drain(self) -> list[tuple]:
+        """The rows kept after a failed write, then every queued one, taken out (the caller holds ``_flushing``)."""
+        batch, self._unwritten = self._unwritten, []
+        while True:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                return batch
+
     def keep_unwritten(self, folder: Path) -> Path | None:
         """Write the request rows the store has not taken (it is down while the process stops) to a JSON file in
         ``folder``; a later process queues them again (``queue_kept``). Returns the file (None: nothing kept)."""
         with self._flushing:
-            batch, self._unwritten = self._unwritten, []
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            batch = self._drain()
             if not batch:
                 return None
             Path(folder).mkdir(parents=True, exist_ok=True)
