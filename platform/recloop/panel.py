@@ -201,6 +201,13 @@ def normalized(rewards: dict[str, np.ndarray], policy: str, weights: np.ndarray 
     return (total[policy] - total["random"]) / (total["oracle"] - total["random"])
 
 
+def _user_weights(users: np.ndarray, resamples: int, seed: int) -> np.ndarray:
+    """User-cluster bootstrap weights per request, (resamples, requests): one Poisson(1) draw per user."""
+    _, index = np.unique(users, return_inverse=True)
+    per_user = np.random.default_rng(seed).poisson(1.0, (resamples, index.max() + 1)).astype(np.float64)
+    return per_user[:, index]
+
+
 def paired_difference(
     rewards: dict[str, np.ndarray],
     users: np.ndarray,
@@ -220,9 +227,7 @@ def paired_difference(
 
         paired_difference(rows, panel.users, "champion", "never_retrained")["difference"]
     """
-    _, index = np.unique(users, return_inverse=True)
-    per_user = np.random.default_rng(seed).poisson(1.0, (resamples, index.max() + 1)).astype(np.float64)
-    weights = per_user[:, index]
+    weights = _user_weights(users, resamples, seed)
     point = normalized(rewards, policy) - normalized(rewards, baseline)
     boot = normalized(rewards, policy, weights) - normalized(rewards, baseline, weights)
     low, high = np.quantile(boot[np.isfinite(boot)], [0.025, 0.975])
@@ -240,9 +245,7 @@ def twin_recovery(
     """Normalized reward of ``policy`` in the drifted world over the same in its no-drift twin, on paired
     panels (request ``i`` of both drawn by the same stream), with a 95 % user-cluster bootstrap interval
     (one Poisson weight per user of the drifted panel, applied to both worlds' requests)."""
-    _, index = np.unique(users, return_inverse=True)
-    per_user = np.random.default_rng(seed).poisson(1.0, (resamples, index.max() + 1)).astype(np.float64)
-    weights = per_user[:, index]
+    weights = _user_weights(users, resamples, seed)
     point = normalized(drifted, policy) / normalized(twin, policy)
     boot = normalized(drifted, policy, weights) / normalized(twin, policy, weights)
     low, high = np.quantile(boot[np.isfinite(boot)], [0.025, 0.975])

@@ -140,13 +140,6 @@ SMOKE_ROWS = 256
 SMOKE_REPEATS = 5
 
 
-def serving_smoke_check(settings: Settings, version: str, example_file: str, champion: str | None = None,
-                        thresholds: GateThresholds | None = None) -> tuple[str | None, dict[str, float | None]]:
-    """Load the registered version in a fresh process and score a sample: a reason string if it fails, and
-    the timings (``start_smoke_check``, waited for)."""
-    return start_smoke_check(settings, version, example_file, champion, thresholds).result()
-
-
 class SmokeCheck:
     """The serving check's fresh process, started by ``start_smoke_check``; ``result`` waits for its verdict.
 
