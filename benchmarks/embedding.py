@@ -9,6 +9,11 @@ rows; Criteo-like 26 tables at dim 128, one-hot, batch 64K), weight dtype (fp32,
 - recloop ``EmbeddingBagCollection`` (Triton on a GPU), ``rowwise_adagrad`` fused into the backward;
 - baseline: one ``nn.EmbeddingBag`` per table + ``torch.optim.Adagrad``, dense gradients, then sparse
   gradients. Table bounds are host integers (no host synchronization in the baselines either).
+- FBGEMM (issue 39), where ``fbgemm_gpu`` imports (a GPU; ``benchmarks/gpu_wheels.py fbgemm`` carries it):
+  ``SplitTableBatchedEmbeddingBagsCodegen``, what TorchRec runs, with the same tables, initial weights,
+  ids, sum pooling, exact row-wise Adagrad (lr 0.01, eps 1e-8), weight dtype (stochastic rounding on both
+  sides for bf16) and fp32 output, bounds checks off on both sides. Before it is timed, its forward and
+  one fused update are checked equal to recloop's on the whole shape (the rows the batch touches).
 
 Timing: CUDA events around the pass alone (the forward feeding a backward runs untimed), with the GPU's
 queue held so that they time the device's work, not the host's (``timed``), median of ``--repeats``; the
@@ -68,7 +73,11 @@ class Shape:
 
 def gpu_shapes(quick: bool = False) -> list[Shape]:
     shapes = [Shape("Criteo-like: 26 tables (capped at 5M rows), dim 128, one-hot, batch 64K",
-                    tuple(min(r, ROW_CAP) for r in CRITEO_ROWS), 128, 1, 65536)]
+                    tuple(min(r, ROW_CAP) for r in CRITEO_ROWS), 128, 1, 65536),
+              # issue 39: the dataset's real cardinalities (33.8M rows, the largest 10.1M); with Zipf ids the
+              # heavy tail of the real logs. The dense baseline needs 3 x 17.3 GB (weight, gradient, state).
+              Shape("Criteo uncapped: 26 tables at Criteo's cardinalities (largest 10.1M rows), dim 128, one-hot, "
+                    "batch 64K", tuple(CRITEO_ROWS), 128, 1, 65536)]
     shapes += [Shape(f"1 table 10M rows, dim {d}, 64-hot, batch 8K", (10_000_000,), d, 64, 8192) for d in (128, 64, 32)]
     shapes.append(Shape("100 features x 10-hot, vocab 8192, dim 64, batch 8K", (8192,) * 100, 64, 10, 8192))
     return [shapes[0], shapes[-1]] if quick else shapes
@@ -95,6 +104,60 @@ def make_ids(shape: Shape, ids: str, seed: int) -> tuple[torch.Tensor, torch.Ten
     values = torch.cat(parts)
     offsets = torch.arange(len(shape.rows) * shape.batch + 1, device=DEVICE) * shape.hotness
     return values, offsets
+
+
+def fbgemm_missing() -> str | None:
+    """Why FBGEMM's TBE cannot be measured here (None when it can): it needs CUDA and ``fbgemm_gpu``."""
+    if not CUDA:
+        return "no GPU"
+    try:
+        import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - the reason is reported, not raised
+        return f"fbgemm_gpu does not import: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+def fbgemm_tbe(tables: list[TableConfig], dtype: torch.dtype):
+    """FBGEMM's training TBE configured as recloop's benchmark collection: device tables, sum pooling, exact
+    row-wise Adagrad (lr 0.01, eps 1e-8, FBGEMM's stochastic rounding for half weights, as recloop's), fp32
+    output, no bounds check (recloop runs with ``check_ids="off"``)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        BoundsCheckMode,
+        ComputeDevice,
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    precision = {torch.float32: SparseType.FP32, torch.bfloat16: SparseType.BF16, torch.float16: SparseType.FP16}
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        [(t.num_embeddings, t.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for t in tables],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8,
+        weights_precision=precision[dtype], output_dtype=SparseType.FP32, pooling_mode=PoolingMode.SUM,
+        bounds_check_mode=BoundsCheckMode.NONE, stochastic_rounding=True, device=DEVICE)
+
+
+def check_against_fbgemm(ebc: EmbeddingBagCollection, tbe, shape: Shape, values: torch.Tensor,
+                         offsets: torch.Tensor, upstream: torch.Tensor) -> tuple[float, float]:
+    """Give FBGEMM recloop's weights (both optimizers fresh), then one forward and one fused step on each:
+    (forward relative error, updated-rows relative error), over the rows the batch touches."""
+    per_table = shape.batch * shape.hotness
+    weights = tbe.split_embedding_weights()  # views of FBGEMM's device buffer, one per table
+    touched = [torch.unique(values[t * per_table:(t + 1) * per_table]) for t in range(len(ebc.tables))]
+    with torch.no_grad():
+        for table, w in zip(ebc.tables, weights, strict=True):
+            w.copy_(ebc.weight(table.name))
+        ours, theirs = ebc(values, offsets).float(), tbe(values, offsets).float()
+        forward_error = ((ours - theirs).norm() / ours.norm()).item()
+    del ours, theirs
+    torch.autograd.backward(ebc(values, offsets), upstream)
+    torch.autograd.backward(tbe(values, offsets), upstream)
+    with torch.no_grad():
+        ours = torch.cat([ebc.weight(t.name)[rows].float().flatten() for t, rows in zip(ebc.tables, touched, strict=True)])
+        theirs = torch.cat([w[rows].float().flatten() for w, rows in zip(weights, touched, strict=True)])
+        update_error = ((ours - theirs).norm() / ours.norm()).item()
+    return forward_error, update_error
 
 
 def run_statistics(shape: Shape, values: torch.Tensor) -> tuple[int, int]:
@@ -255,6 +318,19 @@ def measure(shape: Shape, dtype: torch.dtype, ids: str, bandwidth: float | None,
         raise RuntimeError(f"{shape.name}: forward relative error {error:.2e}; refusing to report a time")
     del dense, expected, out
     free()
+    fbgemm = {"missing": fbgemm_missing()}
+    if fbgemm["missing"] is None:  # side by side on the same GPU (issue 39): correct first, then timed below
+        try:
+            tbe = fbgemm_tbe(tables, dtype)
+            fbgemm["forward_error"], fbgemm["update_error"] = check_against_fbgemm(ebc, tbe, shape, values, offsets,
+                                                                                 upstream)
+            if not (fbgemm["forward_error"] < tolerance and fbgemm["update_error"] < tolerance):
+                raise RuntimeError(f"FBGEMM and recloop differ: forward {fbgemm['forward_error']:.2e}, updated rows "
+                                   f"{fbgemm['update_error']:.2e} (tolerance {tolerance:g}); no time reported")
+        except Exception as err:  # noqa: BLE001 - recorded beside the figures; recloop's own still run
+            fbgemm["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        tbe = None
+        free()
     small = [TableConfig(f"t{i}", min(r, 50_000), shape.dim) for i, r in enumerate(shape.rows[:4])]
     check = [EmbeddingBagCollection(small, optimizer="rowwise_adagrad", lr=0.01, device=DEVICE, dtype=dtype,
                                     backend=b, seed=1) for b in ("reference", backend)]
@@ -287,6 +363,25 @@ def measure(shape: Shape, dtype: torch.dtype, ids: str, bandwidth: float | None,
         backward(out)
     ebc = out = None  # freed before the baselines take their memory
     free()
+
+    if fbgemm["missing"] is None and "error" not in fbgemm:
+        tbe = fbgemm_tbe(tables, dtype)
+
+        def tbe_forward(_):
+            with torch.no_grad():
+                tbe(values, offsets)
+
+        fbgemm["forward_s"] = timed(tbe_forward, repeats=repeats)
+        fbgemm["backward_s"] = timed(backward, setup=lambda: tbe(values, offsets), repeats=repeats)
+        with LaunchCounter() as launches:
+            tbe_forward(None)
+        fbgemm["forward_launches"] = launches.count
+        out = tbe(values, offsets)
+        with LaunchCounter() as launches:
+            backward(out)
+        fbgemm["backward_launches"] = launches.count
+        tbe = out = None
+        free()
 
     baselines = {}
     for sparse in (False, True):
@@ -327,7 +422,7 @@ def measure(shape: Shape, dtype: torch.dtype, ids: str, bandwidth: float | None,
         "forward_bytes": forward_bytes,
         "backward_bytes": backward_bytes, "forward_launches": forward_launches.count,
         "backward_launches": backward_launches.count, "bandwidth": bandwidth, "baselines": baselines,
-        "criteo": shape.name.startswith("Criteo"),
+        "fbgemm": fbgemm, "criteo": shape.name.startswith("Criteo"),
     }
 
 
@@ -351,6 +446,8 @@ def rows_of(result: dict) -> list[dict]:
             "ms": f"{seconds * 1e3:.3f}", "GB/s": f"{achieved / 1e9:.0f}" if CUDA else "-",
             "of copy BW": f"{achieved / result['bandwidth']:.0%}" if result["bandwidth"] else "-",
             "vs dense": f"{dense / seconds:.1f}x", "vs sparse": f"{sparse / seconds:.1f}x",
+            "vs FBGEMM": (f"{result['fbgemm'][f'{key}_s'] / seconds:.2f}x" if f"{key}_s" in result["fbgemm"]
+                          else "-"),
             "with host ms": f"{result['forward_host_s'] * 1e3:.3f}" if key == "forward" else "-",
             "launches": result[f"{key}_launches"], "longest run": result["longest_run"],
         })

@@ -13,6 +13,8 @@
 #                                                                    # train, the profile (325 s)
 #   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh dynamic # issue 42: dynamic tables and the host
 #                                                                    # tier, tests and throughput (390 s)
+#   RECLOOP_COMMIT=<short sha> bash benchmarks/gpu_session.sh fbgemm  # issue 39: FBGEMM side by side; carry
+#                                                                    # .whl-fbgemm (fbgemm_wheel.py) (360 s)
 #
 # Each step runs under its own time limit, so one slow step cannot take the others' time; gpu_suite.py
 # saves its JSON after every figure, so a step stopped at its limit keeps what it measured. Everything
@@ -26,7 +28,7 @@
 # Between the calls, here: mkdir -p gpu-in && cp <call 1's files_at>/gpu_suite.json gpu-in/ (ignored), and
 # name gpu-in in call 2's carry, so that part 2 adds its steps to part 1's JSON.
 set -u
-part=${1:?which part: 1, 2, check, measure, tune, segment, final or dynamic}
+part=${1:?which part: 1, 2, check, measure, tune, segment, final, dynamic or fbgemm}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -123,6 +125,15 @@ elif [ "$part" = dynamic ]; then
         --tables 1 --batch 16384 --threads 8 --json "$OUT/dynamic_tables_seed_shape.json"
     step 150 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 2000000 --dim 128 \
         --tables 8 --batch 65536 --threads 8 --json "$OUT/dynamic_tables_criteo_like.json"
+elif [ "$part" = fbgemm ]; then
+    # issue 39: FBGEMM's TBE side by side with recloop on every embedding shape (fp32, bf16; uniform, Zipf),
+    # the uncapped Criteo shape among them. Carry .whl-fbgemm (benchmarks/fbgemm_wheel.py prepare: the
+    # released fbgemm_gpu 1.6.0, sm_90 code only, ~56 MiB). The GPU tests first (their fp32 tolerance now
+    # follows the summation length). Limits add up to 360 s.
+    step 60 python3 benchmarks/fbgemm_wheel.py install --target /tmp/site
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    step 90 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
+    step 210 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"

@@ -154,7 +154,9 @@ def step_embedding(figures: Figures, smoke: bool, quick: bool) -> None:
                 dense, sparse = r["baselines"]["dense"], r["baselines"]["sparse"]
                 print(f"[embedding] {label}: forward {r['forward_s'] * 1e3:.3f} ms ({r['forward_bytes'] / r['forward_s'] / 1e9:.0f}"
                       f" GB/s), backward {r['backward_s'] * 1e3:.3f} ms ({r['backward_bytes'] / r['backward_s'] / 1e9:.0f} GB/s);"
-                      f" dense {dense[0] * 1e3:.3f}/{dense[1] * 1e3:.3f} ms, sparse {sparse[0] * 1e3:.3f}/{sparse[1] * 1e3:.3f} ms",
+                      f" dense {dense[0] * 1e3:.3f}/{dense[1] * 1e3:.3f} ms, sparse {sparse[0] * 1e3:.3f}/{sparse[1] * 1e3:.3f} ms"
+                      + (f", FBGEMM {r['fbgemm']['forward_s'] * 1e3:.3f}/{r['fbgemm']['backward_s'] * 1e3:.3f} ms"
+                         if "forward_s" in r["fbgemm"] else f", FBGEMM: {r['fbgemm'].get('error') or r['fbgemm']['missing']}"),
                       flush=True)
     if failures:
         raise RuntimeError(f"{len(failures)} embedding measurements failed: {failures}")
@@ -186,6 +188,24 @@ def _embedding_figures(figures: Figures, label: str, r: dict, bandwidth: float |
                     note="CUDA kernels in the profiler" if CUDA else "Triton launches (interpreter)")
     figures.add("embedding", f"{label}: longest run", r["longest_run"], "occurrences of one row",
                 note=f"{r['nnz']} ids, {r['unique_rows']} distinct rows")
+    _fbgemm_figures(figures, label, r)
+
+
+def _fbgemm_figures(figures: Figures, label: str, r: dict) -> None:
+    """Issue 39: recloop's speed over FBGEMM's TBE on the same GPU, inputs and optimizer (a ratio > 1: faster)."""
+    fb = r.get("fbgemm", {})
+    if fb.get("missing") or fb.get("error"):
+        figures.add("embedding", f"{label}: vs FBGEMM TBE", None, "x", met=None if fb.get("missing") else False,
+                    note=fb.get("missing") or fb["error"])
+        return
+    for key in ("forward", "backward"):
+        seconds, theirs = r[f"{key}_s"], fb[f"{key}_s"]
+        target = 1.3 if r["criteo"] and key == "backward" else 1.0
+        figures.add("embedding", f"{label} {key}: vs FBGEMM TBE", theirs / seconds, "x", baseline=None,
+                    target=f">= {target}x FBGEMM's speed", met=theirs / seconds >= target,
+                    note=f"recloop {seconds * 1e3:.3f} ms, FBGEMM {theirs * 1e3:.3f} ms "
+                         f"({r[f'{key}_bytes'] / theirs / 1e9:.0f} GB/s), FBGEMM launches {fb[f'{key}_launches']}; "
+                         f"checked equal first: forward {fb['forward_error']:.1e}, updated rows {fb['update_error']:.1e}")
 
 
 TARGET_SHARE = {"forward": 0.75, "backward": 0.50}
