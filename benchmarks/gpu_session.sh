@@ -119,11 +119,11 @@ elif [ "$part" = dynamic ]; then
     # kernels on CUDA against the CPU reference; a pinned store with side-stream prefetch against the whole
     # table), then lookup + update throughput, dynamic and host tier vs static on the same batches, at the
     # seeds' shape (one 10M-row table, dim 64, batch 16K) and a Criteo-like one (8 tables x 2M x 128, batch
-    # 64K). Limits add up to 390 s (guesses: no GPU has run these; the CPU run of the small shape took ~60 s).
-    step 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_dynamic_tables.py tests/test_host_tier.py
-    step 150 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 64 \
+    # 64K). Limits add up to 315 s (guesses: no GPU has run these; the CPU run of the small shape took ~60 s).
+    step 75 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_dynamic_tables.py tests/test_host_tier.py
+    step 120 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 64 \
         --tables 1 --batch 16384 --threads 8 --json "$OUT/dynamic_tables_seed_shape.json"
-    step 150 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 2000000 --dim 128 \
+    step 120 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 2000000 --dim 128 \
         --tables 8 --batch 65536 --threads 8 --json "$OUT/dynamic_tables_criteo_like.json"
 elif [ "$part" = fbgemm ]; then
     # issue 39: FBGEMM's TBE side by side with recloop on every embedding shape (fp32, bf16; uniform, Zipf),
