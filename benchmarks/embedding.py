@@ -134,7 +134,10 @@ def fbgemm_tbe(tables: list[TableConfig], dtype: torch.dtype):
     return SplitTableBatchedEmbeddingBagsCodegen(
         [(t.num_embeddings, t.dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for t in tables],
         optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8,
-        weights_precision=precision[dtype], output_dtype=SparseType.FP32, pooling_mode=PoolingMode.SUM,
+        # cache_precision: FBGEMM's default is the weights' (bf16: "cache_precision bf16 not supported!",
+        # H200, 2026-11-28); the tables live on the device here, so no cache row is ever used
+        weights_precision=precision[dtype], cache_precision=SparseType.FP32, output_dtype=SparseType.FP32,
+        pooling_mode=PoolingMode.SUM,
         bounds_check_mode=BoundsCheckMode.NONE, stochastic_rounding=True, device=DEVICE)
 
 

@@ -28,7 +28,7 @@
 # Between the calls, here: mkdir -p gpu-in && cp <call 1's files_at>/gpu_suite.json gpu-in/ (ignored), and
 # name gpu-in in call 2's carry, so that part 2 adds its steps to part 1's JSON.
 set -u
-part=${1:?which part: 1, 2, check, measure, tune, segment, final, dynamic or fbgemm}
+part=${1:?which part: 1, 2, check, measure, tune, segment, final, dynamic, fbgemm or fbgemm-dynamic}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -120,7 +120,8 @@ elif [ "$part" = dynamic ]; then
     # table), then lookup + update throughput, dynamic and host tier vs static on the same batches, at the
     # seeds' shape (one 10M-row table, dim 64, batch 16K) and a Criteo-like one (8 tables x 2M x 128, batch
     # 64K). Limits add up to 315 s (guesses: no GPU has run these; the CPU run of the small shape took ~60 s).
-    step 75 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_dynamic_tables.py tests/test_host_tier.py
+    step 75 env PYTHONPATH=platform:kernels:. python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_dynamic_tables.py tests/test_host_tier.py
     step 120 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 64 \
         --tables 1 --batch 16384 --threads 8 --json "$OUT/dynamic_tables_seed_shape.json"
     step 120 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 2000000 --dim 128 \
@@ -134,6 +135,18 @@ elif [ "$part" = fbgemm ]; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     step 90 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 210 python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
+elif [ "$part" = fbgemm-dynamic ]; then
+    # one call for both (issues 39 and 42) after fixes: the embedding step with FBGEMM (bf16 now configured),
+    # then the dynamic part's steps. Carry .whl-fbgemm. Limits add up to 485 s.
+    step 60 python3 benchmarks/fbgemm_wheel.py install --target /tmp/site
+    step 150 env PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/gpu_suite.py --only embedding \
+        --out "$suite"
+    step 75 env PYTHONPATH=platform:kernels:. python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_dynamic_tables.py tests/test_host_tier.py
+    step 100 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 64 \
+        --tables 1 --batch 16384 --threads 8 --json "$OUT/dynamic_tables_seed_shape.json"
+    step 100 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 2000000 --dim 128 \
+        --tables 8 --batch 65536 --threads 8 --json "$OUT/dynamic_tables_criteo_like.json"
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"
