@@ -28,7 +28,7 @@
 # Between the calls, here: mkdir -p gpu-in && cp <call 1's files_at>/gpu_suite.json gpu-in/ (ignored), and
 # name gpu-in in call 2's carry, so that part 2 adds its steps to part 1's JSON.
 set -u
-part=${1:?which part: 1, 2, check, measure, tune, segment, final, dynamic, fbgemm or fbgemm-dynamic}
+part=${1:?which part: 1, 2, check, measure, tune, segment, final, dynamic, fbgemm, fbgemm-dynamic or fbgemm-half}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -147,6 +147,12 @@ elif [ "$part" = fbgemm-dynamic ]; then
         --tables 1 --batch 16384 --threads 8 --json "$OUT/dynamic_tables_seed_shape.json"
     step 100 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 2000000 --dim 128 \
         --tables 8 --batch 65536 --threads 8 --json "$OUT/dynamic_tables_criteo_like.json"
+elif [ "$part" = fbgemm-half ]; then
+    # the two-byte weights against FBGEMM: recloop bf16 beside FBGEMM fp16 (its release has no bf16 training
+    # kernel), and fp16 against fp16. Carry .whl-fbgemm. Limits add up to 210 s.
+    step 60 python3 benchmarks/fbgemm_wheel.py install --target /tmp/site
+    step 150 env PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} RECLOOP_EMBEDDING_DTYPES=bfloat16,float16 \
+        python3 benchmarks/gpu_suite.py --only embedding --out "$suite"
 elif [ "$part" = 1 ]; then
     step 120 python3 benchmarks/gpu_suite.py --only tests --out "$suite"
     step 30 python3 benchmarks/gpu_suite.py --only ptx --quick --out "$suite"
