@@ -19,17 +19,31 @@ from recloop.hours import hour_stem
 from recloop.locks import exclusive_lock
 from recloop.settings import Settings
 
+# How long a request to Prefect's temporary local server may take. Its SQLite database is shared by the API and
+# the server's own services (task-run recorder, event persister), and a statement waits up to 60 s for the
+# write lock (Prefect's ``PRAGMA busy_timeout``) before the server answers 503, which the client retries. A
+# client that gives up sooner (recloop's 15 s for real services) abandons a request still queued for the lock
+# and sends it again behind it: `recloop demo` died so on day 3 (httpx.ReadTimeout creating a subflow, the
+# server logging "database is locked"), 1 run of 2 on a quiet machine (RESULTS.md, 2026-11-27). Waiting past
+# the server's own lock wait lets the server's answer decide; a real server keeps recloop's limits.
+EMBEDDED_SERVER_REQUEST_SECONDS = 120.0
+
 
 def configure_prefect(settings: Settings) -> None:
     """Embedded defaults before Prefect is imported: its state under ``RECLOOP_HOME`` (so ``recloop up``
     shows the demo's runs), a patient ephemeral server, no analytics, bounded client timeouts and retries
-    (``recloop.endpoints``); ``RECLOOP_PREFECT_API_URL`` points at a real server instead."""
+    (``recloop.endpoints``; past the temporary server's own lock wait, ``EMBEDDED_SERVER_REQUEST_SECONDS``);
+    ``RECLOOP_PREFECT_API_URL`` points at a real server instead."""
     os.environ.setdefault("PREFECT_HOME", str(settings.home.resolve() / "prefect"))
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)  # Prefect warns when it cannot
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     run_logs_to_the_ui_only()
-    endpoints.prefect_environment(endpoints.limits_for(settings))
+    limits = endpoints.limits_for(settings)
+    if not (settings.prefect_api_url or os.environ.get("PREFECT_API_URL")):  # the temporary local server
+        os.environ.setdefault("PREFECT_API_REQUEST_TIMEOUT",
+                              str(max(limits.request_seconds, EMBEDDED_SERVER_REQUEST_SECONDS)))
+    endpoints.prefect_environment(limits)
     if settings.prefect_api_url:
         os.environ.setdefault("PREFECT_API_URL", settings.prefect_api_url)
 
