@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recloop.data import ChunkLoader
+from recloop.data import VALUES_BUCKET, ChunkLoader
 from recloop.data.synthetic import write_training_rows
 from recloop.model import (
     ModelConfig,
@@ -169,3 +169,24 @@ def test_on_a_gpu_the_step_replays_as_cuda_graphs_and_matches_eager(rows):
     compiled, eager = states
     for key in compiled:
         torch.testing.assert_close(compiled[key].float(), eager[key].float(), rtol=1e-3, atol=1e-3, msg=key)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_default_built_loader_gives_one_graph_per_bucket(rows):
+    """Issue 39: ``ChunkLoader`` built with its defaults on a GPU (no ``pad_values_to``) with multi-hot columns:
+    every batch's ids have the bucket's length, so the compiled step compiles once and its CUDA graphs are
+    recorded for one shape, not one per batch (H200: 1.0M samples/s unpadded against 11.4M at batch 16K)."""
+    files, schema = rows
+    unpadded = list(ChunkLoader(files, schema, 100, device="cuda", seed=0, shuffle_chunks=2,
+                                pad_values_to=None).epoch(0))
+    data = list(ChunkLoader(files, schema, 100, device="cuda", seed=0, shuffle_chunks=2).epoch(0))
+    assert len({b.values.numel() for b in unpadded}) > 1  # the footgun: a length per batch
+    assert {b.values.numel() for b in data} == {VALUES_BUCKET}  # one bucket (100 rows hold fewer ids)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    config = ModelConfig(embedding_dim=8, bottom_mlp=(8,), top_mlp=(8,), embedding_lr=0.1,
+                         multi_hot_columns=tuple(schema.multi_hot))
+    model = RankingModel(config, len(schema.dense), schema.tables, device="cuda", seed=0)
+    step = TrainStep(model, dense_optimizer(model, 0.01, "cuda"), StepConfig(bf16=False), "cuda")
+    assert fit(step, data + data, lr=0.01)["steps"] == 2 * len(data)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompilation for another length

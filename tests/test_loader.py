@@ -249,6 +249,21 @@ def test_stage_times_name_the_slow_stage(files, monkeypatch, staging):
     assert slow_consumer.handover_wait_s > slow_consumer.decode_wait_s
 
 
+def test_on_a_gpu_a_default_loader_pads_multi_hot_ids_to_the_bucket(files):
+    """Issue 39: a library user who builds a loader without ``pad_values_to`` gets padded ids on a GPU, so that a
+    compiled step replays one CUDA graph per bucket instead of recording one per batch (the GPU test below runs
+    it); on a CPU, and without list columns, nothing is padded. The device is not touched to decide."""
+    from recloop.data import VALUES_BUCKET
+
+    one_hot = FeatureSchema(dense=SCHEMA.dense, categorical=SCHEMA.categorical, multi_hot={})
+    assert ChunkLoader(files, SCHEMA, 97, device="cuda").pad_values_to == VALUES_BUCKET
+    assert ChunkLoader(files, one_hot, 97, device="cuda").pad_values_to is None
+    assert ChunkLoader(files, SCHEMA, 97).pad_values_to is None
+    assert ChunkLoader(files, SCHEMA, 97, device="cuda", pad_values_to=None).pad_values_to is None
+    with pytest.raises(ValueError, match="pad_values_to"):
+        ChunkLoader(files, SCHEMA, 97, pad_values_to=0)
+
+
 @pytest.mark.gpu
 def test_batches_land_on_the_gpu_without_host_synchronization(files):
     cpu = [(rows_of(b), b.values.tolist(), b.offsets.tolist(), b.dense.tolist(), b.label.tolist())

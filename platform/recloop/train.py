@@ -65,7 +65,6 @@ ORACLE_COLUMNS = ("p_click",)
 # device, item category. The gate compares candidate and champion on each slice.
 SLICE_COLUMNS = ("user_is_new", "c_device", "c_category")
 TABLES_PREFIX = "sparse_arch.embeddings."  # the model's tables in its state_dict (a table log holds them)
-VALUES_BUCKET = 1 << 14  # ids per batch are padded to a multiple of this on a GPU (few shapes: CUDA graphs)
 
 
 class TrainError(RuntimeError):
@@ -591,9 +590,8 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
     (``[step, loss]`` every 10 steps). Checkpoints every ``checkpoint_every`` steps through ``save``; the
     tracker gets each loss reading as it lands and each epoch's end."""
     batch_size = config.batch_size or default_batch_size(device)
-    # On a GPU, ids are padded to a few bucketed lengths so the compiled step replays as CUDA graphs.
-    bucket = VALUES_BUCKET if device.type == "cuda" and schema.multi_hot else None
-    loader = ChunkLoader(windows.train, schema, batch_size, device=device, seed=config.seed, pad_values_to=bucket)
+    # On a GPU, ids are padded to a few bucketed lengths (the loader's default) so the step replays CUDA graphs.
+    loader = ChunkLoader(windows.train, schema, batch_size, device=device, seed=config.seed)
     total = loader.num_rows * windows.epochs
     scale = math.sqrt(batch_size / config.reference_batch)
     started, first_samples = time.perf_counter(), position["samples"]
