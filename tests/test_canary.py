@@ -220,3 +220,57 @@ def test_a_long_canarys_decisions_table_drops_its_oldest_rows_whole_and_counts_t
     assert f"*The first {first} decisions are not shown here" in note and note.count("are not shown here") == 1
     assert lines[0].startswith("# Canary of") and sum(line.startswith("| step |") for line in lines) == 1
     assert explain.fit_note("short") == "short"
+
+
+# --- the latency guardrail on evidence (issue 36: the demo rolled a healthy retriever back on 126 ms vs 65 ms) --
+
+
+def test_p99_bounds_are_order_statistics_and_wait_for_enough_latencies():
+    import math
+
+    import numpy as np
+
+    from recloop.evidence.variants import p99_bounds
+
+    low, high = p99_bounds(np.arange(1.0, 16.0))  # 15 latencies, 1..15 ms
+    assert low == 14.0  # the 14th smallest: P(Binomial(15, 0.99) >= 14) = 0.990 >= 0.95, >= 15 only 0.860
+    assert high == math.inf  # an upper bound on a p99 at 95 % needs 299 latencies
+    assert p99_bounds(np.ones(299))[1] == 1.0 and p99_bounds(np.ones(298))[1] == math.inf
+    true_p99 = 10.0 * math.log(100)  # exponential latencies of mean 10 ms
+    lows, highs = [], []
+    for seed in range(300):
+        low, high = p99_bounds(np.random.default_rng(seed).exponential(10.0, 600))
+        lows.append(low <= true_p99)
+        highs.append(high >= true_p99)
+    assert sum(lows) / 300 >= 0.93 and sum(highs) / 300 >= 0.93  # each bound holds at its 95 %
+
+
+def test_the_latency_guardrail_needs_evidence_not_two_maxima():
+    import numpy as np
+
+    from recloop.canary.decision import shipped
+    from recloop.evidence.variants import p99_bounds
+
+    config = shipped(steps=(0.5, 1.0), bake_seconds=0, min_requests=15)  # the demo's small world
+
+    def variant(latencies, **more):
+        low, high = p99_bounds(latencies)
+        return VariantStats(requests=len(latencies), p99_ms=float(np.percentile(latencies, 99)), p99_low_ms=low,
+                            p99_high_ms=high, **more)
+
+    def contended(rng, n):  # a model's time per request while training shares the cores: some requests stall
+        return np.where(rng.random(n) < 0.1, rng.exponential(40.0, n), rng.exponential(10.0, n))
+
+    rolled_back, point_rule = 0, 0
+    for seed in range(200):  # the demo's traffic: ~200 champion and ~20 challenger requests a step, same model speed
+        rng = np.random.default_rng(seed)
+        champion, challenger = variant(contended(rng, 200)), variant(contended(rng, 20))
+        rolled_back += decide(champion, challenger, CanaryState(0.5, 0.0), config, 10.0).action == "rollback"
+        point_rule += challenger.p99_ms > config.max_p99_ratio * champion.p99_ms
+    assert point_rule >= 6  # the old rule (two point p99s) rolled a healthy challenger back this often (11 of 200)
+    assert rolled_back == 0
+    # a challenger three times slower, on enough requests, is rolled back; the reason names the bounds
+    rng = np.random.default_rng(1)
+    slow = decide(variant(rng.exponential(10.0, 2000)), variant(rng.exponential(30.0, 600)), CanaryState(0.5, 0.0),
+                  config, 10.0)
+    assert slow.action == "rollback" and "95 % bounds" in slow.reasons[0]

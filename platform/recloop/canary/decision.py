@@ -40,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import math
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -189,6 +190,8 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
         "share": state.share, "challenger_requests": challenger.requests, "champion_requests": champion.requests,
         "challenger_error_rate": challenger.error_rate, "champion_error_rate": champion.error_rate,
         "challenger_p99_ms": challenger.p99_ms, "champion_p99_ms": champion.p99_ms,
+        "challenger_p99_low_ms": challenger.p99_low_ms,
+        "champion_p99_high_ms": None if champion.p99_high_ms == math.inf else champion.p99_high_ms,
         "challenger_ctr": challenger.ctr, "champion_ctr": champion.ctr,
         "challenger_impressions": challenger.impressions, "champion_impressions": champion.impressions,
         "challenger_auc": challenger.online_auc, "champion_auc": champion.online_auc,
@@ -215,10 +218,15 @@ def decide(champion: VariantStats, challenger: VariantStats, state: CanaryState,
     failures = []
     if judged and enough_requests and challenger.error_rate - champion.error_rate > config.max_error_rate_increase:
         failures.append(f"error rate {challenger.error_rate:.2%} vs champion {champion.error_rate:.2%}")
-    if judged and enough_requests and champion.p99_ms > 0 and \
-            challenger.p99_ms > config.max_p99_ratio * champion.p99_ms:
+    # Latency on evidence, not on two maxima: the challenger's p99 is surely (95 %) above the allowed multiple
+    # of the champion's surely-not-exceeded p99 (``evidence.variants.p99_bounds``; hand-built figures without
+    # bounds compare the point p99s).
+    slow_low = challenger.p99_ms if challenger.p99_low_ms is None else challenger.p99_low_ms
+    fast_high = champion.p99_ms if champion.p99_high_ms is None else champion.p99_high_ms
+    if judged and enough_requests and champion.p99_ms > 0 and slow_low > config.max_p99_ratio * fast_high:
         failures.append(f"p99 latency {challenger.p99_ms:.1f} ms vs champion {champion.p99_ms:.1f} ms "
-                        f"(at most {config.max_p99_ratio}x)")
+                        f"(at most {config.max_p99_ratio}x; 95 % bounds: at least {slow_low:.1f} ms against at "
+                        f"most {fast_high:.1f} ms)")
     if auc_evidence is not None:
         figures.update({"auc_effect": auc_evidence.estimate, "auc_effect_low": auc_evidence.low,
                         "auc_effect_high": auc_evidence.high, "auc_evidence_users": auc_evidence.units})

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recloop.evaluate import auc
-from recloop.evidence.variants import VariantStats
+from recloop.evidence.variants import VariantStats, p99_bounds
 from recloop.formats import ARROW_TYPES
 from recloop.schema import DatasetSpec
 
@@ -365,6 +365,7 @@ class Journal(ABC):
             requests=len(evaluations), errors=sum(s == "error" for s, _ in evaluations),
             nan_responses=sum(s == "nan" for s, _ in evaluations),
             p99_ms=float(np.percentile(latencies, 99)) if len(latencies) else 0.0,
+            **dict(zip(("p99_low_ms", "p99_high_ms"), p99_bounds(latencies), strict=True)),
             impressions=len(served), clicks=int(sum(served)),
             online_auc=None if online_auc != online_auc else float(online_auc),
         )
@@ -529,6 +530,7 @@ class Journal(ABC):
             requests=len(evaluations), errors=sum(s == "error" for s, _ in evaluations),
             nan_responses=sum(s == "nan" for s, _ in evaluations),
             p99_ms=float(np.percentile(latencies, 99)) if len(latencies) else 0.0,
+            **dict(zip(("p99_low_ms", "p99_high_ms"), p99_bounds(latencies), strict=True)),
             impressions=len(feedback), clicks=int(sum(label for (label,) in feedback)), online_auc=None)
 
     def retriever_user_clicks(self, version: str, since: float | None = None
