@@ -4,6 +4,8 @@
 while the server's SQLite database was locked by its own services. ``configure_prefect`` now gives requests to
 the temporary server longer than the server's own lock wait. Here the lock is held on purpose, longer than
 recloop's request timeout for real services (set to 1 s with no retry, so the old behaviour fails at once).
+Under load the server may also answer 503 at once (a transaction's snapshot went stale while its own
+services wrote): those are retried with Prefect's own count and backoff for the temporary server.
 """
 
 from __future__ import annotations

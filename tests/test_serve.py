@@ -417,7 +417,9 @@ def test_a_good_challenger_is_stepped_up_and_promoted(client: httpx.Client, home
 def test_a_bad_challenger_is_rolled_back(client: httpx.Client, home: Settings, server, change, top_mlp, reason):
     version = variant(home, change, top_mlp)
     users = SimulatedUsers(replayed_world(), day=3.4, seed=13)
-    decisions, rounds = run_canary(home, client, server, version, users)
+    # The latency guardrail acts on evidence (95 % bounds on both p99s, recloop.evidence.variants.p99_bounds):
+    # the champion's upper bound needs 299 of its requests in the step, so the slow case sends more traffic.
+    decisions, rounds = run_canary(home, client, server, version, users, requests=900 if change is widened else 200)
     final = decisions[-1]
     assert final["action"] == "rollback", json.dumps([d["decision"] for d in decisions])
     assert any(reason in r for r in final["decision"]["reasons"]), final["decision"]["reasons"]

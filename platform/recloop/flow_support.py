@@ -27,6 +27,7 @@ from recloop.settings import Settings
 # server logging "database is locked"), 1 run of 2 on a quiet machine (RESULTS.md, 2026-11-27). Waiting past
 # the server's own lock wait lets the server's answer decide; a real server keeps recloop's limits.
 EMBEDDED_SERVER_REQUEST_SECONDS = 120.0
+EMBEDDED_SERVER_RETRIES = 5  # Prefect's default
 
 
 def configure_prefect(settings: Settings) -> None:
@@ -43,6 +44,9 @@ def configure_prefect(settings: Settings) -> None:
     if not (settings.prefect_api_url or os.environ.get("PREFECT_API_URL")):  # the temporary local server
         os.environ.setdefault("PREFECT_API_REQUEST_TIMEOUT",
                               str(max(limits.request_seconds, EMBEDDED_SERVER_REQUEST_SECONDS)))
+        # its 503s on a locked database ("database is locked" at once when a transaction's snapshot is stale)
+        # are retried with Prefect's own count and backoff (2, 4, 8, 16, 32 s), not recloop's fail-fast one
+        os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", str(max(limits.attempts - 1, EMBEDDED_SERVER_RETRIES)))
     endpoints.prefect_environment(limits)
     if settings.prefect_api_url:
         os.environ.setdefault("PREFECT_API_URL", settings.prefect_api_url)
