@@ -19,7 +19,6 @@ then packs the package as one ``.tar.xz`` (about 56 MiB) with its sha256. Standa
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -29,6 +28,8 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+from gpu_wheels import sha256  # the same checksum as cuDF's carried wheels (standard library, this folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = "1.6.0"
@@ -77,14 +78,6 @@ def blank_other_architectures(path: Path, keep: int = KEEP_ARCH) -> dict[int, in
         raise SystemExit(f"{path.name}: no code for sm_{keep} (found {sorted(found)}); nothing to keep")
     path.write_bytes(data)
     return found
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def prepare(directory: Path) -> Path:

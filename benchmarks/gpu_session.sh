@@ -59,6 +59,16 @@ profile_segment_as_on_the_h200() {  # LIMIT: the segment pass as measured on 202
         --set SEGMENT_LONG_N=0 > "$0"' "$OUT/ncu_criteo_fp32_one_run.csv"
 }
 
+dynamic_steps() {  # dynamic_steps TESTS_LIMIT THROUGHPUT_LIMIT (issue 42): the dynamic tables' and the host tier's
+    # gpu tests, then lookup + update throughput at the seeds' shape and a Criteo-like one
+    step "$1" env PYTHONPATH=platform:kernels:. python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_dynamic_tables.py tests/test_host_tier.py
+    step "$2" python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 64 \
+        --tables 1 --batch 16384 --threads 8 --json "$OUT/dynamic_tables_seed_shape.json"
+    step "$2" python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 2000000 --dim 128 \
+        --tables 8 --batch 65536 --threads 8 --json "$OUT/dynamic_tables_criteo_like.json"
+}
+
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | tee -a "$log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$log"
 if [ "$part" = check ]; then
@@ -120,12 +130,7 @@ elif [ "$part" = dynamic ]; then
     # table), then lookup + update throughput, dynamic and host tier vs static on the same batches, at the
     # seeds' shape (one 10M-row table, dim 64, batch 16K) and a Criteo-like one (8 tables x 2M x 128, batch
     # 64K). Limits add up to 315 s (guesses: no GPU has run these; the CPU run of the small shape took ~60 s).
-    step 75 env PYTHONPATH=platform:kernels:. python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/test_dynamic_tables.py tests/test_host_tier.py
-    step 120 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 64 \
-        --tables 1 --batch 16384 --threads 8 --json "$OUT/dynamic_tables_seed_shape.json"
-    step 120 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 2000000 --dim 128 \
-        --tables 8 --batch 65536 --threads 8 --json "$OUT/dynamic_tables_criteo_like.json"
+    dynamic_steps 75 120
 elif [ "$part" = fbgemm ]; then
     # issue 39: FBGEMM's TBE side by side with recloop on every embedding shape (fp32, bf16; uniform, Zipf),
     # the uncapped Criteo shape among them. Carry .whl-fbgemm (benchmarks/fbgemm_wheel.py prepare: the
@@ -141,12 +146,7 @@ elif [ "$part" = fbgemm-dynamic ]; then
     step 60 python3 benchmarks/fbgemm_wheel.py install --target /tmp/site
     step 150 env PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/gpu_suite.py --only embedding \
         --out "$suite"
-    step 75 env PYTHONPATH=platform:kernels:. python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/test_dynamic_tables.py tests/test_host_tier.py
-    step 100 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 64 \
-        --tables 1 --batch 16384 --threads 8 --json "$OUT/dynamic_tables_seed_shape.json"
-    step 100 python3 benchmarks/dynamic_tables.py --part throughput --device cuda --rows 2000000 --dim 128 \
-        --tables 8 --batch 65536 --threads 8 --json "$OUT/dynamic_tables_criteo_like.json"
+    dynamic_steps 75 100  # took 23, 24 and 36 s on the H200 (2026-11-28)
 elif [ "$part" = fbgemm-half ]; then
     # the two-byte weights against FBGEMM: recloop bf16 beside FBGEMM fp16 (its release has no bf16 training
     # kernel), and fp16 against fp16. Carry .whl-fbgemm. Limits add up to 210 s.
