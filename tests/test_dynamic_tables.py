@@ -234,6 +234,30 @@ def test_delta_checkpoints_restore_bit_exactly(optimizer):
     assert all(load(delta)["rows.0"].numel() for delta in deltas)  # each delta carried rows
 
 
+@pytest.mark.parametrize("restore", ["state_dict", "delta"])
+def test_a_restored_table_trains_on_as_the_one_that_never_stopped(restore):
+    """The clock a step reads is a host mirror of the ``clock`` buffer (no device read a step on a GPU): after a
+    checkpoint is loaded (whole, or as deltas) the next steps must use the restored clock, so that LFU decay,
+    admission and the fresh rows' draws continue as in the run that never stopped."""
+    kwargs = dict(optimizer="rowwise_adagrad", lr=0.1, count_half_life=3)
+    module = DynamicEmbeddingBagCollection(MIXED, budgets("lfu"), **kwargs)
+    restored = DynamicEmbeddingBagCollection(MIXED, budgets("lfu"), **kwargs)  # the same configuration
+    _train(restored, stream(MIXED, 2, 30))  # its own history first: a clock that differs from the run's
+    _train(module, stream(MIXED, 7, 31))
+    if restore == "state_dict":
+        restored.load_state_dict(load(save(dict(module.state_dict()))))
+    else:
+        restored.load_state_dict(load(save(dict(module.state_dict()))))
+        module.clear_touched()
+        _train(module, stream(MIXED, 5, 32, skew=True))
+        restored.apply_delta(load(save(module.delta_state_dict())))
+    for m in (module, restored):  # both go on with the same batches (admissions, evictions, decay, halving)
+        _train(m, stream(MIXED, 6, 33, skew=True))
+    expected = module.state_dict()
+    for key, value in restored.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_a_delta_holds_only_what_changed():
     tables = [TableConfig("item", 1, 32)]
     dynamic = {"item": DynamicTableConfig(max_rows=2000, admit_after=1, fallback_rows=16)}

@@ -144,6 +144,12 @@ class DynamicEmbeddingBagCollection(nn.Module):
         self.register_buffer("slot_freq", torch.zeros(total_slots, dtype=torch.float64, device=device))
         self.register_buffer("sketch_counts", self.sketch.new(device))
         self.register_buffer("clock", torch.zeros(1, dtype=torch.int64, device=device))
+        # Host mirrors, so that a training step on a GPU does not wait on the device for them: the clock's value
+        # (None: read once from the buffer, after a checkpoint is loaded) and the per-table constants' device
+        # copies (a list copied to a GPU is a host round trip, seven of them a step before).
+        self._now: int | None = 0
+        self._constants: dict = {}
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._forget_host_mirrors())
         # What changed since clear_touched(): for delta checkpoints (not part of the state).
         self.register_buffer("touched_rows", torch.zeros(self.inner.layout.total_rows, dtype=torch.bool,
                                                          device=device), persistent=False)
@@ -228,6 +234,27 @@ class DynamicEmbeddingBagCollection(nn.Module):
     def raise_id_errors(self) -> None:
         self.inner.raise_id_errors()
 
+    def _forget_host_mirrors(self) -> None:
+        self._now = None
+        self._constants = {}
+
+    def _consts(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The per-table constants on ``device``, copied there once (again after a static table grows)."""
+        layout = self.inner.layout
+        key = (str(device), tuple(layout.rows), tuple(layout.row_offsets))
+        if key not in self._constants:
+            configs = list(self.dynamic.values())
+            self._constants = {key: {
+                "dynamic_of": torch.tensor(self._dynamic_of, dtype=torch.int64, device=device),
+                "fallback_rows": torch.tensor([c.fallback_rows for c in configs], dtype=torch.int64, device=device),
+                "slot_offsets": torch.tensor(self._slot_offsets, dtype=torch.int64, device=device),
+                "admit_after": torch.tensor([c.admit_after for c in configs], dtype=torch.int64, device=device),
+                "half_lives": torch.tensor([c.lfu_half_life for c in configs], dtype=torch.float64, device=device),
+                "rows": torch.tensor(layout.rows, dtype=torch.int64, device=device),
+                "row_offsets": torch.tensor(layout.row_offsets, dtype=torch.int64, device=device),
+            }}
+        return self._constants[key]
+
     # --- forward ---------------------------------------------------------------------------------------------
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor,
@@ -247,7 +274,8 @@ class DynamicEmbeddingBagCollection(nn.Module):
         starts = offsets[batch_size * torch.arange(1, num_tables, device=offsets.device)].to(values.device)
         table = torch.searchsorted(starts.contiguous(), position, right=True)  # (n,) table of each value
         keys = values.to(torch.int64)
-        dynamic_of = torch.tensor(self._dynamic_of, device=values.device)[table]
+        consts = self._consts(values.device)
+        dynamic_of = consts["dynamic_of"][table]
         is_dynamic = (dynamic_of >= 0) & (position >= offsets[0]) & (position < offsets[-1]) & (keys >= 0)
         d = dynamic_of.clamp(min=0)
         if self.training:  # the step's own lookup, after admission, serves: no second pass over the batch
@@ -256,7 +284,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
             slot = torch.full_like(keys, -1).index_put_((picked,), picked_slot)
         else:
             found, slot = self.map.lookup(self.map_keys, self.map_slots, keys, d)
-        fallback_rows = torch.tensor([c.fallback_rows for c in self.dynamic.values()], device=values.device)[d]
+        fallback_rows = consts["fallback_rows"][d]
         mapped = torch.where(found, fallback_rows + slot, bucket(keys, d, fallback_rows))
         rows = torch.where(is_dynamic, mapped, torch.where(dynamic_of >= 0, -1, keys))
         if self.training:
@@ -266,25 +294,28 @@ class DynamicEmbeddingBagCollection(nn.Module):
     def _train_step(self, keys: torch.Tensor, dynamic_of: torch.Tensor,
                     is_dynamic: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Count, admit (evicting), score; returns the dynamic positions, and whether / where each has a slot."""
+        if self._now is None:  # after a checkpoint was loaded: one read
+            self._now = int(self.clock)
+        self._now += 1
         self.clock += 1
-        now = int(self.clock)
+        now = self._now
+        consts = self._consts(keys.device)
         picked = is_dynamic.nonzero().squeeze(1)
         keys, tables = keys[picked], dynamic_of[picked]
         self.touched_sketch[self.sketch.add(self.sketch_counts, keys, tables)] = True
         found, slot = self.map.lookup(self.map_keys, self.map_slots, keys, tables)
-        slot_offsets = torch.tensor(self._slot_offsets, dtype=torch.int64, device=keys.device)
+        slot_offsets = consts["slot_offsets"]
         in_use = (slot_offsets[tables] + slot)[found]
         pairs = torch.stack(unique_pairs(tables[~found], keys[~found]))  # sorted by table, then key
         if pairs.numel():
             counts = self.sketch.estimate(self.sketch_counts, pairs[1], pairs[0])
-            thresholds = torch.tensor([c.admit_after for c in self.dynamic.values()], device=keys.device)
+            thresholds = consts["admit_after"]
             eligible = counts >= thresholds[pairs[0]]
             if eligible.any():
                 self._admit(pairs[0][eligible], pairs[1][eligible], counts[eligible], in_use, now)
                 found, slot = self.map.lookup(self.map_keys, self.map_slots, keys, tables)
         used, uses = torch.unique((slot_offsets[tables] + slot)[found], return_counts=True)
-        half_lives = torch.tensor([c.lfu_half_life for c in self.dynamic.values()], dtype=torch.float64,
-                                  device=keys.device)[torch.searchsorted(slot_offsets, used, right=True) - 1]
+        half_lives = consts["half_lives"][torch.searchsorted(slot_offsets, used, right=True) - 1]
         decayed = self.slot_freq[used] * torch.exp2(-(now - self.slot_last[used]).double() / half_lives)
         self.slot_freq[used] = decayed + uses.double()
         self.slot_last[used] = now
@@ -364,10 +395,10 @@ class DynamicEmbeddingBagCollection(nn.Module):
 
     def _mark_rows(self, rows: torch.Tensor, table: torch.Tensor, in_bags: torch.Tensor) -> None:
         """Mark the inner rows a training batch uses (its backward updates them)."""
-        layout = self.inner.layout
-        sizes = torch.tensor(layout.rows, device=rows.device)[table]
+        consts = self._consts(rows.device)
+        sizes = consts["rows"][table]
         ok = in_bags & (rows >= 0) & (rows < sizes)
-        offsets = torch.tensor(layout.row_offsets, device=rows.device)[table]
+        offsets = consts["row_offsets"][table]
         self.touched_rows[(offsets + rows)[ok]] = True
 
     def _mark_map(self, keys: torch.Tensor, d: int) -> None:
@@ -433,6 +464,7 @@ class DynamicEmbeddingBagCollection(nn.Module):
         self.map_slots[positions] = delta["map_slots"].to(device)
         self.sketch_counts.view(-1)[delta["sketch_cells"].to(device)] = delta["sketch_counts"].to(device)
         self.clock.copy_(delta["clock"])
+        self._now = None  # read from the restored clock at the next step
         inner.step.copy_(delta["step"])
 
     def extra_repr(self) -> str:

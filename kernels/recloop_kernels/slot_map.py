@@ -145,14 +145,19 @@ class WindowedHashMap:
         self.capacities = list(capacities)
         self.starts = [sum(capacities[:t]) for t in range(len(capacities))]
         self.total = sum(capacities)
+        self._meta_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def new(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.full((self.total,), EMPTY, dtype=torch.int64, device=device),
                 torch.zeros(self.total, dtype=torch.int64, device=device))
 
     def _meta(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.tensor(self.starts, dtype=torch.int64, device=device),
-                torch.tensor(self.capacities, dtype=torch.int64, device=device))
+        """Window starts and capacities on ``device``, copied there once (a host round trip each time before)."""
+        key = str(device)
+        if key not in self._meta_cache:
+            self._meta_cache[key] = (torch.tensor(self.starts, dtype=torch.int64, device=device),
+                                     torch.tensor(self.capacities, dtype=torch.int64, device=device))
+        return self._meta_cache[key]
 
     def homes(self, keys: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """The flat position where each key's window starts: (n,)."""
