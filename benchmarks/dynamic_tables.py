@@ -359,9 +359,39 @@ def _check_dynamic_equals_static(static, dynamic, batch) -> None:
         raise SystemExit("the dynamic table's output differs from the static table's: no time reported")
 
 
+def ops_part(args) -> list[dict]:
+    """The tensor operations one steady-state training lookup (``rows_for``, every id admitted) dispatches,
+    by kind: on a GPU each is a kernel launch of a few microseconds at these sizes, the fixed cost a batch
+    pays over a static table (H200, 2026-11-28: ~4 ms a batch). Counted with a dispatch mode, on any device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args_=(), kwargs=None):
+            self.ops[str(func.overloadpacket.__name__)] = self.ops.get(str(func.overloadpacket.__name__), 0) + 1
+            return func(*args_, **(kwargs or {}))
+
+    device = torch.device(args.device)
+    tables = [TableConfig(f"t{i}", args.rows, args.dim) for i in range(args.tables)]
+    budgets = {t.name: DynamicTableConfig(max_rows=args.rows, admit_after=1, fallback_rows=64) for t in tables}
+    dynamic = DynamicEmbeddingBagCollection(tables, budgets, optimizer="rowwise_adagrad", lr=0.05, device=device)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.cat([zipf_ids(args.batch, args.rows, g, device) for _ in tables]),
+                torch.arange(args.tables * args.batch + 1, device=device)) for _ in range(3)]
+    for values, offsets in batches:  # admit every id: the steady state
+        dynamic.rows_for(values, offsets)
+    with Count() as counted:
+        dynamic.rows_for(*batches[0])
+    rows = [{"operation": name, "calls": n} for name, n in sorted(counted.ops.items(), key=lambda kv: -kv[1])]
+    return [{"operation": "all", "calls": sum(counted.ops.values())}, *rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("all", "loop", "throughput"), default="all")
+    parser.add_argument("--part", choices=("all", "loop", "throughput", "ops"), default="all")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--days", type=int, default=60)
     parser.add_argument("--events-per-day", type=int, default=3000)
@@ -387,6 +417,8 @@ def main() -> None:
         result["loop"] = loop_part(args)
     if args.part in ("all", "throughput"):
         result["throughput"] = throughput_part(args)
+    if args.part == "ops":
+        result["ops"] = ops_part(args)
     if args.json:
         import json
 
@@ -406,6 +438,9 @@ def main() -> None:
                                                o=row["oracle AUC"], e=row["evicted"], f=row["failed_inserts"]))
         print(f"hourly table checkpoints (bounded, seed 0): delta {b['delta_mean'] / 1e3:,.1f} kB, "
               f"full {b['full_mean'] / 1e3:,.1f} kB ({b['deltas']} deltas, {b['fulls']} fulls)")
+    if "ops" in result:
+        report("tensor operations in one steady-state training lookup of the dynamic table (rows_for)",
+               result["ops"][:16], info, None)
     if "throughput" in result:
         report(f"lookup + update (forward, backward, row-wise Adagrad) on {args.device}, {args.tables} tables × "
                f"{args.rows:,} rows × dim {args.dim}, batch {args.batch}, Zipf ids", result["throughput"], info, None)
