@@ -88,6 +88,44 @@ def test_a_few_hours_of_reference_raise_no_false_alarm(tmp_path, lake_factory):
     assert checked.decision == "ok" and checked.figures["reference_rows"] < 1000, checked.reasons
 
 
+def test_the_impressions_serving_chose_are_not_the_worlds_drift(tmp_path, lake_factory):
+    """A day of a world without drift, plus a ranker's impressions landed as feedback (the cheapest items, as the
+    demo's first served day leaned): against a reference from before anything was served they read as drift;
+    the journal names them, the monitor leaves them out, and the world's own events show none."""
+    import json
+
+    from recloop.ingest import ingest
+    from recloop.journal import open_journal
+    from recloop.journal.sqlite import journal_path
+    from recloop.simulate import World
+
+    world_config = WorldConfig(seed=1, days=2, events_per_day=4000)
+    settings = lake_factory(tmp_path, world_config, features=False)
+    world = World(world_config)
+    cheapest = np.argsort(world.item_price[:200])[:10].tolist()
+    journal = open_journal(settings, SPEC)
+    try:
+        for i in range(150):  # 1,500 served impressions beside the day's 4,000 events
+            ts_us = int((day(2) + timedelta(minutes=9 * i)).timestamp() * 1_000_000)
+            context = {"device": "mobile", "country": "US", "category": world.item_category[cheapest].tolist(),
+                       "price": world.item_price[cheapest].tolist(), "history": []}
+            payload = {"item_ids": cheapest, "ranked": cheapest, "scores": {"1": [0.1] * 10}, "context": context,
+                       "per_candidate": {"category": True, "price": True}}
+            journal.record((f"r{i}", 1.0 + i, ts_us, i % 300, "champion", "1", 1.0, json.dumps(payload)), [])
+            journal.add_feedback(f"r{i}", impressions=cheapest, clicks=cheapest[:1])
+        journal.land_feedback(tmp_path / "landing")
+    finally:
+        journal.close()
+    ingest(tmp_path / "landing", SPEC, settings, now=datetime(2026, 2, 1, tzinfo=UTC))
+
+    checked = compare_windows(settings, SPEC, reference=(day(1), day(2)), current=(day(2), day(3)))
+    assert checked.decision == "ok", checked.reasons
+    assert checked.figures["served_rows_left_out.current"] == 1500 and checked.figures["current_rows"] == 4000
+    journal_path(settings).rename(journal_path(settings).with_suffix(".moved"))  # no journal: compared whole
+    whole = compare_windows(settings, SPEC, reference=(day(1), day(2)), current=(day(2), day(3)))
+    assert whole.decision == "drift" and {"category", "price"} <= set(whole.drifted_columns), whole.reasons
+
+
 def test_an_empty_window_is_a_clear_error(tmp_path, lake_factory):
     settings = lake_factory(tmp_path, WorldConfig(seed=5, days=1, events_per_day=500), features=False)
     with pytest.raises(MonitorError, match="no events in the current window"):

@@ -449,6 +449,15 @@ class Journal(ABC):
                 out[column].append("" if value is None else str(value))
         return {k: np.asarray(v) for k, v in out.items()}
 
+    def served_event_ids(self, event_window: tuple[int, int]) -> set[str]:
+        """The event ids of the impressions served (every version's) with event time in ``[start_us, end_us)``:
+        the lake's rows that serving landed as feedback (``land_feedback``), chosen by a ranker, not the world."""
+        self.flush()
+        where, params = _request_window(event_window=event_window)
+        rows = self._query(f"SELECT f.event_id FROM feedback f JOIN requests r USING (request_id) "
+                           f"WHERE {' AND '.join(where)}", params)
+        return {str(event_id) for (event_id,) in rows}
+
     def first_served_us(self, version: str) -> int | None:
         """Event time (µs) of the first request ``version`` served alone (not interleaved) that got feedback."""
         self.flush()

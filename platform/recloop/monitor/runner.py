@@ -2,7 +2,7 @@
 
 One check resolves the champion once (its version, training window, KPI baseline and checkpoint all come
 from that one lookup, so an alias moving mid-check cannot mix two champions), picks the windows
-(``decision.choose_windows``), compares the lake's events (``drift.evidently_drift``, unseen ids, broken
+(``decision.choose_windows``), compares the lake's events (the world's own: served impressions left out, ``decision.world_rows``; ``drift.evidently_drift``, unseen ids, broken
 columns), the champion's scores on both windows (prediction drift) and its online KPIs from the serving
 journal against the baseline recorded at its promotion, and decides (``decision.decide``). With ``log``
 the result is an MLflow run in the ``recloop-monitor`` experiment, a snapshot in the Evidently workspace
@@ -44,6 +44,7 @@ from recloop.monitor.decision import (
     new_id_findings,
     quality_findings,
     should_retrain,
+    world_rows,
 )
 from recloop.monitor.drift import evidently_drift, prediction_findings, sample
 from recloop.schema import DatasetSpec
@@ -188,17 +189,25 @@ def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, cu
     columns = [*monitored, *keys]
 
     def window(bounds: Window) -> pd.DataFrame:
-        table = lake.read_window(settings, spec, lake.to_us(bounds[0]), lake.to_us(bounds[1]), columns=columns)
-        return sample(table.to_pandas(), config.sample_rows, config.seed) if table.num_rows else pd.DataFrame()
+        table = lake.read_window(settings, spec, lake.to_us(bounds[0]), lake.to_us(bounds[1]),
+                                 columns=[*columns, spec.event_id])
+        return table.to_pandas() if table.num_rows else pd.DataFrame()
 
-    ref, cur = window(reference), window(current)
-    if ref.empty or cur.empty:
-        raise MonitorError(f"no events in the {'reference' if ref.empty else 'current'} window "
-                           f"{hour_stem((reference if ref.empty else current)[0])}..")
-    too_few = insufficient(len(ref), len(cur), config)
+    whole = window(reference), window(current)
+    if whole[0].empty or whole[1].empty:
+        raise MonitorError(f"no events in the {'reference' if whole[0].empty else 'current'} window "
+                           f"{hour_stem((reference if whole[0].empty else current)[0])}..")
+    too_few = insufficient(len(whole[0]), len(whole[1]), config)
     if too_few is not None:
         return too_few
+    # Broken columns on every row (served feedback is trained on too); drift on the world's own events where
+    # both windows hold enough of them (``world_rows``: the impressions a ranker chose are not the world's).
+    served = served_event_ids(settings, reference, current)
+    compared = world_rows(*whole, served, spec.event_id, config.min_rows) if served and any(served) else None
+    ref, cur = (sample(frame, config.sample_rows, config.seed) for frame in whole)
     quality = quality_findings(ref, cur, monitored, config)
+    if compared is not None:
+        ref, cur = (sample(frame, config.sample_rows, config.seed) for frame in compared)
     healthy = [c for c in monitored if not any(f.startswith(f"{c}:") for f in quality)]
     share, drifted, scores, snapshot = 0.0, [], {}, None
     if healthy:  # typed by the spec's roles: the integer ``category`` is a category, ``position`` a quantity
@@ -213,6 +222,9 @@ def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, cu
     new_ids, figures = new_id_findings(ref, cur, keys, config)
     figures.update({f"drift_score.{k}": v for k, v in scores.items() if not math.isnan(v)})
     figures.update(reference_rows=float(len(ref)), current_rows=float(len(cur)))
+    if compared is not None:
+        figures.update({"served_rows_left_out.reference": float(len(whole[0]) - len(compared[0])),
+                        "served_rows_left_out.current": float(len(whole[1]) - len(compared[1]))})
     prediction: list[str] = []
     if predictions is not None and all(len(p) >= 2 for p in predictions):
         prediction, prediction_figures = prediction_findings(*predictions, config)
@@ -223,6 +235,19 @@ def compare_windows(settings: Settings, spec: DatasetSpec, reference: Window, cu
     decision = decide(quality, kpi_findings(kpis, baseline, config) + concept_found, share, drifted, new_ids, config,
                       kpis, figures, decisive)
     return replace(decision, notes=tuple(prediction)) if prediction and not decisive else decision
+
+
+def served_event_ids(settings: Settings, reference: Window, current: Window) -> tuple[set[str], set[str]] | None:
+    """The event ids serving landed as feedback in each window (the journal's); None without a journal."""
+    from recloop.journal import open_journal
+
+    journal = open_journal(settings, create=False)
+    if journal is None:
+        return None
+    try:
+        return tuple(journal.served_event_ids((lake.to_us(a), lake.to_us(b))) for a, b in (reference, current))
+    finally:
+        journal.close()
 
 
 def champion_kpis(settings: Settings, current_champion: Champion | None, window: Window, min_impressions: int
