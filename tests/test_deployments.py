@@ -232,7 +232,8 @@ def test_a_drift_retrain_supersedes_a_running_canary(prefect_server, champion_ho
     home = _home_with_running_canaries(champion_home, copy_home, tmp_path)
     lenient = tmp_path / "gate.yaml"  # any trained candidate passes: this test is about who waits, not quality
     lenient.write_text("min_auc: 0.0\nmax_logloss_ratio: 100.0\nmin_rows: 1\ncalibration_range: [0.01, 100.0]\n"
-                       "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\n")
+                       "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\nbaseline_auc_margin: null\n"
+                       "baseline_logloss_margin: null\n")
     canary = tmp_path / "canary.json"
     canary.write_text(json.dumps(QUICK_CANARY))
     state = retrain_flow(mode="incremental", reason="drift", gate_thresholds=str(lenient), canary_config=str(canary),
@@ -277,7 +278,8 @@ def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_i
     home.landing_dir.mkdir(parents=True, exist_ok=True)
     lenient = tmp_path / "gate.yaml"  # any trained candidate passes: this test is about what is trained
     lenient.write_text("min_auc: 0.0\nmax_logloss_ratio: 100.0\nmin_rows: 1\ncalibration_range: [0.01, 100.0]\n"
-                       "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\n")
+                       "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\nbaseline_auc_margin: null\n"
+                       "baseline_logloss_margin: null\n")
     champion = checkpoint.read(checkpoint.resolve(home, "1"))
     assert chain_origin(champion) == champion["trained_until"]  # a full run begins its own chain
     # the features flow inside the retrain builds day four; its hours are what an incremental run would train on

@@ -15,6 +15,7 @@ from recloop.evidence.ranking import (
     min_rows_for_auc_difference,
     ndcg_at_k,
     paired_bootstrap,
+    paired_logloss,
 )
 from recloop.evidence.sequential import (
     ab_difference,
@@ -251,3 +252,18 @@ def test_the_base_rate_correction_moves_only_the_level():
     a, b = fit_platt(labels, np.clip(p * 0.8, 1e-4, 0.99), slope=False)
     assert a == 1.0 and b > 0
     assert apply_platt(np.clip(p * 0.8, 1e-4, 0.99), a, b).mean() / labels.mean() == pytest.approx(1.0, abs=0.02)
+
+
+def test_the_paired_log_loss_interval_tells_a_sharper_model_from_noise():
+    """Over users: a model with the true probabilities beats a blurred copy (its interval below zero); against
+    itself the difference is zero."""
+    rng = np.random.default_rng(0)
+    users = rng.integers(0, 300, 20_000)
+    truth = 1 / (1 + np.exp(-rng.normal(0, 1.5, len(users))))
+    labels = (rng.random(len(users)) < truth).astype(float)
+    blurred = 0.5 * truth + 0.25
+    result = paired_logloss(labels, truth, blurred, users, resamples=400)
+    assert result.difference < 0 and result.low <= result.difference <= result.high < 0, result
+    assert result.units == 300 and result.p_worse < 0.01
+    same = paired_logloss(labels, truth, truth, users, resamples=200)
+    assert same.difference == 0 and same.low == same.high == 0

@@ -152,7 +152,9 @@ def test_flows_chain_and_the_drift_monitor_requests_exactly_one_retrain(prefect_
     settings = settings_parameter(loop_home)
     gate_file = loop_home.home / "gate.yaml"
     gate_file.parent.mkdir(parents=True, exist_ok=True)
-    gate_file.write_text("calibration_range: [0.5, 2.0]\nmin_auc: 0.5\n")
+    # a two-epoch model on 3,000 rows: the loop's wiring is under test, not whether it beats the baselines
+    gate_file.write_text("calibration_range: [0.5, 2.0]\nmin_auc: 0.5\nbaseline_auc_margin: null\n"
+                         "baseline_logloss_margin: null\n")
     world = loop_home.home.parent / "world"
     land(world, loop_home, "2026-01-01")
     first = retrain_flow(mode="full", reason="test", days=1, epochs=2, batch_size=256, validation_hours=6,

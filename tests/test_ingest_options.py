@@ -262,3 +262,24 @@ def test_spec_criteo_is_the_shipped_spec_beside_a_folder_named_criteo(tmp_path, 
     assert load_spec("criteo").name == "criteo" and normalized("criteo") == "criteo"
     with pytest.raises(Exception, match="is a folder, not a YAML file"):
         load_spec("./criteo")
+
+
+def test_criteo_rows_written_back_from_a_lake_keep_their_ids_and_times(settings, tmp_path):
+    """``recloop replay`` lands a period of the source lake as parquet in the spec's columns: for the Criteo spec
+    its event id and timestamp are already there. They are kept (deriving them again named each column twice,
+    and the replay stopped with "no training rows")."""
+    from recloop.settings import Settings
+
+    criteo = load_spec("criteo")
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "day_2").write_text("\n".join(criteo_lines(40, seed=5)) + "\n")
+    ingest(tmp_path / "log", criteo, settings, now=NOW)
+    rows = lake.read_window(settings, criteo, None, None).sort_by(criteo.timestamp)
+    (tmp_path / "again").mkdir()
+    pq.write_table(rows.select(criteo.names), tmp_path / "again" / "bootstrap.parquet")
+    other = Settings(home=tmp_path / "other", frame_backend="pandas")
+    summary = ingest(tmp_path / "again", criteo, other, now=NOW)
+    assert (summary.rows_landed, summary.rows_quarantined, summary.files_rejected) == (40, 0, 0)
+    back = lake.read_window(other, criteo, None, None).sort_by(criteo.timestamp)
+    for column in (criteo.event_id, criteo.timestamp):
+        assert back[column].to_pylist() == rows[column].to_pylist(), column

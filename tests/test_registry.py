@@ -33,7 +33,7 @@ SPEC = load_spec("synthetic")
 MODEL = ModelConfig(embedding_dim=8, bottom_mlp=(16,), top_mlp=(32,))
 # Tests judge one rule at a time; calibration of these small models is checked with a wide band.
 LENIENT = GateThresholds(calibration_range=(0.5, 2.0), max_auc_drop_incremental=0.02, max_slice_auc_drop=0.05,
-                         auc_margin=0.05)
+                         auc_margin=0.05, baseline_auc_margin=None, baseline_logloss_margin=None)
 
 
 def config(**changes) -> TrainConfig:
@@ -176,6 +176,29 @@ def test_a_model_that_emits_nan_is_refused(home: Settings):
     assert not outcome.passed
     assert any("NaN" in r for r in outcome.reasons), outcome.reasons
     assert any("serving check" in r for r in outcome.reasons), outcome.reasons
+
+
+def test_by_default_a_model_that_loses_to_logistic_regression_is_not_promoted(home: Settings):
+    """The gate's shipped thresholds judge the candidate against the baselines on the same held-out rows: a
+    version whose dense arch was scrambled (it ranks worse than the logistic regression on the model's own
+    inputs) is refused, and the gate report says by how much. Only the baseline rule is left on here."""
+    base = TrainSummary(**checkpoint.read(first_run(home))["summary"])
+
+    def scramble_dense(state):
+        weight = state["dense_arch.layers.0.weight"]
+        weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(1)) * 3)
+
+    logged = tracking.log_training(home, corrupted(home, base, scramble_dense), example_rows(home))
+    shipped = GateThresholds()
+    assert (shipped.baseline_auc_margin, shipped.baseline_logloss_margin) == (0.0, 0.0)
+    only_baselines = dataclasses.replace(shipped, min_auc=0.0, max_logloss_ratio=100.0, calibration_range=(0.01, 100),
+                                         max_auc_drop_full=1.0, max_slice_auc_drop=1.0, auc_margin=1.0)
+    outcome = run_gate(home, logged.version, only_baselines, smoke_check=False)
+    logistic = outcome.baselines["logistic"]
+    assert outcome.candidate.overall["auc"] < logistic["auc"], (outcome.candidate.overall, logistic)
+    assert not outcome.passed and registry.aliases(home)["champion"] == "1"
+    assert any("does not beat the" in r and "baseline's" in r for r in outcome.reasons), outcome.reasons
+    assert "does not beat the" in outcome.report
 
 
 def test_a_slice_too_small_for_its_tolerance_is_reported_not_judged(home: Settings):

@@ -27,7 +27,7 @@ def replayed(tmp_path_factory) -> tuple[Settings, dict]:
     config = ReplayConfig(
         period="week",
         periods=2,
-        epochs=1,
+        epochs=2,
         batch_size=512,
         device="cpu",
         model=ModelConfig(**SMALL_MODEL_DIMS),
@@ -55,9 +55,23 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
         for name in ("model", "incremental", "full", "baseline:ctr", "baseline:logistic"):
             assert 0.5 < scores[name]["auc"] < 1.0 and 0.0 < scores[name]["ndcg"] <= 1.0, (name, scores[name])
         assert period["gate"] in ("passed", "refused", "insufficient evidence") and period["incremental_version"]
+        # the champion against each baseline on the same rows, with paired intervals over the spec's users
+        versus = scores["model"]["versus"]
+        assert set(versus) == {"ctr", "logistic"} and versus["logistic"]["over"] == "users", versus
+        for name, figures in versus.items():
+            difference, low, high = figures["auc"]
+            assert low <= difference <= high and figures["units"] > 20, (name, figures)
+        assert versus["logistic"]["logloss"][1] <= versus["logistic"]["logloss"][2] and "logloss" not in versus["ctr"]
     assert summary["periods"][1]["drift"] in ("ok", "drift", "insufficient_data", "data_quality")
+    # each period's incremental candidate made one pass over it (the full retrains' epochs are theirs alone)
+    from recloop import checkpoint
+
+    for period in summary["periods"]:
+        state = checkpoint.read(checkpoint.resolve(settings, period["incremental_version"]))
+        assert (state["train"]["mode"], state["train"]["epochs"]) == ("incremental", 1), state["train"]
     report = Path(summary["report"]).read_text()
     assert "baseline:logistic AUC" in report and "recloop replay: ratings" in report
+    assert "champion − baseline (95 % paired bootstrap)" in report and "logistic: auc " in report
     assert json.loads((settings.home / "reports" / "replay.json").read_text())["period"] == "week"
 
 

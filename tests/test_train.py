@@ -126,7 +126,10 @@ def test_a_crashed_run_resumes_to_the_same_weights(home: Settings, tmp_path: Pat
     assert resumed.auc == pytest.approx(uninterrupted.auc)
 
     # The same crash under a loader that batched rows differently (a checkpoint written before the batch plan
-    # was recorded): its 12 batches name other rows now, so the epoch restarts and trains them again.
+    # was recorded): its 12 batches name other rows now, so the epoch restarts and trains them again. (Without
+    # early stopping: it would end such a run at another step, which is not what is counted here.)
+    deterministic = config(deterministic=True, checkpoint_every=6, early_stopping_share=0)
+    uninterrupted = train(home, deterministic)
     older = Settings(home=tmp_path / "older", frame_backend="pandas")
     shutil.copytree(home.home, older.home, ignore=shutil.ignore_patterns("checkpoints"))  # the run not done yet
     with pytest.raises(KeyboardInterrupt):
@@ -139,6 +142,48 @@ def test_a_crashed_run_resumes_to_the_same_weights(home: Settings, tmp_path: Pat
     assert replayed.resumed_from_step == 12 and replayed.steps == uninterrupted.steps + 12
     assert "epoch 0 restarts from its first batch" in replayed.resume_note
     assert "batch plan 1, now 2" in replayed.resume_note
+
+
+def test_early_stopping_keeps_the_best_weights_and_calibrates_on_rows_it_never_trained_on(home: Settings):
+    """Every tenth training file is held aside: scored four times an epoch, the run ends with the weights of
+    the check with the lowest log loss there (not the last epoch's), and Platt's slope and intercept are
+    fitted on those rows and kept in the checkpoint's JSON."""
+    from recloop.checkpoint import load_model
+    from recloop.data import ChunkLoader, FeatureSchema
+    from recloop.evaluate import metrics, predict
+
+    summary = train(home, config(epochs=6))
+    record = summary.early_stopping
+    assert record["rows"] >= 1000 and len(record["checks"]) >= 4 and record["files"]
+    assert record["best_logloss"] == min(value for _, value in record["checks"])
+    assert not set(record["files"]) & set(summary.train_hours) and not set(record["files"]) & set(
+        summary.validation_hours)
+    model, state = load_model(summary.checkpoint)
+    slope, intercept = state["calibration"]
+    assert slope != 1.0 and state["summary"]["early_stopping"]["best_step"] == record["best_step"]
+    model.calibration = None  # the weights kept score the held-aside rows as the best check did
+    layout = FeatureLayout.for_settings(home)
+    files = [layout.training / f"{stem}.parquet" for stem in record["files"]]
+    labels, scores, _ = predict(model, ChunkLoader(files, FeatureSchema.load(layout.schema), 8192,
+                                                   shuffle=False).epoch(0))
+    assert metrics(labels, scores)["logloss"] == pytest.approx(record["best_logloss"], abs=1e-5)
+
+
+def test_dense_inputs_are_standardized_by_the_training_rows_and_old_checkpoints_still_load(home: Settings):
+    from recloop.checkpoint import load_model
+    from recloop.model import RankingModel
+
+    summary = train(home, config(epochs=1, early_stopping_share=0))
+    model, state = load_model(summary.checkpoint)
+    shift, scale = model.dense_arch.shift, model.dense_arch.scale
+    assert shift.abs().max() > 0.1 and not torch.allclose(scale, torch.ones_like(scale))
+    # a checkpoint written before the shift and scale existed loads as it was trained: unstandardized
+    weights = {k: v for k, v in load_file(Path(summary.checkpoint) / "model.safetensors").items()
+               if not k.startswith("dense_arch.s")}
+    old = RankingModel(model.config, len(state["dense"]), [tuple(t) for t in state["tables"]])
+    old.load_state_dict(weights)
+    assert torch.equal(old.dense_arch.shift, torch.zeros_like(shift)) and torch.equal(old.dense_arch.scale,
+                                                                                        torch.ones_like(scale))
 
 
 def test_training_compiles_around_the_embedding_kernels(home: Settings):

@@ -107,6 +107,13 @@ def _read(files: Sequence[Path], columns: list[str], max_rows: int | None = None
     return table.slice(max(0, table.num_rows - max_rows)) if max_rows is not None else table
 
 
+def dense_matrix(files: Sequence[Path], schema, max_rows: int) -> np.ndarray:
+    """The dense columns of the newest ``max_rows`` rows of ``files`` as a float32 matrix, NaN as 0."""
+    table = _read(files, list(schema.dense), max_rows)
+    return np.column_stack([np.nan_to_num(table[c].to_numpy(zero_copy_only=False).astype(np.float32))
+                            for c in schema.dense]) if table.num_rows else np.zeros((0, len(schema.dense)), np.float32)
+
+
 def _design(table: pa.Table, schema) -> tuple:
     """The logistic regression's inputs: dense columns, then one-hot ids and bags of list ids (sparse).
 
@@ -140,9 +147,11 @@ def score_baselines(
     schema,
     user_key: str | None = None,
     max_train_rows: int = MAX_TRAIN_ROWS,
+    with_scores: bool = False,
 ) -> dict[str, dict]:
     """The baselines' figures on ``held_out`` (see the module docstring); the logistic regression and the base
-    rate learn from the newest ``max_train_rows`` rows of ``train_files``."""
+    rate learn from the newest ``max_train_rows`` rows of ``train_files``. ``with_scores``: each baseline's
+    entry also holds its per-row ``scores`` (held-out rows in file order; arrays, so not JSON)."""
     from sklearn.linear_model import LogisticRegression
 
     inputs = [schema.label, *schema.dense, *schema.categorical, *schema.multi_hot]
@@ -167,6 +176,7 @@ def score_baselines(
         out["ctr"] = {
             **figures(y_test, ctr.astype(np.float64), groups, False),
             "inputs": "d_user_ctr + d_item_ctr",
+            **({"scores": ctr.astype(np.float64)} if with_scores else {}),
         }
     elif "d_item_ctr" in names:
         out["ctr"] = {
@@ -174,6 +184,8 @@ def score_baselines(
                 y_test, test["d_item_ctr"].to_numpy(zero_copy_only=False).astype(np.float64), groups, False
             ),
             "inputs": "d_item_ctr",
+            **({"scores": test["d_item_ctr"].to_numpy(zero_copy_only=False).astype(np.float64)}
+               if with_scores else {}),
         }
 
     if train.num_rows >= 20 and 0 < y_train.sum() < len(y_train):
@@ -185,7 +197,8 @@ def score_baselines(
             warnings.simplefilter("ignore")  # convergence warnings: the figures say how good it is
             model.fit(_design(train, schema), y_train)
             p = model.predict_proba(_design(test, schema))[:, 1]
-        out["logistic"] = {**figures(y_test, p, groups, True), "train_rows": int(train.num_rows)}
+        out["logistic"] = {**figures(y_test, p, groups, True), "train_rows": int(train.num_rows),
+                           **({"scores": p} if with_scores else {})}
     return out
 
 
@@ -238,13 +251,21 @@ def best_auc(baselines: dict[str, dict]) -> tuple[str | None, float]:
     return name, value
 
 
-def failures(model_auc: float, baselines: dict[str, dict], margin: float | None) -> list[str]:
-    """Why the model does not beat the baselines: its AUC below the best baseline's minus ``margin``
-    (None: not checked)."""
+def failures(model_auc: float, baselines: dict[str, dict], margin: float | None, model_logloss: float = math.nan,
+             logloss_margin: float | None = None) -> list[str]:
+    """Why the model does not beat the baselines: its AUC below the best baseline's minus ``margin``, its log
+    loss above the logistic regression's plus ``logloss_margin`` (None: that one is not checked)."""
+    out = []
     name, value = best_auc(baselines)
-    if margin is None or name is None or not math.isfinite(model_auc) or model_auc >= value - margin:
-        return []
-    return [f"auc {model_auc:.4f} does not beat the {name} baseline's {value:.4f} on the same rows"]
+    if margin is not None and name is not None and math.isfinite(model_auc) and model_auc < value - margin:
+        out.append(f"auc {model_auc:.4f} does not beat the {name} baseline's {value:.4f} on the same rows"
+                   + (f" (margin {margin})" if margin else ""))
+    logistic = (baselines.get("logistic") or {}).get("logloss")
+    if logloss_margin is not None and logistic is not None and math.isfinite(logistic) and \
+            math.isfinite(model_logloss) and model_logloss > logistic + logloss_margin:
+        out.append(f"log loss {model_logloss:.4f} is worse than the logistic baseline's {logistic:.4f} on the same "
+                   "rows" + (f" (margin {logloss_margin})" if logloss_margin else ""))
+    return out
 
 
 def report_markdown(model_figures: dict, baselines: dict[str, dict]) -> str:

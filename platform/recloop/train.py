@@ -109,12 +109,27 @@ class TrainConfig:
             reads as before). Under torchrun each rank reads its shards only (``recloop.distributed``).
         row_wise_above: under several processes, tables with more rows are sharded row-wise over the ranks,
             the others table-wise (0: one rank's share of all rows).
-        calibration_rows: after training, a base-rate correction (``recloop.evidence.calibration``: the
-            logit's intercept) is fitted on up to this many of the newest *training* rows (never the
-            held-out ones) and kept with the checkpoint, so its probabilities match the base rate; 0: none.
-        calibration_slope: fit Platt's slope too. Off by default: fitted on rows the model has seen, the
-            slope learns its training-set confidence (1.40 on the test suite's first model) and raised the
-            held-out log loss from 0.341 to 0.352, while the intercept alone fixes the level.
+        early_stopping_share: the newest files of the training window holding this share of its rows are held
+            aside (``held_aside``: spread over the window, never trained on) as the **early-stopping rows**:
+            scored ``early_stopping_checks`` times an epoch, the run keeps the weights of the check with the
+            lowest log loss on them and stops after ``patience`` epochs of checks without a better one; Platt
+            scaling (slope and intercept) is fitted on them afterwards. 0: none.
+        early_stopping_min_rows: fewer early-stopping rows than this (or a window of one file): none are held
+            aside, every epoch runs, and the calibration falls back to a base-rate correction on training rows.
+            200: at 1000 a 3,600-row Criteo sample held none aside, ran all its 10 epochs and scored a held-out
+            log loss of 1.18 (base rate 0.50).
+        patience: epochs without a lower early-stopping log loss before the run stops.
+        early_stopping_checks: checks of the early-stopping rows an epoch (the last at its end): on a small log
+            the best weights come within the first epoch.
+        calibration_rows: Platt scaling (``recloop.evidence.calibration``) is fitted on up to this many of the
+            early-stopping rows (without them: the newest *training* rows, intercept only) and kept with the
+            checkpoint's JSON, so its probabilities are those of data it has not seen; 0: none.
+        calibration_slope: without early-stopping rows, fit Platt's slope on the training rows too. Off by
+            default: fitted on rows the model has seen, the slope learns its training-set confidence (1.40 on
+            the test suite's first model) and raised the held-out log loss from 0.341 to 0.352.
+        embedding_l2: weight of the embedding penalty (the mean squared norm of the rows a batch looks up;
+            ``recloop.model.StepConfig``): a rare id's row stays near zero unless its rows say otherwise.
+        weight_decay: decoupled weight decay of the dense layers (AdamW).
         min_steps: see ``fit_to_data`` (0: batch size and epochs exactly as given).
         train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
             sparse log's last 7 days may hold a few hundred).
@@ -131,7 +146,7 @@ class TrainConfig:
     days: int = 7
     epochs: int = 1
     batch_size: int | None = None
-    lr: float = 1e-3
+    lr: float = 3e-3
     reference_batch: int = 1024
     warmup_steps: int = 20
     validation_hours: int = 6
@@ -148,8 +163,14 @@ class TrainConfig:
     compile: str = "auto"
     data_shards: int = 0
     row_wise_above: int = 0
+    early_stopping_share: float = 0.1
+    early_stopping_min_rows: int = 200
+    patience: int = 1
+    early_stopping_checks: int = 4
     calibration_rows: int = 200_000
     calibration_slope: bool = False
+    embedding_l2: float = 0.01
+    weight_decay: float = 0.0
     baselines: bool = True
     min_steps: int = 100
     train_rows: int = 200_000
@@ -191,6 +212,8 @@ class TrainSummary:
     # what the trainer did instead of what it was asked (epochs raised by ``fit_to_data``, a ``days`` window
     # grown back to ``train_rows`` or cut at the first training file): said, never silent
     overrides: list[str] = field(default_factory=list)
+    # the early-stopping rows' log loss after each epoch, the epoch kept and the rows (empty: none held aside)
+    early_stopping: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -254,6 +277,27 @@ class Windows:
     validation: list[Path]
     epochs: int
     overrides: tuple[str, ...] = ()  # what differs from what the configuration asked, and why
+    tuning: tuple[Path, ...] = ()  # the early-stopping rows: the newest files of the window, not trained on
+
+
+def held_aside(windows: Windows, config: TrainConfig) -> Windows:
+    """Every k-th training file (k = 1 / ``early_stopping_share``), counting back from the second newest, moved
+    to ``tuning``: early-stopping rows spread over the window (the newest file is always trained on). Unchanged
+    when they would hold fewer than ``early_stopping_min_rows`` rows or the window has one file.
+
+    Spread rather than the newest files: held out at the end, the newest tenth of a MovieLens window (the rows
+    closest to what the model will score) was never trained on, and the Platt scaling fitted there carried
+    that stretch's base rate: held-out log loss 0.5094 and calibration 1.06, against 0.5059 and 1.00 spread
+    (ml-latest-small, 10,099 held-out rows; benchmarks/RESULTS.md)."""
+    if config.early_stopping_share <= 0 or len(windows.train) < 2:
+        return windows
+    rows = [_rows(f) for f in windows.train]
+    every = max(2, round(1 / config.early_stopping_share))
+    picked = set(range(len(rows) - 2, -1, -every))
+    if sum(rows[i] for i in picked) < config.early_stopping_min_rows:
+        return windows
+    return replace(windows, train=[f for i, f in enumerate(windows.train) if i not in picked],
+                   tuning=tuple(f for i, f in enumerate(windows.train) if i in picked))
 
 
 def _rows(path: Path) -> int:
@@ -429,10 +473,13 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         except checkpoint.CheckpointError as err:
             raise TrainError(str(err)) from err
     windows = choose_windows(files, config, base)
+    if ranks.world == 1 and config.data_shards <= 1:  # (the sharded loop has no early stopping)
+        windows = held_aside(windows, config)
     config, windows = fit_to_data(config, windows, distributed.device_for(config.device, ranks))
     full_trained_until = chain_origin(base) if base else hour_after(windows.train[-1].stem)
 
     identity = {"mode": config.mode, "files": [f.stem for f in windows.train], "base": base["path"] if base else None,
+                "tuning": [f.stem for f in windows.tuning],
                 "config": config.to_dict(), "state_version": schema.state_version}
     run_id = f"{config.mode}-{hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]}"
     run_dir = checkpoints_dir(settings) / run_id
@@ -444,7 +491,8 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = distributed.device_for(config.device, ranks)
-    model, optimizer, grown, resumed = _build(config, schema, device, run_dir, base, whole_tables=ranks.world == 1)
+    model, optimizer, grown, resumed = _build(config, schema, device, run_dir, base, windows.train,
+                                              whole_tables=ranks.world == 1)
     position, resume_note = resume_position(resumed)
     if resume_note:
         log.warning("%s: %s", run_id, resume_note)
@@ -500,11 +548,13 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
                 return TrainSummary(**distributed.share_summary(None, ranks))
         else:
             loss_curve = _fit(model, optimizer, windows, schema, config, device, position, warm=base is not None,
-                              save=save, on_progress=on_progress, on_step=on_step, tracker=tracker)
+                              save=save, on_progress=on_progress, on_step=on_step, tracker=tracker,
+                              run_dir=run_dir)
         seconds = time.perf_counter() - started
         samples_this_run = position["samples"] - (resumed["samples"] if resumed else 0)
 
-        model.calibration = _fit_calibration(model, windows.train, schema, config, device)
+        model.calibration = _fit_calibration(model, list(windows.tuning) or windows.train, schema, config, device,
+                                             held_aside=bool(windows.tuning))
         figures, slices = _validate(model, windows.validation, schema, layout, config, device)
         # not on a thread beside the loop: on 2 CPU cores the GIL made both slower (an incremental run 14.9 s
         # beside against 9.8 s after; benchmarks/RESULTS.md)
@@ -520,6 +570,8 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
             state_version=schema.state_version, warm_start=base["path"] if base else None, grown_tables=grown,
             resumed_from_step=resumed["step"] if resumed else 0, resume_note=resume_note, loss_curve=loss_curve,
             overrides=list(windows.overrides),
+            early_stopping={**(position.get("early_stopping") or {}), "files": [f.stem for f in windows.tuning]}
+            if windows.tuning else {},
         )
         summary.checkpoint = str(checkpoint.step_folder(run_dir, position["step"]))  # where save puts it
         save(completed=True, summary=summary, gathered=True)
@@ -585,10 +637,15 @@ def _fit_sharded(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, win
 def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows, schema: FeatureSchema,
          config: TrainConfig, device: torch.device, position: dict, warm: bool, save: Callable[[bool], Path],
          on_progress: Callable[[int, int, float], None] | None,
-         on_step: Callable[[int], None] | None, tracker: Tracker | None = None) -> list[list[float]]:
-    """The training loop from ``position`` (updated in place) to the last epoch; returns the loss curve
-    (``[step, loss]`` every 10 steps). Checkpoints every ``checkpoint_every`` steps through ``save``; the
-    tracker gets each loss reading as it lands and each epoch's end."""
+         on_step: Callable[[int], None] | None, tracker: Tracker | None = None,
+         run_dir: Path | None = None) -> list[list[float]]:
+    """The training loop from ``position`` (updated in place) to the last epoch, or to early stopping; returns
+    the loss curve (``[step, loss]`` every 10 steps). Checkpoints every ``checkpoint_every`` steps through
+    ``save``; the tracker gets each loss reading as it lands and each epoch's end.
+
+    With early-stopping rows (``windows.tuning``) each epoch ends with their log loss; the best epoch's
+    weights are kept in ``run_dir/best.safetensors`` and its figures in ``position["early_stopping"]`` (so a
+    resumed run knows them), and restored at the end when a later epoch did worse."""
     batch_size = config.batch_size or default_batch_size(device)
     # On a GPU, ids are padded to a few bucketed lengths (the loader's default) so the step replays CUDA graphs.
     loader = ChunkLoader(windows.train, schema, batch_size, device=device, seed=config.seed)
@@ -598,8 +655,13 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
     model.train()
     # One compiled graph, nothing read back per step: the loss every 10 steps and the id checks are
     # read at intervals (recloop.model.fit).
-    step = TrainStep(model, optimizer, StepConfig(compile=config.compile), device, first_step=position["step"])
+    step = TrainStep(model, optimizer, StepConfig(compile=config.compile, embedding_l2=config.embedding_l2), device,
+                     first_step=position["step"])
     told = 0  # loss readings told to the tracker
+    checking = bool(windows.tuning) and run_dir is not None
+    steps_per_epoch = math.ceil(loader.num_rows / batch_size)
+    check_every = math.ceil(steps_per_epoch / max(config.early_stopping_checks, 1))
+    stop = False
     for epoch in range(position["epoch"], windows.epochs):
         skip = position["batch"] if epoch == position["epoch"] else 0
         for batch_index, batch in enumerate(loader.epoch(epoch, skip_batches=skip), start=skip):
@@ -608,6 +670,8 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
             step(batch, config.lr * scale * warmup)  # the touched embedding rows update in the backward
             position.update(step=position["step"] + 1, epoch=epoch, batch=batch_index + 1,
                             samples=position["samples"] + batch.size)
+            if checking and (batch_index + 1) % check_every == 0 and batch_index + 1 < steps_per_epoch:
+                stop = _early_stopping(model, windows, schema, config, device, position, run_dir)
             if position["step"] % config.checkpoint_every == 0:
                 step.finish()  # the outstanding id check first: never checkpoint a run that met bad ids
                 save(False)
@@ -618,17 +682,66 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
                 told = _tell_losses(tracker, step.loss_curve, told)
             if on_step:
                 on_step(position["step"])
-        position.update(epoch=epoch + 1, batch=0)
+            if stop:
+                break
+        if not stop:
+            position.update(epoch=epoch + 1, batch=0)
+            if checking:
+                stop = _early_stopping(model, windows, schema, config, device, position, run_dir)
         if tracker is not None:
             stats = loader.stats  # where the epoch went: a loop that waited for chunks was data-bound
-            tracker.progress(position["step"], {"epoch": epoch + 1, "samples_per_s": round(
+            figures = {"epoch": epoch + 1, "samples_per_s": round(
                 (position["samples"] - first_samples) / max(time.perf_counter() - started, 1e-9), 1),
                 "loader_wait_share": round(stats.consumer_wait_s / max(stats.epoch_s, 1e-9), 4),
-                "loader_batching_share": round(stats.batching_s / max(stats.epoch_s, 1e-9), 4)})
+                "loader_batching_share": round(stats.batching_s / max(stats.epoch_s, 1e-9), 4)}
+            if checking and position.get("early_stopping"):
+                figures["early_stopping_logloss"] = position["early_stopping"]["checks"][-1][1]
+            tracker.progress(position["step"], figures)
+        if stop:
+            break
     step.finish()
+    if windows.tuning and run_dir is not None:
+        _restore_best(model, position, run_dir, device)
     if tracker is not None:
         _tell_losses(tracker, step.loss_curve, told)
     return step.loss_curve
+
+
+BEST_WEIGHTS = "best.safetensors"
+
+
+def _early_stopping(model: RankingModel, windows: Windows, schema: FeatureSchema, config: TrainConfig,
+                    device: torch.device, position: dict, run_dir: Path) -> bool:
+    """Score the early-stopping rows now; keep the weights when they are the best yet. Returns whether to stop
+    (``patience`` epochs' worth of checks without a lower log loss)."""
+    from safetensors.torch import save_file
+
+    loader = ChunkLoader(list(windows.tuning), schema, max(config.batch_size or default_batch_size(device), 8192),
+                         device=device, shuffle=False)
+    was_calibrated, model.calibration = model.calibration, None
+    labels, scores, _ = predict(model, loader.epoch(0))
+    model.calibration = was_calibrated
+    value = metrics(labels, scores)["logloss"]
+    record = position.setdefault("early_stopping", {"rows": int(len(labels)), "checks": [], "best_step": 0,
+                                                    "best_logloss": None})
+    record["checks"].append([position["step"], round(float(value), 6)])
+    best = record["best_logloss"] if record["best_logloss"] is not None else math.inf
+    if math.isfinite(value) and value < best:
+        record.update(best_step=position["step"], best_logloss=round(float(value), 6))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        partial = run_dir / f".{BEST_WEIGHTS}.{os.getpid()}.tmp"
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, partial)
+        os.replace(partial, run_dir / BEST_WEIGHTS)  # a reader sees the whole file or none
+    since = sum(1 for at, _ in record["checks"] if at > record["best_step"])
+    return since >= config.patience * max(config.early_stopping_checks, 1)
+
+
+def _restore_best(model: RankingModel, position: dict, run_dir: Path, device: torch.device) -> None:
+    """The best check's weights back into ``model`` when later checks did worse on the early-stopping rows."""
+    record = position.get("early_stopping") or {}
+    if record.get("best_step") and record["best_step"] < position["step"] and (run_dir / BEST_WEIGHTS).exists():
+        model.load_state_dict(load_file(run_dir / BEST_WEIGHTS, device=str(device)))
+        record["restored_step"] = record["best_step"]
 
 
 def _tell_losses(tracker: Tracker, curve: list[list[float]], told: int) -> int:
@@ -639,8 +752,10 @@ def _tell_losses(tracker: Tracker, curve: list[list[float]], told: int) -> int:
 
 
 def _fit_calibration(model: RankingModel, files: list[Path], schema: FeatureSchema, config: TrainConfig,
-                     device: torch.device) -> tuple[float, float] | None:
-    """Platt scaling on the newest training rows (up to ``config.calibration_rows``), never the held-out ones."""
+                     device: torch.device, held_aside: bool = False) -> tuple[float, float] | None:
+    """Platt scaling on the newest rows of ``files`` (up to ``config.calibration_rows``), never the held-out ones:
+    slope and intercept on early-stopping rows (``held_aside``: the model never trained on them), else the
+    intercept alone (``calibration_slope``: the slope too) on training rows."""
     from recloop.evidence.calibration import fit_platt
 
     if config.calibration_rows <= 0 or not files:
@@ -660,7 +775,7 @@ def _fit_calibration(model: RankingModel, files: list[Path], schema: FeatureSche
     labels, scores, _ = predict(model, loader.epoch(0, skip_batches=skip))
     if len(labels) < 100 or labels.min() == labels.max() or not np.isfinite(scores).all():
         return None
-    return fit_platt(labels, scores, slope=config.calibration_slope)
+    return fit_platt(labels, scores, slope=held_aside or config.calibration_slope)
 
 
 def _validate(model: RankingModel, files: list[Path], schema: FeatureSchema, layout: FeatureLayout,
@@ -709,10 +824,18 @@ def slice_values(extras: dict[str, np.ndarray], layout: FeatureLayout) -> dict[s
     return out
 
 
+def dense_sample(files: list[Path], schema: FeatureSchema, max_rows: int = 200_000) -> torch.Tensor:
+    """The dense columns of the newest ``max_rows`` rows of ``files`` (N, n_dense), float32."""
+    if not schema.dense or not files:
+        return torch.zeros(0, len(schema.dense))
+    return torch.from_numpy(baselines.dense_matrix(files, schema, max_rows))
+
+
 def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run_dir: Path, base: dict | None,
-           whole_tables: bool = True):
-    """The model and dense optimizer: resumed from this run, warm-started from ``base``, or new.
-    ``whole_tables`` False: a sharded checkpoint's tables are left for each rank to read its own."""
+           train_files: list[Path] = (), whole_tables: bool = True):
+    """The model and dense optimizer: resumed from this run, warm-started from ``base``, or new (its dense
+    inputs standardized by the newest training rows'). ``whole_tables`` False: a sharded checkpoint's tables
+    are left for each rank to read its own."""
     # Row budgets: the features' (per column) and the model configuration's (per table; it wins).
     budgets = tuple({**dict(schema.budgets), **dict(config.model.max_rows)}.items())
     model_config = ModelConfig.from_dict({**config.model.to_dict(), "multi_hot_columns": tuple(schema.multi_hot),
@@ -731,6 +854,7 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
     grown: dict[str, list[int]] = {}
     if source is None:
         model = RankingModel(model_config, len(schema.dense), tables, device=device, seed=config.seed)
+        model.dense_arch.standardize_from(dense_sample(train_files, schema).to(device))
     else:
         old_tables = [tuple(t) for t in source["tables"]]
         current = dict(tables)
@@ -769,7 +893,7 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
         if resumed is None and config.warm_state_decay != 1.0:
             with torch.no_grad():
                 model.embeddings.state1.mul_(config.warm_state_decay)
-    optimizer = dense_optimizer(model, config.lr, device)  # fused Adam on a GPU
+    optimizer = dense_optimizer(model, config.lr, device, config.weight_decay)  # fused AdamW on a GPU
     if source is not None:
         checkpoint.load_optimizer(optimizer, source["path"], device)
     return model, optimizer, grown, resumed

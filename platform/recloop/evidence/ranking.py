@@ -231,6 +231,41 @@ def _paired_pooled_auc(
     )
 
 
+def paired_logloss(labels, candidate, champion, units, *, resamples: int = 1000, confidence: float = 0.95,
+                   rng: np.random.Generator | None = None) -> PairedResult:
+    """Candidate − champion log loss on the same rows (negative: the candidate is better), with a paired
+    bootstrap interval over ``units`` (users, or rows: every row its own unit), each unit's rows weighted by
+    its Poisson(1) draw. ``p_worse``: the one-sided p-value that the candidate's log loss is higher.
+
+    Example::
+
+        paired_logloss(labels, model_p, logistic_p, users).high < 0   # the model's log loss is lower
+    """
+    from recloop.evaluate import log_loss
+
+    rng = rng or np.random.default_rng(0)
+    y = np.asarray(labels, dtype=np.float64)
+    clip = lambda p: np.clip(np.asarray(p, dtype=np.float64), 1e-7, 1 - 1e-7)  # noqa: E731
+    a, b = clip(candidate), clip(champion)
+    per_row = -(y * np.log(a) + (1 - y) * np.log(1 - a)) + (y * np.log(b) + (1 - y) * np.log(1 - b))
+    index, n_units = _group_index(units)
+    cand, champ = log_loss(y, a), log_loss(y, b)
+    diff = float(cand - champ)
+    if n_units < 2 or not np.isfinite(diff):
+        return PairedResult("logloss", cand, champ, diff, -np.inf, np.inf, 1.0, 0.0, n_units)
+    unit_sum = np.bincount(index, weights=per_row, minlength=n_units)
+    unit_rows = np.bincount(index, minlength=n_units).astype(np.float64)
+    boot = np.empty(resamples)
+    for start in range(0, resamples, 100):  # (chunk, units) Poisson weights at a time: bounded memory
+        weights = rng.poisson(1.0, size=(min(100, resamples - start), n_units)).astype(np.float64)
+        boot[start:start + len(weights)] = (weights @ unit_sum) / np.maximum(weights @ unit_rows, 1.0)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(boot, [tail, 1 - tail])
+    se = float(boot.std(ddof=1))
+    p_worse = float(stats.norm.sf(-diff / se)) if se > 0 else float(diff > 0)
+    return PairedResult("logloss", cand, champ, diff, float(low), float(high), p_worse, 0.0, n_units)
+
+
 def holm(p_values) -> np.ndarray:
     """Holm–Bonferroni adjusted p-values (family-wise error control at any level)."""
     p = np.asarray(p_values, dtype=np.float64)

@@ -46,8 +46,11 @@ class GateThresholds:
     ``max_logloss_ratio``: 1.1 lets a young model that ranks well be a little less sure than the constant base
     rate (a first model on a few thousand rows); the old absolute ceiling (0.6) allowed twice that at a 9 %
     click rate and refused good models at 48 %.
-    ``baseline_auc_margin``: the candidate's AUC must reach the best simple baseline's
-    (``recloop.baselines``) minus this; None: the baselines are reported, not enforced.
+    ``baseline_auc_margin``: the candidate's AUC must reach the best simple baseline's (``recloop.baselines``:
+    the logistic regression on the model's own inputs, the user+item CTR ranking) minus this, on the same
+    held-out rows; ``baseline_logloss_margin``: its log loss may exceed the logistic regression's by at most
+    this. On by default (0: a model that loses to logistic regression is not promoted, and the report says
+    so); None: the baselines are reported, not enforced.
     ``auc_margin``: the overall non-inferiority margin of the paired comparison (grouped AUC): a candidate
     passes when its interval's bottom is above ``-auc_margin``; more than this worse is what the gate
     exists to stop.
@@ -61,7 +64,8 @@ class GateThresholds:
     max_logloss: float | None = None
     max_logloss_ratio: float = 1.1
     min_rows: int = 200
-    baseline_auc_margin: float | None = None
+    baseline_auc_margin: float | None = 0.0
+    baseline_logloss_margin: float | None = 0.0
     calibration_range: tuple[float, float] = (0.9, 1.1)
     max_auc_drop_incremental: float = 0.002
     max_auc_drop_full: float = 0.0

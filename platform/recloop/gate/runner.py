@@ -351,8 +351,9 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     """Judge a registered version (default: the newest) against the champion and move the aliases:
     pass → ``challenger`` (the first model ever → ``champion``); fail → tagged with the reasons.
 
-    The baselines (``recloop.baselines``) are scored on the same rows and reported; with the thresholds'
-    ``baseline_auc_margin`` the candidate must also reach the best baseline's AUC minus that margin.
+    The baselines (``recloop.baselines``) are scored on the same rows and reported; the candidate must also
+    reach the best baseline's AUC minus the thresholds' ``baseline_auc_margin`` and keep its log loss within
+    ``baseline_logloss_margin`` of the logistic regression's (None: not enforced).
     """
     import pyarrow.parquet as pq
     from mlflow import MlflowClient
@@ -434,7 +435,8 @@ def _judge(settings: Settings, client, info, candidate_version: str, champion_ve
                 reasons.append(reason)
     baseline_figures = _baselines(settings, files, schema)
     reasons += baselines.failures(candidate.overall.get("auc", float("nan")), baseline_figures,
-                                  thresholds.baseline_auc_margin)
+                                  thresholds.baseline_auc_margin, candidate.overall.get("logloss", float("nan")),
+                                  thresholds.baseline_logloss_margin)
     if smoke is not None:
         problem, timing = smoke.result()
         decision.figures["serving smoke check"] = timing

@@ -362,7 +362,8 @@ def _criteo_day(name: str, spec: DatasetSpec, total_rows: int) -> tuple[int, int
 def _criteo_table_file(handle: BinaryIO, name: str, spec: DatasetSpec, batch_rows: int, content: str,
                        found: Sniffed) -> Iterator[SourceBatch]:
     """Criteo fields in text with a header (``content`` csv or tsv) or a parquet file (named columns: the spec's
-    file fields); the event id and timestamp derived as for TSV."""
+    file fields); the event id and timestamp derived as for TSV, unless the file carries both already (rows
+    written from a lake: ``recloop replay``'s landing files, an export), which are kept as they are."""
     try:
         if content == "parquet":
             total = pq.ParquetFile(handle).metadata.num_rows
@@ -379,6 +380,9 @@ def _criteo_table_file(handle: BinaryIO, name: str, spec: DatasetSpec, batch_row
     def batches() -> Iterator[SourceBatch]:
         for batch in inner:
             table = batch.table
+            if spec.event_id in table.column_names and spec.timestamp in table.column_names:
+                yield batch  # already derived once (deriving again named each column twice)
+                continue
             present = [f for f in fields if f in table.column_names]
             text = [pc.cast(table[f], pa.string()).fill_null("") for f in present] or [pa.array([""] * len(table))]
             joined = pc.binary_join_element_wise(*text, "\t").to_pylist() if table.num_rows else []

@@ -48,6 +48,8 @@ class StepConfig:
         bf16: autocast the forward to bf16 on a GPU.
         loss_every: steps between two readings of the training loss.
         id_check_every: steps between two looks at the embeddings' id-error record.
+        embedding_l2: weight of the batch's embedding penalty in the loss
+            (``RankingModel.logits_and_penalty``: mean squared norm of the pooled vectors a row looked up).
     """
 
     compile: str | Callable = "auto"
@@ -55,6 +57,7 @@ class StepConfig:
     bf16: bool = True
     loss_every: int = 10
     id_check_every: int = 100
+    embedding_l2: float = 0.0
 
 
 def default_batch_size(device: torch.device | str) -> int:
@@ -62,9 +65,12 @@ def default_batch_size(device: torch.device | str) -> int:
     return 16384 if torch.device(device).type == "cuda" else 4096
 
 
-def dense_optimizer(model: RankingModel, lr: float, device: torch.device | str) -> torch.optim.Optimizer:
-    """Adam for the MLPs: fused (one kernel for all parameters) on a GPU, foreach on a CPU."""
-    return torch.optim.Adam(model.dense_parameters(), lr=lr, fused=torch.device(device).type == "cuda")
+def dense_optimizer(model: RankingModel, lr: float, device: torch.device | str,
+                    weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """Adam for the MLPs: fused (one kernel for all parameters) on a GPU, foreach on a CPU; ``weight_decay``
+    is decoupled from the gradient's scale (AdamW's)."""
+    return torch.optim.AdamW(model.dense_parameters(), lr=lr, weight_decay=weight_decay,
+                             fused=torch.device(device).type == "cuda")
 
 
 class _DeferredReads:
@@ -124,8 +130,9 @@ class TrainStep:
     def _forward_loss(self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
                       label: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda and self.config.bf16):
-            logits = self.model(dense, values, offsets)
-        return F.binary_cross_entropy_with_logits(logits.float(), label)
+            logits, penalty = self.model.logits_and_penalty(dense, values, offsets)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), label)
+        return loss + self.config.embedding_l2 * penalty if self.config.embedding_l2 > 0 else loss
 
     def _compile(self) -> Callable | None:
         backend = self.config.compile

@@ -52,6 +52,7 @@ class ModelConfig:
             of ``fallback_rows`` hashed rows) and evicting by ``eviction`` (``lru``, or ``lfu`` halving
             every ``lfu_half_life`` steps). Other tables are unchanged: a row per vocabulary index.
         count_half_life: training steps after which the admission counts are halved (0: never).
+        dropout: the over arch's hidden layers drop this share of their units while training (0: none).
     """
 
     embedding_dim: int = 16
@@ -75,6 +76,7 @@ class ModelConfig:
         """The budgeted tables' configurations (empty: every table is static)."""
         return {name: DynamicTableConfig(int(rows), self.admit_after, self.fallback_rows, self.eviction,
                                          self.lfu_half_life) for name, rows in self.max_rows}
+    dropout: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,26 +90,54 @@ class ModelConfig:
         return cls(**raw)
 
 
-def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
+def mlp(sizes: list[int], last_activation: bool, dropout: float = 0.0) -> nn.Sequential:
+    """Linear layers with ReLUs between them (and after the last with ``last_activation``); with ``dropout``,
+    a dropout after each hidden ReLU (none without: the parameters keep their names either way)."""
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         layers.append(nn.Linear(a, b))
-        if i < len(sizes) - 2 or last_activation:
+        hidden = i < len(sizes) - 2
+        if hidden or last_activation:
             layers.append(nn.ReLU())
+        if hidden and dropout > 0:
+            layers.append(nn.Dropout(dropout))
     return nn.Sequential(*layers)
 
 
 class DenseArch(nn.Module):
-    """Dense features → one D-wide vector."""
+    """Dense features → one D-wide vector, each feature first standardized by the shift and scale of the rows
+    the model was first trained on (``standardize_from``; kept as buffers, so a checkpoint carries them).
+
+    Counts and recencies arrive on log scales up to ~15 next to click rates in [0, 1]: unstandardized, the MLP
+    learns them slowly while the id embeddings (a sparse optimizer at a high rate) memorize the training
+    users, and the model lost to a logistic regression on the same inputs."""
 
     def __init__(self, n_dense: int, hidden: tuple[int, ...], dim: int):
         super().__init__()
         self.layers = mlp([max(n_dense, 1), *hidden, dim], last_activation=True)
+        self.register_buffer("shift", torch.zeros(n_dense))
+        self.register_buffer("scale", torch.ones(n_dense))
+
+    @torch.no_grad()
+    def standardize_from(self, dense: torch.Tensor) -> None:
+        """Set the shift and scale from a sample of training rows (N, n_dense)."""
+        if dense.shape[0] < 2 or dense.shape[1] == 0:
+            return
+        dense = torch.nan_to_num(dense.float())
+        self.shift.copy_(dense.mean(dim=0))
+        self.scale.copy_(1.0 / dense.std(dim=0).clamp_min(1e-3))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints written before standardization carry no shift/scale: identity, as they were trained
+        for name, value in (("shift", self.shift), ("scale", self.scale)):
+            state_dict.setdefault(prefix + name, torch.zeros_like(value) if name == "shift" else
+                                  torch.ones_like(value))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         if dense.shape[1] == 0:
-            dense = dense.new_zeros(dense.shape[0], 1)
-        return self.layers(dense)
+            return self.layers(dense.new_zeros(dense.shape[0], 1))
+        return self.layers((dense - self.shift) * self.scale)
 
 
 class SparseArch(nn.Module):
@@ -168,9 +198,9 @@ class CrossInteractionArch(nn.Module):
 class OverArch(nn.Module):
     """Interaction features → one logit."""
 
-    def __init__(self, input_dim: int, hidden: tuple[int, ...]):
+    def __init__(self, input_dim: int, hidden: tuple[int, ...], dropout: float = 0.0):
         super().__init__()
-        self.layers = mlp([input_dim, *hidden, 1], last_activation=False)
+        self.layers = mlp([input_dim, *hidden, 1], last_activation=False, dropout=dropout)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.layers(features).squeeze(-1)
@@ -201,7 +231,7 @@ class RankingModel(nn.Module):
                                                                     config.cross_layers)
         else:
             self.interaction_arch = InteractionArch(len(tables), config.embedding_dim)
-        self.over_arch = OverArch(self.interaction_arch.output_dim, config.top_mlp)
+        self.over_arch = OverArch(self.interaction_arch.output_dim, config.top_mlp, config.dropout)
         self.to(device)
 
     @property
@@ -219,15 +249,23 @@ class RankingModel(nn.Module):
         return [p for name, p in self.named_parameters() if not name.startswith("sparse_arch.")]
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.logits_and_penalty(dense, values, offsets)[0]
+
+    def logits_and_penalty(self, dense: torch.Tensor, values: torch.Tensor,
+                           offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits (B,) and the batch's embedding penalty: the mean over rows of the squared norms of the
+        pooled vectors they looked up (an L2 on the rows a batch touches, as sparse CTR models regularize:
+        a rare id's row is pulled toward zero by its own few rows, not by every step)."""
         if self.map_unknown_ids:
             values = self.known_ids(values, offsets)
-        logits = self.over_arch(self.interaction_arch(self.dense_arch(dense), self.sparse_arch(values, offsets)))
-        if self.calibration is not None:  # Platt scaling fitted on training rows: the order is unchanged
+        sparse = self.sparse_arch(values, offsets)  # (B, T, D)
+        logits = self.over_arch(self.interaction_arch(self.dense_arch(dense), sparse))
+        if self.calibration is not None:  # Platt scaling fitted on rows held aside: the order is unchanged
             logits = logits * self.calibration[0] + self.calibration[1]
-        return logits
+        return logits, sparse.float().pow(2).sum(dim=(1, 2)).mean()
 
-    # (a, b) of Platt scaling, set after training and kept with the checkpoint (``train._fit_calibration``);
-    # None while training.
+    # (a, b) of Platt scaling, set after training and kept with the checkpoint's JSON (``train._fit_calibration``):
+    # fitted on the early-stopping rows the model was not trained on; None while training.
     calibration: tuple[float, float] | None = None
 
     # A served model meets ids admitted to the vocabularies after it was trained; for it they are
