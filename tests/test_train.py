@@ -169,6 +169,22 @@ def test_early_stopping_keeps_the_best_weights_and_calibrates_on_rows_it_never_t
     assert metrics(labels, scores)["logloss"] == pytest.approx(record["best_logloss"], abs=1e-5)
 
 
+def test_a_feature_constant_over_the_training_rows_is_centred_not_stretched():
+    """A two-day window's day-of-week cosine is one value (Thursday and Friday): scaled by 1 / its spread, the
+    next day's value reached the model as hundreds and its held-out log loss tripled."""
+    from recloop.model.ranking import DenseArch
+
+    torch.manual_seed(0)
+    varying = torch.randn(500, 2) * torch.tensor([3.0, 0.5]) + torch.tensor([1.0, -2.0])  # (N, 2)
+    weekday = torch.full((500, 1), -0.901)
+    arch = DenseArch(3, (8,), 4)
+    arch.standardize_from(torch.cat([varying, weekday], dim=1))
+    torch.testing.assert_close(arch.scale[:2], 1 / varying.std(dim=0))
+    assert arch.scale[2] == 1.0 and arch.shift[2] == pytest.approx(-0.901)
+    saturday = torch.tensor([[1.0, -2.0, -0.223]])
+    assert ((saturday - arch.shift) * arch.scale).abs().max() < 1  # not (0.678 / 1e-3)
+
+
 def test_dense_inputs_are_standardized_by_the_training_rows_and_old_checkpoints_still_load(home: Settings):
     from recloop.checkpoint import load_model
     from recloop.model import RankingModel

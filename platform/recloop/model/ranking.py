@@ -104,6 +104,10 @@ def mlp(sizes: list[int], last_activation: bool, dropout: float = 0.0) -> nn.Seq
     return nn.Sequential(*layers)
 
 
+# Below this standard deviation over the training rows a dense feature counts as constant (``standardize_from``).
+CONSTANT_SPREAD = 1e-3
+
+
 class DenseArch(nn.Module):
     """Dense features → one D-wide vector, each feature first standardized by the shift and scale of the rows
     the model was first trained on (``standardize_from``; kept as buffers, so a checkpoint carries them).
@@ -120,12 +124,18 @@ class DenseArch(nn.Module):
 
     @torch.no_grad()
     def standardize_from(self, dense: torch.Tensor) -> None:
-        """Set the shift and scale from a sample of training rows (N, n_dense)."""
+        """Set the shift and scale from a sample of training rows (N, n_dense).
+
+        A feature (near) constant over those rows is centred and not stretched (scale 1, as scikit-learn's
+        ``StandardScaler`` does): its spread says nothing about the values it takes later. Stretched by 1 / 1e-3,
+        the day-of-week cosine of a two-day window (Thursday and Friday: both -0.901) met Saturday's -0.223 as
+        an input of 678, and the held-out log loss of the dynamic-table test's model went from 0.33 to 1.13."""
         if dense.shape[0] < 2 or dense.shape[1] == 0:
             return
         dense = torch.nan_to_num(dense.float())
+        spread = dense.std(dim=0)
         self.shift.copy_(dense.mean(dim=0))
-        self.scale.copy_(1.0 / dense.std(dim=0).clamp_min(1e-3))
+        self.scale.copy_(torch.where(spread > CONSTANT_SPREAD, 1.0 / spread, torch.ones_like(spread)))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # checkpoints written before standardization carry no shift/scale: identity, as they were trained
