@@ -128,7 +128,13 @@ class TrainConfig:
             default: fitted on rows the model has seen, the slope learns its training-set confidence (1.40 on
             the test suite's first model) and raised the held-out log loss from 0.341 to 0.352.
         embedding_l2: weight of the embedding penalty (the mean squared norm of the rows a batch looks up;
-            ``recloop.model.StepConfig``): a rare id's row stays near zero unless its rows say otherwise.
+            ``recloop.model.StepConfig``): a rare id's row stays near zero unless its rows say otherwise. From
+            scratch it warms up with the dense learning rate (``warmup_steps``): at full weight from the first
+            step, while the layers that read the embeddings barely move, rowwise Adagrad (which normalizes each
+            row's step) pulls the rows toward zero at its full rate. Held-out AUC, seeds 0/1: the 50-step run of
+            tests/test_train.py 0.623/0.579 at full weight, 0.629/0.600 warmed up (0.628 without a penalty);
+            the 19-step run of tests/test_dynamic_loop.py 0.550/0.573 and 0.552/0.581 (0.571/0.579). The
+            penalty still costs runs this short some AUC; at 100k rows it gained (benchmarks/RESULTS.md).
         weight_decay: decoupled weight decay of the dense layers (AdamW).
         min_steps: see ``fit_to_data`` (0: batch size and epochs exactly as given).
         train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
@@ -667,7 +673,8 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
         for batch_index, batch in enumerate(loader.epoch(epoch, skip_batches=skip), start=skip):
             # A warm-started model is already past its warm-up.
             warmup = 1.0 if warm else min(1.0, (position["step"] + 1) / max(config.warmup_steps, 1))
-            step(batch, config.lr * scale * warmup)  # the touched embedding rows update in the backward
+            # the touched embedding rows update in the backward; their penalty warms up with the dense rate
+            step(batch, config.lr * scale * warmup, penalty_scale=warmup)
             position.update(step=position["step"] + 1, epoch=epoch, batch=batch_index + 1,
                             samples=position["samples"] + batch.size)
             if checking and (batch_index + 1) % check_every == 0 and batch_index + 1 < steps_per_epoch:

@@ -125,14 +125,15 @@ class TrainStep:
         self._losses, self._id_errors = _DeferredReads(), _DeferredReads()
         self._dynamic_values = bool(model.config.multi_hot_columns)
         self._full_batch: int | None = None  # the batch size the compiled graph is for
+        self._penalty_weight = torch.zeros((), device=self.device)  # () this step's embedding_l2 (warmed up)
         self._compiled = self._compile()
 
     def _forward_loss(self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
-                      label: torch.Tensor) -> torch.Tensor:
+                      label: torch.Tensor, penalty_weight: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda and self.config.bf16):
             logits, penalty = self.model.logits_and_penalty(dense, values, offsets)
         loss = F.binary_cross_entropy_with_logits(logits.float(), label)
-        return loss + self.config.embedding_l2 * penalty if self.config.embedding_l2 > 0 else loss
+        return loss + penalty_weight * penalty if self.config.embedding_l2 > 0 else loss
 
     def _compile(self) -> Callable | None:
         backend = self.config.compile
@@ -146,10 +147,12 @@ class TrainStep:
             return torch.compile(self._forward_loss, backend="inductor", mode=mode, fullgraph=True)
         return torch.compile(self._forward_loss, backend=backend, fullgraph=True)
 
-    def __call__(self, batch, lr: float) -> torch.Tensor:
-        """Train on ``batch`` at learning rate ``lr``; returns the loss, on the device (not read)."""
+    def __call__(self, batch, lr: float, penalty_scale: float = 1.0) -> torch.Tensor:
+        """Train on ``batch`` at learning rate ``lr``, the embedding penalty at ``penalty_scale`` times
+        ``embedding_l2``; returns the loss, on the device (not read)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self._penalty_weight.fill_(self.config.embedding_l2 * penalty_scale)  # a tensor: no recompile as it moves
         if self._full_batch is None:
             self._full_batch = batch.size
         # The compiled graph is for full batches; an epoch's last, smaller one runs eagerly rather than
@@ -160,7 +163,7 @@ class TrainStep:
             torch._dynamo.mark_dynamic(batch.values, 0)
         if forward is self._compiled:
             self.model.embeddings.prepare_for_graphs()  # outside the CUDA graphs' memory pool
-        loss = forward(batch.dense, batch.values, batch.offsets, batch.label)
+        loss = forward(batch.dense, batch.values, batch.offsets, batch.label, self._penalty_weight)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # also updates the touched embedding rows (fused sparse optimizer)
         self.optimizer.step()
