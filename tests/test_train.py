@@ -156,6 +156,11 @@ def test_early_stopping_keeps_the_best_weights_and_calibrates_on_rows_it_never_t
     record = summary.early_stopping
     assert record["rows"] >= 1000 and len(record["checks"]) >= 4 and record["files"]
     assert record["best_logloss"] == min(value for _, value in record["checks"])
+    # the first check ends the first epoch (a run keeps at least one pass over its rows); four an epoch after it
+    every = record["checks"][1][0] - record["checks"][0][0]  # (ceil of a quarter epoch)
+    assert every > 1 and record["checks"][0][0] > 4 * (every - 1)
+    # the best weights replaced the last ones because the last were worse beyond noise on those rows
+    assert record["restored_step"] == record["best_step"] and record["restore_z"] >= 2.0
     assert not set(record["files"]) & set(summary.train_hours) and not set(record["files"]) & set(
         summary.validation_hours)
     model, state = load_model(summary.checkpoint)
