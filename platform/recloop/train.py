@@ -71,6 +71,11 @@ class TrainError(RuntimeError):
     """Training cannot start: no rows, nothing new, or a checkpoint that does not fit the features."""
 
 
+# A full retrain's early-stopping share and embedding penalty (``TrainConfig``: an incremental run's are 0).
+FULL_EARLY_STOPPING_SHARE = 0.1
+FULL_EMBEDDING_L2 = 0.01
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """What a training run does.
@@ -113,7 +118,11 @@ class TrainConfig:
             aside (``held_aside``: spread over the window, never trained on) as the **early-stopping rows**:
             scored ``early_stopping_checks`` times an epoch, the run keeps the weights of the check with the
             lowest log loss on them and stops after ``patience`` epochs of checks without a better one; Platt
-            scaling (slope and intercept) is fitted on them afterwards. 0: none.
+            scaling (slope and intercept) is fitted on them afterwards. 0: none. None (the default): 0.1 for a full
+            retrain, 0 for an incremental run (``held_aside_share``): an incremental run's window is the new hours,
+            and holding a tenth of them aside (the second-newest hour among them) cost its candidate 0.012 AUC
+            against the champion it started from (tests/test_registry.py's world, three champion seeds: -0.016
+            with both this and ``embedding_l2``, -0.004 without early-stopping rows, +0.007 without either).
         early_stopping_min_rows: fewer early-stopping rows than this (or a window of one file): none are held
             aside, every epoch runs, and the calibration falls back to a base-rate correction on training rows.
             200: at 1000 a 3,600-row Criteo sample held none aside, ran all its 10 epochs and scored a held-out
@@ -143,6 +152,9 @@ class TrainConfig:
             tests/test_train.py 0.623/0.579 at full weight, 0.629/0.600 warmed up (0.628 without a penalty);
             the 19-step run of tests/test_dynamic_loop.py 0.550/0.573 and 0.552/0.581 (0.571/0.579). The
             penalty still costs runs this short some AUC; at 100k rows it gained (benchmarks/RESULTS.md).
+            None (the default): 0.01 for a full retrain, 0 for an incremental run (``embedding_penalty``): a warm
+            start takes it at full weight from its first step, on rows the champion already shaped under it, and
+            it cost the incremental candidate 0.011 AUC on the world above (-0.004 with it, +0.007 without).
         weight_decay: decoupled weight decay of the dense layers (AdamW).
         min_steps: see ``fit_to_data`` (0: batch size and epochs exactly as given).
         train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
@@ -177,14 +189,14 @@ class TrainConfig:
     compile: str = "auto"
     data_shards: int = 0
     row_wise_above: int = 0
-    early_stopping_share: float = 0.1
+    early_stopping_share: float | None = None
     early_stopping_min_rows: int = 200
     patience: int = 1
     restore_z: float = 2.0
     early_stopping_checks: int = 4
     calibration_rows: int = 200_000
     calibration_slope: bool = False
-    embedding_l2: float = 0.01
+    embedding_l2: float | None = None
     weight_decay: float = 0.0
     baselines: bool = True
     min_steps: int = 100
@@ -193,6 +205,20 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def held_aside_share(self) -> float:
+        """``early_stopping_share`` as this run uses it (None: by mode)."""
+        if self.early_stopping_share is not None:
+            return self.early_stopping_share
+        return FULL_EARLY_STOPPING_SHARE if self.mode == "full" else 0.0
+
+    @property
+    def embedding_penalty(self) -> float:
+        """``embedding_l2`` as this run uses it (None: by mode)."""
+        if self.embedding_l2 is not None:
+            return self.embedding_l2
+        return FULL_EMBEDDING_L2 if self.mode == "full" else 0.0
 
 
 @dataclass
@@ -296,7 +322,7 @@ class Windows:
 
 
 def held_aside(windows: Windows, config: TrainConfig) -> Windows:
-    """Every k-th training file (k = 1 / ``early_stopping_share``), counting back from the second newest, moved
+    """Every k-th training file (k = 1 / ``held_aside_share``), counting back from the second newest, moved
     to ``tuning``: early-stopping rows spread over the window (the newest file is always trained on). Unchanged
     when they would hold fewer than ``early_stopping_min_rows`` rows or the window has one file.
 
@@ -304,10 +330,10 @@ def held_aside(windows: Windows, config: TrainConfig) -> Windows:
     closest to what the model will score) was never trained on, and the Platt scaling fitted there carried
     that stretch's base rate: held-out log loss 0.5094 and calibration 1.06, against 0.5059 and 1.00 spread
     (ml-latest-small, 10,099 held-out rows; benchmarks/RESULTS.md)."""
-    if config.early_stopping_share <= 0 or len(windows.train) < 2:
+    if config.held_aside_share <= 0 or len(windows.train) < 2:
         return windows
     rows = [_rows(f) for f in windows.train]
-    every = max(2, round(1 / config.early_stopping_share))
+    every = max(2, round(1 / config.held_aside_share))
     picked = set(range(len(rows) - 2, -1, -every))
     if sum(rows[i] for i in picked) < config.early_stopping_min_rows:
         return windows
@@ -671,7 +697,7 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
     model.train()
     # One compiled graph, nothing read back per step: the loss every 10 steps and the id checks are
     # read at intervals (recloop.model.fit).
-    step = TrainStep(model, optimizer, StepConfig(compile=config.compile, embedding_l2=config.embedding_l2), device,
+    step = TrainStep(model, optimizer, StepConfig(compile=config.compile, embedding_l2=config.embedding_penalty), device,
                      first_step=position["step"])
     told = 0  # loss readings told to the tracker
     checking = bool(windows.tuning) and run_dir is not None
