@@ -62,6 +62,17 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
             difference, low, high = figures["auc"]
             assert low <= difference <= high and figures["units"] > 20, (name, figures)
         assert versus["logistic"]["logloss"][1] <= versus["logistic"]["logloss"][2] and "logloss" not in versus["ctr"]
+    # /recommend (retrieve → filter → rank) against popularity and co-occurrence, asked at each period's start
+    for period in summary["periods"]:
+        recommend = period["recommend"]
+        assert recommend["users"] > 20 and recommend["errors"] == {}, recommend
+        for name in ("recommend", "popularity", "cooccurrence"):
+            assert 0.0 <= recommend[name]["ndcg@10"] <= 1.0 and 0.0 <= recommend[name]["recall@10"] <= 1.0
+        for name in ("popularity", "cooccurrence"):
+            difference, low, high = recommend["recommend"][f"versus {name}"]["recall@10"]
+            assert low <= difference <= high, recommend
+        assert recommend["recommend"]["recall@10"] > 0, recommend  # the served lists find what users went on to like
+    assert all(p["retriever_version"] for p in summary["periods"]), [p["retriever_gate"] for p in summary["periods"]]
     assert summary["periods"][1]["drift"] in ("ok", "drift", "insufficient_data", "data_quality")
     # each period's incremental candidate made one pass over it (the full retrains' epochs are theirs alone)
     from recloop import checkpoint

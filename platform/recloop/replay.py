@@ -12,7 +12,16 @@ champion). Then each period, in time order, goes through the loop as if it had j
 3. **drift**: the period against the one before (``insufficient_data`` below the monitor's minimum);
 4. **retrain**: an incremental candidate from the champion (registered, **gated**; a pass is promoted:
    a replay has no live traffic for a canary) and a full retrain from scratch (scored on the next period;
-   registered, gated and promoted instead when the drift check asked for a full retrain).
+   registered, gated and promoted instead when the drift check asked for a full retrain); the **retriever**
+   too (an incremental run, gated, promoted on a pass).
+
+Before a period is ingested, its **recommendations** are measured (``recommend_k``, 10): each user who liked
+an item in it (up to ``recommend_users``, drawn at random) asks the serving API's ``POST /recommend`` as of the
+period's first instant (retrieve → filter → rank → order, the champions as they stand, the lake as it was),
+and the list is scored against the items the user went on to like in the period that they had not met before
+(``recloop.evidence.topk``: recall@k and NDCG@k), beside two baselines learnt from the same lake
+(``recloop.retrieval.baselines``: the period before's most liked items, and item-to-item co-likes), each with
+the seen items left out, and the paired differences with 95 % intervals over users.
 
 The period is a day, a week or 30 days: given, or the shortest in which every replayed period holds at
 least ``min_period_rows`` events. The result is a table per period and an HTML report
@@ -66,6 +75,9 @@ class ReplayConfig:
     smoke_check: load each gated version in a fresh process too, as the loop's gate does (seconds each).
     gate, monitor: the gate's thresholds and the drift monitor's settings.
     model: the ranking model's configuration (None: the default).
+    recommend_k: the length of the recommendation lists scored each period (0: recommendations not measured,
+        no retriever trained).
+    recommend_users: users asked per period, at most (drawn at random among those who liked an item in it).
     """
 
     period: Literal["auto", "day", "week", "month"] = "auto"
@@ -87,6 +99,8 @@ class ReplayConfig:
     )
     monitor: MonitorConfig = field(default_factory=lambda: MonitorConfig(sample_rows=20_000))
     model: object | None = None
+    recommend_k: int = 10
+    recommend_users: int = 300
 
 
 @dataclass
@@ -104,6 +118,10 @@ class PeriodRecord:
     gate: str = "-"
     gate_reasons: list[str] = field(default_factory=list)
     full_retrain: str = "-"
+    # /recommend against popularity and co-occurrence, asked as of the period's start (``_recommend_period``)
+    recommend: dict = field(default_factory=dict)
+    retriever_version: str | None = None
+    retriever_gate: str = "-"
     seconds: float = 0.0
 
 
@@ -173,10 +191,14 @@ def run_replay(
     elif not first.passed:
         raise ReplayError(f"the first model did not pass the gate: {'; '.join(first.reasons)}")
     lineage.incremental = lineage.full
+    if config.recommend_k > 0:
+        _first_retriever(settings, config)
     for index, start in enumerate(starts):
         stop = start + step
         began_period = time.perf_counter()
         record = PeriodRecord(index, _iso(start), _iso(stop))
+        if config.recommend_k > 0:  # before the period lands: the lake, features and models as of its start
+            record.recommend = _recommend_period(settings, spec, events, ts_us, (start - step, start, stop), config)
         landed = _land(events, ts_us, start, stop, spec, landing / f"period-{index:03d}.parquet")
         ingested = _ingest_and_build(settings, spec, landed, config)
         record.landed, record.quarantined = ingested.rows_landed, ingested.rows_quarantined
@@ -195,6 +217,8 @@ def run_replay(
         )
         if outcome.passed:
             _promote(settings, outcome.version, "replay: passed the gate (no live traffic for a canary)")
+        if config.recommend_k > 0:
+            record.retriever_version, record.retriever_gate = _next_retriever(settings, config)
         lineage.full = _train(settings, config, "full")
         if record.drift in ("drift", "kpi_decay"):
             full = _register_and_gate(settings, lineage.full, config)
@@ -285,6 +309,147 @@ def _register_and_gate(settings: Settings, summary, config: ReplayConfig):
 
     logged = pipeline.register_training(settings, summary)
     return run_gate(settings, logged.version, config.gate, smoke_check=config.smoke_check)
+
+
+def _retriever_config(settings: Settings, config: ReplayConfig, mode: str):
+    from recloop import datasets
+    from recloop.retrieval.train import RetrievalTrainConfig
+
+    return RetrievalTrainConfig(
+        mode=mode,  # type: ignore[arg-type]
+        days=100_000,  # a full run learns from the whole log before the period, as the ranker's does
+        epochs=config.epochs,
+        batch_size=config.batch_size or 512,
+        device=config.device,
+        eval_ks=(config.recommend_k, 100),
+        spec=str(datasets.home_copy(settings)),
+    )
+
+
+def _first_retriever(settings: Settings, config: ReplayConfig) -> str:
+    """The first retriever, trained on the bootstrap and made champion whatever its gate says (as the first
+    ranker: measured in every period, against the baselines, rather than never served)."""
+    from recloop import pipeline, registry
+
+    trained = pipeline.train_and_register_retriever(settings, _retriever_config(settings, config, "full"))
+    outcome = pipeline.gate_retriever(settings, trained.logged.version)
+    if outcome.get("alias") != "champion":
+        registry.promote(settings, trained.logged.version, who="replay", model_name=registry.RETRIEVER_NAME,
+                         why="replay: the first retriever, measured against the baselines each period")
+    return trained.logged.version
+
+
+def _next_retriever(settings: Settings, config: ReplayConfig) -> tuple[str | None, str]:
+    """An incremental retriever over the period just landed, gated; a pass is promoted (no canary in a replay)."""
+    from recloop import pipeline, registry
+    from recloop.retrieval.train import RetrievalTrainError
+
+    try:
+        trained = pipeline.train_and_register_retriever(settings, _retriever_config(settings, config, "incremental"))
+    except RetrievalTrainError as err:  # nothing new to train on (a period without a click): said, not fatal
+        return None, f"not trained: {err}"
+    outcome = pipeline.gate_retriever(settings, trained.logged.version)
+    passed = bool(outcome.get("passed"))
+    if passed:
+        registry.promote(settings, trained.logged.version, who="replay", model_name=registry.RETRIEVER_NAME,
+                         why="replay: passed the retriever gate (no live traffic for a canary)")
+    return trained.logged.version, "passed" if passed else "refused: " + "; ".join(outcome.get("reasons") or [])
+
+
+def _recommend_period(settings: Settings, spec: DatasetSpec, events: pa.Table, ts_us: np.ndarray,
+                      bounds: tuple[int, int, int], config: ReplayConfig) -> dict:
+    """``/recommend``, popularity and co-occurrence lists for the period's users, asked as of its start, scored
+    against what each went on to like in it (module docstring). ``bounds``: (the period before's start, this
+    period's start, its end)."""
+    from recloop.evidence.topk import paired_difference, per_user
+    from recloop.retrieval.baselines import cooccurrence_lists, popularity_lists
+
+    previous, start, stop = bounds
+    k = config.recommend_k
+    users = events[spec.user_key].to_numpy(zero_copy_only=False).astype(np.int64)
+    items = events[spec.item_key].to_numpy(zero_copy_only=False).astype(np.int64)
+    labels = events[spec.label].to_numpy(zero_copy_only=False).astype(np.float64)
+    before = ts_us < start
+    seen = _seen_before(users[before], items[before])
+    inside = np.flatnonzero((ts_us >= start) & (ts_us < stop) & (labels > 0))
+    relevant: dict[int, list[int]] = {}
+    for row in inside:
+        user, item = int(users[row]), int(items[row])
+        if item not in relevant.get(user, ()) and not np.isin(item, seen.get(user, ())).item():
+            relevant.setdefault(user, []).append(item)
+    if not relevant:
+        return {"users": 0, "reason": "no user liked an item they had not met before in this period"}
+    asked = sorted(relevant)
+    if len(asked) > config.recommend_users:
+        asked = sorted(np.random.default_rng(start % (2**32)).choice(asked, config.recommend_users,
+                                                                     replace=False).tolist())
+    relevant = {u: relevant[u] for u in asked}
+    first_rows = {}
+    for row in np.flatnonzero((ts_us >= start) & (ts_us < stop)):
+        first_rows.setdefault(int(users[row]), int(row))
+    served, errors = _ask_recommend(settings, spec, events, first_rows, asked, start, k)
+    recent = before & (ts_us >= previous)
+    lists = {
+        "recommend": served,
+        "popularity": popularity_lists(items[recent], labels[recent], asked, seen, k),
+        "cooccurrence": cooccurrence_lists(users[before], items[before], labels[before], asked, seen, k),
+    }
+    scores = {name: per_user(found, relevant, k) for name, found in lists.items()}
+    out: dict = {"k": k, "users": len(asked), "liked": int(sum(len(v) for v in relevant.values())),
+                 "errors": errors}
+    for name, (recall, ndcg) in scores.items():
+        out[name] = {f"recall@{k}": round(float(recall.mean()), 4), f"ndcg@{k}": round(float(ndcg.mean()), 4)}
+    for name in ("popularity", "cooccurrence"):
+        out["recommend"][f"versus {name}"] = {
+            metric: [round(x, 4) for x in paired_difference(scores["recommend"][j], scores[name][j])]
+            for j, metric in enumerate((f"recall@{k}", f"ndcg@{k}"))}
+    return out
+
+
+def _ask_recommend(settings: Settings, spec: DatasetSpec, events: pa.Table, first_rows: dict[int, int],
+                   users: list[int], start: int, k: int) -> tuple[dict[int, list[int]], dict[str, dict]]:
+    """Each user's ``POST /recommend`` answer (item ids) from a serving API started on this home, as of
+    ``start``: the request's context is the user's first event in the period, cut to the columns the
+    retriever's user tower reads (device, history...; never the item's own columns). Answers that are not 200
+    count under their status (their user gets an empty list)."""
+    import httpx
+
+    from recloop.serve.app import ServerThread, create_app
+
+    app = create_app(settings, spec)
+    lists: dict[int, list[int]] = {}
+    errors: dict[str, int] = {}
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        retriever = app.state.service.retrievers.live.champion
+        wanted = [c.split("_", 1)[1] for c in (*retriever.retriever.features.context,
+                                              *retriever.retriever.features.history)] if retriever else []
+        columns = {c: events[c] for c in wanted if c in events.column_names}
+        when = datetime.fromtimestamp(start / US, tz=UTC).isoformat()
+        for user in users:
+            row = first_rows[user]
+            context = {c: _plain(values[row].as_py()) for c, values in columns.items()}
+            answer = client.post("/recommend", json={"user_id": user, "k": k, "ts": when,
+                                                     "context": {c: v for c, v in context.items() if v is not None}})
+            if answer.status_code == 200:
+                lists[user] = [item["item_id"] for item in answer.json()["items"]]
+            else:  # how many, and the first answer's reason
+                errors.setdefault(str(answer.status_code), {"count": 0, "first": answer.text[:300]})["count"] += 1
+    return lists, errors
+
+
+def _seen_before(users: np.ndarray, items: np.ndarray) -> dict[int, np.ndarray]:
+    """Each user's items in the lake before the period (PROVISIONAL: replaced by serving's own rule)."""
+    order = np.argsort(users, kind="stable")
+    users, items = users[order], items[order]
+    cuts = np.flatnonzero(np.diff(users)) + 1
+    return {int(group_users[0]): np.unique(group_items)
+            for group_users, group_items in zip(np.split(users, cuts), np.split(items, cuts), strict=True)
+            if len(group_users)}
+
+
+def _plain(value):
+    """A context value as JSON carries it (timestamps and the like as text)."""
+    return value if value is None or isinstance(value, (int, float, str, list)) else str(value)
 
 
 def _champion(settings: Settings) -> str | None:

@@ -339,7 +339,10 @@ class RequestFeatures:
         configuration cut to those columns; the whole context is checked as ``rows`` checks it.
         """
         state = self._current_state()
-        window = self._window(user_id, [PROBE_ENTITY], context, ts_us)
+        # numbers are not among what it makes: one left out is not refused (an item attribute such as a
+        # release year, required on /rank, is the catalog's business on /recommend, which the request may not
+        # give: checked as required here, every /recommend on a ratings log with a year was refused)
+        window = self._window(user_id, [PROBE_ENTITY], context, ts_us, numbers_required=False)
         return training_rows(self.backend, self._cut(columns), self.spec, window, state.vocabularies,
                              state.stats, befores={})
 
@@ -371,8 +374,10 @@ class RequestFeatures:
             raise RuntimeError("no feature state yet: run `recloop features` before serving")
         return state
 
-    def _window(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int) -> pa.Table:
-        """The request as a table of events, in the spec's columns (what ingestion would have landed)."""
+    def _window(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int,
+                numbers_required: bool = True) -> pa.Table:
+        """The request as a table of events, in the spec's columns (what ingestion would have landed).
+        ``numbers_required`` False: a numeric column the context leaves out is not refused for being null."""
         spec, n = self.spec, len(item_ids)
         unknown = sorted(set(context) - set(self._context_columns))
         if unknown:
@@ -390,7 +395,7 @@ class RequestFeatures:
         for name, column in self._context_columns.items():
             value = context.get(name, DEFAULT_POSITION if name == "position" else None)
             columns[name] = _broadcast(name, value, n, ARROW_TYPES[column.dtype])
-            if column.role == "numeric":
+            if column.role == "numeric" and (numbers_required or name in context):
                 _check_numeric(column, columns[name])
             elif column.role == "categorical" and name in context:  # left out: unknown to the model (its OOV row)
                 _check_categorical(column, columns[name])
