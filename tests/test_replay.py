@@ -84,6 +84,7 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
     assert "baseline:logistic AUC" in report and "recloop replay: ratings" in report
     assert "champion − baseline (95 % paired bootstrap)" in report and "logistic: auc " in report
     assert json.loads((settings.home / "reports" / "replay.json").read_text())["period"] == "week"
+    assert "Recommendations: /recommend against popularity and co-occurrence" in report
 
 
 def test_features_and_feast_follow_the_spec_keys_and_genre_vocabulary(replayed):

@@ -611,6 +611,15 @@ def write_report(settings: Settings, summary: dict) -> Path:
         f"<td>{p['champion'] or '-'}</td></tr>"
         for p in periods
     )
+    recommend_rows = "".join(_recommend_row(p) for p in periods if p.get("recommend", {}).get("users"))
+    recommend_table = (
+        "<h2>Recommendations: /recommend against popularity and co-occurrence</h2><p>Each user who liked an "
+        "item in the period (up to a sample) asks <code>POST /recommend</code> as of the period's first instant; "
+        "a hit is an item in the list the user liked in the period and had not met before. Differences are "
+        "/recommend minus the baseline, per user, with 95 % bootstrap intervals over users.</p>"
+        "<table><tr><th>period</th><th>users</th><th>/recommend recall, NDCG</th><th>popularity</th>"
+        "<th>co-occurrence</th><th>− popularity (recall)</th><th>− co-occurrence (recall)</th>"
+        f"<th>failed requests</th></tr>{recommend_rows}</table>" if recommend_rows else "")
     html = f"""<!doctype html><html><head><meta charset="utf-8"><title>recloop replay</title>
 <style>body{{font-family:sans-serif;margin:24px}}table{{border-collapse:collapse;font-size:13px}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style></head><body>
@@ -621,12 +630,31 @@ before any model trains on it.</p>
 <table><tr><th>period</th><th>start</th><th>landed</th><th>quarantined</th>{header}
 <th>champion − baseline (95 % paired bootstrap)</th><th>drift</th>
 <th>incremental → gate</th><th>full retrain</th><th>champion</th></tr>{rows}</table>
+{recommend_table}
 {figure.to_html(full_html=False, include_plotlyjs=True)}
 <p>Total {summary["seconds"]} s.</p></body></html>"""
     path = settings.home.resolve() / "reports" / "replay.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(html)
     return path
+
+
+def _recommend_row(period: dict) -> str:
+    """One period's recommendation figures as a table row."""
+    figures = period["recommend"]
+    k = figures["k"]
+
+    def pair(name: str) -> str:
+        return f"{_f(figures[name][f'recall@{k}'])}, {_f(figures[name][f'ndcg@{k}'])}"
+
+    def versus(name: str) -> str:
+        difference, low, high = figures["recommend"][f"versus {name}"][f"recall@{k}"]
+        return f"{difference:+.4f} [{low:+.4f}, {high:+.4f}]"
+
+    failed = ", ".join(f"{status}: {e['count']}" for status, e in figures["errors"].items()) or "none"
+    return (f"<tr><td>{period['period']}</td><td>{figures['users']}</td><td>{pair('recommend')}</td>"
+            f"<td>{pair('popularity')}</td><td>{pair('cooccurrence')}</td><td>{versus('popularity')}</td>"
+            f"<td>{versus('cooccurrence')}</td><td>{failed}</td></tr>")
 
 
 def _versus(versus: dict) -> str:

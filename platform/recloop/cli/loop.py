@@ -368,6 +368,12 @@ def replay_command(
         console.print(f"period {record.period} ({record.start[:10]}): {record.landed:,} events; AUC {figures}; "
                       f"drift {record.drift}; incremental v{record.incremental_version} {record.gate}; "
                       f"full {record.full_retrain} ({record.seconds} s)")
+        recommend = record.recommend
+        if recommend.get("users"):
+            k = recommend["k"]
+            lists = ", ".join(f"{name} {recommend[name][f'recall@{k}']:.3f}"
+                              for name in ("recommend", "popularity", "cooccurrence"))
+            console.print(f"  recall@{k} over {recommend['users']} users: {lists}")
 
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     try:
