@@ -34,6 +34,7 @@ description: MovieLens ratings (liked = 4 stars or more), keys as MovieLens name
 format: table
 on_extra_columns: quarantine
 integral_floats: true
+events: chosen
 columns:
   - {name: rating_id, role: event_id, dtype: string}
   - {name: timestamp, role: timestamp, dtype: timestamp, format: epoch_s, min: "1995-01-01"}

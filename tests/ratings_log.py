@@ -17,6 +17,7 @@ SPEC = """\
 name: ratings
 description: Explicit ratings, thresholded at 4 stars, of items with several genres.
 integral_floats: true          # the export writes whole numbers as 1995.0
+events: chosen                 # every row is an item the user rated (not one they were shown)
 columns:
   - {name: rating_id, role: event_id, dtype: string}
   - {name: rated_at, role: timestamp, dtype: timestamp, format: epoch_s}

@@ -71,7 +71,10 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
         for name in ("popularity", "cooccurrence"):
             difference, low, high = recommend["recommend"][f"versus {name}"]["recall@10"]
             assert low <= difference <= high, recommend
-        assert recommend["recommend"]["recall@10"] > 0, recommend  # the served lists find what users went on to like
+        # the served lists find what users went on to like: the spec's rows are choices (`events: chosen`), so
+        # /recommend weighs how likely a user picks an item beside the ranker's "will they like it" (0.12 and
+        # 0.07 by the ranker alone on this log, 0.67 and 0.64 with the retriever's propensity)
+        assert recommend["recommend"]["recall@10"] > 0.3, recommend
     assert all(p["retriever_version"] for p in summary["periods"]), [p["retriever_gate"] for p in summary["periods"]]
     assert summary["periods"][1]["drift"] in ("ok", "drift", "insufficient_data", "data_quality")
     # each period's incremental candidate made one pass over it (the full retrains' epochs are theirs alone)

@@ -202,6 +202,10 @@ class DatasetSpec(_Frozen):
         integral_floats: every integer column accepts ``2015.0`` as ``2015`` (a column's own
             ``integral_floats`` wins); fractional values are quarantined either way.
         criteo: how Criteo files get their derived event id and timestamp (``format: criteo_tsv``).
+        events: what a row is. ``shown``: an item put in front of the user (an impression), the label their
+            response; ``chosen``: an item the user picked themselves (a rating, a purchase, a play), the label
+            whether they liked it. ``/recommend`` orders a ``chosen`` log's items by how likely the user is to
+            pick them as well as to like them (``Settings.recommend_retrieval_weight``).
     """
 
     name: str
@@ -212,6 +216,7 @@ class DatasetSpec(_Frozen):
     max_future_seconds: int = 24 * 3600
     integral_floats: bool = False
     criteo: CriteoOptions | None = None
+    events: Literal["shown", "chosen"] = "shown"
 
     @model_validator(mode="after")
     def _roles(self) -> DatasetSpec:

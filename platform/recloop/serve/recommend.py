@@ -185,9 +185,10 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     routed = retrievers.challenger if retriever_variant == "challenger" else retrievers.champion
     evaluations: list[tuple] = []
     n = settings.recommend_candidates
-    found, source, reason, served_retriever = _retrieve(routed, table, n, evaluations, "served", metrics)
+    (found, similarity), source, reason, served_retriever = _retrieve(routed, table, n, evaluations, "served",
+                                                                      metrics)
     if found is None and routed is retrievers.challenger:  # never hand the user a broken answer
-        found, source, reason, served_retriever = _retrieve(
+        (found, similarity), source, reason, served_retriever = _retrieve(
             retrievers.champion, table, n, evaluations, "served", metrics
         )
     if found is None:
@@ -266,6 +267,15 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     stage.done("rank")
 
     # --- order -----------------------------------------------------------------------------------------
+    weight = settings.recommend_retrieval_weight
+    if weight is None:  # by what the spec's rows are: a log of choices (ratings) or of impressions
+        weight = 1.0 if svc.spec.events == "chosen" else 0.0
+    if weight > 0 and similarity is not None and len(kept):  # times the retriever's propensity (settings)
+        by_id = dict(zip(found.tolist(), similarity.tolist(), strict=True))
+        propensity = np.exp(weight * retriever.log_propensity(kept, np.array([by_id[i] for i in kept.tolist()])))
+        scores = scores * propensity
+        if ranker_variant == "interleave":
+            champion_scores = champion_scores * propensity
     category = retriever.features.category
     categories = _category_codes(retriever.attributes.get(category, np.full(len(retriever.catalog), np.nan))[positions])
     order_config = OrderConfig(
@@ -343,7 +353,8 @@ class StageTimer:
 
 
 def _retrieve(loaded, table, n: int, evaluations: list, role: str, metrics):
-    """``loaded``'s candidates for the request's user row: (ids, source, reason, loaded), ids None on failure.
+    """``loaded``'s candidates for the request's user row: ((ids, similarities), source, reason, loaded), ids
+    None on failure, similarities None for the popularity answer.
 
     A user whose index the retriever's user table has no row for (unknown to the vocabularies, or admitted
     after the retriever was trained) gets the catalog's most clicked items.
@@ -353,10 +364,10 @@ def _retrieve(loaded, table, n: int, evaluations: list, role: str, metrics):
     user_index = int(table[retriever.features.user_id][0].as_py())
     try:
         if FIRST_INDEX <= user_index < retriever.user_table_rows:
-            found, _ = retriever.retrieve(user_rows(table, retriever.features), n)
-            ids, source, reason = found[0], "retrieval", None
+            found, similarity = retriever.retrieve(user_rows(table, retriever.features), n)
+            ids, source, reason = (found[0], similarity[0]), "retrieval", None
         else:
-            ids, source = retriever.popular(n), "popularity"
+            ids, source = (retriever.popular(n), None), "popularity"
             reason = (
                 f"the user is unknown to retriever v{loaded.version} (no row in its user table): the "
                 "catalog's most clicked items were ranked instead"
@@ -364,7 +375,7 @@ def _retrieve(loaded, table, n: int, evaluations: list, role: str, metrics):
         status = "ok"
     except Exception as err:  # noqa: BLE001 - a failing retriever is data for its canary, not a crash
         log.error("retriever v%s failed: %s: %s", loaded.version, type(err).__name__, err)
-        ids, source, reason, status = None, "retrieval", None, "error"
+        ids, source, reason, status = (None, None), "retrieval", None, "error"
     evaluations.append((retriever_key(loaded.version), role, status, (time.perf_counter() - began) * 1000))
     metrics.evaluations.labels(retriever_key(loaded.version), role, status).inc()
     return ids, source, reason, loaded
