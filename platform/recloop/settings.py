@@ -69,6 +69,11 @@ class Settings(BaseSettings):
         recommend_candidates: items ``/recommend`` retrieves before filtering and ranking.
         recommend_seen_hours: ``/recommend`` leaves out items the user was shown or clicked within this
             many hours (event time; 0 turns the rule off).
+        recommend_seen_history_items, recommend_seen_history_days, recommend_seen_history_all: ``/recommend``
+            also leaves out the items the user interacted with in the lake (``recloop.features.seen``, the
+            file the feature job writes): each user's newest ``items`` (0 turns the rule off) within the last
+            ``days``; label-1 interactions only, or every one with ``all`` (a log in which every row means the
+            user has the item, such as ratings).
         recommend_category_cap: most items of one category in a ``/recommend`` answer (0: no cap).
         recommend_boosts: category → multiplier of the ranker's score when ``/recommend`` orders
             (``RECLOOP_RECOMMEND_BOOSTS='{"5": 1.2}'``).
@@ -112,6 +117,9 @@ class Settings(BaseSettings):
     spec: str = ""
     recommend_candidates: int = Field(default=500, ge=1, le=5000)
     recommend_seen_hours: float = Field(default=24.0, ge=0.0)
+    recommend_seen_history_items: int = Field(default=500, ge=0)
+    recommend_seen_history_days: float = Field(default=365.0, gt=0.0)
+    recommend_seen_history_all: bool = False
     recommend_category_cap: int = Field(default=3, ge=0)
     recommend_boosts: dict[int, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=dict)
     up_prefect_port: int = Field(default=4200, ge=1, le=65535)
