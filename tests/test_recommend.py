@@ -8,7 +8,7 @@ import re
 import shutil
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -151,6 +151,60 @@ def test_seen_excluded_and_unavailable_items_are_filtered(http: httpx.Client, ho
     assert later["candidates"]["seen"] == 0  # more than 24 h later the shown items may come back
 
 
+def lake_clicks(home: Settings, before: datetime) -> dict[int, set[int]]:
+    """Each user's clicked items in the lake before ``before``, read straight from the lake."""
+    from recloop.ingest import lake
+    from recloop.schema import load_spec
+
+    spec = load_spec("synthetic")
+    events = lake.read_window(home, spec, None, int(before.timestamp() * 1_000_000))
+    clicks: dict[int, set[int]] = {}
+    for user, item, label in zip(*(events[c].to_pylist() for c in ("user_id", "item_id", "label")), strict=True):
+        if label == 1:
+            clicks.setdefault(user, set()).add(item)
+    return clicks
+
+
+def test_items_a_user_clicked_in_the_lake_days_ago_are_never_recommended_to_them(http: httpx.Client,
+                                                                                   home: Settings):
+    """Issue 37: the journal knows one day of /feedback; the lake knows what the log says the user clicked."""
+    clicks = lake_clicks(home, datetime.fromisoformat(TS) - timedelta(days=1))
+    journaled = set(known_users(home, 2))  # the filter test's user has journal feedback: left out here
+    user = max((u for u in clicks if u not in journaled), key=lambda u: len(clicks[u]))
+    answer = http.post("/recommend", json={"user_id": user, "context": CONTEXT, "k": 100, "ts": TS}).json()
+    ids = {item["item_id"] for item in answer["items"]}
+    assert answer["skipped_filters"] == [] and answer["candidates"]["seen_history"] >= 1
+    assert not ids & clicks[user]  # not one of the items they clicked a day or more ago
+    # another user who never clicked such an item still gets it
+    others = [u for u in clicks if u != user and u not in journaled][:20]
+    given = {}
+    for other in others:
+        body = http.post("/recommend", json={"user_id": other, "context": CONTEXT, "k": 100, "ts": TS}).json()
+        given[other] = {item["item_id"] for item in body["items"]} & (clicks[user] - clicks[other])
+    assert any(given.values()), "no other user was recommended an item the first user clicked"
+
+
+def test_recommend_answers_without_the_lake_history_until_the_feature_job_writes_it(http: httpx.Client,
+                                                                                    home: Settings):
+    from recloop.features.definition import FeatureLayout
+
+    path = FeatureLayout.for_settings(home).seen
+    aside = path.with_name("seen-aside.parquet")
+    user = known_users(home, 1)[0]
+    request = {"user_id": user, "context": CONTEXT, "k": 5, "ts": TS}
+    path.rename(aside)
+    try:
+        answer = http.post("/recommend", json=request)
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert len(body["items"]) == 5 and body["candidates"]["seen_history"] == 0
+        assert body["skipped_filters"] == ["seen_history: no history of the lake yet (the feature job writes it)"]
+    finally:
+        aside.rename(path)
+    body = http.post("/recommend", json=request).json()  # published again: read on the next request
+    assert body["skipped_filters"] == [] and body["candidates"]["seen_history"] >= 1
+
+
 def test_an_unknown_user_gets_the_popular_items_and_is_told_so(http: httpx.Client, home: Settings):
     answer = http.post("/recommend", json={"user_id": 10**12, "context": CONTEXT, "k": 5, "ts": TS})
     assert answer.status_code == 200, answer.text
@@ -286,7 +340,11 @@ def test_the_rankers_interleaved_canary_merges_both_rankings_on_recommend_and_cr
     wait_for(http, lambda h: h["versions"]["challenger"] == version and h["mode"] == "interleave")
     retriever = catalog(home)
     clicked = 0
-    for user in known_users(home, 15):
+    # users whose lake history (the seen_history filter) leaves enough of the small test catalog for 10 items
+    history = lake_clicks(home, datetime(2026, 1, 5, tzinfo=UTC))
+    users = [u for u in known_users(home, 100) if len(history.get(u, ())) <= 30][:15]
+    assert len(users) == 15
+    for user in users:
         body = http.post("/recommend", json={"user_id": user, "context": CONTEXT, "k": 10, "ts": TS}).json()
         assert body["ranker"] == {"version": version, "variant": "interleave"}
         shown = [item["item_id"] for item in body["items"]]

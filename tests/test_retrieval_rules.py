@@ -26,6 +26,18 @@ def test_filter_drops_excluded_unavailable_and_recently_seen_and_counts_each():
     assert (dropped.excluded, dropped.unavailable, dropped.seen, dropped.total) == (2, 1, 2, 5)
 
 
+def test_the_lake_history_drops_items_whatever_their_time_counting_only_what_the_journal_left():
+    candidates = np.array([10, 11, 12, 13, 14])
+    recent = {12: (NOW - 3600, True)}
+    history = np.array([12, 13, 99, 10])  # 12: the journal drops it first; 10: excluded by the request first
+    kept, dropped = filter_candidates(candidates, FilterConfig(seen_hours=24), now_s=NOW, recent=recent,
+                                      history=history, excluded={10})
+    assert kept.tolist() == [11, 14]
+    assert (dropped.excluded, dropped.seen, dropped.seen_history, dropped.total) == (1, 1, 1, 3)
+    kept, dropped = filter_candidates(candidates, FilterConfig(seen_hours=0), now_s=NOW, history=history)
+    assert kept.tolist() == [11, 14] and dropped.seen_history == 3  # the journal's rule off: not this one
+
+
 def test_shown_but_not_clicked_items_stay_unless_configured():
     candidates = np.array([1, 2, 3])
     recent = {1: (NOW - 60, False), 2: (NOW - 60, True)}

@@ -362,6 +362,7 @@ def _recommend_period(settings: Settings, spec: DatasetSpec, events: pa.Table, t
     against what each went on to like in it (module docstring). ``bounds``: (the period before's start, this
     period's start, its end)."""
     from recloop.evidence.topk import paired_difference, per_user
+    from recloop.features.seen import SeenConfig, seen_items
     from recloop.retrieval.baselines import cooccurrence_lists, popularity_lists
 
     previous, start, stop = bounds
@@ -370,7 +371,8 @@ def _recommend_period(settings: Settings, spec: DatasetSpec, events: pa.Table, t
     items = events[spec.item_key].to_numpy(zero_copy_only=False).astype(np.int64)
     labels = events[spec.label].to_numpy(zero_copy_only=False).astype(np.float64)
     before = ts_us < start
-    seen = _seen_before(users[before], items[before])
+    # the rule serving applies (``features.seen``): what the feature job published as of the period's start
+    seen = seen_items(events.filter(pa.array(before)), spec, start, SeenConfig.for_settings(settings, spec))
     inside = np.flatnonzero((ts_us >= start) & (ts_us < stop) & (labels > 0))
     relevant: dict[int, list[int]] = {}
     for row in inside:
@@ -435,16 +437,6 @@ def _ask_recommend(settings: Settings, spec: DatasetSpec, events: pa.Table, firs
             else:  # how many, and the first answer's reason
                 errors.setdefault(str(answer.status_code), {"count": 0, "first": answer.text[:300]})["count"] += 1
     return lists, errors
-
-
-def _seen_before(users: np.ndarray, items: np.ndarray) -> dict[int, np.ndarray]:
-    """Each user's items in the lake before the period (PROVISIONAL: replaced by serving's own rule)."""
-    order = np.argsort(users, kind="stable")
-    users, items = users[order], items[order]
-    cuts = np.flatnonzero(np.diff(users)) + 1
-    return {int(group_users[0]): np.unique(group_items)
-            for group_users, group_items in zip(np.split(users, cuts), np.split(items, cuts), strict=True)
-            if len(group_users)}
 
 
 def _plain(value):

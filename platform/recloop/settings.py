@@ -76,6 +76,12 @@ class Settings(BaseSettings):
             like it if they meet it"; on a log of choices, what a user goes on to like also depends on which
             items they pick at all, which only the retriever learnt (the test ratings log's recall@10 of
             ``/recommend``: 0.12 and 0.07 by the ranker alone, 0.67 and 0.64 at 1; tests/test_replay.py).
+        recommend_seen_history_items, recommend_seen_history_days, recommend_seen_history_all: ``/recommend``
+            also leaves out the items the user interacted with in the lake (``recloop.features.seen``, the
+            file the feature job writes): each user's newest ``items`` (0 turns the rule off) within the last
+            ``days``; label-1 interactions only, or every one with ``all`` (a log in which every row means the
+            user has the item, such as ratings). ``all`` None: by the spec, every row of a log of items users
+            ``chosen`` (``DatasetSpec.events``), label-1 rows of a log of items ``shown``.
         recommend_category_cap: most items of one category in a ``/recommend`` answer (0: no cap).
         recommend_boosts: category → multiplier of the ranker's score when ``/recommend`` orders
             (``RECLOOP_RECOMMEND_BOOSTS='{"5": 1.2}'``).
@@ -120,6 +126,9 @@ class Settings(BaseSettings):
     recommend_candidates: int = Field(default=500, ge=1, le=5000)
     recommend_seen_hours: float = Field(default=24.0, ge=0.0)
     recommend_retrieval_weight: float | None = Field(default=None, ge=0.0, le=10.0)
+    recommend_seen_history_items: int = Field(default=500, ge=0)
+    recommend_seen_history_days: float = Field(default=365.0, gt=0.0)
+    recommend_seen_history_all: bool | None = None
     recommend_category_cap: int = Field(default=3, ge=0)
     recommend_boosts: dict[int, Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(default_factory=dict)
     up_prefect_port: int = Field(default=4200, ge=1, le=65535)

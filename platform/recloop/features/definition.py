@@ -72,6 +72,11 @@ class FeatureLayout:
         return self.root / "partition.json"
 
     @property
+    def seen(self) -> Path:
+        """Each user's items already interacted with in the lake (``recloop.features.seen``)."""
+        return self.root / "seen.parquet"
+
+    @property
     def lake_files(self) -> Path:
         """The committed lake files the job has read (``build_features``: late events come in new ones)."""
         return self.root / "lake_files.json"

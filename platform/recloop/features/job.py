@@ -54,6 +54,7 @@ from recloop.features.outputs import (
     write_periods,
 )
 from recloop.features.outputs import period_start as _period_start
+from recloop.features.seen import SeenConfig, build_seen
 from recloop.features.state import FeatureState, StateStore
 from recloop.features.vocab import Vocabulary, count_values, out_of_vocabulary_until, sightings_before
 from recloop.features.window import WindowPlan, compute_window
@@ -83,6 +84,7 @@ class FeatureRunSummary:
     period_hours: int = 1  # the feature files' period
     feast_applied: bool = False  # set by the pipeline when it publishes the window through Feast
     materialized: list[str] = field(default_factory=list)
+    seen_users: int | None = None  # users in the published seen history (features.seen); None: none written
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -158,7 +160,8 @@ def build_features(
     engine = settings.features_engine
     name = backend.name if engine == "local" else f"dask/{settings.frame_backend}"
     if start_us >= end_us:
-        return FeatureRunSummary(_iso(start_us), _iso(end_us), name, message="empty window: nothing to build")
+        return FeatureRunSummary(_iso(start_us), _iso(end_us), name, message="empty window: nothing to build",
+                                 seen_users=_publish_seen(settings, spec, layout, store, rebuild=False))
     timestamps = lake.read_window(settings, spec, start_us, end_us, columns=[spec.timestamp])
     ts_us = (timestamps[spec.timestamp].cast(pa.int64()).to_numpy() if timestamps.num_columns
              else np.empty(0, np.int64))
@@ -198,8 +201,21 @@ def build_features(
     elif rebuild is not None:
         total.message = (f"late events rebuilt up to {_iso(end_us)} only: the states up to {_iso(rebuild['until_us'])} "
                          "are corrected by the next run without an end")
+    total.seen_users = _publish_seen(settings, spec, layout, store, rebuild=late_us is not None)
     total.seconds = round(time.perf_counter() - began, 3)
     return total
+
+
+def _publish_seen(settings: Settings, spec: DatasetSpec, layout: FeatureLayout, store: StateStore,
+                  rebuild: bool) -> int | None:
+    """The users' seen history as of the newest state (``features.seen``), beside the state serving reloads;
+    its users (None: the rule is off, the spec has no keys, or there is no state yet)."""
+    latest_version = store.latest_version()
+    if latest_version is None:
+        return None
+    as_of_us = store.as_of_us(latest_version)
+    written = build_seen(settings, spec, layout.seen, as_of_us, SeenConfig.for_settings(settings, spec), rebuild=rebuild)
+    return None if written is None else len(pc.unique(written.table[written.user_key]))
 
 
 def _keys_admitted_so_far(settings: Settings, spec: DatasetSpec, config: FeatureConfig, training: pa.Table,

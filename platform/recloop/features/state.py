@@ -110,6 +110,10 @@ class StateStore:
     def _as_of(self, version: int) -> int:
         return int(self._manifest(version)["as_of_us"])
 
+    def as_of_us(self, version: int) -> int:
+        """The time a version is as of (its manifest alone is read)."""
+        return self._as_of(version)
+
     def _current(self) -> list[int]:
         """The versions still valid. A rebuild for late events (``recloop.features.job``) writes corrected
         states for the times from their period to the latest state's; every state written before it for a

@@ -8,8 +8,10 @@
 
 - ``excluded``: ids the request itself excludes;
 - ``unavailable``: ids the catalog marks unavailable (out of stock, withdrawn);
-- ``seen``: ids the user was shown or clicked within the last ``seen_hours`` (from the online store);
-  a shown-but-not-clicked item is dropped only when ``drop_shown`` (clicked ones always are).
+- ``seen``: ids the user was shown or clicked within the last ``seen_hours`` (serving's journal);
+  a shown-but-not-clicked item is dropped only when ``drop_shown`` (clicked ones always are);
+- ``seen_history``: ids the user interacted with in the lake (``recloop.features.seen``: the feature job's
+  file in serving, ``seen_items`` in the replay), counted only when ``seen`` had not dropped them already.
 
 **Order** sorts by the ranker's score times the boost of the item's category, then walks down the list
 taking an item unless its category already has ``category_cap`` items; when the capped list is shorter
@@ -19,7 +21,8 @@ gets k items).
 Example::
 
     kept, dropped = filter_candidates(ids, FilterConfig(seen_hours=24), now_s=now,
-                                      recent={17: (now - 60, True)}, unavailable={4}, excluded={9})
+                                      recent={17: (now - 60, True)}, history=np.array([21, 30]),
+                                      unavailable={4}, excluded={9})
     top = order_items(kept, scores, categories, OrderConfig(category_cap=3, boosts={5: 1.2}), k=10)
 """
 
@@ -51,14 +54,16 @@ class Dropped:
     excluded: int = 0
     unavailable: int = 0
     seen: int = 0
+    seen_history: int = 0
 
     @property
     def total(self) -> int:
-        return self.excluded + self.unavailable + self.seen
+        return self.excluded + self.unavailable + self.seen + self.seen_history
 
 
 def filter_candidates(candidates: np.ndarray, config: FilterConfig, *, now_s: float,
                       recent: Mapping[int, tuple[float, bool]] | None = None,
+                      history: np.ndarray | None = None,
                       unavailable: Collection[int] = (), excluded: Collection[int] = ()
                       ) -> tuple[np.ndarray, Dropped]:
     """The candidates that pass every rule (order kept), and what each rule dropped.
@@ -67,6 +72,8 @@ def filter_candidates(candidates: np.ndarray, config: FilterConfig, *, now_s: fl
         candidates: (N,) raw item ids, best first; ids < 0 (index padding) are dropped uncounted.
         now_s: the request time (UTC seconds).
         recent: the user's recent items: id → (last time shown or clicked, clicked?).
+        history: (n,) ids the user interacted with in the lake, dropped whatever their time (the bounds
+            were applied when the history was built: ``recloop.features.seen``).
         unavailable: ids the catalog marks unavailable.
         excluded: ids the request excludes.
     """
@@ -84,6 +91,10 @@ def filter_candidates(candidates: np.ndarray, config: FilterConfig, *, now_s: fl
         fresh = ~np.isin(candidates, np.fromiter(seen, np.int64, len(seen)))
     counts["seen"] = int((keep & ~fresh).sum())
     keep &= fresh
+    if history is not None and len(history):
+        new = ~np.isin(candidates, np.asarray(history, dtype=np.int64))
+        counts["seen_history"] = int((keep & ~new).sum())
+        keep &= new
     return candidates[keep], Dropped(**counts)
 
 

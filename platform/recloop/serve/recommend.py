@@ -10,6 +10,8 @@
       │ filter    drops the request's exclusions, items the catalog marks unavailable
       │           (``$RECLOOP_HOME/catalog/unavailable.json``) and items the user was shown or clicked within
       │           ``RECLOOP_RECOMMEND_SEEN_HOURS`` (what ``/feedback`` recorded in the journal, every replica's)
+      │           and items the user interacted with in the lake (``recloop.features.seen``: the history the
+      │           feature job publishes, newest ``RECLOOP_RECOMMEND_SEEN_HISTORY_ITEMS`` per user)
       │ rank      the ranker champion (or challenger, by its own split) scores what is left, each item with
       │           its catalog attributes as per-candidate context (the answering path of ``/rank``: a failing
       │           challenger is never what the user gets); in the ranker's interleaved canary both score
@@ -19,6 +21,11 @@
       │           placed it (``variant: interleave``, as on ``/rank``)
       ▼
     {request_id, items, retriever: {version, variant}, ranker: {version, variant}, source, candidates}
+
+``candidates`` counts each stage: ``retrieved``, then what each filter dropped (``excluded``,
+``unavailable``, ``seen``: the journal's recent items, ``seen_history``: the lake's, those the journal had
+not dropped already), and ``ranked``. A filter that could not run (the journal's store down, no history
+file yet) is named in ``skipped_filters`` and the answer comes without it.
 
 The two canaries are independent: the retriever's split hashes the user with its own salt, so its
 challenger and the ranker's challenger see unrelated shares of users. Each stage's time goes to
@@ -206,11 +213,17 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         except Exception as err:  # noqa: BLE001 - the journal's store down: recommend without the seen filter
             log.warning("seen filter skipped (the journal could not be read): %s: %s", type(err).__name__, err)
             skipped.append(f"seen: the journal could not be read ({type(err).__name__})")
+    history = None
+    if settings.recommend_seen_history_items > 0:
+        history = svc.seen_history.items(body.user_id)
+        if history is None:
+            skipped.append(f"seen_history: {svc.seen_history.missing}")
     kept, dropped = filter_candidates(
         found,
         FilterConfig(seen_hours=settings.recommend_seen_hours),
         now_s=ts_us / 1e6,
         recent=recent,
+        history=history,
         unavailable=svc.unavailable.ids(),
         excluded=set(body.exclude),
     )
@@ -223,6 +236,7 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         "excluded": dropped.excluded,
         "unavailable": dropped.unavailable,
         "seen": dropped.seen,
+        "seen_history": dropped.seen_history,
         "ranked": len(kept),
     }
 

@@ -22,7 +22,9 @@ from fastapi import Depends, HTTPException, Request
 from recloop import canary
 from recloop.evidence import interleaving, offpolicy
 from recloop.features.config import FeatureConfig
+from recloop.features.definition import FeatureLayout
 from recloop.features.online import OnlineReader, RequestError, RequestFeatures, online_reader
+from recloop.features.seen import SeenHistory
 from recloop.journal import open_journal
 from recloop.schema import DatasetSpec
 from recloop.scoring import load_retriever, score
@@ -58,6 +60,7 @@ class Service:
         self.retrievers.on_swap = lambda old, new: self._retriever_deployed(new)
         self.retrievers.on_load_failure = partial(self._load_failed, model_name=RETRIEVER_NAME)
         self.unavailable = UnavailableItems(settings.unavailable_items_path)
+        self.seen_history = SeenHistory(FeatureLayout.for_settings(settings).seen)  # /recommend's lake history
         self.readiness = Readiness(self.pool, self.features)
         # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas. A PostgreSQL down at start-up is not a reason to serve
         # nothing: requests are kept until it answers, feedback is refused meanwhile (``Journal.degraded``).
@@ -117,6 +120,7 @@ class Service:
             while not self._stop.wait(self.settings.feedback_flush_seconds):
                 self.land_feedback()
                 self.features.refresh()
+                self.seen_history.refresh_if_changed()
 
         self._flusher = threading.Thread(target=flush_feedback, name="recloop-feedback", daemon=True)
         self._flusher.start()
