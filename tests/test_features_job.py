@@ -170,6 +170,10 @@ def test_a_sparse_log_gets_day_or_week_files_and_only_periods_with_events():
     assert choose_period_hours(decades) == 168
     sparse = np.arange(0, 22 * 365 * 24 * hour, 24 * hour * 3)  # one every three days for 22 years
     assert choose_period_hours(sparse) == 168
+    # a small log inside one day (Criteo's published 200-row sample): hourly files, not one daily file that
+    # training could not split into training and held-out periods
+    one_day = np.linspace(0, 24 * hour - 1, 200).astype(np.int64)
+    assert choose_period_hours(one_day) == 1
 
 
 # the entity counts and recency (standardized numbers and the CTRs' prior keep the first window's statistics,

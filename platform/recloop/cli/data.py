@@ -82,7 +82,7 @@ def _print_ingest(summary: IngestSummary) -> None:
     hints = list(dict.fromkeys(h for result in summary.results for h in result.hints))
     for hint in hints:
         console.print(f"[yellow]hint[/]: {hint}")
-    if hints or summary.rows_quarantined:
+    if summary.rows_quarantined:  # (a hint about a file's name alone quarantined nothing: nothing to replay)
         console.print("after fixing the spec: `recloop quarantine replay --spec SPEC` lands the rows that pass now")
 
 

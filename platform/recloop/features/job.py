@@ -96,6 +96,7 @@ def _iso(t_us: int) -> str:
 
 PERIOD_HOURS = (1, 24, 168)
 MAX_PERIODS = 2_000  # nor more files than this for the first window (a sparse log over decades: weeks)
+MIN_PERIODS = 4  # a longer period must leave at least this many periods with events (``choose_period_hours``)
 MIN_ROWS_PER_PERIOD = 10  # the period is the shortest whose average period with events holds this many
 MAX_WINDOW_ROWS = 2_000_000
 
@@ -103,10 +104,14 @@ MAX_WINDOW_ROWS = 2_000_000
 def choose_period_hours(ts_us: np.ndarray) -> int:
     """The shortest period (hour, day, week) whose periods with events hold ``MIN_ROWS_PER_PERIOD`` events on
     average and number at most ``MAX_PERIODS``: a dense log keeps hourly files, a sparse or long one (ratings
-    over years) gets fewer, fuller files."""
-    for hours in PERIOD_HOURS:
-        occupied = len(np.unique(_period_start(ts_us, hours * HOUR_US)))
-        if occupied and len(ts_us) / occupied >= MIN_ROWS_PER_PERIOD and occupied <= MAX_PERIODS:
+    over years) gets fewer, fuller files. A period longer than one that is not full enough is taken only if it
+    leaves ``MIN_PERIODS`` periods with events: Criteo's published 200-row sample (one day) got a single daily
+    file, and training, which holds the newest files out for validation, had nothing left to train on."""
+    occupied = [len(np.unique(_period_start(ts_us, hours * HOUR_US))) for hours in PERIOD_HOURS]
+    for index, hours in enumerate(PERIOD_HOURS):
+        longer = occupied[index + 1] if index + 1 < len(PERIOD_HOURS) else 0
+        full = occupied[index] and len(ts_us) / occupied[index] >= MIN_ROWS_PER_PERIOD
+        if occupied[index] and occupied[index] <= MAX_PERIODS and (full or longer < MIN_PERIODS):
             return hours
     return PERIOD_HOURS[-1]
 
