@@ -75,8 +75,8 @@ class ReplayConfig:
     smoke_check: load each gated version in a fresh process too, as the loop's gate does (seconds each).
     gate, monitor: the gate's thresholds and the drift monitor's settings.
     model: the ranking model's configuration (None: the default).
-    recommend_k: the length of the recommendation lists scored each period (0: recommendations not measured,
-        no retriever trained).
+    recommend_k: the length of the recommendation lists scored each period (0, or a spec without a user and an
+        item key: recommendations not measured, no retriever trained).
     recommend_users: users asked per period, at most (drawn at random among those who liked an item in it).
     """
 
@@ -191,13 +191,15 @@ def run_replay(
     elif not first.passed:
         raise ReplayError(f"the first model did not pass the gate: {'; '.join(first.reasons)}")
     lineage.incremental = lineage.full
-    if config.recommend_k > 0:
+    # recommendations need users and items to recommend (a Criteo log names neither: scored rows only)
+    recommending = config.recommend_k > 0 and bool(spec.user_key and spec.item_key)
+    if recommending:
         _first_retriever(settings, config)
     for index, start in enumerate(starts):
         stop = start + step
         began_period = time.perf_counter()
         record = PeriodRecord(index, _iso(start), _iso(stop))
-        if config.recommend_k > 0:  # before the period lands: the lake, features and models as of its start
+        if recommending:  # before the period lands: the lake, features and models as of its start
             record.recommend = _recommend_period(settings, spec, events, ts_us, (start - step, start, stop), config)
         landed = _land(events, ts_us, start, stop, spec, landing / f"period-{index:03d}.parquet")
         ingested = _ingest_and_build(settings, spec, landed, config)
@@ -217,7 +219,7 @@ def run_replay(
         )
         if outcome.passed:
             _promote(settings, outcome.version, "replay: passed the gate (no live traffic for a canary)")
-        if config.recommend_k > 0:
+        if recommending:
             record.retriever_version, record.retriever_gate = _next_retriever(settings, config)
         lineage.full = _train(settings, config, "full")
         if record.drift in ("drift", "kpi_decay"):
