@@ -200,6 +200,26 @@ def test_per_column_drift_methods_and_thresholds_come_from_config(tmp_path):
         load_config(path)
 
 
+def test_a_value_new_in_the_current_window_is_drift_without_a_warning_in_the_output():
+    import warnings
+
+    import numpy as np
+    import pandas as pd
+
+    from recloop.monitor.drift import evidently_drift
+
+    # a count column with a handful of values (Evidently tests it by chi-square): a value the reference window
+    # never had has an expected count of 0 (Criteo's 900-row days; scipy's "divide by zero" reached the output
+    # of `recloop replay`)
+    rng = np.random.default_rng(2)
+    reference = pd.DataFrame({"count": rng.choice([0, 1, 2], 900)})
+    current = pd.DataFrame({"count": rng.choice([0, 1, 2, 3], 900)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _, drifted, scores, _ = evidently_drift(reference, current, ["count"], CONFIG, numeric=["count"])
+    assert drifted == ["count"], scores
+
+
 def test_prediction_drift_is_a_note_unless_configured_to_decide(tmp_path, lake_factory):
     import numpy as np
 
