@@ -214,10 +214,12 @@ def test_a_value_new_in_the_current_window_is_drift_without_a_warning_in_the_out
     rng = np.random.default_rng(2)
     reference = pd.DataFrame({"count": rng.choice([0, 1, 2], 900)})
     current = pd.DataFrame({"count": rng.choice([0, 1, 2, 3], 900)})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        _, drifted, scores, _ = evidently_drift(reference, current, ["count"], CONFIG, numeric=["count"])
-    assert drifted == ["count"], scores
+    for snapshot in (True, False):  # through Evidently's report, and the loop's path without one
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            _, drifted, scores, _ = evidently_drift(reference, current, ["count"], CONFIG, numeric=["count"],
+                                                    snapshot=snapshot)
+        assert drifted == ["count"], (snapshot, scores)
 
 
 def test_prediction_drift_is_a_note_unless_configured_to_decide(tmp_path, lake_factory):
