@@ -120,9 +120,10 @@ class TrainConfig:
             lowest log loss on them and stops after ``patience`` epochs of checks without a better one; Platt
             scaling (slope and intercept) is fitted on them afterwards. 0: none. None (the default): 0.1 for a full
             retrain, 0 for an incremental run (``held_aside_share``): an incremental run's window is the new hours,
-            and holding a tenth of them aside (the second-newest hour among them) cost its candidate 0.012 AUC
-            against the champion it started from (tests/test_registry.py's world, three champion seeds: -0.016
-            with both this and ``embedding_l2``, -0.004 without early-stopping rows, +0.007 without either).
+            and holding a tenth of them aside (the second-newest hour among them) cost its candidate AUC against
+            the champion it started from (tests/test_registry.py's world, mean over three champion seeds: -0.016
+            with both this and ``embedding_l2``, +0.002 without early-stopping rows, +0.007 without either;
+            benchmarks/RESULTS.md).
         early_stopping_min_rows: fewer early-stopping rows than this (or a window of one file): none are held
             aside, every epoch runs, and the calibration falls back to a base-rate correction on training rows.
             200: at 1000 a 3,600-row Criteo sample held none aside, ran all its 10 epochs and scored a held-out
@@ -153,8 +154,8 @@ class TrainConfig:
             the 19-step run of tests/test_dynamic_loop.py 0.550/0.573 and 0.552/0.581 (0.571/0.579). The
             penalty still costs runs this short some AUC; at 100k rows it gained (benchmarks/RESULTS.md).
             None (the default): 0.01 for a full retrain, 0 for an incremental run (``embedding_penalty``): a warm
-            start takes it at full weight from its first step, on rows the champion already shaped under it, and
-            it cost the incremental candidate 0.011 AUC on the world above (-0.004 with it, +0.007 without).
+            start takes it at full weight from its first step, on rows the champion already shaped under it (on
+            the world above, without early-stopping rows: +0.002 with it, +0.007 without).
         weight_decay: decoupled weight decay of the dense layers (AdamW).
         min_steps: see ``fit_to_data`` (0: batch size and epochs exactly as given).
         train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
