@@ -420,7 +420,9 @@ def _ask_recommend(settings: Settings, spec: DatasetSpec, events: pa.Table, firs
 
     from recloop.serve.app import ServerThread, create_app
 
-    app = create_app(settings, spec)
+    # the journal's seen rule is off: the replay's own earlier requests were never shown to anyone (with daily
+    # periods, the day before's answers would be dropped from /recommend's lists alone); the lake's rule stays
+    app = create_app(Settings(**{**settings.model_dump(), "recommend_seen_hours": 0}), spec)
     lists: dict[int, list[int]] = {}
     errors: dict[str, int] = {}
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
