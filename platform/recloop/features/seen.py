@@ -16,8 +16,8 @@ file, serving reads it, and the replay computes the same sets at any point in ti
 item, and offering it again wastes a slot. A label-0 row in a click log is an impression the user passed
 over; banning every impression for months would empty a heavy user's catalog, and the journal's rule
 already keeps shown items out for ``recommend_seen_hours``. In a log where every row means the user
-consumed the item (ratings, where label 0 is a low rating of a film they watched), turn on
-``every_interaction`` (``RECLOOP_RECOMMEND_SEEN_HISTORY_ALL=true``).
+consumed the item (ratings, where label 0 is a low rating of a film they watched), every row counts: the
+default for a spec with ``events: chosen`` (``RECLOOP_RECOMMEND_SEEN_HISTORY_ALL`` overrides either way).
 
 The file is as of the newest feature state (``before`` = its ``as_of``), written aside and renamed, so a
 reader sees all of it or the one before. A run after that one merges the previous file with the events
