@@ -30,9 +30,10 @@ def train_task(config: dict, settings: dict | None) -> dict:
 
 
 def _settings_environment(settings: dict | None) -> dict[str, str]:
-    """The flow's ``settings`` parameter as the ``RECLOOP_*`` variables a child process reads."""
+    """The flow's ``settings`` parameter as the ``RECLOOP_*`` variables a child process reads (a setting that is
+    None is left unset, its default: "null" in the environment does not parse as a number)."""
     return {f"RECLOOP_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
-            for name, value in (settings or {}).items()}
+            for name, value in (settings or {}).items() if value is not None}
 
 
 @task(retries=1, retry_delay_seconds=30, persist_result=True, result_serializer="json")
