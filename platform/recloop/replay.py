@@ -645,12 +645,17 @@ def _recommend_row(period: dict) -> str:
 
     def versus(name: str) -> str:
         difference, low, high = figures["recommend"][f"versus {name}"][f"recall@{k}"]
-        return f"{difference:+.4f} [{low:+.4f}, {high:+.4f}]"
+        return " ".join((_signed(difference), f"[{_signed(low)}, {_signed(high)}]"))
 
     failed = ", ".join(f"{status}: {e['count']}" for status, e in figures["errors"].items()) or "none"
     return (f"<tr><td>{period['period']}</td><td>{figures['users']}</td><td>{pair('recommend')}</td>"
             f"<td>{pair('popularity')}</td><td>{pair('cooccurrence')}</td><td>{versus('popularity')}</td>"
             f"<td>{versus('cooccurrence')}</td><td>{failed}</td></tr>")
+
+
+def _signed(value: float) -> str:
+    """``+0.0123``; zero as ``+0.0000``, never ``-0.0000``."""
+    return f"{round(value, 4) + 0.0:+.4f}"
 
 
 def _versus(versus: dict) -> str:
