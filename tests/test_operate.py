@@ -4,6 +4,7 @@ port someone else holds (issue #20). The unreachable-service cases are in test_e
 from __future__ import annotations
 
 import http.server
+import os
 import re
 import threading
 from pathlib import Path
@@ -297,6 +298,29 @@ def test_down_leaves_a_process_that_reused_a_services_pid_alone(tmp_path: Path):
     finally:
         stranger.kill()
         stranger.wait(10)
+
+
+def test_a_service_that_exited_unreaped_is_not_running(tmp_path: Path):
+    """``down`` called by the process that ran ``up`` (the demo's test) stops children it never reaps: an exited
+    one (a zombie) still takes signals, and ``down`` waited five seconds for each as if it were still running."""
+    import signal
+    import subprocess
+
+    from polling import eventually
+
+    from recloop import services
+
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert services._alive(child.pid)
+        os.killpg(child.pid, signal.SIGTERM)
+        state = Path(f"/proc/{child.pid}/stat")
+        eventually(lambda: state.read_text().rsplit(")", 1)[-1].split()[0] == "Z", 30, "the child never exited")
+        assert not services._alive(child.pid)  # exited, not yet reaped: not running
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not services._alive(child.pid)
 
 
 def test_each_home_takes_its_own_ports_and_down_stops_what_up_started_on_them(tmp_path: Path, monkeypatch):

@@ -8,6 +8,7 @@ import json
 import shutil
 import threading
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -50,6 +51,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CANARY = CanaryConfig(steps=(0.5, 1.0), bake_seconds=0, min_requests=40, min_feedback=300,
                       max_p99_ratio=4.0, max_auc_drop=0.2, mode="canary", holdout=0.0, min_effect=1.0,
                       alpha=0.001)
+SLOW_CANARY = replace(CANARY, steps=(0.2, 1.0))  # the slow challenger's: few of its costly requests (below)
 
 
 def replayed_world() -> World:
@@ -107,18 +109,18 @@ def _pad(tensor, extra_shape, dim):
 
 
 def run_canary(home: Settings, http: httpx.Client, server, version: str, users: SimulatedUsers,
-               requests: int = 200) -> tuple[list[dict], list]:
+               requests: int = 200, config: CanaryConfig = CANARY) -> tuple[list[dict], list]:
     """Start a canary for ``version`` and let the controller judge it after each round of traffic."""
     registry.set_alias(home, "challenger", version, who="test", why="canary under test")
-    controller.start(home, CANARY)
+    controller.start(home, config)
     decisions, rounds = [], []
-    for _ in range(len(CANARY.steps) + 1):
+    for _ in range(len(config.steps) + 1):
         share = CanaryTag.from_tags(registry.version_info(home, version).tags).share
         wait_for(http, lambda h, share=share: h["versions"]["challenger"] == version and h["share"] == share)
         # Two users at a time: the latency guardrail compares the models' own scoring times, which
         # many requests at once on a 2-core machine would blur into CPU contention.
         rounds.append(asyncio.run(drive(server.url, users, requests, concurrency=2)))
-        decisions.append(controller.step(home, CANARY).to_dict())
+        decisions.append(controller.step(home, config).to_dict())
         if decisions[-1]["action"] in ("promote", "rollback"):
             break
     return decisions, rounds
@@ -418,8 +420,12 @@ def test_a_bad_challenger_is_rolled_back(client: httpx.Client, home: Settings, s
     version = variant(home, change, top_mlp)
     users = SimulatedUsers(replayed_world(), day=3.4, seed=13)
     # The latency guardrail acts on evidence (95 % bounds on both p99s, recloop.evidence.variants.p99_bounds):
-    # the champion's upper bound needs 299 of its requests in the step, so the slow case sends more traffic.
-    decisions, rounds = run_canary(home, client, server, version, users, requests=900 if change is widened else 200)
+    # the champion's upper bound needs 299 of its requests in the step, so the slow case sends more traffic, and
+    # starts at a fifth of the users: ~400 requests for the champion, ~100 (min_requests is 40) for the slow
+    # challenger, whose every request costs a quarter of a second of CPU (it sent 450 of them at half).
+    slow = change is widened
+    decisions, rounds = run_canary(home, client, server, version, users, requests=500 if slow else 200,
+                                   config=SLOW_CANARY if slow else CANARY)
     final = decisions[-1]
     assert final["action"] == "rollback", json.dumps([d["decision"] for d in decisions])
     assert any(reason in r for r in final["decision"]["reasons"]), final["decision"]["reasons"]
@@ -607,7 +613,6 @@ def test_online_state_older_than_the_ttl_is_served_as_unknown_as_in_training(hom
     """The training rows count an entity's state older than ``ttl_seconds`` as missing; the online store
     keeps it (Feast returns it as present), so serving used to give a user back after 40 days their old
     counts while the model had learned such users as new."""
-    from dataclasses import replace
 
     settings = copy_home(home, tmp_path / "home", feast=True)
     config = FeatureConfig.for_spec(SPEC)

@@ -54,10 +54,25 @@ def lake(tmp_path_factory, lake_factory) -> Settings:
 
 
 def _copy(lake: Settings, target: Path) -> Settings:
-    import shutil
-
     shutil.copytree(lake.home, target)
     return Settings(home=target, frame_backend="pandas")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(lake: Settings, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One 2-rank run of ``CONFIG`` on a copy of the lake, and what its ranks reported: the run the single
+    process is compared with and the run resumed from its sharded checkpoint (launched once for both: each
+    test changes the run's folder in a copy of its own, ``_own_copy``)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    home = _copy(lake, root / "home").home
+    return home, _torchrun(home, CONFIG, root)
+
+
+def _own_copy(two_ranks: tuple[Path, list[dict]], target: Path) -> list[dict]:
+    """The 2-rank run's home copied to ``target``; its ranks' reports with their paths moved there."""
+    home, ranks = two_ranks
+    shutil.copytree(home, target)
+    return json.loads(json.dumps(ranks).replace(str(home), str(target)))
 
 
 def _torchrun(home: Path, config: TrainConfig, tmp_path: Path) -> list[dict]:
@@ -74,9 +89,9 @@ def _torchrun(home: Path, config: TrainConfig, tmp_path: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(out.glob("rank-*.json"))]
 
 
-def test_two_ranks_train_the_same_model_as_one_process(lake: Settings, tmp_path: Path):
+def test_two_ranks_train_the_same_model_as_one_process(lake: Settings, two_ranks, tmp_path: Path):
     single = train(_copy(lake, tmp_path / "one"), CONFIG)
-    ranks = _torchrun(_copy(lake, tmp_path / "two").home, CONFIG, tmp_path)
+    ranks = _own_copy(two_ranks, tmp_path / "two")
     assert sorted((r["rank"], r["world"]) for r in ranks) == [(0, 2), (1, 2)]
     double = TrainSummary(**{**ranks[0]["summary"], "train_hours": single.train_hours})
     assert all(r["summary"]["checkpoint"] == ranks[0]["summary"]["checkpoint"] for r in ranks)
@@ -219,13 +234,12 @@ def test_sharded_tables_count_ids_outside_them_and_raise(tmp_path: Path):
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two torchrun launches of 2 ranks: about a minute on 2 shared cores
-def test_two_ranks_resume_from_their_sharded_checkpoint(lake: Settings, tmp_path: Path):
+@pytest.mark.slow  # a torchrun launch of 2 ranks (and the module's uninterrupted one): a minute on 2 shared cores
+def test_two_ranks_resume_from_their_sharded_checkpoint(two_ranks, tmp_path: Path):
     """Killed after a periodic checkpoint (here: pointed back at it), 2 ranks read back each its own table
     shards (torch.distributed.checkpoint) and end at the uninterrupted run's weights."""
-    home = _copy(lake, tmp_path / "home").home
-    (tmp_path / "first").mkdir()
-    done = TrainSummary(**_torchrun(home, CONFIG, tmp_path / "first")[0]["summary"])
+    home = tmp_path / "home"
+    done = TrainSummary(**_own_copy(two_ranks, home)[0]["summary"])
     final = load_file(Path(done.checkpoint) / "model.safetensors")
     run_dir = Path(done.checkpoint).parent
     periodic = [p for p in sorted(run_dir.glob("step-*")) if p != Path(done.checkpoint)][-1]

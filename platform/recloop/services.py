@@ -82,11 +82,18 @@ def _run_dir(settings: Settings) -> Path:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs. An exited child its parent has not reaped yet (a zombie: ``down`` called by the
+    process that ran ``up``, as the demo's test does) still takes signals, but runs no more: ``down`` waited
+    out its five seconds for each such service."""
     try:
         os.kill(pid, 0)
     except OSError:
         return False
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc here, or it has just gone
+        return True
+    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]  # the state follows the name in parentheses
 
 
 def _runs(pid: int, service: Service) -> bool:
