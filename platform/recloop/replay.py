@@ -424,7 +424,7 @@ def _ask_recommend(settings: Settings, spec: DatasetSpec, events: pa.Table, firs
     # periods, the day before's answers would be dropped from /recommend's lists alone); the lake's rule stays
     app = create_app(Settings(**{**settings.model_dump(), "recommend_seen_hours": 0}), spec)
     lists: dict[int, list[int]] = {}
-    errors: dict[str, int] = {}
+    errors: dict[str, dict] = {}  # status → {"count", "first": the first answer's text}
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         retriever = app.state.service.retrievers.live.champion
         wanted = [c.split("_", 1)[1] for c in (*retriever.retriever.features.context,

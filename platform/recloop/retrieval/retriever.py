@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from scipy.special import log_softmax
 
 from recloop.model.retrieval import RetrievalConfig, TwoTowerModel
 from recloop.retrieval.data import ItemCatalog, RetrievalFeatures, Rows, read_rows, user_bags
@@ -100,8 +101,7 @@ class Retriever:
             positions = self.positions(item_ids)
             clicks = np.where(positions >= 0, self.item_clicks[np.maximum(positions, 0)], 0).astype(np.float64)
             logits = logits + np.log((clicks + 1.0) / (self.item_clicks.sum() + len(self.item_clicks)))
-        logits = logits - logits.max(initial=0.0)
-        return logits - np.log(np.exp(logits).sum()) if len(logits) else logits
+        return log_softmax(logits) if len(logits) else logits
 
     def popular(self, k: int) -> np.ndarray:
         """The ``k`` most clicked catalog items (raw ids): the answer for a user the model cannot place."""
