@@ -174,3 +174,32 @@ def test_moments_are_exact_sums_so_any_split_gives_the_same_floats():
     assert whole.count == len(finite)
     assert abs(whole.mean() - finite.mean()) <= 1e-12 * abs(finite).max()
     assert abs(whole.std() - finite.std()) <= 1e-9 * finite.std()
+
+
+def test_counts_on_a_log_scale_keep_their_sign_and_the_shipped_criteo_spec_asks_for_it():
+    from recloop.features.config import FeatureConfig
+    from recloop.schema import load_spec
+
+    counts = np.array([-3.0, -1.0, 0.0, 1.0, 9.0, 50_000.0, np.nan])
+    signed = ops.numeric_transform(np, counts, log1p=True)
+    assert np.allclose(signed[:6], [-np.log(4), -np.log(2), 0.0, np.log(2), np.log(10), np.log(50_001)])
+    assert np.isnan(signed[6])
+    # a column bounded at zero keeps its clip and plain log1p
+    assert np.allclose(ops.numeric_transform(np, np.array([-1.0, 3.0]), clip_min=0.0, log1p=True), [0.0, np.log(4)])
+    # Criteo's I1-I13 may hold -1 (their spec bounds them by 32 bits), so "auto" would leave them linear: one
+    # count of 50,000 then sits ~60 standard deviations out. The shipped spec says scale: log.
+    numeric = FeatureConfig.for_spec(load_spec("criteo")).numeric
+    assert len(numeric) == 13 and all(f.log1p and f.clip_min is None for f in numeric)
+
+
+def test_scale_is_a_numeric_column_setting():
+    from pydantic import ValidationError
+
+    from recloop.schema import ColumnSpec
+
+    column = ColumnSpec(name="delta", role="numeric", dtype="int64", min=-10, max=10)
+    assert not column.log_scale and ColumnSpec(name="n", role="numeric", dtype="int64", min=0, max=9).log_scale
+    assert ColumnSpec(name="delta", role="numeric", dtype="int64", min=-10, max=10, scale="log").log_scale
+    assert not ColumnSpec(name="n", role="numeric", dtype="int64", min=0, max=9, scale="linear").log_scale
+    with pytest.raises(ValidationError, match="scale only applies to numeric columns"):
+        ColumnSpec(name="c", role="categorical", dtype="string", scale="log")

@@ -105,6 +105,11 @@ class ColumnSpec(_Frozen):
         integral_floats: for an integer column, accept a float written with a zero fraction (``2015.0``,
             common in CSVs exported by pandas) as that integer; ``2015.5`` is still quarantined. Default:
             the spec's ``integral_floats``.
+        scale: for a ``numeric`` column, how the model sees it before standardization: ``log`` (log1p; a
+            column whose ``min`` is below zero gets the signed sign(x)·log1p(|x|)), ``linear`` (as written), or
+            ``auto`` (the default): ``log`` when ``min`` is at least zero, else ``linear``. Counts with heavy tails
+            (Criteo's I1–I13: mostly under 10, a few in the tens of thousands, -1 as a sentinel) want ``log``:
+            standardized as written, one large count sits 60 standard deviations out and the rest near zero.
     """
 
     name: str
@@ -120,7 +125,18 @@ class ColumnSpec(_Frozen):
     format: TimestampFormat | None = None
     integral_floats: bool | None = None
     vocabulary: str | None = None
+    scale: Literal["auto", "log", "linear"] = "auto"
     description: str = ""
+
+    @property
+    def non_negative(self) -> bool:
+        """Whether the spec bounds the column's values below at zero or above."""
+        return self.min is not None and not isinstance(self.min, str) and float(self.min) >= 0
+
+    @property
+    def log_scale(self) -> bool:
+        """Whether a numeric column is log-transformed as a model input (``scale``)."""
+        return self.scale == "log" or (self.scale == "auto" and self.non_negative)
 
     @field_validator("pattern")
     @classmethod
@@ -156,6 +172,8 @@ class ColumnSpec(_Frozen):
             raise ValueError(f"column {self.name!r}: integral_floats only applies to integer columns")
         if self.allow_non_finite and self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"column {self.name!r}: allow_non_finite only applies to float columns")
+        if self.scale != "auto" and self.role != "numeric":
+            raise ValueError(f"column {self.name!r}: scale only applies to numeric columns")
         if self.role == "numeric" and (self.min is None or self.max is None):
             raise ValueError(f"column {self.name!r}: a numeric column is a model input and needs both min and max")
         return self

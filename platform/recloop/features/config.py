@@ -109,7 +109,7 @@ class FeatureConfig:
     def for_spec(cls, spec: DatasetSpec) -> FeatureConfig:
         """Sensible defaults: every categorical gets a vocabulary (entity keys need two sightings),
         the first two non-key categoricals are each crossed with the last one, non-negative numerics
-        are log-transformed, and each multi-hot list maps through the vocabulary its spec column names, else its
+        (and those whose spec says ``scale: log``) are log-transformed, and each multi-hot list maps through the vocabulary its spec column names, else its
         own."""
         keys = [k for k in (spec.user_key, spec.item_key) if k]
         categorical = [CategoricalFeature(k, min_count=2) for k in keys]
@@ -117,8 +117,7 @@ class FeatureConfig:
         categorical += [CategoricalFeature(name) for name in others]
         crosses = tuple(CrossFeature((a, others[-1])) for a in others[:2] if a != others[-1]) if others else ()
         numeric = tuple(
-            NumericFeature(c.name, log1p=c.min is not None and float(c.min) >= 0,
-                           clip_min=0.0 if c.min is not None and float(c.min) >= 0 else None)
+            NumericFeature(c.name, log1p=c.log_scale, clip_min=0.0 if c.non_negative and c.log_scale else None)
             for c in spec.by_role("numeric")
         )
         multi_hot = tuple(MultiHotFeature(c.name, vocabulary=c.vocabulary or c.name) for c in spec.by_role("multi_hot"))
