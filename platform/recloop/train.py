@@ -85,8 +85,14 @@ class TrainConfig:
         days: window of a full retrain: days of time before the held-out rows.
         epochs: passes over the window: a full retrain's days, an incremental run's new (and replayed) hours.
         batch_size: rows per step; None: 16K on a GPU, 4K on a CPU (``recloop.model.default_batch_size``).
-        lr: dense (MLP) Adam learning rate at ``reference_batch``; scaled by sqrt(batch/reference) and,
-            from scratch, warmed up linearly over ``warmup_steps`` so large batches stay stable.
+        lr: dense (MLP) Adam learning rate up to ``reference_batch`` rows a step; above it scaled by
+            sqrt(batch/reference) and, from scratch, warmed up linearly (``dense_rate``) so large batches stay
+            stable. Below it the rate is not scaled down: a small log's run (256-row steps, a few dozen of them
+            before early stopping) trained its layers at half the rate, while the tables' optimizer (whose step
+            does not depend on the batch) memorized the rows; on 7,200 Criteo rows the model lost to a logistic
+            regression on the dense columns alone (benchmarks/RESULTS.md, "Issue 37: training rates").
+        warmup_steps, warmup_share: the warm-up lasts ``warmup_share`` of the run's planned steps, at most
+            ``warmup_steps`` (20 steps were half of a 38-step run).
         validation_hours: the newest hours of time held out for validation (whole feature files).
         validation_rows: the held-out window grows back in time, a file at a time, until it holds this many
             rows (a sparse log's newest 6 hours may hold a handful).
@@ -173,9 +179,10 @@ class TrainConfig:
     days: int = 7
     epochs: int = 1
     batch_size: int | None = None
-    lr: float = 3e-3
+    lr: float = 5e-3
     reference_batch: int = 1024
     warmup_steps: int = 20
+    warmup_share: float = 0.05
     validation_hours: int = 6
     validation_rows: int = 2000
     max_validation_share: float = 0.25
@@ -652,6 +659,19 @@ def _followed(tracker: Tracker | None, start: RunStart | None):
         raise
 
 
+def dense_rate(config: TrainConfig, batch_size: int) -> float:
+    """The dense layers' Adam rate at ``batch_size`` rows a step: ``config.lr``, scaled by sqrt(batch/reference)
+    above ``reference_batch`` (never down below it: see ``TrainConfig.lr``)."""
+    return config.lr * math.sqrt(max(batch_size, config.reference_batch) / config.reference_batch)
+
+
+def warmup_factor(config: TrainConfig, planned_steps: int, warm: bool) -> Callable[[int], float]:
+    """step → the warm-up's share of the rate (and of the embedding penalty): linear over ``warmup_share`` of the
+    planned steps, at most ``warmup_steps``; 1 throughout for a warm-started model (already past its warm-up)."""
+    length = max(1, min(config.warmup_steps, math.ceil(config.warmup_share * planned_steps)))
+    return lambda step: 1.0 if warm else min(1.0, (step + 1) / length)
+
+
 def _fit_sharded(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, windows: Windows, schema: FeatureSchema,
                  config: TrainConfig, device: torch.device, position: dict, warm: bool, save: Callable[[bool], Path],
                  ranks: distributed.Ranks, on_progress: Callable[[int, int, float], None] | None,
@@ -666,10 +686,11 @@ def _fit_sharded(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, win
     local_batch = max(1, batch_size // config.data_shards)
     loaders = [distributed.ShardLoader(pieces, schema, local_batch, seed=config.seed + ranks.rank * per_rank + k,
                                        device=device) for k, pieces in enumerate(shards)]
-    scale = math.sqrt(batch_size / config.reference_batch)
+    planned = math.ceil(sum(loader.num_rows for loader in loaders) * ranks.world / batch_size) * windows.epochs
+    warmup = warmup_factor(config, planned, warm)
 
-    def lr(step: int) -> float:  # as in _fit: a warm-started model is already past its warm-up
-        return config.lr * scale * (1.0 if warm else min(1.0, (step + 1) / max(config.warmup_steps, 1)))
+    def lr(step: int) -> float:
+        return dense_rate(config, batch_size) * warmup(step)
 
     return distributed.fit(trained, optimizer, loaders, len(schema.tables), windows.epochs, ranks, lr, position,
                            save, config.checkpoint_every, on_progress, on_step,
@@ -693,7 +714,8 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
     # On a GPU, ids are padded to a few bucketed lengths (the loader's default) so the step replays CUDA graphs.
     loader = ChunkLoader(windows.train, schema, batch_size, device=device, seed=config.seed)
     total = loader.num_rows * windows.epochs
-    scale = math.sqrt(batch_size / config.reference_batch)
+    rate = dense_rate(config, batch_size)
+    warmup_at = warmup_factor(config, math.ceil(loader.num_rows / batch_size) * windows.epochs, warm)
     started, first_samples = time.perf_counter(), position["samples"]
     model.train()
     # One compiled graph, nothing read back per step: the loss every 10 steps and the id checks are
@@ -708,10 +730,9 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
     for epoch in range(position["epoch"], windows.epochs):
         skip = position["batch"] if epoch == position["epoch"] else 0
         for batch_index, batch in enumerate(loader.epoch(epoch, skip_batches=skip), start=skip):
-            # A warm-started model is already past its warm-up.
-            warmup = 1.0 if warm else min(1.0, (position["step"] + 1) / max(config.warmup_steps, 1))
+            warmup = warmup_at(position["step"])
             # the touched embedding rows update in the backward; their penalty warms up with the dense rate
-            step(batch, config.lr * scale * warmup, penalty_scale=warmup)
+            step(batch, rate * warmup, penalty_scale=warmup)
             position.update(step=position["step"] + 1, epoch=epoch, batch=batch_index + 1,
                             samples=position["samples"] + batch.size)
             if checking and epoch > 0 and (batch_index + 1) % check_every == 0 and batch_index + 1 < steps_per_epoch:

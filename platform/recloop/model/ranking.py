@@ -61,7 +61,7 @@ class ModelConfig:
     interaction: Literal["dot", "dcn"] = "dot"
     cross_layers: int = 2
     embedding_optimizer: str = "rowwise_adagrad"
-    embedding_lr: float = 0.2
+    embedding_lr: float = 0.05
     multi_hot_pooling: Literal["sum", "mean"] = "mean"
     multi_hot_columns: tuple[str, ...] = field(default=())
     embedding_backend: str = "auto"
