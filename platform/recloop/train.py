@@ -20,6 +20,13 @@ deterministic mode the resumed run ends with the same weights as an uninterrupte
 A ``Tracker`` (``recloop.registry.TrainingRun``: an MLflow run) follows the training as it happens: told
 when it starts (``RunStart``: parameters, windows), of each loss reading and epoch, and when it ends (the
 summary) or fails. Under torchrun only rank 0 has one.
+
+Under torchrun no rank holds every table (``recloop.distributed``): the ranks train, write their last
+checkpoint sharded and stop; ``complete`` then, in one process outside them (``recloop train --nproc N``
+itself), puts the tables together, validates the model and writes the run's completed checkpoint whole::
+
+    ranks:      train ──▶ step-0000400/  (tables/: one shard file per rank; awaits completion)
+    one process: complete ──▶ step-0000400.1/  (whole: calibrated, validated, registered and served)
 """
 
 from __future__ import annotations
@@ -480,9 +487,11 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
           on_step: Callable[[int], None] | None = None, tracker: Tracker | None = None) -> TrainSummary:
     """Train (or resume) a run; returns its summary. Raises ``TrainError`` on bad input.
 
-    Under ``torchrun`` every rank calls it: tables sharded, dense layers under DDP, each rank reading its own
-    row groups; rank 0 writes the checkpoints (``recloop.distributed``) and alone tells ``tracker``. Every rank
-    returns the summary.
+    Under ``torchrun`` every rank calls it: tables sharded (each rank allocates its shards only), dense layers
+    under DDP, each rank reading its own row groups; every rank writes its table rows of each checkpoint and
+    rank 0 the rest (``recloop.distributed``), and rank 0 alone tells ``tracker``. Every rank returns rank 0's
+    summary of the training, which ``awaits_completion``: no rank validates the model (that needs every
+    table); ``complete`` does, in one process, once the ranks are done.
 
     Args:
         warm_start: incremental only, and required there: the checkpoint to start from (the loop passes
