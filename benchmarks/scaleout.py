@@ -93,7 +93,7 @@ def features(args, work: Path) -> list[dict]:
 # --- training -------------------------------------------------------------------------------------------------
 
 RANK = """
-import json, os, sys, time
+import json, math, os, sys, time
 import torch
 import torch.distributed as dist
 from recloop.model import ModelConfig
@@ -118,9 +118,11 @@ summary = train(Settings(home=sys.argv[1], frame_backend="pandas"), config)
 dense = 0
 if dist.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
     dist.init_process_group("gloo")
-    from recloop.checkpoint import load_model
-    model, _ = load_model(summary.checkpoint)
-    grads = torch.zeros(sum(p.numel() for p in model.dense_parameters()))
+    from safetensors import safe_open
+    with safe_open(f"{summary.checkpoint}/model.safetensors", framework="pt") as f:  # the dense parameters' size
+        size = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()
+                   if k.endswith((".weight", ".bias")) and not k.startswith("sparse_arch."))
+    grads = torch.zeros(size)
     began = time.perf_counter()
     for _ in range(summary.steps):
         dist.all_reduce(grads)
@@ -141,8 +143,16 @@ def _train_run(home: Path, config, processes: int, threads: int, work: Path) -> 
                           capture_output=True, text=True, timeout=1800)
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
-    return sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")),
-                  key=lambda r: r["rank"])
+    ranks = sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")),
+                   key=lambda r: r["rank"])
+    if processes > 1:  # the ranks trained; this process completes the run, as `recloop train --nproc` does
+        from recloop.settings import Settings
+        from recloop.train import complete
+
+        completed = complete(Settings(home=home, frame_backend="pandas"), ranks[0]["summary"]["checkpoint"])
+        for rank in ranks:
+            rank["summary"] = completed.to_dict()
+    return ranks
 
 
 def training(args, work: Path) -> list[dict]:

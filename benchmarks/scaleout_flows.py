@@ -11,8 +11,11 @@ parameters (prefect.yaml: ``mode: full``, ``nproc: 2``), full training on the la
   ``RECLOOP_DASK_WORKERS=2``), and ``nproc: 2`` (torchrun, 2 gloo ranks).
 
 Checked before any time is printed: the Dask job's training and entity files equal the local job's (the
-workers wrote them; the driver saw names and counts), and the 2-rank run's periodic checkpoints hold one
-table-shard file per rank (``step-*/tables/shard-*``: DCP, safetensors, none gathered). Wall time is the
+workers wrote them; the driver saw names and counts), the 2-rank run's checkpoints, its last one too, hold
+one table-shard file per rank (``step-*/tables/shard-*``: DCP, safetensors, none gathered), and its
+completed checkpoint (put together by ``recloop train --nproc 2`` after its ranks, not by a rank) is whole.
+``tables_held``: the bytes of table rows and optimizer state each rank allocated (the checkpoint's
+``sharding`` record) against the whole tables' (what one process holds). Wall time is the
 flow's, measured around its call (process start-up included: a Dask cluster, torchrun's ranks, and for the
 first flow called the imports and the Feast registry's first apply); ``job_s`` is the feature job's own time
 (``FeatureRunSummary.seconds``: the local cluster's start included for Dask).
@@ -31,6 +34,7 @@ import yaml
 from common import machine, report
 from scaleout import copy, lake
 
+from recloop import checkpoint
 from recloop.features.definition import FeatureLayout
 from recloop.settings import Settings
 from recloop.simulate import WorldConfig
@@ -86,11 +90,19 @@ def main() -> None:
                          "auc": f"{trained['auc']:.4f}", "total_s": f"{features_seconds + train_seconds:.1f}"})
     local, dask = (_files(homes[n]) for n in runs)  # correct first
     assert local.keys() == dask.keys() and all(dask[k].equals(t) for k, t in local.items()), "feature files differ"
-    run_dir = Path(results["scale-out"][1]["checkpoint"]).parent
+    completed = Path(results["scale-out"][1]["checkpoint"])
+    run_dir = completed.parent
     shards = sorted(p.name for p in run_dir.glob("step-*/tables/shard-*.safetensors"))
     assert len(shards) >= 2 and {s.split("-model")[0] for s in shards} == {"shard-00001", "shard-00002"}, shards
+    last = [p for p in sorted(run_dir.glob("step-*")) if p != completed][-1]  # the ranks' last: sharded
+    assert (last / "tables").is_dir() and not (completed / "tables").is_dir(), (last, completed)
+    held = checkpoint.read(completed)["sharding"]
+    assert len(held["rank_bytes"]) == 2 and all(b < held["whole_bytes"] for b in held["rank_bytes"]), held
     rows[-1]["sharded_checkpoints"] = len(list(run_dir.glob("step-*/tables")))
+    rows[-1]["tables_held"] = " + ".join(f"{b / 1e6:.2f}" for b in held["rank_bytes"]) + \
+        f" of {held['whole_bytes'] / 1e6:.2f} MB"
     rows[0]["sharded_checkpoints"] = 0
+    rows[0]["tables_held"] = "whole"
     report("scale-out flows: the train-multi-gpu deployment's parameters and the Dask feature job, beside one "
            "process", rows, {**machine(), "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg())}, args.json)
 

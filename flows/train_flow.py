@@ -38,8 +38,9 @@ def _settings_environment(settings: dict | None) -> dict[str, str]:
 
 @task(retries=1, retry_delay_seconds=30, persist_result=True, result_serializer="json")
 def train_processes_task(config: dict, nproc: int, settings: dict | None) -> dict:
-    """``recloop train --nproc N``: the ranks share the tables and the data, rank 0 registers the version and
-    prints the same report ``train_task`` returns. Resumable as a one-process run is (its checkpoint)."""
+    """``recloop train --nproc N``: the ranks share the tables and the data; the command's own process then
+    completes the run (the tables put together, validated, written whole), registers the version and prints
+    the same report ``train_task`` returns. Resumable as a one-process run is (its checkpoint)."""
     command = [sys.executable, "-m", "recloop.cli", "train", "--nproc", str(nproc), "--json",
                "--mode", config["mode"], "--days", str(config["days"]), "--epochs", str(config["epochs"]),
                "--validation-hours", str(config["validation_hours"]), "--replay", str(config["replay_fraction"])]

@@ -498,7 +498,10 @@ def test_the_feature_job_is_pointed_at_the_dask_cluster_on_kubernetes():
 
 def test_the_multinode_training_job_meets_at_pod_zero_with_one_process_per_gpu():
     """The Indexed Job's pods rendezvous at pod 0's stable name, which the headless Service and the Job's
-    subdomain give it; torchrun's node count is the Job's, its processes per node the pod's GPUs."""
+    subdomain give it; torchrun's node count is the Job's, its processes per node the pod's GPUs; once the
+    ranks are done, pod 0 alone completes the run outside them (``recloop train --complete``)."""
+    import shlex
+
     documents = _documents(TRAIN_MULTINODE)
     job = next(d for d in documents if d["kind"] == "Job")
     service = next(d for d in documents if d["kind"] == "Service")
@@ -507,7 +510,10 @@ def test_the_multinode_training_job_meets_at_pod_zero_with_one_process_per_gpu()
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert pod["subdomain"] == service["metadata"]["name"]
     assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
-    command = pod["containers"][0]["command"]
+    shell = pod["containers"][0]["command"]
+    assert shell[:2] == ["sh", "-c"] and shell[2].startswith("set -e\n")
+    lines = shell[2].splitlines()
+    command = shlex.split(next(line for line in lines if "torch.distributed.run" in line))
     option = {command[i]: command[i + 1] for i in range(len(command) - 1) if command[i].startswith("--")}
     assert command[:3] == ["python", "-m", "torch.distributed.run"]
     assert int(option["--nnodes"]) == spec["completions"]
@@ -517,6 +523,9 @@ def test_the_multinode_training_job_meets_at_pod_zero_with_one_process_per_gpu()
     assert {"name": "rendezvous", "port": int(port)} in service["spec"]["ports"]
     assert int(option["--nproc-per-node"]) == pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
     assert command[command.index("-m", 3) + 1:][:2] == ["recloop.cli", "train"]
+    completion = lines[lines.index(next(line for line in lines if "torch.distributed.run" in line)) + 1:]
+    assert completion == ['if [ "$JOB_COMPLETION_INDEX" = 0 ]; then exec python -m recloop.cli train --complete '
+                          '--json; fi']
 
 
 def test_compose_publishes_only_the_serving_api_beyond_this_host_and_pins_its_images():

@@ -98,6 +98,8 @@ class EmbeddingBagCollection(nn.Module):
         self._generator = torch.Generator(device=device).manual_seed(seed)
         weight = torch.zeros(self._layout.total_elems, dtype=dtype, device=device)  # padding stays zero
         for t, table in enumerate(self.tables):
+            if table.init == "zeros":  # zero already (and no draw from the generator): no temporary of its size
+                continue
             rows = torch.empty(table.num_embeddings, table.dim, device=device)
             table.initialize(rows, self._generator)
             reference.table_view(weight, self._layout, t).copy_(rows)

@@ -6,10 +6,14 @@ counters), never pickle, and points ``latest.json`` at the newest complete one (
     $RECLOOP_HOME/checkpoints/<run id>/step-000400/{model.safetensors, dense_optimizer.safetensors, state.json}
     $RECLOOP_HOME/checkpoints/<run id>/latest.json
 
-Under several ranks a run's periodic checkpoints keep the tables sharded: every rank writes its own rows to
-``step-…/tables/`` (``recloop.model.sharded_checkpoint``: DCP, safetensors, no pickle) and rank 0 writes the
-rest without them (``save(..., staged=…, sharded_tables=True)``); ``load_weights`` reads either kind, whole
-or leaving the tables to each rank. A run's completed checkpoint (the one registered and served) is whole.
+Under several ranks a run's checkpoints keep the tables sharded, its last one too: every rank writes its own
+rows to ``step-…/tables/`` (``recloop.model.sharded_checkpoint``: DCP, safetensors, no pickle) and rank 0
+writes the rest without them (``save(..., staged=…, sharded_tables=True)``). The last one ``awaits
+completion``: one process outside the ranks reads it whole (``load_weights`` puts the tables together),
+validates it and writes the run's completed checkpoint, whole (the one registered and served), beside it::
+
+    $RECLOOP_HOME/checkpoints/<run id>/step-0000400/{model.safetensors, ..., tables/shard-0000{1,2}-…}  the ranks'
+    $RECLOOP_HOME/checkpoints/<run id>/step-0000400.1/{model.safetensors, ...}                          completed
 
 A registered model version carries its step folder as an MLflow artifact, and the size and SHA-256 of
 each of its files as a version tag (``MANIFEST_TAG``, see ``manifest``). Everything that starts from a
@@ -50,6 +54,7 @@ STEP_PREFIX = "step-"
 KEEP_STEPS = 2
 TABLES = "tables"  # a sharded checkpoint's folder of per-rank table shards
 TABLE_BUFFERS = ("weights", "state1", "state2", "step")  # what a sharded checkpoint keeps in TABLES only
+AWAITS_COMPLETION = "awaits_completion"  # a run's ranks finished it; one process completes it (recloop.train)
 log = logging.getLogger("recloop.checkpoint")
 
 
@@ -96,27 +101,28 @@ def staging_folder(run_dir: Path, step_dir: Path) -> Path:
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: dict,
          completed: bool, staged: Path | None = None, sharded_tables: bool = False,
-         without: str | None = None) -> Path:
+         without: str | None = None, awaits_completion: bool = False) -> Path:
     """Write a step folder (``step_folder``: model, dense optimizer, ``state.json`` = ``info`` + the
     optimizer's scalars), then point ``latest.json`` at it. A crash at any point leaves the previous
     checkpoint intact. ``staged``: the step's staging folder, where the ranks wrote their table shards
     (``sharded_tables``: the model's file then leaves them out). ``without``: leave out the model's tensors
-    under this prefix (tables written to a table log instead: ``write_tables``)."""
+    under this prefix (tables written to a table log instead: ``write_tables``). ``awaits_completion``: the
+    last checkpoint of a run its ranks trained to the end, which one process completes (``awaiting_completion``)."""
     step_dir = step_folder(run_dir, step) if staged is None else run_dir / staged.name[1:-len(".tmp")]
     staging = staging_folder(run_dir, step_dir)
     if staged is None:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-    left_out = _table_keys(model) if sharded_tables else set()  # rank 0's copies of them are stale
+    left_out = _table_keys(model) if sharded_tables else set()  # (a rank's model has none of them anyway)
     weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()
                if k not in left_out and (without is None or not k.startswith(without))}
     save_file(weights, staging / "model.safetensors")
     tensors, meta = _optimizer_tensors(optimizer)
     save_file(tensors, staging / "dense_optimizer.safetensors")
-    (staging / "state.json").write_text(json.dumps({**info, "optimizer": meta, "completed": completed}, indent=2)
-                                        + "\n")
+    marks = {"completed": completed, **({AWAITS_COMPLETION: True} if awaits_completion else {})}
+    (staging / "state.json").write_text(json.dumps({**info, "optimizer": meta, **marks}, indent=2) + "\n")
     os.replace(staging, step_dir)
-    pointer = {"step_dir": step_dir.name, "completed": completed, "finished_at": time.time()}
+    pointer = {"step_dir": step_dir.name, **marks, "finished_at": time.time()}
     (run_dir / "latest.json.tmp").write_text(json.dumps(pointer) + "\n")
     os.replace(run_dir / "latest.json.tmp", run_dir / "latest.json")
     for old in sorted(run_dir.glob(f"{STEP_PREFIX}*"))[:-KEEP_STEPS]:
@@ -161,6 +167,25 @@ def completed_run(run_dir: Path) -> dict | None:
     return read(run_dir)
 
 
+def awaiting_completion(run_dir: Path) -> dict | None:
+    """The state of a run folder's last checkpoint when its ranks trained it to the end and no process has
+    completed it yet (validated it, written it whole: ``recloop.train.complete``), else None."""
+    pointer = run_dir / "latest.json"
+    if not pointer.exists() or not json.loads(pointer.read_text()).get(AWAITS_COMPLETION):
+        return None
+    return read(run_dir)
+
+
+def runs_awaiting_completion(checkpoints: Path) -> list[Path]:
+    """The run folders under ``checkpoints`` that await completion (``awaiting_completion``), oldest first."""
+    waiting = []
+    for pointer in Path(checkpoints).glob("*/latest.json"):
+        marks = json.loads(pointer.read_text())
+        if marks.get(AWAITS_COMPLETION):
+            waiting.append((marks.get("finished_at", 0.0), pointer.parent))
+    return [run for _, run in sorted(waiting)]
+
+
 def load_model(path: Path | str, device: str | torch.device = "cpu") -> tuple[RankingModel, dict]:
     """A trained model (eval mode) and its JSON state. Ids admitted after its training map to the OOV row:
     a loaded model is scored or served on newer data than it saw."""
@@ -196,10 +221,29 @@ def load_weights(model: RankingModel, folder: Path, device: torch.device, tables
     return True
 
 
+def load_dense_weights(model: RankingModel, folder: Path, device: torch.device) -> None:
+    """A step folder's weights into ``model`` but for its tables (a whole checkpoint's or a sharded one's alike),
+    reading no table's tensors: a process holding some of the tables reads its rows of them itself
+    (``recloop.model.sharded_checkpoint.read_rows``)."""
+    from safetensors import safe_open
+
+    prefix = _tables_prefix(model)
+    with safe_open(str(folder / "model.safetensors"), framework="pt", device=str(device)) as f:
+        weights = {key: f.get_tensor(key) for key in f.keys() if not key.startswith(prefix)}  # noqa: SIM118
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or any(not key.startswith(prefix) for key in missing):
+        raise CheckpointError(f"{folder}: model.safetensors does not match the model (missing {missing}, "
+                              f"unexpected {unexpected})")
+
+
+def _tables_prefix(model: torch.nn.Module) -> str:
+    """Where the model's embedding tables sit in its state_dict (``sparse_arch.embeddings.``)."""
+    return next(name for name, module in model.named_modules() if module is model.embeddings) + "."
+
+
 def _table_keys(model: torch.nn.Module) -> set[str]:
     """The model's state keys of its embedding tables' buffers (their rows, optimizer state, step)."""
-    prefix = next(name for name, module in model.named_modules() if module is model.embeddings)
-    return {f"{prefix}.{buffer}" for buffer in TABLE_BUFFERS}
+    return {f"{_tables_prefix(model)}{buffer}" for buffer in TABLE_BUFFERS}
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, path: Path | str, device: torch.device) -> None:

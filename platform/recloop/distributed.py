@@ -9,10 +9,14 @@ Under ``torchrun`` (``recloop train --nproc N``, or ``torchrun --nproc-per-node 
   seeded order. A step's global batch is every shard's next ``batch_size / data_shards`` rows, in shard
   order, and an epoch ends when the first shard runs out (the rows the others have left, at most about
   one row group each after balancing, are skipped that epoch);
-- shards the embedding tables (``model.sharded``) and runs the dense layers under
-  DistributedDataParallel; the loss is the mean over the global batch, so a step is the same as one
-  process's step on the concatenated batch;
-- gathers the tables to rank 0 for every checkpoint, which rank 0 writes in the single-process layout.
+- builds its model with only its shards of the embedding tables (``rank_model``, ``model.sharded``): its
+  rows of the initial values, or of the checkpoint it starts from, and no others; the dense layers are
+  whole on every rank and run under DistributedDataParallel; the loss is the mean over the global batch,
+  so a step is the same as one process's step on the concatenated batch;
+- writes every checkpoint, the last one too, with each rank's table rows in a file of its own
+  (``model.sharded_checkpoint``; rank 0 writes the rest). No rank ever holds every table: the whole model
+  is put together afterwards by the one process that validates and registers it (``recloop.train.complete``;
+  ``recloop train --nproc N`` is that process for the ranks it launched).
 
 One process with ``data_shards=2`` reads the same shards and builds the same global batches as two ranks:
 that is the reference the equivalence test compares a 2-rank run with.
@@ -40,8 +44,7 @@ from recloop.data import ChunkLoader, FeatureSchema
 from recloop.data.loader import Batch
 
 if TYPE_CHECKING:
-    from recloop.model import RankingModel
-    from recloop.model.sharded import ShardedRankingModel
+    from recloop.model import ModelConfig, RankingModel
 
 
 @dataclass(frozen=True)
@@ -138,28 +141,73 @@ def concat_batches(batches: list[Batch], num_tables: int) -> Batch:
 # --- the loop ----------------------------------------------------------------------------------------------
 
 
-def wrap(model: RankingModel, ranks: Ranks, row_wise_above: int | None) -> torch.nn.Module:
-    """The model a rank trains: the whole model alone, else sharded tables + DDP over the dense arches."""
+def rank_model(config: ModelConfig, n_dense: int, tables: list[tuple[str, int]], device: torch.device, seed: int,
+               ranks: Ranks, row_wise_above: int | None, *, start: list[tuple[str, int]] | None = None,
+               source: Path | None = None, resumed: bool = False) -> RankingModel:
+    """The model this rank trains: the dense arches whole, as ``RankingModel(config, n_dense, tables, seed=seed)``
+    makes them, and of the tables only this rank's shards of ``plan_sharding``: no table is allocated whole.
+
+    Args:
+        tables: (name, rows) of the tables now. start: their rows in ``source`` (tables grow for new ids at a
+            warm start; default: ``tables``). The new rows, or all of them without a source, start as one
+            process's ``RankingModel`` (grown from ``start``) would have them (``ShardedEmbeddings.draw_initial``).
+        source: the step folder to start from (a single-process checkpoint or a sharded one); None: new.
+        resumed: ``source`` is this run's own checkpoint: its sharded tables are read through DCP (``load_tables``,
+            collective), any other source's rows through slices of its files (``read_rows``).
+    """
+    from recloop import checkpoint
+    from recloop.model import RankingModel
+    from recloop.model.ranking import table_configs
+    from recloop.model.sharded import ShardedEmbeddings, grown_layout, plan_sharding
+    from recloop.model.sharded_checkpoint import load_tables, read_rows, recorded_capacities
+    from recloop_kernels import OptimizerConfig
+    from recloop_kernels.config import POOLING_CODES, Layout, alignment
+
+    start = start or tables
+    before, now = table_configs(start, config), table_configs(tables, config)
+    rows = tuple(r for _, r in start)
+    capacities = recorded_capacities(source) if source is not None else rows
+    layout = grown_layout(Layout(tuple(c.dim for c in now), capacities, rows,
+                                 tuple(POOLING_CODES[c.pooling] for c in now), alignment(torch.float32)),
+                          [r for _, r in tables])
+    sparse = ShardedEmbeddings(now, plan_sharding(now, ranks.world, row_wise_above), ranks.rank,
+                               OptimizerConfig(config.embedding_optimizer, lr=config.embedding_lr), layout=layout,
+                               device=device)
+    growth = [(t, old, new) for t, ((_, old), (_, new)) in enumerate(zip(start, tables, strict=True)) if new > old]
+    if source is None or growth:
+        sparse.draw_initial(seed, before, growth)
+    model = RankingModel(config, n_dense, tables, device=device, seed=seed, embeddings=sparse)
+    if source is not None:
+        checkpoint.load_dense_weights(model, source, device)
+        if resumed and not growth and (source / checkpoint.TABLES).is_dir():
+            load_tables(source / checkpoint.TABLES, sparse)  # each rank its own rows, whatever plan wrote them
+        else:
+            read_rows(source, sparse, rows)
+    return model
+
+
+def wrap(model: RankingModel, ranks: Ranks) -> torch.nn.Module:
+    """The model a rank trains: the whole model alone, else ``rank_model``'s under DDP over the dense arches."""
     if ranks.world == 1:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    from recloop.model.sharded import ShardedRankingModel, plan_sharding
-
-    sharded = ShardedRankingModel(model, plan_sharding(model.embeddings, ranks.world, row_wise_above), ranks.rank)
-    device_ids = [ranks.local_rank] if model.embeddings.weights.is_cuda else None
+    device_ids = [ranks.local_rank] if next(model.parameters()).is_cuda else None
     with warnings.catch_warnings():
-        # The shards are rank-local buffers: they must never be broadcast, not even at construction, which
-        # only broadcast_buffers=False guarantees (its replacement still syncs buffers at init).
+        # The shards are rank-local: they must never be broadcast, not even at construction, which only
+        # broadcast_buffers=False guarantees (its replacement still syncs buffers at init).
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-        return DistributedDataParallel(sharded, device_ids=device_ids, broadcast_buffers=False)
+        return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
 
-def gather(trained: torch.nn.Module, model: RankingModel, ranks: Ranks) -> None:
-    """Every rank's tables into ``model`` on rank 0 (collective); the dense arches are shared already."""
-    if ranks.world > 1:
-        sharded: ShardedRankingModel = trained.module
-        sharded.sparse.gather_into(model.embeddings)
+def held_tables(model: RankingModel, ranks: Ranks) -> dict:
+    """What each rank holds of the tables (collective): bytes of rows and optimizer state per rank, and what the
+    whole tables take (one process's model), for the checkpoint's JSON and the benchmarks."""
+    sparse = model.embeddings
+    held = torch.tensor([sparse.held_bytes()], dtype=torch.int64, device=next(model.parameters()).device)
+    every = [torch.zeros_like(held) for _ in range(ranks.world)]
+    dist.all_gather(every, held)
+    return {"world": ranks.world, "rank_bytes": [int(b) for b in every], "whole_bytes": sparse.whole_bytes()}
 
 
 def fit(trained: torch.nn.Module, optimizer: torch.optim.Optimizer, loaders: list[ShardLoader], num_tables: int,

@@ -20,6 +20,13 @@ deterministic mode the resumed run ends with the same weights as an uninterrupte
 A ``Tracker`` (``recloop.registry.TrainingRun``: an MLflow run) follows the training as it happens: told
 when it starts (``RunStart``: parameters, windows), of each loss reading and epoch, and when it ends (the
 summary) or fails. Under torchrun only rank 0 has one.
+
+Under torchrun no rank holds every table (``recloop.distributed``): the ranks train, write their last
+checkpoint sharded and stop; ``complete`` then, in one process outside them (``recloop train --nproc N``
+itself), puts the tables together, validates the model and writes the run's completed checkpoint whole::
+
+    ranks:      train ──▶ step-0000400/  (tables/: one shard file per rank; awaits completion)
+    one process: complete ──▶ step-0000400.1/  (whole: calibrated, validated, registered and served)
 """
 
 from __future__ import annotations
@@ -263,6 +270,9 @@ class TrainSummary:
     overrides: list[str] = field(default_factory=list)
     # the early-stopping rows' log loss after each epoch, the epoch kept and the rows (empty: none held aside)
     early_stopping: dict = field(default_factory=dict)
+    # trained by several ranks, not validated yet: the figures above are the training's alone and
+    # ``checkpoint`` is the ranks' last (sharded) one, which ``complete`` turns into the run's completed one
+    awaits_completion: bool = False
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -484,9 +494,11 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
           on_step: Callable[[int], None] | None = None, tracker: Tracker | None = None) -> TrainSummary:
     """Train (or resume) a run; returns its summary. Raises ``TrainError`` on bad input.
 
-    Under ``torchrun`` every rank calls it: tables sharded, dense layers under DDP, each rank reading its own
-    row groups; rank 0 writes the checkpoints (``recloop.distributed``) and alone tells ``tracker``. Every rank
-    returns the summary.
+    Under ``torchrun`` every rank calls it: tables sharded (each rank allocates its shards only), dense layers
+    under DDP, each rank reading its own row groups; every rank writes its table rows of each checkpoint and
+    rank 0 the rest (``recloop.distributed``), and rank 0 alone tells ``tracker``. Every rank returns rank 0's
+    summary of the training, which ``awaits_completion``: no rank validates the model (that needs every
+    table); ``complete`` does, in one process, once the ranks are done.
 
     Args:
         warm_start: incremental only, and required there: the checkpoint to start from (the loop passes
@@ -510,9 +522,7 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
     files = training_files(layout.training)
     if not files:
         raise TrainError(f"no training rows under {layout.training}: run `recloop features` first")
-    present = set(pq.read_schema(files[0]).names)
-    schema = FeatureSchema.load(layout.schema, extra=tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS)
-                                                           if c in present))
+    schema = _schema(layout, files)
     base = None
     if config.mode == "incremental":
         if warm_start is None:
@@ -535,13 +545,16 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
     done = checkpoint.completed_run(run_dir)
     if done is not None:
         return TrainSummary(**done["summary"])
+    if checkpoint.awaiting_completion(run_dir) is not None:  # its ranks trained it to the end already
+        if ranks.world > 1:
+            return TrainSummary(**checkpoint.read(run_dir)["summary"])
+        return complete(settings, run_dir, tracker)
 
     if config.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = distributed.device_for(config.device, ranks)
-    model, optimizer, grown, resumed = _build(config, schema, device, run_dir, base, windows.train,
-                                              whole_tables=ranks.world == 1)
+    model, optimizer, grown, resumed = _build(config, schema, device, run_dir, base, windows.train, ranks)
     position, resume_note = resume_position(resumed)
     if resume_note:
         log.warning("%s: %s", run_id, resume_note)
@@ -549,19 +562,16 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
     if sharded and model.dynamic_tables:
         raise TrainError(f"tables {list(model.dynamic_tables)} have row budgets: dynamic tables train in one process "
                          "with one data shard (sharding them is not built yet)")
-    trained = distributed.wrap(model, ranks, config.row_wise_above or None) if sharded else model
-    if resumed and ranks.world > 1 and (tables := Path(checkpoint.read(run_dir)["path"]) / checkpoint.TABLES).is_dir():
-        from recloop.model.sharded_checkpoint import load_tables
+    trained = distributed.wrap(model, ranks) if sharded else model
+    held = distributed.held_tables(model, ranks) if ranks.world > 1 else None  # what each rank holds of the tables
 
-        load_tables(tables, trained.module.sparse)  # each rank its own rows, whatever the plan that wrote them
-
-    def save(completed: bool, summary: TrainSummary | None = None, gathered: bool = False) -> Path:
+    def save(completed: bool, summary: TrainSummary | None = None, awaits_completion: bool = False) -> Path:
         staged = None
-        if ranks.world > 1 and not gathered:  # each rank writes its own table shards: none gathers them all
+        if ranks.world > 1:  # each rank writes its own table shards: none holds them all
             from recloop.model.sharded_checkpoint import save_tables
 
             staged = _stage_checkpoint(run_dir, position["step"])
-            save_tables(staged / checkpoint.TABLES, trained.module.sparse)
+            save_tables(staged / checkpoint.TABLES, model.embeddings)
         if not ranks.leader:
             return run_dir
         info = {"model": model.config.to_dict(), "train": config.to_dict(),
@@ -571,30 +581,39 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
                 "full_trained_until": full_trained_until,
                 "calibration": list(model.calibration) if model.calibration else None,
                 "grown_tables": grown,  # (a resumed run's summary says it too)
-                "summary": asdict(summary) if summary else None}
+                "summary": asdict(summary) if summary else None,
+                **({"sharding": held} if held else {})}
         if config.table_log_full_every and model.dynamic_tables and not completed:
             entry = checkpoint.write_tables(run_dir / "tables", model.embeddings, config.table_log_full_every)
             info["table_log"] = entry["number"]
             return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed,
                                    without=TABLES_PREFIX)
         return checkpoint.save(run_dir, position["step"], model, optimizer, info, completed, staged=staged,
-                               sharded_tables=staged is not None)
+                               sharded_tables=staged is not None, awaits_completion=awaits_completion)
 
-    start = RunStart(
-        run_id=run_id, mode=config.mode, params={"train": config.to_dict(), "model": model.config.to_dict()},
-        train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
-        train_rows=sum(_rows(f) for f in windows.train), validation_rows=sum(_rows(f) for f in windows.validation),
-        example=pq.read_table(windows.train[-1]).slice(0, 5).to_pandas(), state_version=schema.state_version,
-        warm_start=base["path"] if base else None, resumed_from_step=resumed["step"] if resumed else 0,
-    ) if tracker is not None else None
+    start = _run_start(run_id, config, model.config.to_dict(), windows, schema, base["path"] if base else None,
+                       resumed["step"] if resumed else 0) if tracker is not None else None
     with _followed(tracker, start):
         started = time.perf_counter()
         if sharded:
             loss_curve = _fit_sharded(trained, optimizer, windows, schema, config, device, position, base is not None,
                                       save, ranks, on_progress, on_step, tracker)
-            distributed.gather(trained, model, ranks)
-            if not ranks.leader:  # rank 0 validates and writes; the others return its summary
-                return TrainSummary(**distributed.share_summary(None, ranks))
+            if ranks.world > 1:  # every rank writes its rows of the last checkpoint; one process completes it
+                seconds = time.perf_counter() - started
+                trained_summary = TrainSummary(
+                    mode=config.mode, run_id=run_id, checkpoint=str(checkpoint.step_folder(run_dir, position["step"])),
+                    samples=position["samples"], steps=position["step"],
+                    samples_per_s=round((position["samples"] - (resumed["samples"] if resumed else 0)) / seconds, 1)
+                    if seconds > 0 else 0.0, seconds=round(seconds, 3),
+                    train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
+                    trained_until=hour_after(windows.train[-1].stem), full_trained_until=full_trained_until,
+                    state_version=schema.state_version, warm_start=base["path"] if base else None, grown_tables=grown,
+                    resumed_from_step=resumed["step"] if resumed else 0, resume_note=resume_note,
+                    loss_curve=loss_curve, overrides=list(windows.overrides), awaits_completion=True)
+                save(completed=False, summary=trained_summary, awaits_completion=True)
+                # rank 0's summary, sent once its checkpoint is in place: no rank returns before it is
+                return TrainSummary(**distributed.share_summary(asdict(trained_summary) if ranks.leader else None,
+                                                                ranks))
         else:
             loss_curve = _fit(model, optimizer, windows, schema, config, device, position, warm=base is not None,
                               save=save, on_progress=on_progress, on_step=on_step, tracker=tracker,
@@ -623,12 +642,87 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
             if windows.tuning else {},
         )
         summary.checkpoint = str(checkpoint.step_folder(run_dir, position["step"]))  # where save puts it
-        save(completed=True, summary=summary, gathered=True)
-        if ranks.world > 1:
-            distributed.share_summary(asdict(summary), ranks)
+        save(completed=True, summary=summary)
     if tracker is not None:
         tracker.trained(summary)
     return summary
+
+
+def complete(settings: Settings, run: Path | str, tracker: Tracker | None = None) -> TrainSummary:
+    """Complete, in this one process, a run that its ranks trained to the end: its tables put together from the
+    ranks' shards of its last checkpoint (``checkpoint.load_weights``), calibrated and validated on the run's
+    held-out hours as one process's run is, written whole as the run's completed checkpoint (the one registered
+    and served), and the run's tracker told. No rank ever holds every table; this process does, as the one
+    that registers the model (``recloop train --nproc N`` calls it once its ranks are done).
+
+    Args:
+        run: the run's folder, or the checkpoint a rank's ``train`` returned (its summary ``awaits_completion``).
+        tracker: the run's tracker (``TrainingRun``: it takes up the MLflow run rank 0 kept while it trained).
+    Returns:
+        The run's summary (a completed run's, unchanged, when it was completed already).
+    """
+    state = checkpoint.read(run)
+    run_dir = Path(state["path"]).parent
+    done = checkpoint.completed_run(run_dir)
+    if done is not None:
+        return TrainSummary(**done["summary"])
+    if not state.get(checkpoint.AWAITS_COMPLETION):
+        raise TrainError(f"{state['path']} is not the last checkpoint of a run its ranks trained to the end: run "
+                         "the same training again to resume it")
+    layout = FeatureLayout.for_settings(settings)
+    files = training_files(layout.training)
+    schema = _schema(layout, files) if files else None
+    if schema is None or schema.state_version != state["state_version"]:
+        raise TrainError(f"the features changed since run {run_dir.name} trained (vocabulary version "
+                         f"{schema.state_version if schema else None}, it trained on {state['state_version']}): "
+                         "its held-out hours are not the ones it was meant to be judged on; train it again")
+    config = TrainConfig(**{**state["train"], "model": ModelConfig.from_dict(state["train"]["model"])})
+    trained = TrainSummary(**state["summary"])
+    by_hour = {f.stem: f for f in files}
+    lost = [hour for hour in (*trained.train_hours, *trained.validation_hours) if hour not in by_hour]
+    if lost:
+        raise TrainError(f"run {run_dir.name}'s training files {lost[:3]} are gone: it cannot be validated")
+    windows = Windows([by_hour[h] for h in trained.train_hours], [by_hour[h] for h in trained.validation_hours],
+                      config.epochs, tuple(trained.overrides))
+    device = _device(config.device)
+    model = RankingModel(ModelConfig.from_dict(state["model"]), len(state["dense"]),
+                         [tuple(t) for t in state["tables"]], device=device, seed=config.seed)
+    checkpoint.load_weights(model, Path(state["path"]), device)  # every rank's rows, put together here
+    optimizer = dense_optimizer(model, config.lr, device, config.weight_decay)
+    checkpoint.load_optimizer(optimizer, state["path"], device)
+    start = _run_start(trained.run_id, config, state["model"], windows, schema, trained.warm_start,
+                       trained.resumed_from_step) if tracker is not None else None
+    with _followed(tracker, start):
+        model.calibration = _fit_calibration(model, windows.train, schema, config, device)
+        figures, slices = _validate(model, windows.validation, schema, layout, config, device)
+        baseline_figures = baselines.window_baselines(layout, windows.validation, schema) if config.baselines else {}
+        summary = replace(trained, auc=figures["auc"], logloss=figures["logloss"], calibration=figures["calibration"],
+                          oracle_auc=figures.get("oracle_auc"), validation_rows=figures["rows"], slices=slices,
+                          ndcg=figures["ndcg"], baselines=baseline_figures, awaits_completion=False,
+                          checkpoint=str(checkpoint.step_folder(run_dir, trained.steps)))  # where save puts it
+        info = {key: value for key, value in state.items()
+                if key not in ("optimizer", "completed", "path", checkpoint.AWAITS_COMPLETION)}
+        info.update(calibration=list(model.calibration) if model.calibration else None, summary=asdict(summary))
+        checkpoint.save(run_dir, trained.steps, model, optimizer, info, completed=True)
+    if tracker is not None:
+        tracker.trained(summary)
+    return summary
+
+
+def _schema(layout: FeatureLayout, files: list[Path]) -> FeatureSchema:
+    """The features' schema, with the extra columns (oracle, slices) the training files carry."""
+    present = set(pq.read_schema(files[0]).names)
+    return FeatureSchema.load(layout.schema, extra=tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS) if c in present))
+
+
+def _run_start(run_id: str, config: TrainConfig, model: dict, windows: Windows, schema: FeatureSchema,
+               warm_start: str | None, resumed_from_step: int) -> RunStart:
+    return RunStart(
+        run_id=run_id, mode=config.mode, params={"train": config.to_dict(), "model": model},
+        train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
+        train_rows=sum(_rows(f) for f in windows.train), validation_rows=sum(_rows(f) for f in windows.validation),
+        example=pq.read_table(windows.train[-1]).slice(0, 5).to_pandas(), state_version=schema.state_version,
+        warm_start=warm_start, resumed_from_step=resumed_from_step)
 
 
 def _stage_checkpoint(run_dir: Path, step: int) -> Path:
@@ -925,10 +1019,11 @@ def dense_sample(files: list[Path], schema: FeatureSchema, max_rows: int = 200_0
 
 
 def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run_dir: Path, base: dict | None,
-           train_files: list[Path] = (), whole_tables: bool = True):
+           train_files: list[Path] = (), ranks: distributed.Ranks | None = None):
     """The model and dense optimizer: resumed from this run, warm-started from ``base``, or new (its dense
-    inputs standardized by the newest training rows'). ``whole_tables`` False: a sharded checkpoint's tables
-    are left for each rank to read its own."""
+    inputs standardized by the newest training rows'). Under several ranks, each rank's model holds its shards
+    of the tables only (``distributed.rank_model``: its rows of what one process would start from)."""
+    ranks = ranks or distributed.Ranks()
     # Row budgets: the features' (per column) and the model configuration's (per table; it wins).
     budgets = tuple({**dict(schema.budgets), **dict(config.model.max_rows)}.items())
     model_config = ModelConfig.from_dict({**config.model.to_dict(), "multi_hot_columns": tuple(schema.multi_hot),
@@ -945,8 +1040,15 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
             raise TrainError(f"checkpoint {base['path']} was trained on vocabulary version {base['state_version']}, "
                              f"newer than the features' version {schema.state_version}")
     grown: dict[str, list[int]] = {}
+    budgeted = [name for name, _ in tables if name in dynamic]
+    if ranks.world > 1 and budgeted:
+        raise TrainError(f"tables {budgeted} have row budgets: dynamic tables train in one process with one data "
+                         "shard (sharding them is not built yet)")
+    row_wise_above = config.row_wise_above or None
     if source is None:
-        model = RankingModel(model_config, len(schema.dense), tables, device=device, seed=config.seed)
+        model = distributed.rank_model(model_config, len(schema.dense), tables, device, config.seed, ranks,
+                                       row_wise_above) if ranks.world > 1 else \
+            RankingModel(model_config, len(schema.dense), tables, device=device, seed=config.seed)
         model.dense_arch.standardize_from(dense_sample(train_files, schema).to(device))
     else:
         old_tables = [tuple(t) for t in source["tables"]]
@@ -967,25 +1069,33 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
             raise TrainError(f"checkpoint {source['path']} does not match the features: its tables "
                              f"{old_tables} vs {tables} (vocabulary version {source['state_version']} vs "
                              f"{schema.state_version}); retrain with --mode full")
-        model = RankingModel(source_config, len(schema.dense), old_tables, device=device, seed=config.seed)
-        if source.get("table_log"):  # a periodic checkpoint: its tables are in the run's table log
-            tensors = load_file(Path(source["path"]) / "model.safetensors", device=str(device))
-            missing, unexpected = model.load_state_dict(tensors, strict=False)
-            if unexpected or any(not key.startswith(TABLES_PREFIX) for key in missing):
-                raise TrainError(f"checkpoint {source['path']} does not fit the model: {missing + unexpected}")
-            checkpoint.restore_tables(Path(source["path"]).parent / "tables", model.embeddings,
-                                      upto=source["table_log"], drop_later=resumed is not None)
+        if ranks.world > 1:  # this rank's rows of the source's tables, the grown rows as one process draws them
+            model = distributed.rank_model(source_config, len(schema.dense), [(n, current[n]) for n, _ in old_tables],
+                                           device, config.seed, ranks, row_wise_above, start=old_tables,
+                                           source=Path(source["path"]), resumed=resumed is not None)
         else:
-            checkpoint.load_weights(model, Path(source["path"]), device, tables=whole_tables)
+            model = RankingModel(source_config, len(schema.dense), old_tables, device=device, seed=config.seed)
+            if source.get("table_log"):  # a periodic checkpoint: its tables are in the run's table log
+                tensors = load_file(Path(source["path"]) / "model.safetensors", device=str(device))
+                missing, unexpected = model.load_state_dict(tensors, strict=False)
+                if unexpected or any(not key.startswith(TABLES_PREFIX) for key in missing):
+                    raise TrainError(f"checkpoint {source['path']} does not fit the model: {missing + unexpected}")
+                checkpoint.restore_tables(Path(source["path"]).parent / "tables", model.embeddings,
+                                          upto=source["table_log"], drop_later=resumed is not None)
+            else:
+                checkpoint.load_weights(model, Path(source["path"]), device)
         if resumed is not None:  # the run's own checkpoint: its tables grew from the base already (it says how)
             grown = {name: list(change) for name, change in (source.get("grown_tables") or {}).items()}
         for name, rows in old_tables:
             if current[name] > rows:
-                model.embeddings.grow(name, current[name])
+                if ranks.world == 1:  # (a rank's shards were built at the new size)
+                    model.embeddings.grow(name, current[name])
                 grown[name] = [grown.get(name, [rows])[0], current[name]]
         if resumed is None and config.warm_state_decay != 1.0:
+            held = model.embeddings.local if ranks.world > 1 else model.embeddings
             with torch.no_grad():
-                model.embeddings.state1.mul_(config.warm_state_decay)
+                if held is not None:
+                    held.state1.mul_(config.warm_state_decay)
     optimizer = dense_optimizer(model, config.lr, device, config.weight_decay)  # fused AdamW on a GPU
     if source is not None:
         checkpoint.load_optimizer(optimizer, source["path"], device)

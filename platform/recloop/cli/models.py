@@ -41,44 +41,39 @@ def train_command(
     deterministic: Annotated[bool, typer.Option(help="Results independent of thread scheduling.")] = False,
     track: Annotated[bool, typer.Option(help="Log the run to MLflow and register the model.")] = True,
     nproc: Annotated[int, typer.Option(min=1, help="Processes (one per GPU): runs this command under torchrun, "
-                                       "tables sharded and dense layers under DDP.")] = 1,
+                                       "tables sharded and dense layers under DDP, then completes the run here "
+                                       "(validates it, writes it whole, registers it).")] = 1,
+    complete: Annotated[bool, typer.Option("--complete", help="Complete the newest run of this home that ranks "
+                                           "trained under a bare torchrun (nothing else is trained).")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Train the ranking model on the features' training rows; resumes an interrupted run."""
     import os
 
-    from rich.progress import TaskProgressColumn
-
-    from recloop import checkpoint, pipeline, tracking
-    from recloop.train import TrainConfig, TrainError, train
+    from recloop import checkpoint, tracking
+    from recloop.train import TrainConfig, TrainError
 
     mode, device = Mode(mode).value, Device(device).value  # plain strings from here on (checkpoints, JSON)
-    if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        raise typer.Exit(_under_torchrun(nproc))
-    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 tracks and reports
+    rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    if rank is not None and rank != "0":  # under torchrun only rank 0 tracks the training
         track, json_out = False, True
     config = TrainConfig(mode=mode, days=days, epochs=epochs, batch_size=batch_size,  # type: ignore[arg-type]
                          validation_hours=validation_hours, replay_fraction=replay, device=device,
                          deterministic=deterministic, min_validation_rows=min_validation_rows)
-    progress = Progress(TextColumn("[bold]training"), BarColumn(), TaskProgressColumn(),
-                        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console, disable=json_out)
-    with progress:
-        task = progress.add_task("train", total=None, rate="")
-
-        def on_progress(samples: int, total: int, rate: float) -> None:
-            progress.update(task, completed=samples, total=total, rate=f"{rate:,.0f} samples/s")
-
-        try:
-            base = pipeline.warm_start_checkpoint(Settings(), warm_start) if mode == "incremental" else None
-            tracker = tracking.TrainingRun(Settings()) if track else None  # the MLflow run spans the training
-            summary = train(Settings(), config, warm_start=base, on_progress=on_progress, tracker=tracker)
-        except (TrainError, checkpoint.CheckpointError) as err:
-            raise fail_usage(str(err)) from err
+    try:
+        if complete or (nproc > 1 and rank is None):  # this process completes what ranks trained
+            summary = _completed(nproc if not complete else 0, tracking.TrainingRun(Settings()) if track else None)
+        else:
+            summary = _trained(config, warm_start, tracking.TrainingRun(Settings()) if track else None, json_out)
+    except (TrainError, checkpoint.CheckpointError) as err:
+        raise fail_usage(str(err)) from err
+    if rank is not None:  # a rank: the process that launched the ranks, or `recloop train --complete`, reports
+        if rank == "0":
+            _tell_launcher(summary, quiet=json_out)
+        return
     result = summary.to_dict()
     if track:
         result["mlflow"] = _track(summary)
-    if os.environ.get("RANK", "0") != "0":
-        return
     if json_out:
         emit(result)
         return
@@ -101,7 +96,69 @@ def train_command(
         console.print(f"MLflow: run {result['mlflow']['run_id']}, registered as version {result['mlflow']['version']}")
 
 
-def _under_torchrun(nproc: int) -> int:
+RANKS_REPORT = "RECLOOP_RANKS_REPORT"  # where rank 0 writes its summary for the process that launched the ranks
+
+
+def _trained(config, warm_start: str | None, tracker, quiet: bool):
+    """``train`` here, with a progress bar (a rank of several: its share of the training)."""
+    from rich.progress import TaskProgressColumn
+
+    from recloop import pipeline
+    from recloop.train import train
+
+    progress = Progress(TextColumn("[bold]training"), BarColumn(), TaskProgressColumn(),
+                        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console, disable=quiet)
+    with progress:
+        task = progress.add_task("train", total=None, rate="")
+
+        def on_progress(samples: int, total: int, rate: float) -> None:
+            progress.update(task, completed=samples, total=total, rate=f"{rate:,.0f} samples/s")
+
+        base = pipeline.warm_start_checkpoint(Settings(), warm_start) if config.mode == "incremental" else None
+        return train(Settings(), config, warm_start=base, on_progress=on_progress, tracker=tracker)
+
+
+def _completed(nproc: int, tracker):
+    """The run ``nproc`` ranks train under torchrun (launched here), or (``nproc`` 0) the newest run of this home
+    that ranks trained under a bare torchrun, completed in this process (``recloop.train.complete``)."""
+    import json
+    import os
+    import tempfile
+
+    from recloop import checkpoint
+    from recloop.train import TrainError, TrainSummary, checkpoints_dir, complete
+
+    if nproc:
+        with tempfile.TemporaryDirectory(prefix="recloop-ranks-") as folder:
+            report = Path(folder) / "rank-0.json"
+            code = _under_torchrun(nproc, {**os.environ, RANKS_REPORT: str(report)})
+            if code:
+                raise typer.Exit(code)
+            trained = TrainSummary(**json.loads(report.read_text()))
+        return complete(Settings(), trained.checkpoint, tracker) if trained.awaits_completion else trained
+    waiting = checkpoint.runs_awaiting_completion(checkpoints_dir(Settings()))
+    if not waiting:
+        raise TrainError(f"no run under {checkpoints_dir(Settings())} awaits completion (its ranks trained it to "
+                         "the end and nothing completed it yet)")
+    return complete(Settings(), waiting[-1], tracker)
+
+
+def _tell_launcher(summary, quiet: bool) -> None:
+    """Rank 0's summary, for the process that launched the ranks (``RANKS_REPORT``); under a bare torchrun, how
+    to complete the run."""
+    import json
+    import os
+    from dataclasses import asdict
+
+    report = os.environ.get(RANKS_REPORT)
+    if report:
+        Path(report).write_text(json.dumps(asdict(summary)))
+    elif summary.awaits_completion and not quiet:
+        console.print(f"{summary.mode} run {summary.run_id}: trained by the ranks ({summary.steps} steps), checkpoint "
+                      f"{summary.checkpoint}; complete it in one process: recloop train --complete")
+
+
+def _under_torchrun(nproc: int, env: dict[str, str]) -> int:
     """This ``recloop train`` command again, as ``nproc`` processes under torchrun (one machine); its exit code."""
     import subprocess
 
@@ -115,7 +172,7 @@ def _under_torchrun(nproc: int) -> int:
             args.append(arg)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "recloop.cli", *args]
-    return subprocess.run(command, check=False).returncode
+    return subprocess.run(command, env=env, check=False).returncode
 
 
 def _track(summary) -> dict:

@@ -150,20 +150,29 @@ class DenseArch(nn.Module):
         return self.layers((dense - self.shift) * self.scale)
 
 
-class SparseArch(nn.Module):
-    """Categorical and multi-hot ids → one D-wide pooled vector per table, (B, T, D)."""
+def table_configs(tables: list[tuple[str, int]], config: ModelConfig) -> list[TableConfig]:
+    """The ``TableConfig`` of each (name, rows) table under ``config`` (list columns pool by its pooling)."""
+    return [TableConfig(name, rows, config.embedding_dim,
+                        pooling=config.multi_hot_pooling if name in config.multi_hot_columns else "sum")
+            for name, rows in tables]
 
-    def __init__(self, tables: list[tuple[str, int]], config: ModelConfig, device, seed: int):
+
+class SparseArch(nn.Module):
+    """Categorical and multi-hot ids → one D-wide pooled vector per table, (B, T, D).
+
+    ``embeddings``: a module that pools like the collection would (``recloop.model.sharded.ShardedEmbeddings``:
+    this process's shards of the tables); None: the whole collection, built here."""
+
+    def __init__(self, tables: list[tuple[str, int]], config: ModelConfig, device, seed: int,
+                 embeddings: nn.Module | None = None):
         super().__init__()
-        configs = [TableConfig(name, rows, config.embedding_dim,
-                               pooling=config.multi_hot_pooling if name in config.multi_hot_columns else "sum")
-                   for name, rows in tables]
+        configs = table_configs(tables, config)
         common = dict(optimizer=config.embedding_optimizer, lr=config.embedding_lr, device=device, seed=seed,
                       backend=config.embedding_backend)
         dynamic = {name: table for name, table in config.dynamic_tables().items() if name in dict(tables)}
-        self.embeddings: EmbeddingBagCollection | DynamicEmbeddingBagCollection = (
-            DynamicEmbeddingBagCollection(configs, dynamic, count_half_life=config.count_half_life, **common)
-            if dynamic else EmbeddingBagCollection(configs, **common))
+        self.embeddings: EmbeddingBagCollection | DynamicEmbeddingBagCollection = embeddings if embeddings is not None \
+            else (DynamicEmbeddingBagCollection(configs, dynamic, count_half_life=config.count_half_life, **common)
+                  if dynamic else EmbeddingBagCollection(configs, **common))
         self.num_tables, self.dim = len(configs), config.embedding_dim
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -225,17 +234,19 @@ class RankingModel(nn.Module):
         tables: (name, num_embeddings) per table, in the order of the batches' jagged layout.
         device: where it lives.
         seed: seeds the initialization (embeddings and MLPs).
+        embeddings: the tables, when they are not built here: a process of a sharded training passes its
+            shards (``recloop.model.sharded.ShardedEmbeddings``); the dense arches are the same either way.
     """
 
     def __init__(self, config: ModelConfig, n_dense: int, tables: list[tuple[str, int]],
-                 device: str | torch.device = "cpu", seed: int = 0):
+                 device: str | torch.device = "cpu", seed: int = 0, embeddings: nn.Module | None = None):
         super().__init__()
         torch.manual_seed(seed)
         self.config = config
         self.n_dense = n_dense
         self.table_names = [name for name, _ in tables]
         self.dense_arch = DenseArch(n_dense, config.bottom_mlp, config.embedding_dim)
-        self.sparse_arch = SparseArch(tables, config, device, seed)
+        self.sparse_arch = SparseArch(tables, config, device, seed, embeddings)
         if config.interaction == "dcn":
             self.interaction_arch: nn.Module = CrossInteractionArch(len(tables), config.embedding_dim,
                                                                     config.cross_layers)

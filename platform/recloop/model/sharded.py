@@ -1,7 +1,10 @@
 """The ranking model across processes: embedding tables sharded over ranks, lookups exchanged all-to-all.
 
 ``recloop_kernels`` stays single-device; sharding lives here. Each rank holds an ordinary
-``EmbeddingBagCollection`` of its shards (with the fused optimizer, so it updates only its own rows):
+``EmbeddingBagCollection`` of its shards (with the fused optimizer, so it updates only its own rows), and
+only those: no process of a sharded training allocates every table, not at start-up (``draw_initial``
+draws its rows of the initial values, a checkpoint gives its rows and no others) and not at the end (each
+rank writes its own rows: ``sharded_checkpoint``). The tables are split so:
 
 - **table-wise**: a whole table on one rank (tables balanced over ranks by rows × dim);
 - **row-wise**: a table larger than ``row_wise_above`` rows (default: one rank's share of all rows) is
@@ -21,22 +24,27 @@ the concatenated batch (the dense layers are averaged by DistributedDataParallel
 
 Example::
 
-    plan = plan_sharding(model.embeddings, world=2)
-    sharded = ShardedRankingModel(model, plan, rank=dist.get_rank())
-    logits = DistributedDataParallel(sharded, broadcast_buffers=False)(dense, values, offsets)
-    sharded.sparse.gather_into(model.embeddings)     # rank 0: the full tables, for checkpoint.save
+    tables = table_configs([("c_user_id", 5000), ("c_item_id", 800)], config)
+    plan = plan_sharding(tables, world=2)
+    shards = ShardedEmbeddings(tables, plan, dist.get_rank(), OptimizerConfig("rowwise_adagrad", lr=0.2))
+    shards.draw_initial(seed=0, start=tables)             # this rank's rows of the whole initial tables
+    model = RankingModel(config, n_dense, [("c_user_id", 5000), ("c_item_id", 800)], embeddings=shards)
+    logits = DistributedDataParallel(model, broadcast_buffers=False)(dense, values, offsets)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from recloop.model.ranking import RankingModel
-from recloop_kernels import EmbeddingBagCollection, TableConfig
+from recloop_kernels import EmbeddingBagCollection, OptimizerConfig, TableConfig
+from recloop_kernels.collection import GROWTH
+from recloop_kernels.config import POOLING_CODES, Layout, alignment
 from recloop_kernels.reference import new_errors, record_errors, table_view
 
 
@@ -69,11 +77,17 @@ class ShardingPlan:
         return [(r, s) for r, shards in enumerate(self.ranks) for s in shards if s.table == table]
 
 
-def plan_sharding(collection: EmbeddingBagCollection, world: int, row_wise_above: int | None = None) -> ShardingPlan:
+def plan_sharding(tables: EmbeddingBagCollection | ShardedEmbeddings | Sequence[TableConfig], world: int,
+                  row_wise_above: int | None = None) -> ShardingPlan:
     """Row-wise for tables above ``row_wise_above`` rows (default: all rows / world), table-wise for the rest,
-    balanced greedily by rows × dim (largest first). The same on every rank: a function of its inputs."""
-    layout = collection.layout
-    tables = [(t, c.name, layout.rows[t], layout.dims[t], c.pooling) for t, c in enumerate(collection.tables)]
+    balanced greedily by rows × dim (largest first). The same on every rank: a function of its inputs.
+
+    ``tables``: a collection (whole or sharded: its current rows), or the tables' configurations."""
+    if isinstance(tables, EmbeddingBagCollection | ShardedEmbeddings):
+        layout = tables.layout
+        tables = [(t, c.name, layout.rows[t], layout.dims[t], c.pooling) for t, c in enumerate(tables.tables)]
+    else:
+        tables = [(t, c.name, c.num_embeddings, c.dim, c.pooling) for t, c in enumerate(tables)]
     threshold = row_wise_above if row_wise_above is not None else sum(r for _, _, r, _, _ in tables) // world
     ranks: list[list[Shard]] = [[] for _ in range(world)]
     load = [0] * world
@@ -92,6 +106,14 @@ def plan_sharding(collection: EmbeddingBagCollection, world: int, row_wise_above
         load[r] += rows * dim
     ordered = tuple(tuple(sorted(shards, key=lambda s: (s.table, s.lo))) for shards in ranks)
     return ShardingPlan(world, ordered, len(tables))
+
+
+def grown_layout(layout: Layout, rows: Sequence[int]) -> Layout:
+    """``layout`` after ``EmbeddingBagCollection.grow`` of each table to ``rows`` (the collection's capacity rule:
+    a table outgrowing its capacity reserves ``GROWTH`` times it), without a row allocated."""
+    capacities = tuple(c if r <= c else max(r, math.ceil(c * GROWTH))
+                       for c, r in zip(layout.capacities, rows, strict=True))
+    return Layout(layout.dims, capacities, tuple(rows), layout.poolings, layout.align)
 
 
 def _state_views(ebc: EmbeddingBagCollection, t: int) -> list[torch.Tensor]:
@@ -131,37 +153,142 @@ def _exchange_ints(tensor: torch.Tensor, send: list[int], receive: list[int], gr
 class ShardedEmbeddings(nn.Module):
     """This rank's shards of a collection, and the exchange that makes them answer like the whole.
 
+    Only the shards are allocated. ``tables`` and ``layout`` describe the whole collection (names, poolings,
+    initialization, rows, capacities: numbers, no rows); a new model's rows come from ``draw_initial`` (this
+    rank's rows of the values the whole collection would start with), a checkpoint's from
+    ``sharded_checkpoint.load_tables`` or ``read_rows``; ``from_collection`` copies them from a whole one.
+
+    In the model's ``state_dict`` it stands for the whole collection's layout (its rows, capacities and widths,
+    as ``EmbeddingBagCollection`` writes them) and holds no rows: those go through ``sharded_checkpoint``, each
+    rank writing its own.
+
     Args:
-        full: the whole collection (same initial rows on every rank: built with the same seed, or loaded
-            from one checkpoint); this rank copies its shards' rows and optimizer state from it.
-        plan: ``plan_sharding`` of ``full`` for the process group's size.
-        rank: this process's rank; group: the process group (None: the default one).
+        tables: the whole collection's tables, at their current rows.
+        plan: ``plan_sharding`` of the tables for the process group's size.
+        rank: this process's rank.
+        optimizer: the fused sparse optimizer every shard runs.
+        layout: the whole collection's layout (default: as a new collection of ``tables`` would have it).
+        group: the process group (None: the default one).
+        dtype, device: of the shards' weights.
+
+    Example::
+
+        tables = [TableConfig("user", 10_000, 16), TableConfig("item", 500, 16)]
+        plan = plan_sharding(tables, world=2)
+        shards = ShardedEmbeddings(tables, plan, rank, OptimizerConfig("rowwise_adagrad", lr=0.2))
+        shards.draw_initial(seed=0, start=tables)  # this rank's rows of EmbeddingBagCollection(tables, seed=0)
     """
 
-    def __init__(self, full: EmbeddingBagCollection, plan: ShardingPlan, rank: int, group=None):
+    def __init__(self, tables: Sequence[TableConfig], plan: ShardingPlan, rank: int, optimizer: OptimizerConfig, *,
+                 layout: Layout | None = None, group=None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
         super().__init__()
+        device = torch.device(device) if device is not None else torch.device("cpu")
         self.plan, self.rank, self.group = plan, rank, group
-        self.dims = list(full.layout.dims)
-        self.table_names, self.table_rows = [c.name for c in full.tables], list(full.layout.rows)
+        self.tables, self.optimizer = list(tables), optimizer
+        rows = tuple(c.num_embeddings for c in self.tables)
+        self.layout = layout or Layout(tuple(c.dim for c in self.tables), rows, rows,
+                                       tuple(POOLING_CODES[c.pooling] for c in self.tables), alignment(dtype))
+        self.dims = list(self.layout.dims)
+        self.table_names, self.table_rows = [c.name for c in self.tables], list(self.layout.rows)
         # Ids outside their table, counted by the rank whose batch holds them (the owners' lookups drop or
         # zero them without a word: table-wise shards pool them as zeros, row-wise ones keep none)
         # (a plain tensor, not a buffer: DistributedDataParallel would overwrite every rank's with rank 0's)
-        self.id_errors = new_errors(len(full.tables), full.weights.device)
-        self.mean = [c.pooling == "mean" for c in full.tables]
+        self.id_errors = new_errors(len(self.tables), device)
+        self.mean = [c.pooling == "mean" for c in self.tables]
         mine = plan.ranks[rank]
-        optimizer = full.optimizer
-        configs = [TableConfig(f"{s.name}[{s.lo}:{s.hi}]", max(s.rows, 1), s.dim, "sum" if s.row_wise else s.pooling)
-                   for s in mine]
-        self.local = EmbeddingBagCollection(
-            configs, optimizer=optimizer.name, lr=optimizer.lr, eps=optimizer.eps,
-            weight_decay=optimizer.weight_decay, betas=(optimizer.beta1, optimizer.beta2), dtype=full.weights.dtype,
-            device=full.weights.device, check_ids=False) if mine else None
+        configs = [TableConfig(f"{s.name}[{s.lo}:{s.hi}]", max(s.rows, 1), s.dim, "sum" if s.row_wise else s.pooling,
+                               init="zeros") for s in mine]  # zeros: filled by draw_initial or a checkpoint
+        local = EmbeddingBagCollection(
+            configs, optimizer=optimizer.name, lr=optimizer.lr, eps=optimizer.eps, weight_decay=optimizer.weight_decay,
+            betas=(optimizer.beta1, optimizer.beta2), dtype=dtype, device=device, check_ids=False) if mine else None
+        # Not a submodule: the model's state_dict, load_state_dict and DistributedDataParallel see the whole
+        # collection's layout here (``_save_to_state_dict``), never the shards, which are this rank's alone.
+        self.__dict__["local"] = local
+
+    @classmethod
+    def from_collection(cls, full: EmbeddingBagCollection, plan: ShardingPlan, rank: int,
+                        group=None) -> ShardedEmbeddings:
+        """This rank's shards of a whole collection: its rows, optimizer state and step copied."""
+        sharded = cls([replace(c, num_embeddings=r) for c, r in zip(full.tables, full.layout.rows, strict=True)],
+                      plan, rank, full.optimizer, layout=full.layout, group=group, dtype=full.weights.dtype,
+                      device=full.weights.device)
         with torch.no_grad():
-            for j, shard in enumerate(mine):
-                for target, source in zip(_state_views(self.local, j), _state_views(full, shard.table), strict=True):
+            for j, shard in enumerate(plan.ranks[rank]):
+                for target, source in zip(_state_views(sharded.local, j), _state_views(full, shard.table),
+                                          strict=True):
                     target[:shard.rows].copy_(source[shard.lo:shard.hi])
-            if self.local is not None:
-                self.local.step.copy_(full.step)
+            if sharded.local is not None:
+                sharded.local.step.copy_(full.step)
+        return sharded
+
+    @torch.no_grad()
+    def draw_initial(self, seed: int, start: Sequence[TableConfig],
+                     growth: Sequence[tuple[int, int, int]] = ()) -> None:
+        """This rank's rows of the initial values ``EmbeddingBagCollection(start, seed=seed)`` would hold, after
+        ``grow(t, new)`` for each ``(t, old, new)`` of ``growth`` (in that order): the same generator draws in
+        the same order, and only this rank's rows are kept.
+
+        On a CPU every table is drawn a block of rows at a time (``DRAW_BLOCK`` values: the same values as one
+        draw of the whole table, ``tests/test_sharded_checkpoint.py`` checks it), so no table is ever whole
+        here. Elsewhere (a GPU generator's values depend on the launch's shape) each table is drawn whole into
+        a temporary, this rank's rows copied out and the rest freed before the next table.
+        """
+        device = self.local.weights.device if self.local is not None else self.id_errors.device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        keep: list[list[tuple[Shard, torch.Tensor]]] = [[] for _ in self.tables]
+        for j, shard in enumerate(self.plan.ranks[self.rank]):
+            keep[shard.table].append((shard, table_view(self.local.weights, self.local.layout, j)))
+        for t, config in enumerate(start):
+            _draw_rows(config, 0, config.num_embeddings, generator, keep[t])
+        for t, old, new in growth:
+            _draw_rows(start[t], old, new, generator, keep[t])
+
+    def held_bytes(self) -> int:
+        """Bytes of the rows and optimizer state this rank holds."""
+        if self.local is None:
+            return 0
+        return sum(b.numel() * b.element_size() for b in (self.local.weights, self.local.state1, self.local.state2))
+
+    def whole_bytes(self) -> int:
+        """Bytes the whole collection's rows and optimizer state take (``layout``): what one process would hold."""
+        weights = self.layout.total_elems * torch.empty(0, dtype=self._dtype).element_size()
+        state = {"rowwise_adagrad": self.layout.total_rows, "adagrad": self.layout.total_elems,
+                 "adam": 2 * self.layout.total_elems}.get(self.optimizer.name, 0)
+        return weights + 4 * state  # optimizer state is fp32
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.local.weights.dtype if self.local is not None else torch.float32
+
+    def _metadata(self) -> dict[str, torch.Tensor]:
+        """The whole collection's layout as ``EmbeddingBagCollection`` keeps it in a state_dict."""
+        return {name: torch.tensor(values, dtype=torch.int64) for name, values in (
+            ("num_embeddings", self.layout.rows), ("capacities", self.layout.capacities), ("dims", self.layout.dims))}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, value in self._metadata().items():
+            destination[prefix + name] = value
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Checks the layout a checkpoint records against this one; rows never come this way (a whole
+        collection's are unexpected here: ``sharded_checkpoint.read_rows`` reads this rank's of them)."""
+        mine = self._metadata()
+        for name, value in mine.items():
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+            elif not torch.equal(state_dict[key].to(torch.int64).cpu(), value):
+                error_msgs.append(f"{key}: the checkpoint has {state_dict[key].tolist()}, this model "
+                                  f"{value.tolist()}")
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in mine)
+
+    def _apply(self, fn, recurse=True):
+        if self.local is not None:  # ``.to()`` and the like reach the shards, which are not a submodule
+            self.local._apply(fn, recurse)
+        return super()._apply(fn, recurse)
 
     def raise_id_errors(self) -> None:
         """Raise ``IndexError`` on every rank if any rank's batches since the last check held ids outside a
@@ -254,44 +381,31 @@ class ShardedEmbeddings(nn.Module):
             out.append(pooled_t)
         return torch.cat(out, dim=1)
 
-    @torch.no_grad()
-    def gather_into(self, full: EmbeddingBagCollection, dst: int = 0) -> None:
-        """Every rank's shards (rows and optimizer state) copied into ``full`` on rank ``dst`` (collective:
-        every rank calls it). ``full`` then holds what a single process would, for ``checkpoint.save``."""
-        flats = [torch.cat([v[:s.rows].reshape(-1) for j, s in enumerate(self.plan.ranks[self.rank])
-                            for v in _state_views(self.local, j)]) if self.local is not None
-                 else full.weights.new_zeros(0)]
-        if self.rank != dst:
-            dist.send(flats[0].float().contiguous(), dst, group=self.group)
-            return
-        for source, shards in enumerate(self.plan.ranks):
-            if source == self.rank:
-                flat = flats[0].float()
-            else:
-                size = sum(s.rows * v.shape[1] for s in shards for v in _state_views(full, s.table))
-                flat = torch.empty(size, dtype=torch.float32, device=full.weights.device)
-                dist.recv(flat, source, group=self.group)
-            position = 0
-            for shard in shards:
-                for view in _state_views(full, shard.table):
-                    n = shard.rows * view.shape[1]
-                    view[shard.lo:shard.hi].copy_(flat[position:position + n].view(shard.rows, view.shape[1]))
-                    position += n
-        if self.local is not None:
-            full.step.copy_(self.local.step)
+
+DRAW_BLOCK = 1 << 20  # values drawn at a time on a CPU by ``ShardedEmbeddings.draw_initial`` (4 MiB in fp32)
 
 
-class ShardedRankingModel(nn.Module):
-    """``RankingModel`` with its tables sharded: the dense arches are the full model's own modules (for
-    DistributedDataParallel and the dense optimizer), the sparse arch is this rank's ``ShardedEmbeddings``."""
+def _draw_rows(config: TableConfig, first: int, end: int, generator: torch.Generator,
+               keep: list[tuple[Shard, torch.Tensor]]) -> None:
+    """Rows ``[first, end)`` of a table's initial values, drawn from ``generator`` as one ``config.initialize``
+    of all of them would draw them; the rows inside each kept shard copied to its (rows, dim) view.
 
-    def __init__(self, full: RankingModel, plan: ShardingPlan, rank: int, group=None):
-        super().__init__()
-        self.dense_arch, self.interaction_arch, self.over_arch = full.dense_arch, full.interaction_arch, full.over_arch
-        self.sparse = ShardedEmbeddings(full.embeddings, plan, rank, group)
-        self.num_tables, self.dim = len(full.table_names), full.config.embedding_dim
-
-    def forward(self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        pooled = self.sparse(values, offsets)
-        sparse = pooled.view(pooled.shape[0], self.num_tables, self.dim)
-        return self.over_arch(self.interaction_arch(self.dense_arch(dense), sparse))
+    On a CPU, a uniform or normal draw of n values takes n values of the generator's stream (a normal one
+    in blocks of 16, recomputing the last 16 from 16 more when n is not a multiple of 16), so blocks of a
+    multiple of 16 values, the last one at least 16 long, give the whole draw's values."""
+    count, dim = end - first, config.dim
+    if count <= 0:
+        return
+    blocked = generator.device.type == "cpu" and config.init in ("uniform", "normal", "zeros")
+    rows_per_block = max(16, -(-(DRAW_BLOCK // dim) // 16) * 16) if blocked else count
+    bounds = list(range(0, count, rows_per_block))
+    if len(bounds) > 1 and (count - bounds[-1]) * dim < 16:
+        bounds.pop()  # the last block joins the one before: the whole draw's tail, recomputed, falls inside it
+    bounds.append(count)
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        block = torch.empty(b - a, dim, device=generator.device)
+        config.initialize(block, generator)
+        for shard, rows in keep:
+            lo, hi = max(first + a, shard.lo), min(first + b, shard.hi)
+            if lo < hi:
+                rows[lo - shard.lo:hi - shard.lo].copy_(block[lo - first - a:hi - first - a])

@@ -9,22 +9,31 @@ each chunk's offset in its table. Nothing is pickled (DCP's default ``FileSystem
     step-0000400/tables/shard-00000-model-00001-of-00001.safetensors   rank 0's shards
     step-0000400/tables/shard-00001-model-00001-of-00001.safetensors   rank 1's shards
 
+The completed checkpoint of a run trained by several ranks is written the same way (``recloop.train``): the
+whole model is put together afterwards by the one process that validates and registers it
+(``read_full_tables``, through ``checkpoint.load_weights``), never by a rank.
+
 A table ``t`` is ``tables.<name>.<buffer>`` (``weight``, ``state1``, ``state2``: its rows of each) of
 shape (rows, width): a row-wise table is a ``DTensor`` sharded on rows (``plan_sharding`` cuts rows as
 ``Shard(0)`` does), a table-wise one a plain tensor only its owner has. So a checkpoint loads into any
 world size and any plan (``load_tables``: each rank reads only its own rows), or into one process's whole
-collection (``read_full_tables``), and either equals the gathered tables bit for bit.
+collection (``read_full_tables``), and either equals the rows the ranks held bit for bit. ``read_rows``
+reads a rank's rows of a checkpoint whose tables have grown since (a warm start), whole or sharded, through
+``safetensors`` slices: no other row is read.
 
 Example::
 
-    save_tables(step_dir / "tables", trained.module.sparse)       # collective: every rank calls it
-    load_tables(step_dir / "tables", resumed.module.sparse)       # collective, any world size
-    read_full_tables(step_dir / "tables", model.embeddings)       # one process, no process group
+    save_tables(step_dir / "tables", model.embeddings)            # collective: every rank calls it
+    load_tables(step_dir / "tables", model.embeddings)            # collective, any world size
+    read_rows(champion_dir, model.embeddings, champion_rows)      # one rank, its rows of a whole checkpoint
+    read_full_tables(step_dir / "tables", whole.embeddings)       # one process, no process group
 """
 
 from __future__ import annotations
 
+import json
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -34,9 +43,13 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 
 from recloop.model.sharded import ShardedEmbeddings, _state_views
 from recloop_kernels import EmbeddingBagCollection
+from recloop_kernels.config import Layout
 
 BUFFERS = ("weight", "state1", "state2")
 STEP = "tables.step"
+SHARDING_INFO = "DCP_SHARDING_INFO"  # the header metadata where DCP records each chunk's offsets in its tensor
+ELEMENT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}  # a safetensors weight's dtype: rows are padded to 16 bytes of it
+WHOLE_PREFIX = "sparse_arch.embeddings."  # a whole model's tables in its model.safetensors (RankingModel)
 
 
 def _key(name: str, buffer: int) -> str:
@@ -110,3 +123,67 @@ def read_full_tables(folder: Path, collection: EmbeddingBagCollection) -> None:
     with torch.no_grad():
         for key, view in targets:
             view.copy_(state[key])
+
+
+def recorded_capacities(folder: Path, prefix: str = WHOLE_PREFIX) -> tuple[int, ...]:
+    """The tables' capacities a step folder's ``model.safetensors`` records (whole or sharded: both keep the
+    collection's layout there), read alone."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return tuple(f.get_tensor(prefix + "capacities").tolist())
+
+
+@torch.no_grad()
+def read_rows(folder: Path, sharded: ShardedEmbeddings, source_rows: Sequence[int],
+              prefix: str = WHOLE_PREFIX) -> None:
+    """This rank's rows of a step folder's tables, and their step: the rows of table t below ``source_rows[t]``
+    (the checkpoint's rows; a table grown since keeps its newer rows as they are). One process, no process
+    group, and only those rows are read: slices of the whole collection's flat buffers in ``model.safetensors``
+    (a single-process checkpoint; ``prefix``: its tables' keys), or of each rank's chunks in ``tables/``."""
+    from safetensors import safe_open
+
+    local, mine = sharded.local, sharded.plan.ranks[sharded.rank]
+    if local is None:
+        return
+    tables = folder / "tables"  # (recloop.checkpoint.TABLES)
+    device = str(local.weights.device)
+    if tables.is_dir():
+        for path in sorted(tables.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt", device=device) as f:
+                chunks = json.loads((f.metadata() or {}).get(SHARDING_INFO, "{}"))
+                for j, shard in enumerate(mine):
+                    end = min(shard.hi, source_rows[shard.table])
+                    for buffer, view in enumerate(_state_views(local, j)):
+                        key = _key(shard.name, buffer)
+                        if key not in chunks:
+                            continue
+                        first, piece = chunks[key]["saved_offsets"][0], f.get_slice(key)
+                        lo, hi = max(shard.lo, first), min(end, first + piece.get_shape()[0])
+                        if lo < hi:
+                            view[lo - shard.lo:hi - shard.lo].copy_(piece[lo - first:hi - first])
+                if STEP in chunks:
+                    local.step.copy_(f.get_tensor(STEP))
+        return
+    with safe_open(str(folder / "model.safetensors"), framework="pt", device=device) as f:
+        weights = f.get_slice(prefix + "weights")
+        dims = tuple(f.get_tensor(prefix + "dims").tolist())
+        capacities = tuple(f.get_tensor(prefix + "capacities").tolist())
+        padded = Layout(dims, capacities, capacities, (0,) * len(dims), 16 // ELEMENT_BYTES[weights.get_dtype()])
+        # a checkpoint written before rows were padded to 16 bytes holds them unpadded
+        layout = padded if weights.get_shape()[0] == padded.total_elems else Layout(dims, capacities, capacities,
+                                                                                    (0,) * len(dims), 1)
+        sources = [weights, *(f.get_slice(prefix + name) for name in ("state1", "state2")
+                              if f.get_slice(prefix + name).get_shape()[0])]
+        for j, shard in enumerate(mine):
+            t, count = shard.table, min(shard.hi, source_rows[shard.table]) - shard.lo
+            if count <= 0:
+                continue
+            for view, source in zip(_state_views(local, j), sources, strict=True):
+                if source.get_shape()[0] == layout.total_rows:  # one value per row (rowwise Adagrad)
+                    first = layout.row_offsets[t] + shard.lo
+                    view[:count].copy_(source[first:first + count].view(count, 1))
+                else:
+                    first, stride = layout.elem_offsets[t] + shard.lo * layout.strides[t], layout.strides[t]
+                    view[:count].copy_(source[first:first + count * stride].view(count, stride)[:, :dims[t]])
+        local.step.copy_(f.get_tensor(prefix + "step"))
