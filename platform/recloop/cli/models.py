@@ -39,6 +39,8 @@ def train_command(
                                                    "checkpoint folder to start from (default: the champion).")] = None,
     device: Annotated[Device, typer.Option(help="auto: CUDA if present.")] = Device.auto,
     deterministic: Annotated[bool, typer.Option(help="Results independent of thread scheduling.")] = False,
+    seed: Annotated[int, typer.Option(help="Seeds the initialization and the batch order: another seed trains "
+                                      "another model on the same rows.")] = 0,
     track: Annotated[bool, typer.Option(help="Log the run to MLflow and register the model.")] = True,
     nproc: Annotated[int, typer.Option(min=1, help="Processes (one per GPU): runs this command under torchrun, "
                                        "tables sharded and dense layers under DDP, then completes the run here "
@@ -59,7 +61,7 @@ def train_command(
         track, json_out = False, True
     config = TrainConfig(mode=mode, days=days, epochs=epochs, batch_size=batch_size,  # type: ignore[arg-type]
                          validation_hours=validation_hours, replay_fraction=replay, device=device,
-                         deterministic=deterministic, min_validation_rows=min_validation_rows)
+                         deterministic=deterministic, min_validation_rows=min_validation_rows, seed=seed)
     try:
         if complete or (nproc > 1 and rank is None):  # this process completes what ranks trained
             summary = _completed(nproc if not complete else 0, tracking.TrainingRun(Settings()) if track else None)
