@@ -49,6 +49,8 @@ from recloop_kernels import (  # noqa: E402
     HostCachedEmbeddingBagCollection,
     TableConfig,
 )
+from recloop_kernels.dynamic import KEYED_INIT_SALT, keyed_initial_rows  # noqa: E402
+from recloop_kernels.slot_map import mix64_int  # noqa: E402
 
 CATEGORIES = 20
 EMBEDDING_LR, DENSE_LR = 0.3, 1e-2  # of 0.1/3e-3 and 0.3/1e-2 on 12 days, the better for both runs (AUC 0.64 vs 0.61)
@@ -121,12 +123,15 @@ class AppendOnlyVocabulary:
     def __init__(self, min_count: int = 2):
         self.min_count, self.index, self.counts = min_count, {}, {}
 
-    def update(self, ids: np.ndarray) -> None:
+    def update(self, ids: np.ndarray) -> dict[int, int]:
+        """Count ``ids``; returns the ids admitted now, with their indices."""
+        admitted = {}
         for key, n in zip(*np.unique(ids, return_counts=True), strict=True):
             key = int(key)
             self.counts[key] = self.counts.get(key, 0) + int(n)
             if key not in self.index and self.counts[key] >= self.min_count:
-                self.index[key] = 2 + len(self.index)
+                self.index[key] = admitted[key] = 2 + len(self.index)
+        return admitted
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return np.array([self.index.get(int(k), 1) for k in ids], dtype=np.int64)
@@ -145,7 +150,7 @@ class Run:
     bounded arm ``like`` in nothing else) or ``append-only`` (vocabularies)."""
 
     def __init__(self, arm: str, model: ModelConfig, budgets: dict[str, int], seed: int, never_full: dict[str, int],
-                 dense_lr: float, like: Run | None = None):
+                 dense_lr: float, like: Run | None = None, keyed_init: bool = True):
         self.arm, self.bounded = arm, arm != "append-only"
         self.vocab = {name: AppendOnlyVocabulary() for name in ("user", "item")}
         fallback_rows = model.fallback_rows
@@ -154,6 +159,10 @@ class Run:
         # of their rows (uniform ±1/sqrt(rows)) and the same memory on day one; they then grow.
         start = [(name, fallback_rows + budgets[name]) for name in ("user", "item")]
         self.model = RankingModel(config, 1, [*start, ("category", CATEGORIES)], seed=seed)
+        self.seed, self.keyed_init = seed, keyed_init
+        # an admitted id's initial row, as the dynamic tables draw it: a hash of (seed, table, id), at the scale
+        # of the bounded tables (uniform ±1/sqrt(fallback + budget))
+        self.init_tables = [TableConfig(name, rows, model.embedding_dim) for name, rows in start]
         if arm == "unbounded":
             self.model.sparse_arch.embeddings = _never_evicting(like.model, never_full, seed)
             for name, value in like.model.state_dict().items():  # the same dense init (the same seed) ...
@@ -179,10 +188,15 @@ class Run:
 
     def train_hour(self, events: dict, rows: np.ndarray, batch_size: int = 256) -> None:
         if not self.bounded:  # the feature job's vocabulary update before the window trains
-            for name in ("user", "item"):
-                self.vocab[name].update(events[name][rows])
-                if self.vocab[name].size > self.model.embeddings.layout.rows[("user", "item").index(name)]:
+            for t, name in enumerate(("user", "item")):
+                admitted = self.vocab[name].update(events[name][rows])
+                if self.vocab[name].size > self.model.embeddings.layout.rows[t]:
                     self.model.embeddings.grow(name, self.vocab[name].size)
+                if self.keyed_init and admitted:  # the same start as the dynamic tables give the same id
+                    keys = torch.tensor(list(admitted), dtype=torch.int64)
+                    initial = keyed_initial_rows(self.init_tables[t], keys, mix64_int(self.seed, KEYED_INIT_SALT + t))
+                    with torch.no_grad():
+                        self.model.embeddings.weight(name)[torch.tensor(list(admitted.values()))] = initial
         for start in range(rows[0], rows[-1] + 1, batch_size):
             dense, values, offsets, label = self.batch(events, slice(start, min(start + batch_size, rows[-1] + 1)))
             loss = torch.nn.functional.binary_cross_entropy_with_logits(self.model(dense, values, offsets), label)
@@ -236,7 +250,8 @@ def loop_part(args) -> dict:
         world = ChurnWorld(config, seed)
         runs: dict[str, Run] = {"bounded": Run("bounded", model, budgets, seed, never_full, args.dense_lr)}
         for arm in arms:
-            runs[arm] = Run(arm, model, budgets, seed, never_full, args.dense_lr, like=runs["bounded"])
+            runs[arm] = Run(arm, model, budgets, seed, never_full, args.dense_lr, like=runs["bounded"],
+                            keyed_init=args.append_only_init == "keyed")
         aucs: dict[str, list[float]] = {name: [] for name in runs}
         oracle: list[float] = []
         first_eviction_day = None
@@ -286,7 +301,8 @@ def loop_part(args) -> dict:
         differences[f"{name} − {base}"] = {"by seed": _interval(by_seed), "by seed-day": _interval(by_seed_day)}
     result = {"config": {**config.__dict__, "budgets": budgets, "never_full": never_full, "model": model.to_dict(),
                          "dense_lr": args.dense_lr, "seeds": args.seeds,
-                         "warmup_days": args.warmup_days, "arms": list(runs)},
+                         "warmup_days": args.warmup_days, "arms": list(runs),
+                         "append_only_init": args.append_only_init},
               "per_seed": per_seed, "differences": differences, "rows_by_day": rows_by_day, "auc_by_day": traces}
     if checkpoint_bytes["delta"]:
         result["checkpoint_bytes"] = {"delta_mean": statistics.mean(checkpoint_bytes["delta"]),
@@ -478,6 +494,9 @@ def main() -> None:
     parser.add_argument("--eviction", choices=("lru", "lfu"), default=None, help="default: the model's")
     parser.add_argument("--embedding-lr", type=float, default=None, help="default: the model's")
     parser.add_argument("--dense-lr", type=float, default=DENSE_LR)
+    parser.add_argument("--append-only-init", choices=("keyed", "table"), default="table",
+                        help="an id the vocabulary admits starts from: keyed, the row the dynamic tables give it "
+                             "(a hash of seed, table and id); table, its index's row as the table drew it")
     parser.add_argument("--checkpoints", action=argparse.BooleanOptionalAction, default=True,
                         help="seed 0: write the bounded tables' hourly checkpoints and report their bytes")
     parser.add_argument("--device", default="cpu")
