@@ -325,7 +325,8 @@ def model_config(args) -> ModelConfig:
         embedding_dim=8, bottom_mlp=(8,), top_mlp=(32, 16), embedding_lr=EMBEDDING_LR, fallback_rows=64,
         embedding_backend="reference")
     changes = {key: value for key, value in (("embedding_lr", args.embedding_lr), ("fallback_rows", args.fallback_rows),
-                                             ("admit_after", args.admit_after), ("eviction", args.eviction))
+                                             ("admit_after", args.admit_after), ("eviction", args.eviction),
+                                             ("sketch_width", args.sketch_width))
                if value is not None}
     return replace(base, **changes)
 
@@ -493,6 +494,7 @@ def main() -> None:
     parser.add_argument("--admit-after", type=int, default=None, help="default: the model's")
     parser.add_argument("--eviction", choices=("lru", "lfu"), default=None, help="default: the model's")
     parser.add_argument("--embedding-lr", type=float, default=None, help="default: the model's")
+    parser.add_argument("--sketch-width", type=int, default=None, help="default: the model's (from the budget)")
     parser.add_argument("--dense-lr", type=float, default=DENSE_LR)
     parser.add_argument("--append-only-init", choices=("keyed", "table"), default="table",
                         help="an id the vocabulary admits starts from: keyed, the row the dynamic tables give it "

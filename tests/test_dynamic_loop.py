@@ -69,6 +69,10 @@ def test_a_budget_makes_only_that_table_dynamic_and_survives_json():
     assert ModelConfig.from_dict(json.loads(json.dumps(BUDGETED.to_dict()))) == BUDGETED
     plain = RankingModel(dataclasses.replace(BUDGETED, max_rows=()), 2, TABLES)
     assert type(plain.embeddings) is EmbeddingBagCollection and plain.dynamic_tables == ()
+    assert model.embeddings.sketch.width == 1024  # from the budget (40 rows), at least 1024
+    wide = dataclasses.replace(BUDGETED, sketch_width=1 << 14)
+    assert RankingModel(wide, 2, TABLES).embeddings.sketch.width == 1 << 14
+    assert ModelConfig.from_dict(json.loads(json.dumps(wide.to_dict()))) == wide
 
 
 def test_table_logs_restore_bit_exactly_and_deltas_cost_what_changed(tmp_path: Path):

@@ -67,7 +67,8 @@ class RetrievalConfig:
             rows, admitting an id after ``admit_after`` sightings (until then, and after it is evicted, it
             shares one of ``fallback_rows`` hashed rows) and evicting by ``eviction`` (``lru``, or ``lfu``
             halving every ``lfu_half_life`` steps); ``count_half_life``: steps after which the admission counts
-            halve. As ``recloop.model.ModelConfig``'s, with its defaults. Empty: a row per vocabulary index.
+            halve; ``sketch_width``: the admission sketch's counters a row. As ``recloop.model.ModelConfig``'s,
+            with its defaults. Empty: a row per vocabulary index.
     """
 
     table_dim: int = 32
@@ -83,6 +84,7 @@ class RetrievalConfig:
     eviction: Literal["lru", "lfu"] = "lru"
     lfu_half_life: float = 2000.0
     count_half_life: int = 2000
+    sketch_width: int | None = None
 
     def dynamic_tables(self) -> dict[str, DynamicTableConfig]:
         """The budgeted tables' configurations (empty: every table has a row per vocabulary index)."""
@@ -119,7 +121,8 @@ class Tower(nn.Module):
         common = dict(optimizer=config.embedding_optimizer, lr=config.embedding_lr, device=device, seed=seed)
         dynamic = {name: table for name, table in config.dynamic_tables().items() if name in dict(tables)}
         self.embeddings: EmbeddingBagCollection | DynamicEmbeddingBagCollection = (
-            DynamicEmbeddingBagCollection(configs, dynamic, count_half_life=config.count_half_life, **common)
+            DynamicEmbeddingBagCollection(configs, dynamic, count_half_life=config.count_half_life,
+                                          sketch_width=config.sketch_width, **common)
             if dynamic else EmbeddingBagCollection(configs, **common))
         self.table_names = [name for name, _ in tables]
         self.num_dense = dense
