@@ -1,25 +1,31 @@
-"""Dynamic tables (issue 42): a 60-day churning world, bounded vs append-only, and lookup+update throughput.
+"""Dynamic tables (issue 42): a 60-day churning world, bounded vs unbounded, and lookup+update throughput.
 
 Part ``loop``: a compact churning world (users and items are born every day and leave after a few days;
 ids are random 62-bit numbers; clicks follow latent tastes and item quality). Each day the model first
 scores the day's events (never trained on: next-day, held-out AUC), then trains on them, hour by hour.
-Two runs per seed on the same events, same model shape and seed:
+Three arms per seed on the same events, batches and order, the same model shape and seed:
 
-- ``append-only`` (the baseline: recloop's vocabularies today): an id gets an index once seen
-  ``min_count`` (2) times, unseen ids share the OOV row, tables grow 1.5x when full and never shrink;
-- ``bounded``: the same tables as ``DynamicEmbeddingBagCollection`` under a row budget (admission after
-  2 sightings, a hashed fallback range, LRU eviction), fed the raw ids.
+- ``bounded`` (what ships: ``ModelConfig.max_rows``): the user and item tables as
+  ``DynamicEmbeddingBagCollection`` under a row budget (admission, a hashed fallback range, eviction), fed
+  the raw ids;
+- ``unbounded``: the same dynamic tables with a budget the world never fills, and nothing else changed (the
+  bounded arm's initial scale, sketch, fallback and category rows; an admitted id starts from the same row in
+  both, a hash of the id). The two are equal, bit for bit, until the first eviction (checked): their
+  difference is the budget's effect, which the issue bounds (within 0.005 of held-out AUC);
+- ``append-only`` (recloop's vocabularies, the first baseline of this script): an id gets an index once seen
+  ``min_count`` (2) times, unseen ids share the OOV row, tables grow 1.5x when full and never shrink.
 
-It reports rows held per table per day, the AUC difference paired by seed (and by seed-day), and the
-bytes of the bounded run's hourly table checkpoints (``recloop.checkpoint.write_tables``: a full one a
-day, deltas between) against a full checkpoint every hour.
+It reports rows held per table per day, the AUC differences paired by seed (a t-interval over the seeds'
+means; by seed-day beside it), and the bytes of the bounded run's hourly table checkpoints
+(``recloop.checkpoint.write_tables``: a full one a day, deltas between) against a full checkpoint every hour.
 
 Part ``throughput``: forward + backward with the fused row-wise Adagrad, static ``EmbeddingBagCollection``
 vs ``DynamicEmbeddingBagCollection`` on the same batches in the same process (steady state: every id
 admitted; churn: ids from a universe 4x the budget, admissions and evictions every batch), and the host
 tier (a device cache of a quarter of the rows) vs the whole table; outputs are checked equal first.
 
-    python benchmarks/dynamic_tables.py                       # both parts, small defaults (3-6 min, shared 2 cores)
+    python benchmarks/dynamic_tables.py                       # both parts, small defaults (~6 min, shared 2 cores)
+    python benchmarks/dynamic_tables.py --part loop --seeds 10 --model shipped   # the bound (~8 min)
     python benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 128 --batch 65536
 """
 
