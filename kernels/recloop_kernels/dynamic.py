@@ -14,7 +14,7 @@ few ``fallback_rows`` shared by hashing::
          used by this batch (``eviction``: ``lru``, the least recently used; ``lfu``, the least
          frequently used with counts decaying by half every ``lfu_half_life`` steps); the evicted id's
          row AND its optimizer state are reset, so an admitted (or re-admitted) id starts fresh, from its
-         initial row (a hash of the seed, the table and the id: the same row at any slot, step or device)
+         initial row (a hash of the seed, the table and the id: the same row at any slot or step)
       4. the ids become inner row ids; the fused forward/backward/optimizer kernels run over them
       5. the rows used get their score (last use, decayed count)
 
@@ -404,8 +404,9 @@ class DynamicEmbeddingBagCollection(nn.Module):
         from nothing).
 
         Each id's values are a hash of (seed, table, id) (``keyed_initial_rows``), not draws from a running
-        generator: an id starts from the same row whatever its slot, the step it is admitted at, the device, or
-        a resume from a checkpoint, and a re-admitted id from the row it first had. Two runs whose tables
+        generator: an id starts from the same row whatever its slot, the step it is admitted at, or a resume
+        from a checkpoint, and a re-admitted id from the row it first had (on any device: the hash is integer
+        arithmetic; a ``normal`` init's log and cosine may differ there in the last bit). Two runs whose tables
         differ only in their budgets (and the same ``init_scale``: the default uniform scale follows the
         table's rows, fallback + budget) give an id the same start, and differ only where the budget acted
         (benchmarks/dynamic_tables.py pairs them so)."""
