@@ -1,25 +1,31 @@
-"""Dynamic tables (issue 42): a 60-day churning world, bounded vs append-only, and lookup+update throughput.
+"""Dynamic tables (issue 42): a 60-day churning world, bounded vs unbounded, and lookup+update throughput.
 
 Part ``loop``: a compact churning world (users and items are born every day and leave after a few days;
 ids are random 62-bit numbers; clicks follow latent tastes and item quality). Each day the model first
 scores the day's events (never trained on: next-day, held-out AUC), then trains on them, hour by hour.
-Two runs per seed on the same events, same model shape and seed:
+Three arms per seed on the same events, batches and order, the same model shape and seed:
 
-- ``append-only`` (the baseline: recloop's vocabularies today): an id gets an index once seen
-  ``min_count`` (2) times, unseen ids share the OOV row, tables grow 1.5x when full and never shrink;
-- ``bounded``: the same tables as ``DynamicEmbeddingBagCollection`` under a row budget (admission after
-  2 sightings, a hashed fallback range, LRU eviction), fed the raw ids.
+- ``bounded`` (what ships: ``ModelConfig.max_rows``): the user and item tables as
+  ``DynamicEmbeddingBagCollection`` under a row budget (admission, a hashed fallback range, eviction), fed
+  the raw ids;
+- ``unbounded``: the same dynamic tables with a budget the world never fills, and nothing else changed (the
+  bounded arm's initial scale, sketch, fallback and category rows; an admitted id starts from the same row in
+  both, a hash of the id). The two are equal, bit for bit, until the first eviction (checked): their
+  difference is the budget's effect, which the issue bounds (within 0.005 of held-out AUC);
+- ``append-only`` (recloop's vocabularies, the first baseline of this script): an id gets an index once seen
+  ``min_count`` (2) times, unseen ids share the OOV row, tables grow 1.5x when full and never shrink.
 
-It reports rows held per table per day, the AUC difference paired by seed (and by seed-day), and the
-bytes of the bounded run's hourly table checkpoints (``recloop.checkpoint.write_tables``: a full one a
-day, deltas between) against a full checkpoint every hour.
+It reports rows held per table per day, the AUC differences paired by seed (a t-interval over the seeds'
+means; by seed-day beside it), and the bytes of the bounded run's hourly table checkpoints
+(``recloop.checkpoint.write_tables``: a full one a day, deltas between) against a full checkpoint every hour.
 
 Part ``throughput``: forward + backward with the fused row-wise Adagrad, static ``EmbeddingBagCollection``
 vs ``DynamicEmbeddingBagCollection`` on the same batches in the same process (steady state: every id
 admitted; churn: ids from a universe 4x the budget, admissions and evictions every batch), and the host
 tier (a device cache of a quarter of the rows) vs the whole table; outputs are checked equal first.
 
-    python benchmarks/dynamic_tables.py                       # both parts, small defaults (3-6 min, shared 2 cores)
+    python benchmarks/dynamic_tables.py                       # both parts, small defaults (~6 min, shared 2 cores)
+    python benchmarks/dynamic_tables.py --part loop --seeds 10 --model shipped   # the bound (~8 min)
     python benchmarks/dynamic_tables.py --part throughput --device cuda --rows 10000000 --dim 128 --batch 65536
 """
 
@@ -30,7 +36,7 @@ import math
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +55,8 @@ from recloop_kernels import (  # noqa: E402
     HostCachedEmbeddingBagCollection,
     TableConfig,
 )
+from recloop_kernels.dynamic import KEYED_INIT_SALT, keyed_initial_rows  # noqa: E402
+from recloop_kernels.slot_map import mix64_int  # noqa: E402
 
 CATEGORIES = 20
 EMBEDDING_LR, DENSE_LR = 0.3, 1e-2  # of 0.1/3e-3 and 0.3/1e-2 on 12 days, the better for both runs (AUC 0.64 vs 0.61)
@@ -121,12 +129,15 @@ class AppendOnlyVocabulary:
     def __init__(self, min_count: int = 2):
         self.min_count, self.index, self.counts = min_count, {}, {}
 
-    def update(self, ids: np.ndarray) -> None:
+    def update(self, ids: np.ndarray) -> dict[int, int]:
+        """Count ``ids``; returns the ids admitted now, with their indices."""
+        admitted = {}
         for key, n in zip(*np.unique(ids, return_counts=True), strict=True):
             key = int(key)
             self.counts[key] = self.counts.get(key, 0) + int(n)
             if key not in self.index and self.counts[key] >= self.min_count:
-                self.index[key] = 2 + len(self.index)
+                self.index[key] = admitted[key] = 2 + len(self.index)
+        return admitted
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return np.array([self.index.get(int(k), 1) for k in ids], dtype=np.int64)
@@ -136,20 +147,34 @@ class AppendOnlyVocabulary:
         return 2 + len(self.index)
 
 
-class Run:
-    """One model over the world: ``bounded`` (dynamic tables on raw ids) or append-only (vocabularies)."""
+ARMS = ("bounded", "unbounded", "append-only")
 
-    def __init__(self, bounded: bool, budgets: dict[str, int], seed: int, fallback_rows: int):
-        self.bounded = bounded
-        model = ModelConfig(embedding_dim=8, bottom_mlp=(8,), top_mlp=(32, 16), embedding_lr=EMBEDDING_LR,
-                            max_rows=tuple(budgets.items()) if bounded else (), admit_after=2,
-                            fallback_rows=fallback_rows, embedding_backend="reference")
+
+class Run:
+    """One model over the world, one arm (module docstring): ``bounded`` (what ships: ``ModelConfig.max_rows``),
+    ``unbounded`` (the same dynamic tables with a budget the world never fills, built to differ from the
+    bounded arm ``like`` in nothing else) or ``append-only`` (vocabularies)."""
+
+    def __init__(self, arm: str, model: ModelConfig, budgets: dict[str, int], seed: int, never_full: dict[str, int],
+                 dense_lr: float, like: Run | None = None, keyed_init: bool = True):
+        self.arm, self.bounded = arm, arm != "append-only"
         self.vocab = {name: AppendOnlyVocabulary() for name in ("user", "item")}
-        # Both start with a table of the bounded run's size (fallback + budget): the same initial scale of
-        # their rows (uniform ±1/sqrt(rows)) and the same memory on day one; the append-only tables then grow.
+        fallback_rows = model.fallback_rows
+        config = replace(model, max_rows=tuple(budgets.items())) if self.bounded else model
+        # The append-only tables start with the bounded run's rows (fallback + budget): the same initial scale
+        # of their rows (uniform ±1/sqrt(rows)) and the same memory on day one; they then grow.
         start = [(name, fallback_rows + budgets[name]) for name in ("user", "item")]
-        self.model = RankingModel(model, 1, [*start, ("category", CATEGORIES)], seed=seed)
-        self.optimizer = torch.optim.Adam(self.model.dense_parameters(), lr=DENSE_LR)
+        self.model = RankingModel(config, 1, [*start, ("category", CATEGORIES)], seed=seed)
+        self.seed, self.keyed_init = seed, keyed_init
+        # an admitted id's initial row, as the dynamic tables draw it: a hash of (seed, table, id), at the scale
+        # of the bounded tables (uniform ±1/sqrt(fallback + budget))
+        self.init_tables = [TableConfig(name, rows, model.embedding_dim) for name, rows in start]
+        if arm == "unbounded":
+            self.model.sparse_arch.embeddings = _never_evicting(like.model, never_full, seed)
+            for name, value in like.model.state_dict().items():  # the same dense init (the same seed) ...
+                if not name.startswith("sparse_arch.") and not torch.equal(value, self.model.state_dict()[name]):
+                    raise SystemExit(f"the unbounded arm's {name} differs from the bounded arm's at the start")
+        self.optimizer = torch.optim.Adam(self.model.dense_parameters(), lr=dense_lr)
 
     def batch(self, events: dict, rows: slice) -> tuple[torch.Tensor, ...]:
         user, item = events["user"][rows], events["item"][rows]
@@ -169,10 +194,15 @@ class Run:
 
     def train_hour(self, events: dict, rows: np.ndarray, batch_size: int = 256) -> None:
         if not self.bounded:  # the feature job's vocabulary update before the window trains
-            for name in ("user", "item"):
-                self.vocab[name].update(events[name][rows])
-                if self.vocab[name].size > self.model.embeddings.layout.rows[("user", "item").index(name)]:
+            for t, name in enumerate(("user", "item")):
+                admitted = self.vocab[name].update(events[name][rows])
+                if self.vocab[name].size > self.model.embeddings.layout.rows[t]:
                     self.model.embeddings.grow(name, self.vocab[name].size)
+                if self.keyed_init and admitted:  # the same start as the dynamic tables give the same id
+                    keys = torch.tensor(list(admitted), dtype=torch.int64)
+                    initial = keyed_initial_rows(self.init_tables[t], keys, mix64_int(self.seed, KEYED_INIT_SALT + t))
+                    with torch.no_grad():
+                        self.model.embeddings.weight(name)[torch.tensor(list(admitted.values()))] = initial
         for start in range(rows[0], rows[-1] + 1, batch_size):
             dense, values, offsets, label = self.batch(events, slice(start, min(start + batch_size, rows[-1] + 1)))
             loss = torch.nn.functional.binary_cross_entropy_with_logits(self.model(dense, values, offsets), label)
@@ -191,16 +221,46 @@ class Run:
         return sum(t.numel() * t.element_size() for t in self.model.embeddings.state_dict().values())
 
 
+def _never_evicting(bounded: RankingModel, never_full: dict[str, int], seed: int) -> DynamicEmbeddingBagCollection:
+    """The bounded model's tables with budgets the world never fills, and nothing else changed: the same
+    initial scale of admitted rows (the default follows fallback + budget: fixed here to the bounded one's),
+    the same sketch (its width defaults to the total budget), the same fallback and category rows (drawn
+    after the budgeted tables, so elsewhere in the generator's stream). Admitted rows start alike in both:
+    a hash of the id (``DynamicEmbeddingBagCollection._reset_rows``)."""
+    old = bounded.embeddings
+    tables = [replace(t, init_scale=t.init_scale if t.init_scale is not None else t.num_embeddings ** -0.5)
+              for t in old.tables]
+    dynamic = {name: replace(config, max_rows=never_full[name]) for name, config in old.dynamic.items()}
+    inner = old.inner
+    new = DynamicEmbeddingBagCollection(tables, dynamic, sketch_depth=old.sketch.depth, sketch_width=old.sketch.width,
+                                        count_half_life=old.count_half_life, optimizer=inner.optimizer.name,
+                                        lr=inner.optimizer.lr, seed=seed, backend=inner.backend)
+    with torch.no_grad():
+        for t in old.tables:
+            shared = old.dynamic[t.name].fallback_rows if t.name in old.dynamic else t.num_embeddings
+            new.weight(t.name)[:shared] = old.weight(t.name)[:shared]
+    return new
+
+
 def loop_part(args) -> dict:
+    """Every arm over the same worlds (module docstring); AUC differences paired by seed (and seed-day)."""
     config = ChurnConfig(days=args.days, events_per_day=args.events_per_day)
     budgets = {"user": args.user_budget, "item": args.item_budget}
-    per_seed, per_day_pairs, rows_by_day, checkpoint_bytes = [], [], [], {"delta": [], "full": [], "full_hourly": []}
+    never_full = {"user": config.new_users_per_day * (config.days + 2),  # every id the world makes
+                  "item": config.new_items_per_day * (config.days + 2)}
+    model = model_config(args)
+    arms = [arm for arm in ARMS[1:] if arm in args.arms.split(",")]  # the bounded arm always runs
+    per_seed, rows_by_day, traces = [], [], []
+    checkpoint_bytes: dict[str, list[int]] = {"delta": [], "full": [], "full_hourly": []}
     for seed in range(args.seeds):
         world = ChurnWorld(config, seed)
-        runs = {"append-only": Run(False, budgets, seed, args.fallback_rows),
-                "bounded": Run(True, budgets, seed, args.fallback_rows)}
+        runs: dict[str, Run] = {"bounded": Run("bounded", model, budgets, seed, never_full, args.dense_lr)}
+        for arm in arms:
+            runs[arm] = Run(arm, model, budgets, seed, never_full, args.dense_lr, like=runs["bounded"],
+                            keyed_init=args.append_only_init == "keyed")
         aucs: dict[str, list[float]] = {name: [] for name in runs}
         oracle: list[float] = []
+        first_eviction_day = None
         with tempfile.TemporaryDirectory() as log_dir:
             for day in range(config.days):
                 events = world.day(day)
@@ -208,18 +268,23 @@ def loop_part(args) -> dict:
                     for name, run in runs.items():
                         aucs[name].append(metrics(events["label"], run.score(events))["auc"])
                     oracle.append(metrics(events["label"], events["p_click"])["auc"])
+                    if first_eviction_day is None and "unbounded" in runs and aucs["bounded"][-1] != aucs["unbounded"][-1]:
+                        raise SystemExit(f"seed {seed} day {day + 1}: the bounded and unbounded arms differ before the "
+                                         "budget evicted anything: they do not differ by the budget alone")
                 for hour in range(24):
                     rows = np.flatnonzero(events["hour"] == hour)
                     if not len(rows):
                         continue
                     for run in runs.values():
                         run.train_hour(events, rows)
-                    if seed == 0:  # the bounded run's hourly table checkpoint: a full one a day, deltas between
+                    if seed == 0 and args.checkpoints:  # the bounded run's hourly table checkpoint: full daily
                         entry = checkpoint.write_tables(Path(log_dir), runs["bounded"].model.embeddings, full_every=24)
                         checkpoint_bytes[entry["kind"]].append(entry["bytes"])
                         if hour == 23:
                             checkpoint_bytes["full_hourly"].append(entry["bytes"] if entry["kind"] == "full" else
                                                                    _full_bytes(runs["bounded"]))
+                if first_eviction_day is None and runs["bounded"].model.embeddings.evicted:
+                    first_eviction_day = day + 1
                 if seed == 0:
                     rows_by_day.append({"day": day + 1, **{f"{name} {table}": held for name, run in runs.items()
                                                             for table, held in run.rows_held().items()},
@@ -228,22 +293,48 @@ def loop_part(args) -> dict:
                 print(f"seed {seed} day {day + 1}: " + ", ".join(
                     f"{n} AUC {aucs[n][-1]:.4f}" for n in runs if aucs[n]) + f"; rows {rows_by_day[-1] if seed == 0 else ''}",
                     flush=True)
-        diffs = [b - a for a, b in zip(aucs["append-only"], aucs["bounded"], strict=True)]
-        per_day_pairs += diffs
-        per_seed.append({"seed": seed, "append-only AUC": statistics.mean(aucs["append-only"]),
-                         "bounded AUC": statistics.mean(aucs["bounded"]), "difference": statistics.mean(diffs),
-                         "oracle AUC": statistics.mean(oracle),
+        per_seed.append({"seed": seed, **{f"{name} AUC": statistics.mean(aucs[name]) for name in runs},
+                         **{f"{name} − {base}": statistics.mean(np.subtract(aucs[name], aucs[base]).tolist())
+                            for name, base in _pairs(runs)},
+                         "oracle AUC": statistics.mean(oracle), "first eviction day": first_eviction_day,
                          "evicted": runs["bounded"].model.embeddings.evicted,
                          "failed_inserts": runs["bounded"].model.embeddings.failed_inserts})
-    seed_diffs = [s["difference"] for s in per_seed]
-    return {"config": {**config.__dict__, "budgets": budgets, "fallback_rows": args.fallback_rows,
-                       "seeds": args.seeds, "warmup_days": args.warmup_days},
-            "per_seed": per_seed, "difference": _interval(seed_diffs), "difference_by_seed_day": _interval(per_day_pairs),
-            "rows_by_day": rows_by_day,
-            "checkpoint_bytes": {"delta_mean": statistics.mean(checkpoint_bytes["delta"]),
-                                 "full_mean": statistics.mean(checkpoint_bytes["full"]),
-                                 "hourly_full_mean": statistics.mean(checkpoint_bytes["full_hourly"]),
-                                 "deltas": len(checkpoint_bytes["delta"]), "fulls": len(checkpoint_bytes["full"])}}
+        traces.append({"seed": seed, "oracle": oracle, **aucs})
+    differences = {}
+    for name, base in _pairs(runs):
+        by_seed = [s[f"{name} − {base}"] for s in per_seed]
+        by_seed_day = [b - a for t in traces for a, b in zip(t[base], t[name], strict=True)]
+        differences[f"{name} − {base}"] = {"by seed": _interval(by_seed), "by seed-day": _interval(by_seed_day)}
+    result = {"config": {**config.__dict__, "budgets": budgets, "never_full": never_full, "model": model.to_dict(),
+                         "dense_lr": args.dense_lr, "seeds": args.seeds,
+                         "warmup_days": args.warmup_days, "arms": list(runs),
+                         "append_only_init": args.append_only_init},
+              "per_seed": per_seed, "differences": differences, "rows_by_day": rows_by_day, "auc_by_day": traces}
+    if checkpoint_bytes["delta"]:
+        result["checkpoint_bytes"] = {"delta_mean": statistics.mean(checkpoint_bytes["delta"]),
+                                      "full_mean": statistics.mean(checkpoint_bytes["full"]),
+                                      "hourly_full_mean": statistics.mean(checkpoint_bytes["full_hourly"]),
+                                      "deltas": len(checkpoint_bytes["delta"]), "fulls": len(checkpoint_bytes["full"])}
+    return result
+
+
+def _pairs(runs: dict) -> list[tuple[str, str]]:
+    """(arm, baseline) pairs reported: the budget's effect first (bounded − unbounded)."""
+    wanted = [("bounded", "unbounded"), ("bounded", "append-only"), ("unbounded", "append-only")]
+    return [(a, b) for a, b in wanted if a in runs and b in runs]
+
+
+def model_config(args) -> ModelConfig:
+    """``shipped``: ``ModelConfig()``'s defaults (what the trainer runs without a configuration), on the CPU
+    reference backend; ``small``: dim 8 and small MLPs (the first runs of this benchmark). Flags override."""
+    base = ModelConfig(embedding_backend="reference") if args.model == "shipped" else ModelConfig(
+        embedding_dim=8, bottom_mlp=(8,), top_mlp=(32, 16), embedding_lr=EMBEDDING_LR, fallback_rows=64,
+        embedding_backend="reference")
+    changes = {key: value for key, value in (("embedding_lr", args.embedding_lr), ("fallback_rows", args.fallback_rows),
+                                             ("admit_after", args.admit_after), ("eviction", args.eviction),
+                                             ("sketch_width", args.sketch_width))
+               if value is not None}
+    return replace(base, **changes)
 
 
 def _full_bytes(run: Run) -> int:
@@ -253,10 +344,15 @@ def _full_bytes(run: Run) -> int:
 
 
 def _interval(values: list[float]) -> dict:
-    """Mean and a normal-approximation 95 % interval (t for few values would be wider: n is said)."""
+    """Mean and its 95 % t-interval (Student's t with n - 1 degrees of freedom: the seeds are the independent
+    units; with 10 of them the normal approximation's 1.96 would be 13 % too narrow)."""
+    from scipy import stats
+
     mean = statistics.mean(values)
-    half = 1.96 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(values)}
+    if len(values) < 2:
+        return {"mean": mean, "low": float("nan"), "high": float("nan"), "n": len(values)}
+    half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(values), "sd": statistics.stdev(values)}
 
 
 # --- throughput ----------------------------------------------------------------------------------------------
@@ -398,7 +494,19 @@ def main() -> None:
     parser.add_argument("--warmup-days", type=int, default=3)
     parser.add_argument("--user-budget", type=int, default=3000)
     parser.add_argument("--item-budget", type=int, default=600)
-    parser.add_argument("--fallback-rows", type=int, default=64)
+    parser.add_argument("--arms", default=",".join(ARMS), help="of " + ", ".join(ARMS) + " (bounded always runs)")
+    parser.add_argument("--model", choices=("shipped", "small"), default="small")
+    parser.add_argument("--fallback-rows", type=int, default=None, help="default: the model's")
+    parser.add_argument("--admit-after", type=int, default=None, help="default: the model's")
+    parser.add_argument("--eviction", choices=("lru", "lfu"), default=None, help="default: the model's")
+    parser.add_argument("--embedding-lr", type=float, default=None, help="default: the model's")
+    parser.add_argument("--sketch-width", type=int, default=None, help="default: the model's (from the budget)")
+    parser.add_argument("--dense-lr", type=float, default=DENSE_LR)
+    parser.add_argument("--append-only-init", choices=("keyed", "table"), default="table",
+                        help="an id the vocabulary admits starts from: keyed, the row the dynamic tables give it "
+                             "(a hash of seed, table and id); table, its index's row as the table drew it")
+    parser.add_argument("--checkpoints", action=argparse.BooleanOptionalAction, default=True,
+                        help="seed 0: write the bounded tables' hourly checkpoints and report their bytes")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--dim", type=int, default=32)
@@ -427,17 +535,18 @@ def main() -> None:
         loop = result["loop"]
         days = [r for r in loop["rows_by_day"] if r["day"] in (1, 10, 20, 30, 40, 50, 60) or r is loop["rows_by_day"][-1]]
         report("rows held per table (seed 0): append-only vs bounded", days, info, None)
-        d, b = loop["difference"], loop["checkpoint_bytes"]
-        print(f"held-out AUC, bounded − append-only, paired by seed: {d['mean']:+.4f} "
-              f"[{d['low']:+.4f}, {d['high']:+.4f}] (n={d['n']}); by seed-day: "
-              f"{loop['difference_by_seed_day']['mean']:+.4f} [{loop['difference_by_seed_day']['low']:+.4f}, "
-              f"{loop['difference_by_seed_day']['high']:+.4f}] (n={loop['difference_by_seed_day']['n']})")
+        for pair, interval in loop["differences"].items():
+            d, pooled = interval["by seed"], interval["by seed-day"]
+            print(f"held-out AUC, {pair}: {d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}] (95 % t-interval over "
+                  f"seed means, n={d['n']}; by seed-day {pooled['mean']:+.4f} [{pooled['low']:+.4f}, "
+                  f"{pooled['high']:+.4f}], n={pooled['n']}, days of a seed not independent)")
         for row in loop["per_seed"]:
-            print("seed {seed}: append-only AUC {a:.4f}, bounded AUC {b:.4f}, oracle AUC {o:.4f}, evicted {e}, "
-                  "inserts refused {f}".format(seed=row["seed"], a=row["append-only AUC"], b=row["bounded AUC"],
-                                               o=row["oracle AUC"], e=row["evicted"], f=row["failed_inserts"]))
-        print(f"hourly table checkpoints (bounded, seed 0): delta {b['delta_mean'] / 1e3:,.1f} kB, "
-              f"full {b['full_mean'] / 1e3:,.1f} kB ({b['deltas']} deltas, {b['fulls']} fulls)")
+            print(f"seed {row['seed']}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in row.items() if k != "seed"))
+        if "checkpoint_bytes" in loop:
+            b = loop["checkpoint_bytes"]
+            print(f"hourly table checkpoints (bounded, seed 0): delta {b['delta_mean'] / 1e3:,.1f} kB, "
+                  f"full {b['full_mean'] / 1e3:,.1f} kB ({b['deltas']} deltas, {b['fulls']} fulls)")
     if "ops" in result:
         report("tensor operations in one steady-state training lookup of the dynamic table (rows_for)",
                result["ops"][:16], info, None)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load, save
 
 from recloop_kernels import TableConfig
-from recloop_kernels.dynamic import DynamicEmbeddingBagCollection, DynamicTableConfig
+from recloop_kernels.dynamic import DynamicEmbeddingBagCollection, DynamicTableConfig, keyed_initial_rows
 from recloop_kernels.dynamic_reference import ReferenceSlotMap
 from recloop_kernels.slot_map import MASK64, PROBE, WindowedHashMap, bucket_int, mix64, mix64_int
 
@@ -138,6 +138,59 @@ def test_evicted_rows_take_their_optimizer_state_and_a_readmitted_id_starts_fres
     assert module.inner.state1[row] == 0
     assert not torch.equal(module.weight("item")[row], trained_weight)
     assert module.weight("item")[row].abs().max() <= 1.0  # the table's init (uniform ±1), not a trained row
+
+
+def test_an_id_starts_from_the_same_row_whatever_its_slot_step_and_budget():
+    """Two modules that differ only in their budgets (and so in the slots and steps at which ids are admitted
+    and evicted) start each id from the same row; a re-admitted id from the row it first had."""
+    scale = 0.05  # the default uniform scale follows the rows (fallback + budget): the same scale for both
+    tables = [TableConfig("item", 1, 6, init_scale=scale), TableConfig("user", 1, 6, init_scale=scale)]
+
+    def module(max_rows, seed=11):
+        dynamic = {name: DynamicTableConfig(max_rows=max_rows, admit_after=1, fallback_rows=4) for name in
+                   ("item", "user")}
+        return DynamicEmbeddingBagCollection(tables, dynamic, optimizer="sgd", lr=0.1, seed=seed)
+
+    def initial_row(module, name, key):
+        slot = module.slot_of(name, torch.tensor([key])).item()
+        assert slot >= 0, (name, key)
+        return module.weight(name)[4 + slot]
+
+    small, large, other_seed = module(2), module(50), module(50, seed=12)
+    with torch.no_grad():
+        large.rows_for(*one_batch([[2**61 + 5, 41, 40, 8, 7], [7]]))  # every id at once, in another order
+        other_seed.rows_for(*one_batch([[7], []]))
+        small.rows_for(*one_batch([[7, 8], [7]]))
+        assert torch.equal(initial_row(small, "item", 7), initial_row(large, "item", 7))
+        assert torch.equal(initial_row(small, "user", 7), initial_row(large, "user", 7))
+        small.rows_for(*one_batch([[40, 41], []]))  # the two slots go to 40 and 41: 7 and 8 are evicted
+        assert small.slot_of("item", torch.tensor([7, 8])).tolist() == [-1, -1]
+        for key in (40, 41):
+            assert torch.equal(initial_row(small, "item", key), initial_row(large, "item", key))
+        small.rows_for(*one_batch([[7, 2**61 + 5], []]))  # re-admitted (evicting 40 and 41): 7's first row again
+        for key in (7, 2**61 + 5):
+            assert torch.equal(initial_row(small, "item", key), initial_row(large, "item", key))
+    rows = [initial_row(large, "item", k) for k in (7, 8, 40, 41)] + [initial_row(large, "user", 7)]
+    assert len({tuple(r.tolist()) for r in rows}) == len(rows)  # other ids or tables, other rows
+    assert not torch.equal(initial_row(other_seed, "item", 7), initial_row(large, "item", 7))  # other seed
+    assert all(r.abs().max() <= scale for r in rows)
+
+
+@pytest.mark.parametrize("init, scale, expected_std", [("uniform", 0.2, 0.2 / 3 ** 0.5), ("normal", 0.5, 0.5)],
+                         ids=["uniform", "normal"])
+def test_keyed_initial_rows_follow_the_table_init(init, scale, expected_std):
+    """The hashed draws have the init's spread: 40,000 values, so the standard deviation is within ~1 % (the
+    tolerance, 3 %, is three of its standard errors); uniform values never leave ±scale."""
+    table = TableConfig("item", 1, 8, init=init, init_scale=scale)
+    keys = torch.randint(0, 2**62, (5000,), generator=torch.Generator().manual_seed(0))
+    rows = keyed_initial_rows(table, keys, salt=3)
+    assert rows.shape == (5000, 8) and torch.isfinite(rows).all()
+    assert abs(rows.mean().item()) < 3 * expected_std / 200
+    assert abs(rows.std().item() / expected_std - 1) < 0.03
+    if init == "uniform":
+        assert rows.abs().max() <= scale
+    assert torch.equal(rows[:10], keyed_initial_rows(table, keys[:10], salt=3))  # a function of the key
+    assert not torch.equal(rows[:10], keyed_initial_rows(table, keys[:10], salt=4))
 
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])

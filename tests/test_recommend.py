@@ -454,3 +454,37 @@ def test_recommend_answers_without_the_seen_filter_when_the_journal_cannot_be_re
         assert answer.status_code == 200, answer.text
         assert answer.json()["skipped_filters"][0].startswith("seen: the journal could not be read")
         assert len(answer.json()["items"]) == 5
+
+
+def test_a_retriever_under_row_budgets_recommends_after_evicting(champion_home: Settings, tmp_path: Path, copy_home):
+    """The champion retriever trained under budgets far below its users and items (40 and 30 rows): a user who
+    kept a row is answered by retrieval, an evicted one by the popular items (told why), never an error; the
+    index holds the evicted items too (embedded from their fallback rows)."""
+    from recloop.model.retrieval import RetrievalConfig
+
+    settings = copy_home(champion_home, tmp_path / "home", feast=True, recommend_candidates=50)
+    model = RetrievalConfig(max_rows=(("c_user_id", 40), ("c_item_id", 30)), fallback_rows=8, admit_after=1)
+    summary = train_retriever(settings, RetrievalTrainConfig(days=3, epochs=1, batch_size=256, validation_hours=12,
+                                                             eval_ks=(50,), device="cpu", model=model))
+    logged = log_retriever(settings, summary)
+    outcome = run_retrieval_gate(settings, logged.version, RetrievalThresholds(k=50, min_recall=0.0,
+                                                                                 min_lift_over_popularity=0.0))
+    assert outcome["alias"] == "champion", outcome["reasons"]
+    retriever = Retriever.load(Path(summary.checkpoint))
+    user_tower, item_tower = retriever.model.user_tower, retriever.model.item_tower
+    assert user_tower.embeddings.rows_held()["c_user_id"] == 40 and item_tower.embeddings.rows_held()["c_item_id"] == 30
+    assert len(retriever.catalog) > 30  # every catalog item is indexed, most without a row of their own
+    rows = read_rows(sorted((settings.home / "features" / "training").glob("*.parquet"))[-24:], RetrievalFeatures())
+    users = dict(zip(rows.columns["user_id"].tolist(), rows.columns["c_user_id"].tolist(), strict=True))
+    kept = next(raw for raw, index in users.items() if retriever.has_user_row(index))
+    evicted = next(raw for raw, index in users.items() if not retriever.has_user_row(index))
+    with ServerThread(create_app(settings)) as server:
+        answers = {who: httpx.post(f"{server.url}/recommend", json={"user_id": user, "context": CONTEXT, "k": 5,
+                                                                     "ts": TS}, timeout=30)
+                   for who, user in (("kept", kept), ("evicted", evicted))}
+    for who, answer in answers.items():
+        assert answer.status_code == 200, (who, answer.text)
+        assert len(answer.json()["items"]) == 5 and answer.json()["retriever"]["version"] == logged.version
+    assert answers["kept"].json()["source"] == "retrieval"
+    assert answers["evicted"].json()["source"] == "popularity"
+    assert "no row" in answers["evicted"].json()["fallback_reason"]

@@ -98,3 +98,44 @@ def test_unknown_ids_map_to_the_out_of_vocabulary_row():
     offsets = torch.tensor([0, 1, 2, 3, 4, 4, 6])
     mapped = model.user_tower.known_ids(values, offsets)
     assert mapped.tolist() == [5, 1, 2, 3, 7, 1]
+
+
+def test_towers_under_a_row_budget_hold_at_most_it_and_still_embed_evicted_ids():
+    """User, item and history tables under budgets of 6, 8 and 8 rows; 60 steps over 40 users and 50 items (ids
+    far beyond the budgets, and beyond 2**40): the tables stay within them, the towers train, and an evicted id
+    is still embedded (its fallback row), a finite unit vector."""
+    budgets = (("c_user_id", 6), ("c_item_id", 8), ("m_history", 8))
+    config = RetrievalConfig(table_dim=8, hidden=(16,), output_dim=8, embedding_lr=0.1, max_rows=budgets,
+                             admit_after=1, fallback_rows=4)
+    model = TwoTowerModel(config, [("c_user_id", 20), ("c_device", 4), ("m_history", 30)],
+                          [("c_item_id", 30), ("c_category", 5)], item_dense=1, multi_hot={"m_history"})
+    assert model.user_tower.dynamic_tables == ("c_user_id", "m_history")
+    assert model.item_tower.dynamic_tables == ("c_item_id",)
+    g = torch.Generator().manual_seed(2)
+    optimizer = torch.optim.Adam(model.dense_parameters(), lr=1e-2)
+    batch, big = 16, 2**40
+    for _ in range(60):
+        users = big + torch.randint(0, 40, (batch,), generator=g)
+        items = big + torch.randint(0, 50, (batch,), generator=g)
+        lengths = torch.randint(0, 3, (batch,), generator=g)
+        history = big + torch.randint(0, 50, (int(lengths.sum()),), generator=g)
+        user_values = torch.cat([users, torch.randint(2, 4, (batch,), generator=g), history])
+        user_offsets = torch.cat([torch.arange(0, 2 * batch + 1), 2 * batch + torch.cumsum(lengths, 0)])
+        u, v = model(user_values, user_offsets, torch.cat([items, items % 5]), torch.arange(0, 2 * batch + 1),
+                     torch.randn(batch, 1, generator=g))
+        loss = in_batch_softmax_loss(u, v, items, None, model.config.temperature)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    held = {**model.user_tower.embeddings.rows_held(), **model.item_tower.embeddings.rows_held()}
+    assert held == {"c_user_id": 6, "m_history": 8, "c_item_id": 8}  # full, and never beyond
+    assert model.user_tower.embeddings.evicted > 0 and model.item_tower.embeddings.evicted > 0
+    everyone = big + torch.arange(50)
+    has_row = model.item_tower.has_row("c_item_id", everyone)
+    assert int(has_row.sum()) == 8
+    model.eval()
+    evicted = everyone[~has_row][:5]
+    values = torch.cat([evicted, evicted % 5])
+    assert torch.equal(model.item_tower.known_ids(values, torch.arange(11)), values)  # any id, as it is
+    vectors = model.item_tower(values, torch.arange(11), torch.zeros(5, 1))
+    assert torch.isfinite(vectors).all() and torch.allclose(vectors.norm(dim=1), torch.ones(5), atol=1e-5)

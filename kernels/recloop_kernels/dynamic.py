@@ -13,7 +13,8 @@ few ``fallback_rows`` shared by hashing::
          are admitted, most-seen first: a free slot, or the slot of the row with the lowest score not
          used by this batch (``eviction``: ``lru``, the least recently used; ``lfu``, the least
          frequently used with counts decaying by half every ``lfu_half_life`` steps); the evicted id's
-         row AND its optimizer state are reset, so an admitted (or re-admitted) id starts fresh
+         row AND its optimizer state are reset, so an admitted (or re-admitted) id starts fresh, from its
+         initial row (a hash of the seed, the table and the id: the same row at any slot or step)
       4. the ids become inner row ids; the fused forward/backward/optimizer kernels run over them
       5. the rows used get their score (last use, decayed count)
 
@@ -57,6 +58,7 @@ from recloop_kernels.slot_map import (
     WindowedHashMap,
     bucket,
     mix64_int,
+    uniform_from_keys,
     unique_pairs,
 )
 
@@ -98,6 +100,29 @@ def map_capacity(max_rows: int) -> int:
     """Positions of a table's map: 4 × max_rows rounded up to a whole window (a load of a quarter at most,
     where a full window is a ~1e-9 event: slot_map.py)."""
     return -(-4 * max_rows // PROBE) * PROBE
+
+
+KEYED_INIT_SALT = 0x5EED  # keeps the initial rows' hash apart from the map's and the sketch's
+
+
+def keyed_initial_rows(table: TableConfig, keys: torch.Tensor, salt: int) -> torch.Tensor:
+    """(n, dim) initial rows for ids ``keys`` under ``table``'s init, each a function of (salt, id) only
+    (``slot_map.uniform_from_keys``): ``uniform`` ±scale, ``normal`` by Box–Muller, ``zeros``; a callable init
+    fills the rows as it would any others (not keyed)."""
+    rows = torch.empty(keys.numel(), table.dim, device=keys.device)
+    if callable(table.init) or table.init == "zeros":
+        table.initialize(rows)
+    elif table.init == "uniform":
+        scale = table.init_scale if table.init_scale is not None else table.num_embeddings ** -0.5
+        rows.copy_(uniform_from_keys(keys, salt, table.dim).mul_(2).sub_(1).mul_(scale))
+    elif table.init == "normal":
+        scale = table.init_scale if table.init_scale is not None else table.dim ** -0.5
+        u = uniform_from_keys(keys, salt, 2 * table.dim)
+        radius = torch.sqrt(-2 * torch.log1p(-u[:, :table.dim]))  # 1 - u in (0, 1]: a finite radius
+        rows.copy_(radius * torch.cos(2 * math.pi * u[:, table.dim:]) * scale)
+    else:
+        table.initialize(rows)  # raises: an unknown init
+    return rows
 
 
 class DynamicEmbeddingBagCollection(nn.Module):
@@ -372,19 +397,22 @@ class DynamicEmbeddingBagCollection(nn.Module):
             if evict > 0:  # a victim slot nobody took still had its row: it is now free, and starts fresh later
                 self.touched_slots[lo + victims] = True
             self.admitted += int(slots.numel())
-            self._reset_rows(self._tables[d], config.fallback_rows + slots, now)
+            self._reset_rows(self._tables[d], config.fallback_rows + slots, candidates)
 
-    def _reset_rows(self, t: int, rows: torch.Tensor, now: int) -> None:
-        """Fresh rows: the table's init, and zero optimizer state (an admitted id starts from nothing).
+    def _reset_rows(self, t: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
+        """Fresh rows for the ids ``keys``: the table's init, and zero optimizer state (an admitted id starts
+        from nothing).
 
-        The values are drawn from a generator seeded by a hash of (seed, step, table), not from a running one,
-        so that a run resumed from a checkpoint (which holds the clock, not a generator's state) draws the same."""
+        Each id's values are a hash of (seed, table, id) (``keyed_initial_rows``), not draws from a running
+        generator: an id starts from the same row whatever its slot, the step it is admitted at, or a resume
+        from a checkpoint, and a re-admitted id from the row it first had (on any device: the hash is integer
+        arithmetic; a ``normal`` init's log and cosine may differ there in the last bit). Two runs whose tables
+        differ only in their budgets (and the same ``init_scale``: the default uniform scale follows the
+        table's rows, fallback + budget) give an id the same start, and differ only where the budget acted
+        (benchmarks/dynamic_tables.py pairs them so)."""
         inner = self.inner
         layout = inner.layout
-        generator = torch.Generator(device=inner._generator.device).manual_seed(
-            mix64_int(self._seed, now * 1_009 + t) >> 1)
-        fresh = torch.empty(rows.numel(), layout.dims[t], device=inner._generator.device)
-        inner.tables[t].initialize(fresh, generator)
+        fresh = keyed_initial_rows(inner.tables[t], keys, mix64_int(self._seed, KEYED_INIT_SALT + t))
         reference.table_view(inner.weights, layout, t)[rows] = fresh.to(inner.weights)
         for state in (inner.state1, inner.state2):
             if state.numel() == layout.total_rows:  # one value a row (row-wise Adagrad)

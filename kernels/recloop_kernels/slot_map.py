@@ -76,6 +76,14 @@ def bucket_int(key: int, salt: int, buckets: int) -> int:
     return (mix64_int(key, salt) & ((1 << 62) - 1)) % buckets
 
 
+def uniform_from_keys(keys: torch.Tensor, salt: int, columns: int) -> torch.Tensor:
+    """(n, columns) float32 values in [0, 1), each a hash of (key, salt, column): the same key draws the same
+    values on every device, at any step, in any batch (a counter-based draw, not a generator's stream)."""
+    base = mix64(keys, salt)  # (n,)
+    bits = mix64(base[:, None], torch.arange(1, columns + 1, device=keys.device)[None, :])  # (n, columns)
+    return (_shr(bits, 40).to(torch.float32) * 2.0**-24)  # the top 24 bits: exact in float32, never 1.0
+
+
 class CountMinSketch:
     """Approximate sightings per (table, key) (module docstring). Holds no state of its own: the counters
     are a (depth, width) int32 tensor owned by the module that checkpoints it.

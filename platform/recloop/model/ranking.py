@@ -52,6 +52,10 @@ class ModelConfig:
             of ``fallback_rows`` hashed rows) and evicting by ``eviction`` (``lru``, or ``lfu`` halving
             every ``lfu_half_life`` steps). Other tables are unchanged: a row per vocabulary index.
         count_half_life: training steps after which the admission counts are halved (0: never).
+        sketch_width: counters a row of the admission sketch (a power of two); None: the total budget rounded
+            up to a power of two, at least 1024. It has to tell apart the ids seen within a ``count_half_life``,
+            not only the admitted ones: far narrower than those, collisions lift every new id's count to
+            ``admit_after`` and ids are admitted at first sight (benchmarks/RESULTS.md, issue 42's bound).
         dropout: the over arch's hidden layers drop this share of their units while training (0: none).
     """
 
@@ -71,6 +75,7 @@ class ModelConfig:
     eviction: Literal["lru", "lfu"] = "lru"
     lfu_half_life: float = 2000.0
     count_half_life: int = 2000
+    sketch_width: int | None = None
 
     def dynamic_tables(self) -> dict[str, DynamicTableConfig]:
         """The budgeted tables' configurations (empty: every table is static)."""
@@ -171,7 +176,8 @@ class SparseArch(nn.Module):
                       backend=config.embedding_backend)
         dynamic = {name: table for name, table in config.dynamic_tables().items() if name in dict(tables)}
         self.embeddings: EmbeddingBagCollection | DynamicEmbeddingBagCollection = embeddings if embeddings is not None \
-            else (DynamicEmbeddingBagCollection(configs, dynamic, count_half_life=config.count_half_life, **common)
+            else (DynamicEmbeddingBagCollection(configs, dynamic, count_half_life=config.count_half_life,
+                                                sketch_width=config.sketch_width, **common)
                   if dynamic else EmbeddingBagCollection(configs, **common))
         self.num_tables, self.dim = len(configs), config.embedding_dim
 

@@ -10,7 +10,10 @@
                  dense ───┴─────────────────┘                         └──────────────┘
 
 Both towers' tables are ``recloop_kernels.EmbeddingBagCollection`` tables updated by their fused sparse
-optimizer during ``backward()``; the MLPs are ordinary parameters for a dense optimizer. Because the
+optimizer during ``backward()``; the MLPs are ordinary parameters for a dense optimizer. Tables named in
+``RetrievalConfig.max_rows`` are dynamic instead (``recloop_kernels.DynamicEmbeddingBagCollection``, as the
+ranker's under ``ModelConfig.max_rows``): keyed by id, at most that many rows, admitting and evicting ids as
+they come and go, an id without a row of its own pooling a shared, hashed fallback row. Because the
 towers only meet in a dot product, every item's vector can be computed once after training and put in a
 nearest-neighbour index: retrieving for a user is one user-tower pass and one index search.
 
@@ -34,13 +37,19 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from recloop.model.ranking import mlp
-from recloop_kernels import EmbeddingBagCollection, TableConfig
+from recloop_kernels import (
+    DynamicEmbeddingBagCollection,
+    DynamicTableConfig,
+    EmbeddingBagCollection,
+    TableConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,12 @@ class RetrievalConfig:
         temperature: τ, dividing the cosine similarities before the softmax.
         logq_correction: subtract log(sampling probability) from the in-batch logits.
         embedding_optimizer, embedding_lr: the fused sparse optimizer of the tables.
+        max_rows: (table, row budget) pairs, in either tower: those tables are dynamic, holding at most that many
+            rows, admitting an id after ``admit_after`` sightings (until then, and after it is evicted, it
+            shares one of ``fallback_rows`` hashed rows) and evicting by ``eviction`` (``lru``, or ``lfu``
+            halving every ``lfu_half_life`` steps); ``count_half_life``: steps after which the admission counts
+            halve; ``sketch_width``: the admission sketch's counters a row. As ``recloop.model.ModelConfig``'s,
+            with its defaults. Empty: a row per vocabulary index.
     """
 
     table_dim: int = 32
@@ -63,6 +78,18 @@ class RetrievalConfig:
     logq_correction: bool = True
     embedding_optimizer: str = "rowwise_adagrad"
     embedding_lr: float = 0.05
+    max_rows: tuple[tuple[str, int], ...] = ()
+    admit_after: int = 2
+    fallback_rows: int = 1024
+    eviction: Literal["lru", "lfu"] = "lru"
+    lfu_half_life: float = 2000.0
+    count_half_life: int = 2000
+    sketch_width: int | None = None
+
+    def dynamic_tables(self) -> dict[str, DynamicTableConfig]:
+        """The budgeted tables' configurations (empty: every table has a row per vocabulary index)."""
+        return {name: DynamicTableConfig(int(rows), self.admit_after, self.fallback_rows, self.eviction,
+                                         self.lfu_half_life) for name, rows in self.max_rows}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,6 +98,7 @@ class RetrievalConfig:
     def from_dict(cls, raw: dict) -> RetrievalConfig:
         raw = dict(raw)
         raw["hidden"] = tuple(raw.get("hidden", ()))
+        raw["max_rows"] = tuple((str(name), int(rows)) for name, rows in raw.get("max_rows", ()))
         return cls(**raw)
 
 
@@ -90,8 +118,12 @@ class Tower(nn.Module):
         super().__init__()
         configs = [TableConfig(name, rows, config.table_dim, pooling="mean" if name in multi_hot else "sum",
                                init="normal", init_scale=0.05) for name, rows in tables]
-        self.embeddings = EmbeddingBagCollection(configs, optimizer=config.embedding_optimizer,
-                                                 lr=config.embedding_lr, device=device, seed=seed)
+        common = dict(optimizer=config.embedding_optimizer, lr=config.embedding_lr, device=device, seed=seed)
+        dynamic = {name: table for name, table in config.dynamic_tables().items() if name in dict(tables)}
+        self.embeddings: EmbeddingBagCollection | DynamicEmbeddingBagCollection = (
+            DynamicEmbeddingBagCollection(configs, dynamic, count_half_life=config.count_half_life,
+                                          sketch_width=config.sketch_width, **common)
+            if dynamic else EmbeddingBagCollection(configs, **common))
         self.table_names = [name for name, _ in tables]
         self.num_dense = dense
         self.layers = mlp([len(tables) * config.table_dim + dense, *config.hidden, config.output_dim],
@@ -104,11 +136,18 @@ class Tower(nn.Module):
             pooled = torch.cat([pooled, dense], dim=1)  # (B, T·d + n_dense)
         return F.normalize(self.layers(pooled), dim=1)  # (B, D)
 
+    @property
+    def dynamic_tables(self) -> tuple[str, ...]:
+        """Tables keyed by id under a row budget (``RetrievalConfig.max_rows``)."""
+        embeddings = self.embeddings
+        return tuple(embeddings.dynamic) if isinstance(embeddings, DynamicEmbeddingBagCollection) else ()
+
     def known_ids(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``values`` with ids beyond a table's rows mapped to the out-of-vocabulary row (1).
 
         A served or evaluated model meets ids admitted to the vocabularies after it was trained; for it
-        they are unknown, as they were in its training data.
+        they are unknown, as they were in its training data. Dynamic tables take any id (one without a row
+        of its own pools its hashed fallback row).
         """
         tables = len(self.table_names)
         batch = (offsets.numel() - 1) // tables
@@ -116,8 +155,18 @@ class Tower(nn.Module):
             return values
         bounds = offsets[::batch][1:tables].contiguous()
         table_of_value = torch.searchsorted(bounds, torch.arange(values.numel(), device=values.device), right=True)
-        rows = torch.tensor(self.embeddings.layout.rows, device=values.device)[table_of_value]
+        dynamic = set(self.dynamic_tables)
+        limits = [2**63 - 1 if name in dynamic else rows
+                  for name, rows in zip(self.table_names, self.embeddings.layout.rows, strict=True)]
+        rows = torch.tensor(limits, device=values.device)[table_of_value]
         return torch.where(values < rows, values, torch.ones_like(values))
+
+    def has_row(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Whether each id of table ``name`` has a row of its own: below the table's rows, or (dynamic) admitted
+        and not evicted."""
+        if name in self.dynamic_tables:
+            return self.embeddings.slot_of(name, ids) >= 0
+        return (ids >= 0) & (ids < self.embeddings.layout.rows[self.table_names.index(name)])
 
 
 class TwoTowerModel(nn.Module):

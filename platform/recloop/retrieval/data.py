@@ -137,6 +137,17 @@ class RetrievalFeatures:
             raise ValueError(f"the training rows have no columns {missing} (schema {schema_path})")
         return [(c, sizes[c]) for c in self.user_tables], [(c, sizes[c]) for c in self.item_tables]
 
+    def table_budgets(self, schema_path: Path) -> tuple[tuple[str, int], ...]:
+        """(table, max_rows) of the towers' tables under a row budget, from the feature job's schema: a
+        categorical column's own (``CategoricalFeature.max_rows``, as the ranker takes it), and for a list
+        column the budget of the column whose vocabulary it uses (the history's ids are item ids: a budget on
+        the item id bounds the history's table too)."""
+        raw = json.loads(Path(schema_path).read_text())
+        own = {k: int(v["max_rows"]) for k, v in raw["categorical"].items() if v.get("max_rows")}
+        by_vocabulary = {k: own.get(f"c_{v['vocabulary']}") for k, v in raw["multi_hot"].items()}
+        budgets = {**own, **{k: v for k, v in by_vocabulary.items() if v}}
+        return tuple((c, budgets[c]) for c in (*self.user_tables, *self.item_tables) if c in budgets)
+
 
 @dataclass
 class Rows:

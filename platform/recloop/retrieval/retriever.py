@@ -2,7 +2,9 @@
 
 ``Retriever.retrieve`` is the first stage of the recommendation path: user rows (id, context, history,
 as the feature job builds them) → user vectors → the index's nearest catalog items. Ids the model has
-no row for (admitted after it was trained) are looked up as out of vocabulary, as in its training data.
+no row for (admitted after it was trained) are looked up as out of vocabulary, as in its training data;
+under a row budget an id without a row of its own (evicted, or not yet admitted) pools its table's hashed
+fallback row.
 
 Example::
 
@@ -21,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy.special import log_softmax
 
+from recloop.features.vocab import FIRST_INDEX
 from recloop.model.retrieval import RetrievalConfig, TwoTowerModel
 from recloop.retrieval.data import ItemCatalog, RetrievalFeatures, Rows, read_rows, user_bags
 from recloop.retrieval.evaluate import (
@@ -60,10 +63,12 @@ class Retriever:
         self._by_id = np.argsort(catalog.raw_ids, kind="stable")
         self._sorted_ids = catalog.raw_ids[self._by_id]
 
-    @property
-    def user_table_rows(self) -> int:
-        """Rows of the user-id table: a user index at or beyond it was admitted after this model trained."""
-        return self.model.user_tower.embeddings.layout.rows[0]
+    def has_user_row(self, user_index: int) -> bool:
+        """Whether the user tower has a row of its own for this user index: one the vocabulary admitted before the
+        model trained, or, under a row budget, an admitted and not evicted one."""
+        if user_index < FIRST_INDEX:  # null or out of vocabulary
+            return False
+        return bool(self.model.user_tower.has_row(self.features.user_id, torch.tensor([user_index]))[0])
 
     def positions(self, item_ids: np.ndarray) -> np.ndarray:
         """Catalog positions of raw item ids (-1 for ids not in the catalog)."""

@@ -6,6 +6,10 @@ rows are held out; a ``full`` run trains from scratch on the ``days`` before the
 tables for ids the vocabularies admitted since, and makes one pass over the hours it has not seen.
 Only clicked rows train it (in-batch negatives, log-Q correction: ``recloop.model.retrieval``).
 
+Row budgets: a table whose feature has ``max_rows`` (the ranker's budget, ``CategoricalFeature.max_rows``; a
+history list takes its vocabulary's), or which ``RetrievalConfig.max_rows`` names, is dynamic: it holds at most
+that many rows, whatever the vocabularies grow to, and an incremental run does not grow it.
+
 After training, the item tower embeds the whole catalog (every admitted item it has a row for) and the
 vectors go into the ANN index. A run's folder holds everything serving needs, as safetensors, JSON and
 the index's own file, never pickle::
@@ -183,6 +187,9 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
     if config.features is None:  # a warm start keeps its towers' columns; a full run derives them
         config = replace(config, features=RetrievalFeatures.from_dict(base["features"]) if base and "features" in base
                          else features_for(settings, config.spec, layout.schema))
+    # Row budgets: the features' (per column, as the ranker's) and the retriever's configuration (per table; it wins).
+    budgets = {**dict(config.features.table_budgets(layout.schema)), **dict(config.model.max_rows)}
+    config = replace(config, model=replace(config.model, max_rows=tuple(budgets.items())))
     state = StateStore(layout.state).latest()
     identity = {"mode": config.mode, "files": [f.stem for f in train_files], "base": base["path"] if base else None,
                 "config": config.to_dict(), "state_version": state.version}
@@ -211,7 +218,10 @@ def train_retriever(settings: Settings, config: RetrievalTrainConfig, *, warm_st
 
     catalog = build_catalog(read_rows(files, features, clicked_only=False), features,
                             state.vocabularies[features.item_vocabulary])
-    known = catalog.item_index < model.item_tower.embeddings.layout.rows[0]
+    # every admitted item the item tower can embed: below its table's rows, or any under a budget (an item
+    # without a row of its own, evicted or not yet admitted, is embedded from its fallback row)
+    known = (np.ones(len(catalog), dtype=bool) if features.item_id in model.item_tower.dynamic_tables
+             else catalog.item_index < model.item_tower.embeddings.layout.rows[0])
     catalog = ItemCatalog(catalog.item_index[known], catalog.raw_ids[known],
                           {k: v[known] for k, v in catalog.categorical.items()}, catalog.dense[known])
     vectors = item_vectors(model, catalog, features, device)
@@ -359,12 +369,21 @@ def _build(config: RetrievalTrainConfig, user_tables, item_tables, base: dict | 
             n for n, _ in item_tables]:
         raise RetrievalTrainError(f"retriever {base['path']} has tables {old_user} / {old_item}; the features give "
                                   f"{user_tables} / {item_tables}: train a full one")
-    model = TwoTowerModel(RetrievalConfig.from_dict(base["model"]), old_user, old_item,
-                          len(config.features.item_dense), multi_hot, device, config.seed)
+    base_model = RetrievalConfig.from_dict(base["model"])
+    names = {n for n, _ in (*old_user, *old_item)}
+    old_budgets = {n: r for n, r in base_model.max_rows if n in names}
+    budgets = {n: r for n, r in config.model.max_rows if n in names}
+    if old_budgets != budgets:
+        raise RetrievalTrainError(f"retriever {base['path']} has row budgets {old_budgets}, the features and "
+                                  f"configuration give {budgets}: train a full one")
+    model = TwoTowerModel(base_model, old_user, old_item, len(config.features.item_dense), multi_hot, device,
+                          config.seed)
     model.load_state_dict(load_file(Path(base["path"]) / "model.safetensors", device=str(device)))
     grown = {}
     for tower, tables in ((model.user_tower, user_tables), (model.item_tower, item_tables)):
         for (name, rows), old_rows in zip(tables, tower.embeddings.layout.rows, strict=True):
+            if name in budgets:  # a dynamic table's rows are a budget, not a vocabulary's size: nothing to grow
+                continue
             if rows < old_rows:
                 raise RetrievalTrainError(f"table {name} shrank from {old_rows} to {rows} rows: vocabularies are "
                                           "append-only, so the features were rebuilt; train a full retriever")

@@ -55,7 +55,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from recloop import canary
 from recloop.features.online import RequestError
-from recloop.features.vocab import FIRST_INDEX
 from recloop.journal import retriever_key
 from recloop.retrieval.data import Rows
 from recloop.retrieval.rules import (
@@ -370,14 +369,15 @@ def _retrieve(loaded, table, n: int, evaluations: list, role: str, metrics):
     """``loaded``'s candidates for the request's user row: ((ids, similarities), source, reason, loaded), ids
     None on failure, similarities None for the popularity answer.
 
-    A user whose index the retriever's user table has no row for (unknown to the vocabularies, or admitted
-    after the retriever was trained) gets the catalog's most clicked items.
+    A user whose index the retriever's user table has no row for (unknown to the vocabularies, admitted after
+    the retriever was trained, or, under a row budget, evicted or not yet admitted) gets the catalog's most
+    clicked items.
     """
     retriever = loaded.retriever
     began = time.perf_counter()
     user_index = int(table[retriever.features.user_id][0].as_py())
     try:
-        if FIRST_INDEX <= user_index < retriever.user_table_rows:
+        if retriever.has_user_row(user_index):
             found, similarity = retriever.retrieve(user_rows(table, retriever.features), n)
             ids, source, reason = (found[0], similarity[0]), "retrieval", None
         else:
