@@ -467,3 +467,20 @@ def test_small_batches_keep_the_dense_rate_and_the_warm_up_is_a_share_of_the_run
     assert [round(short(s), 3) for s in (0, 4, 5, 30)] == [0.167, 0.833, 1.0, 1.0]
     assert long_run(9) == pytest.approx(0.5) and long_run(19) == 1.0
     assert warmup_factor(config, 114, warm=True)(0) == 1.0
+
+
+def test_a_tiny_window_without_early_stopping_rows_is_not_raised_to_a_hundred_epochs(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recloop.train import UNCHECKED_EPOCHS, Windows, fit_to_data
+
+    hour = tmp_path / "2014-01-01T00.parquet"
+    pq.write_table(pa.table({"label": np.zeros(150, np.float32)}), hour)  # Criteo's 200-row sample, 150 to train
+    full = TrainConfig(mode="full", device="cpu")
+    _, unchecked = fit_to_data(full, Windows(train=[hour], validation=[], epochs=1), torch.device("cpu"))
+    assert unchecked.epochs == UNCHECKED_EPOCHS == 3
+    assert "up to 3 epochs without early-stopping rows" in unchecked.overrides[-1]
+    # with rows to stop it, min_steps (100 steps of one 256-row batch) still raises it
+    _, checked = fit_to_data(full, Windows(train=[hour], validation=[], epochs=1, tuning=(hour,)), torch.device("cpu"))
+    assert checked.epochs == 100
