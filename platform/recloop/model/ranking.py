@@ -34,7 +34,38 @@ from recloop_kernels import (
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class TableBudgets:
+    """Row budgets of id tables, the ranker's (``ModelConfig``) and the retriever's (``RetrievalConfig``) alike.
+
+    Args:
+        max_rows: (table, row budget) pairs: those tables are dynamic (``recloop_kernels.dynamic``): keyed
+            by the ids the features give (vocabulary indices or hashes, any non-negative int64), holding at
+            most that many rows, admitting an id after ``admit_after`` sightings (until then, and after it is
+            evicted, it shares one of ``fallback_rows`` hashed rows) and evicting by ``eviction`` (``lru``, or
+            ``lfu`` halving every ``lfu_half_life`` steps). Other tables are unchanged: a row per vocabulary index.
+        count_half_life: training steps after which the admission counts are halved (0: never).
+        sketch_width: counters a row of the admission sketch (a power of two); None: the total budget rounded
+            up to a power of two, at least 1024. It has to tell apart the ids seen within a ``count_half_life``,
+            not only the admitted ones: far narrower than those, collisions lift every new id's count to
+            ``admit_after`` and ids are admitted at first sight (benchmarks/RESULTS.md, issue 42's bound).
+    """
+
+    max_rows: tuple[tuple[str, int], ...] = ()
+    admit_after: int = 2
+    fallback_rows: int = 1024
+    eviction: Literal["lru", "lfu"] = "lru"
+    lfu_half_life: float = 2000.0
+    count_half_life: int = 2000
+    sketch_width: int | None = None
+
+    def dynamic_tables(self) -> dict[str, DynamicTableConfig]:
+        """The budgeted tables' configurations (empty: every table has a row per vocabulary index)."""
+        return {name: DynamicTableConfig(int(rows), self.admit_after, self.fallback_rows, self.eviction,
+                                         self.lfu_half_life) for name, rows in self.max_rows}
+
+
+@dataclass(frozen=True)
+class ModelConfig(TableBudgets):
     """Shape of the model and of its embedding optimizer.
 
     Args:
@@ -46,16 +77,8 @@ class ModelConfig:
         multi_hot_pooling: pooling of list columns (one-hot columns pool a single id).
         embedding_backend: ``auto`` (the Triton kernels on a GPU, the PyTorch reference on a CPU),
             ``triton`` or ``reference`` (see ``EmbeddingBagCollection``).
-        max_rows: (table, row budget) pairs: those tables are dynamic (``recloop_kernels.dynamic``): keyed
-            by the ids the features give (vocabulary indices or hashes, any non-negative int64), holding at
-            most that many rows, admitting an id after ``admit_after`` sightings (until then it shares one
-            of ``fallback_rows`` hashed rows) and evicting by ``eviction`` (``lru``, or ``lfu`` halving
-            every ``lfu_half_life`` steps). Other tables are unchanged: a row per vocabulary index.
-        count_half_life: training steps after which the admission counts are halved (0: never).
-        sketch_width: counters a row of the admission sketch (a power of two); None: the total budget rounded
-            up to a power of two, at least 1024. It has to tell apart the ids seen within a ``count_half_life``,
-            not only the admitted ones: far narrower than those, collisions lift every new id's count to
-            ``admit_after`` and ids are admitted at first sight (benchmarks/RESULTS.md, issue 42's bound).
+        max_rows, admit_after, fallback_rows, eviction, lfu_half_life, count_half_life, sketch_width: the
+            tables' row budgets (``TableBudgets``).
         dropout: the over arch's hidden layers drop this share of their units while training (0: none).
     """
 
@@ -69,18 +92,6 @@ class ModelConfig:
     multi_hot_pooling: Literal["sum", "mean"] = "mean"
     multi_hot_columns: tuple[str, ...] = field(default=())
     embedding_backend: str = "auto"
-    max_rows: tuple[tuple[str, int], ...] = ()
-    admit_after: int = 2
-    fallback_rows: int = 1024
-    eviction: Literal["lru", "lfu"] = "lru"
-    lfu_half_life: float = 2000.0
-    count_half_life: int = 2000
-    sketch_width: int | None = None
-
-    def dynamic_tables(self) -> dict[str, DynamicTableConfig]:
-        """The budgeted tables' configurations (empty: every table is static)."""
-        return {name: DynamicTableConfig(int(rows), self.admit_after, self.fallback_rows, self.eviction,
-                                         self.lfu_half_life) for name, rows in self.max_rows}
     dropout: float = 0.0
 
     def to_dict(self) -> dict:

@@ -37,23 +37,21 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from recloop.model.ranking import mlp
+from recloop.model.ranking import TableBudgets, mlp
 from recloop_kernels import (
     DynamicEmbeddingBagCollection,
-    DynamicTableConfig,
     EmbeddingBagCollection,
     TableConfig,
 )
 
 
 @dataclass(frozen=True)
-class RetrievalConfig:
+class RetrievalConfig(TableBudgets):
     """Shape of the two towers and of their embedding optimizer.
 
     Args:
@@ -63,12 +61,8 @@ class RetrievalConfig:
         temperature: τ, dividing the cosine similarities before the softmax.
         logq_correction: subtract log(sampling probability) from the in-batch logits.
         embedding_optimizer, embedding_lr: the fused sparse optimizer of the tables.
-        max_rows: (table, row budget) pairs, in either tower: those tables are dynamic, holding at most that many
-            rows, admitting an id after ``admit_after`` sightings (until then, and after it is evicted, it
-            shares one of ``fallback_rows`` hashed rows) and evicting by ``eviction`` (``lru``, or ``lfu``
-            halving every ``lfu_half_life`` steps); ``count_half_life``: steps after which the admission counts
-            halve; ``sketch_width``: the admission sketch's counters a row. As ``recloop.model.ModelConfig``'s,
-            with its defaults. Empty: a row per vocabulary index.
+        max_rows, admit_after, fallback_rows, eviction, lfu_half_life, count_half_life, sketch_width: row
+            budgets of tables in either tower (``recloop.model.ranking.TableBudgets``, as the ranker's).
     """
 
     table_dim: int = 32
@@ -78,18 +72,6 @@ class RetrievalConfig:
     logq_correction: bool = True
     embedding_optimizer: str = "rowwise_adagrad"
     embedding_lr: float = 0.05
-    max_rows: tuple[tuple[str, int], ...] = ()
-    admit_after: int = 2
-    fallback_rows: int = 1024
-    eviction: Literal["lru", "lfu"] = "lru"
-    lfu_half_life: float = 2000.0
-    count_half_life: int = 2000
-    sketch_width: int | None = None
-
-    def dynamic_tables(self) -> dict[str, DynamicTableConfig]:
-        """The budgeted tables' configurations (empty: every table has a row per vocabulary index)."""
-        return {name: DynamicTableConfig(int(rows), self.admit_after, self.fallback_rows, self.eviction,
-                                         self.lfu_half_life) for name, rows in self.max_rows}
 
     def to_dict(self) -> dict:
         return asdict(self)
