@@ -112,6 +112,11 @@ class TrainingRun:
             client.log_dict(self.run_id, summary.baselines, "baselines.json")
         client.set_terminated(self.run_id, "FINISHED")
 
+    def flush(self) -> None:
+        """The figures held back (``progress`` sends them every ``flush_seconds``) sent now."""
+        if self.run_id is not None:
+            self._flush()
+
     def failed(self, error: BaseException) -> None:
         """Closes the run FAILED (KILLED on an interrupt), naming the error; what was logged stays."""
         if self.run_id is None:

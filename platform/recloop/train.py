@@ -314,6 +314,9 @@ class Tracker(Protocol):
     def trained(self, summary: TrainSummary) -> None:
         """The training ended: its validation figures."""
 
+    def flush(self) -> None:
+        """Every figure told so far recorded: a rank hands its run over to the process that completes it."""
+
     def failed(self, error: BaseException) -> None:
         """The training stopped on ``error`` (a crash, an interrupt): it resumes from its last checkpoint."""
 
@@ -624,6 +627,8 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
                     resumed_from_step=resumed["step"] if resumed else 0, resume_note=resume_note,
                     loss_curve=loss_curve, overrides=list(windows.overrides), awaits_completion=True)
                 save(completed=False, summary=trained_summary, awaits_completion=True)
+                if tracker is not None:  # the losses it holds back (flushed every few seconds) before the rank ends
+                    tracker.flush()
                 # rank 0's summary, sent once its checkpoint is in place: no rank returns before it is
                 return TrainSummary(**distributed.share_summary(asdict(trained_summary) if ranks.leader else None,
                                                                 ranks))
