@@ -66,14 +66,12 @@ def cyclic_time(xp: Any, ts_us: Any) -> dict[str, Any]:
 
 
 def numeric_transform(xp: Any, values: Any, *, clip_min=None, clip_max=None, log1p=False) -> Any:
-    """Clip then log1p (NaN stays NaN). The log of a column that may go below zero is signed,
-    sign(x) · log1p(|x|): a count with a few sentinel -1s keeps them apart from 0 and from the positives."""
+    """Clip then log1p (NaN stays NaN). The log is signed, sign(x) · log1p(|x|) (log1p itself on values at or
+    above zero): a count with a few sentinel -1s keeps them apart from 0 and from the positives."""
     out = values.astype(xp.float64)
     if clip_min is not None or clip_max is not None:
         out = xp.clip(out, clip_min if clip_min is not None else -xp.inf, clip_max if clip_max is not None else xp.inf)
-    if not log1p:
-        return out
-    return xp.log1p(out) if clip_min is not None and clip_min >= 0 else xp.sign(out) * xp.log1p(xp.abs(out))
+    return xp.sign(out) * xp.log1p(xp.abs(out)) if log1p else out
 
 
 def standardize(xp: Any, values: Any, mean: float, std: float) -> Any:
