@@ -614,30 +614,29 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         if sharded:
             loss_curve = _fit_sharded(trained, optimizer, windows, schema, config, device, position, base is not None,
                                       save, ranks, on_progress, on_step, tracker)
-            if ranks.world > 1:  # every rank writes its rows of the last checkpoint; one process completes it
-                seconds = time.perf_counter() - started
-                trained_summary = TrainSummary(
-                    mode=config.mode, run_id=run_id, checkpoint=str(checkpoint.step_folder(run_dir, position["step"])),
-                    samples=position["samples"], steps=position["step"],
-                    samples_per_s=round((position["samples"] - (resumed["samples"] if resumed else 0)) / seconds, 1)
-                    if seconds > 0 else 0.0, seconds=round(seconds, 3),
-                    train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
-                    trained_until=hour_after(windows.train[-1].stem), full_trained_until=full_trained_until,
-                    state_version=schema.state_version, warm_start=base["path"] if base else None, grown_tables=grown,
-                    resumed_from_step=resumed["step"] if resumed else 0, resume_note=resume_note,
-                    loss_curve=loss_curve, overrides=list(windows.overrides), awaits_completion=True)
-                save(completed=False, summary=trained_summary, awaits_completion=True)
-                if tracker is not None:  # the losses it holds back (flushed every few seconds) before the rank ends
-                    tracker.flush()
-                # rank 0's summary, sent once its checkpoint is in place: no rank returns before it is
-                return TrainSummary(**distributed.share_summary(asdict(trained_summary) if ranks.leader else None,
-                                                                ranks))
         else:
             loss_curve = _fit(model, optimizer, windows, schema, config, device, position, warm=base is not None,
                               save=save, on_progress=on_progress, on_step=on_step, tracker=tracker,
                               run_dir=run_dir)
         seconds = time.perf_counter() - started
         samples_this_run = position["samples"] - (resumed["samples"] if resumed else 0)
+        # the training's figures; the validation's are added below (or, under several ranks, by ``complete``)
+        trained_summary = TrainSummary(
+            mode=config.mode, run_id=run_id, checkpoint=str(checkpoint.step_folder(run_dir, position["step"])),
+            samples=position["samples"], steps=position["step"],
+            samples_per_s=round(samples_this_run / seconds, 1) if seconds > 0 else 0.0, seconds=round(seconds, 3),
+            train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
+            trained_until=hour_after(windows.train[-1].stem), full_trained_until=full_trained_until,
+            state_version=schema.state_version, warm_start=base["path"] if base else None, grown_tables=grown,
+            resumed_from_step=resumed["step"] if resumed else 0, resume_note=resume_note, loss_curve=loss_curve,
+            overrides=list(windows.overrides))
+        if sharded and ranks.world > 1:  # every rank writes its rows of the last checkpoint; one process completes it
+            trained_summary.awaits_completion = True
+            save(completed=False, summary=trained_summary, awaits_completion=True)
+            if tracker is not None:  # the losses it holds back (flushed every few seconds) before the rank ends
+                tracker.flush()
+            # rank 0's summary, sent once its checkpoint is in place: no rank returns before it is
+            return TrainSummary(**distributed.share_summary(asdict(trained_summary) if ranks.leader else None, ranks))
 
         model.calibration = _fit_calibration(model, list(windows.tuning) or windows.train, schema, config, device,
                                              held_aside=bool(windows.tuning))
@@ -645,21 +644,12 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         # not on a thread beside the loop: on 2 CPU cores the GIL made both slower (an incremental run 14.9 s
         # beside against 9.8 s after; benchmarks/RESULTS.md)
         baseline_figures = baselines.window_baselines(layout, windows.validation, schema) if config.baselines else {}
-        summary = TrainSummary(
-            mode=config.mode, run_id=run_id, checkpoint="", samples=position["samples"], steps=position["step"],
-            samples_per_s=round(samples_this_run / seconds, 1) if seconds > 0 else 0.0, seconds=round(seconds, 3),
-            auc=figures["auc"], logloss=figures["logloss"], calibration=figures["calibration"],
+        summary = replace(
+            trained_summary, auc=figures["auc"], logloss=figures["logloss"], calibration=figures["calibration"],
             oracle_auc=figures.get("oracle_auc"), validation_rows=figures["rows"], slices=slices,
             ndcg=figures["ndcg"], baselines=baseline_figures,
-            train_hours=[f.stem for f in windows.train], validation_hours=[f.stem for f in windows.validation],
-            trained_until=hour_after(windows.train[-1].stem), full_trained_until=full_trained_until,
-            state_version=schema.state_version, warm_start=base["path"] if base else None, grown_tables=grown,
-            resumed_from_step=resumed["step"] if resumed else 0, resume_note=resume_note, loss_curve=loss_curve,
-            overrides=list(windows.overrides),
             early_stopping={**(position.get("early_stopping") or {}), "files": [f.stem for f in windows.tuning]}
-            if windows.tuning else {},
-        )
-        summary.checkpoint = str(checkpoint.step_folder(run_dir, position["step"]))  # where save puts it
+            if windows.tuning else {})
         save(completed=True, summary=summary)
     if tracker is not None:
         tracker.trained(summary)
