@@ -190,3 +190,25 @@ def test_on_a_gpu_a_default_built_loader_gives_one_graph_per_bucket(rows):
     step = TrainStep(model, dense_optimizer(model, 0.01, "cuda"), StepConfig(bf16=False), "cuda")
     assert fit(step, data + data, lr=0.01)["steps"] == 2 * len(data)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompilation for another length
+
+
+def test_the_wide_part_starts_as_the_dlrm_and_learns_an_ids_own_rate(rows):
+    """``ModelConfig.wide`` adds a linear part (a weight per dense input, a learned scalar per id): zero at
+    first, so the wide model scores exactly as the DLRM with the same seed; trained, it moves; and a config
+    written before the option (no ``wide`` key) builds the model it was trained as."""
+    files, schema = rows
+    batch = batches(rows)[0]
+    shape = dict(embedding_dim=8, bottom_mlp=(8,), top_mlp=(8,), multi_hot_columns=tuple(schema.multi_hot))
+    deep = RankingModel(ModelConfig(**shape), len(schema.dense), schema.tables)
+    wide = RankingModel(ModelConfig(**shape, wide=True), len(schema.dense), schema.tables)
+    assert deep.wide_arch is None and wide.wide_arch is not None
+    with torch.no_grad():
+        assert torch.equal(deep(batch.dense, batch.values, batch.offsets),
+                           wide(batch.dense, batch.values, batch.offsets))
+    step = TrainStep(wide, dense_optimizer(wide, 1e-2, "cpu"), StepConfig(compile="off"), "cpu")
+    for batch in batches(rows)[:3]:
+        step(batch, lr=1e-2)
+    step.finish()
+    assert wide.wide_arch.linear.weight.abs().sum() > 0
+    written_before = {k: v for k, v in ModelConfig(wide=True).to_dict().items() if k != "wide"}
+    assert ModelConfig.from_dict(written_before).wide is False

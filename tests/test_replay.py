@@ -55,6 +55,8 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
         for name in ("model", "incremental", "full", "baseline:ctr", "baseline:logistic"):
             assert 0.5 < scores[name]["auc"] < 1.0 and 0.0 < scores[name]["ndcg"] <= 1.0, (name, scores[name])
         assert period["gate"] in ("passed", "refused", "insufficient evidence") and period["incremental_version"]
+        # an undecided candidate starts as the canary (judged on the next period's rows): said in the record
+        assert period["gate"] != "insufficient evidence" or "canary" in period["canary"], period["canary"]
         # the champion against each baseline on the same rows, with paired intervals over the spec's users
         versus = scores["model"]["versus"]
         assert set(versus) == {"ctr", "logistic"} and versus["logistic"]["over"] == "users", versus
@@ -221,3 +223,51 @@ def test_the_retrain_flow_takes_new_files_of_the_users_log_to_a_gated_version(re
     assert (gate["passed"] or gate["verdict"] == "insufficient evidence") == (gate["alias"] is not None)
     assert gate["passed"] or gate["reasons"] or gate["insufficient"]
     assert "retriever" in result  # the same flow ran the retriever on the spec's keys
+
+
+def _logged(rng, rows: int, candidate_signal: float, champion_signal: float = 1.0) -> dict:
+    """One period's logged rows as ``_score_period`` hands them over: labels, the champion's and the canary's
+    scores (each the label times its signal plus its own noise), rows without a user key."""
+    import numpy as np
+
+    labels = (rng.random(rows) < 0.3).astype(np.float32)
+    champion = champion_signal * labels + rng.normal(0, 1, rows)
+    canary = candidate_signal * labels + rng.normal(0, 1, rows)
+    return {"scored": {"model": (labels, champion), "canary": (labels, canary)}, "groups": None}
+
+
+def test_an_undecided_candidate_is_judged_as_a_canary_on_the_logged_rows_that_follow():
+    """A candidate the gate could not decide on was dropped, and on Criteo's 900-row days the first model was
+    never replaced; the replay now runs it as the canary on the periods that follow, with the gate's paired
+    test on every logged row it has met (module docstring, step 5)."""
+    import numpy as np
+
+    from recloop.replay import _Canary
+
+    config = ReplayConfig(canary_periods=2)
+    rng = np.random.default_rng(7)
+    better = _Canary("4", "full", 1, champion="1")
+    note, verdict = better.judge(_logged(rng, 3000, candidate_signal=2.0), config)
+    assert verdict == "promote" and "shown non-inferior" in note and "3,000 logged rows" in note, note
+    worse = _Canary("5", "incremental", 1, champion="1")
+    note, verdict = worse.judge(_logged(rng, 3000, candidate_signal=0.0), config)
+    assert verdict == "rollback" and "shown worse" in note, note
+    # as good, on too few rows to tell: held while the rows add up, then rolled back as inconclusive
+    undecided = _Canary("6", "incremental", 1, champion="1")
+    note, verdict = undecided.judge(_logged(rng, 150, candidate_signal=1.0), config)
+    assert verdict == "hold" and "insufficient evidence" in note, note
+    note, verdict = undecided.judge(_logged(rng, 150, candidate_signal=1.0), config)
+    assert verdict == "rollback" and "inconclusive after 2 period(s)" in note and "300 logged rows" in note, note
+
+
+def test_one_canary_at_a_time_but_drift_full_retrain_takes_the_place_of_its_periods_incremental():
+    from recloop.replay import _Canary
+
+    canary, note = _Canary.offer(None, "3", "incremental", 2, champion="1")
+    assert (canary.version, canary.champion) == ("3", "1") and note == "v3 starts as the canary"
+    replaced, note = _Canary.offer(canary, "4", "full", 2, champion="1")
+    assert replaced.version == "4" and "replaces v3" in note
+    kept, note = _Canary.offer(replaced, "5", "incremental", 3, champion="1")
+    assert kept is replaced and note == "v5 not served: canary v4 still runs"
+    kept, note = _Canary.offer(replaced, "6", "full", 3, champion="1")  # a canary of an earlier period is not cut
+    assert kept is replaced

@@ -14,6 +14,16 @@ champion). Then each period, in time order, goes through the loop as if it had j
    a replay has no live traffic for a canary) and a full retrain from scratch (scored on the next period;
    registered, gated and promoted instead when the drift check asked for a full retrain); the **retriever**
    too (an incremental run, gated, promoted on a pass).
+5. **the canary, on logged rows**: a candidate the gate could not decide on ("insufficient evidence": its
+   held-out window too small for the margin) goes where the loop sends it, to the canary, which a replay
+   runs on the periods that follow: each period the canary and the champion score the same logged rows and
+   the gate's paired test (non-inferiority within ``gate.auc_margin``) is run on every row the canary has met
+   so far. Shown non-inferior: promoted at the period's end; shown worse: rolled back; still undecided after
+   ``canary_periods`` periods: rolled back as inconclusive. One canary at a time (the loop's retrains wait
+   for a running one, here: a later undecided candidate is not served), except that a full retrain asked
+   for by drift replaces an incremental canary of the same period; a canary whose champion changed under it
+   ends. Without it an undecided candidate was simply dropped, and on a log of 900-row days the first model
+   was never replaced (Criteo: benchmarks/RESULTS.md, issue 37).
 
 Before a period is ingested, its **recommendations** are measured (``recommend_k``, 10): each user who liked
 an item in it (up to ``recommend_users``, drawn at random) asks the serving API's ``POST /recommend`` as of the
@@ -78,6 +88,8 @@ class ReplayConfig:
     recommend_k: the length of the recommendation lists scored each period (0, or a spec without a user and an
         item key: recommendations not measured, no retriever trained).
     recommend_users: users asked per period, at most (drawn at random among those who liked an item in it).
+    canary_periods: periods a canary may stay undecided before it is rolled back as inconclusive (step 5 of
+        the module docstring).
     """
 
     period: Literal["auto", "day", "week", "month"] = "auto"
@@ -101,6 +113,7 @@ class ReplayConfig:
     model: object | None = None
     recommend_k: int = 10
     recommend_users: int = 300
+    canary_periods: int = 3
 
 
 @dataclass
@@ -118,6 +131,7 @@ class PeriodRecord:
     gate: str = "-"
     gate_reasons: list[str] = field(default_factory=list)
     full_retrain: str = "-"
+    canary: str = "-"  # what the canary did at the period's end (step 5): promoted, rolled back, held, started
     # /recommend against popularity and co-occurrence, asked as of the period's start (``_recommend_period``)
     recommend: dict = field(default_factory=dict)
     retriever_version: str | None = None
@@ -191,6 +205,7 @@ def run_replay(
     elif not first.passed:
         raise ReplayError(f"the first model did not pass the gate: {'; '.join(first.reasons)}")
     lineage.incremental = lineage.full
+    canary: _Canary | None = None
     # recommendations need users and items to recommend (a Criteo log names neither: scored rows only)
     recommending = config.recommend_k > 0 and bool(spec.user_key and spec.item_key)
     if recommending:
@@ -205,7 +220,19 @@ def run_replay(
         ingested = _ingest_and_build(settings, spec, landed, config)
         record.landed, record.quarantined = ingested.rows_landed, ingested.rows_quarantined
         record.champion = _champion(settings)
-        record.scores = _score_period(settings, lineage, start, stop)
+        notes = []
+        if canary is not None and canary.champion != record.champion:
+            notes.append(f"v{canary.version} ended: the champion changed to v{record.champion}")
+            canary = None
+        per_row: dict = {}
+        record.scores = _score_period(settings, lineage, start, stop, canary, per_row)
+        if canary is not None:
+            note, verdict = canary.judge(per_row, config)
+            notes.append(note)
+            if verdict == "promote":
+                _promote(settings, canary.version, f"replay: the canary, {note}")
+            if verdict != "hold":
+                canary = None
         if index > 0:
             drift = _drift(settings, spec, (starts[index - 1], start), (start, stop), config)
             record.drift, record.drift_reasons = drift.decision, list(drift.reasons)
@@ -219,6 +246,9 @@ def run_replay(
         )
         if outcome.passed:
             _promote(settings, outcome.version, "replay: passed the gate (no live traffic for a canary)")
+        elif outcome.verdict == "insufficient evidence":
+            canary, note = _Canary.offer(canary, outcome.version, "incremental", index, _champion(settings))
+            notes.append(note)
         if recommending:
             record.retriever_version, record.retriever_gate = _next_retriever(settings, config)
         lineage.full = _train(settings, config, "full")
@@ -227,6 +257,13 @@ def run_replay(
             record.full_retrain = f"v{full.version} {full.verdict}"
             if full.passed:
                 _promote(settings, full.version, f"replay: full retrain after {record.drift}")
+                if canary is not None:  # the champion changed under it
+                    notes.append(f"v{canary.version} ended: the champion changed to v{full.version}")
+                    canary = None
+            elif full.verdict == "insufficient evidence":
+                canary, note = _Canary.offer(canary, full.version, "full", index, _champion(settings))
+                notes.append(note)
+        record.canary = "; ".join(notes) or "-"
         record.seconds = round(time.perf_counter() - began_period, 1)
         records.append(record)
         if on_period:
@@ -257,6 +294,66 @@ class _Lineage:
 
     incremental: object | None = None
     full: object | None = None
+
+
+@dataclass
+class _Canary:
+    """A candidate the gate could not decide on, served as the canary on the periods after its gate (module
+    docstring, step 5): the rows it has met, with its and the champion's scores on them."""
+
+    version: str
+    kind: str  # incremental | full
+    started: int  # the period of its gate
+    champion: str | None
+    labels: list = field(default_factory=list)
+    candidate: list = field(default_factory=list)
+    reference: list = field(default_factory=list)
+    units: list = field(default_factory=list)
+    periods: int = 0
+
+    @classmethod
+    def offer(cls, running: _Canary | None, version: str, kind: str, period: int,
+              champion: str | None) -> tuple[_Canary | None, str]:
+        """The canary after an undecided candidate is offered: it starts when none runs, replaces an
+        incremental canary of the same period when it is a full retrain (drift asked for it), else waits out."""
+        if running is None or (kind == "full" and running.kind == "incremental" and running.started == period):
+            replaced = f" (replaces v{running.version})" if running is not None else ""
+            return cls(version, kind, period, champion), f"v{version} starts as the canary{replaced}"
+        return running, f"v{version} not served: canary v{running.version} still runs"
+
+    def judge(self, per_row: dict, config: ReplayConfig) -> tuple[str, str]:
+        """Add this period's rows (``_score_period``'s ``per_row``) and decide: ``promote``, ``rollback`` or
+        ``hold``, with the reason."""
+        from recloop.gate.paired import HeldOut, PairedConfig, compare
+
+        scored = per_row.get("scored", {})
+        if "canary" not in scored or "model" not in scored:
+            return f"v{self.version} held: no rows this period", "hold"
+        labels, mine = scored["canary"]
+        self.labels.append(labels)
+        self.candidate.append(mine)
+        self.reference.append(scored["model"][1])
+        groups = per_row.get("groups")
+        # rows without a user key are their own units (``paired_intervals`` does the same)
+        self.units.append(np.asarray(groups) if groups is not None else
+                          np.arange(len(labels)) + sum(len(u) for u in self.units))
+        self.periods += 1
+        units = np.concatenate(self.units)
+        held = HeldOut(np.concatenate(self.labels), np.concatenate(self.candidate), np.concatenate(self.reference),
+                       units, units)
+        result = compare(held, config.gate.auc_margin, config.gate.max_slice_auc_drop, PairedConfig())
+        overall = result.figures["grouped_auc"]
+        interval = (f"auc {overall['difference']:+.4f} [{overall['low']:+.4f}, {overall['high']:+.4f}] vs the "
+                    f"champion over {len(held.labels):,} logged rows of {self.periods} period(s)")
+        if result.failures:
+            return f"v{self.version} rolled back: shown worse, {interval}", "rollback"
+        if not result.insufficient:
+            return f"v{self.version} promoted: shown non-inferior (margin {config.gate.auc_margin}), {interval}", \
+                "promote"
+        if self.periods >= config.canary_periods:
+            return f"v{self.version} rolled back: inconclusive after {self.periods} period(s), {interval}", \
+                "rollback"
+        return f"v{self.version} held: insufficient evidence so far, {interval}", "hold"
 
 
 def _iso(t_us: int) -> str:
@@ -460,8 +557,11 @@ def _promote(settings: Settings, version: str, why: str) -> None:
     registry.promote(settings, version, who="replay", why=why)
 
 
-def _score_period(settings: Settings, lineage: _Lineage, start: int, stop: int) -> dict[str, dict]:
-    """The champion, the newest incremental and full models, and the baselines on the period's feature rows."""
+def _score_period(settings: Settings, lineage: _Lineage, start: int, stop: int, canary: _Canary | None = None,
+                  per_row: dict | None = None) -> dict[str, dict]:
+    """The champion, the newest incremental and full models, the canary (if one runs) and the baselines on the
+    period's feature rows. ``per_row``, when given, receives each model's (labels, scores) under ``scored`` and the
+    rows' users under ``groups`` (None without a user key)."""
     from recloop import baselines, checkpoint
     from recloop.data import ChunkLoader, FeatureSchema
     from recloop.evaluate import metrics, predict
@@ -492,6 +592,10 @@ def _score_period(settings: Settings, lineage: _Lineage, start: int, stop: int) 
     for name, summary in (("incremental", lineage.incremental), ("full", lineage.full)):
         if summary is not None:
             out[name] = score(name, summary.checkpoint)
+    if canary is not None:
+        out["canary"] = score("canary", checkpoint.resolve(settings, canary.version))
+    if per_row is not None:
+        per_row.update(scored=scored, groups=groups)
     # The baselines as the gate scores them (learnt from the rows before the period), with their per-row scores
     # for the paired intervals: not read from the gate's cache, which keeps figures only.
     before = sorted(p for p in layout.training.glob("*.parquet") if p.stem < files[0].stem)
@@ -604,7 +708,7 @@ def write_report(settings: Settings, summary: dict) -> Path:
         )
         + f"<td>{_versus(p['scores'].get('model', {}).get('versus', {}))}</td>"
         + f"<td>{p['drift']}</td><td>v{p['incremental_version']} {p['gate']}</td><td>{p['full_retrain']}</td>"
-        f"<td>{p['champion'] or '-'}</td></tr>"
+        f"<td>{p.get('canary', '-')}</td><td>{p['champion'] or '-'}</td></tr>"
         for p in periods
     )
     recommend_rows = "".join(_recommend_row(p) for p in periods if p.get("recommend", {}).get("users"))
@@ -625,7 +729,8 @@ model trained on the {summary["bootstrap_rows"]:,} before the replayed {summary[
 before any model trains on it.</p>
 <table><tr><th>period</th><th>start</th><th>landed</th><th>quarantined</th>{header}
 <th>champion − baseline (95 % paired bootstrap)</th><th>drift</th>
-<th>incremental → gate</th><th>full retrain</th><th>champion</th></tr>{rows}</table>
+<th>incremental → gate</th><th>full retrain</th><th>canary (on the period's logged rows)</th>
+<th>champion</th></tr>{rows}</table>
 {recommend_table}
 {figure.to_html(full_html=False, include_plotlyjs=True)}
 <p>Total {summary["seconds"]} s.</p></body></html>"""

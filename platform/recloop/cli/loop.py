@@ -368,6 +368,8 @@ def replay_command(
         console.print(f"period {record.period} ({record.start[:10]}): {record.landed:,} events; AUC {figures}; "
                       f"drift {record.drift}; incremental v{record.incremental_version} {record.gate}; "
                       f"full {record.full_retrain} ({record.seconds} s)")
+        if record.canary != "-":
+            console.print(f"  canary: {record.canary}")
         recommend = record.recommend
         if recommend.get("users"):
             k = recommend["k"]

@@ -80,6 +80,10 @@ class ModelConfig(TableBudgets):
         max_rows, admit_after, fallback_rows, eviction, lfu_half_life, count_half_life, sketch_width: the
             tables' row budgets (``TableBudgets``).
         dropout: the over arch's hidden layers drop this share of their units while training (0: none).
+        wide: add a linear part to the logit (Wide & Deep's "wide" side, DeepFM's first-order term): a weight
+            on each standardized dense input and on each table's pooled vector (a learned scalar per id). DLRM's
+            top MLP sees the ids only through dot products, so an id's own click rate is learnt indirectly;
+            a logistic regression on the same inputs learns it directly and beat the ranker on small logs.
     """
 
     embedding_dim: int = 16
@@ -93,6 +97,7 @@ class ModelConfig(TableBudgets):
     multi_hot_columns: tuple[str, ...] = field(default=())
     embedding_backend: str = "auto"
     dropout: float = 0.0
+    wide: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +108,7 @@ class ModelConfig(TableBudgets):
         for key in ("bottom_mlp", "top_mlp", "multi_hot_columns"):
             raw[key] = tuple(raw.get(key, ()))
         raw["max_rows"] = tuple((str(name), int(rows)) for name, rows in raw.get("max_rows", ()))
+        raw.setdefault("wide", False)  # checkpoints written before the wide part have none
         return cls(**raw)
 
 
@@ -160,10 +166,14 @@ class DenseArch(nn.Module):
                                   torch.ones_like(value))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def standardized(self, dense: torch.Tensor) -> torch.Tensor:
+        """The inputs shifted and scaled as the first layer sees them."""
+        return (dense - self.shift) * self.scale
+
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
         if dense.shape[1] == 0:
             return self.layers(dense.new_zeros(dense.shape[0], 1))
-        return self.layers((dense - self.shift) * self.scale)
+        return self.layers(self.standardized(dense))
 
 
 def table_configs(tables: list[tuple[str, int]], config: ModelConfig) -> list[TableConfig]:
@@ -231,6 +241,20 @@ class CrossInteractionArch(nn.Module):
         return x
 
 
+class WideArch(nn.Module):
+    """The linear part of the logit (``ModelConfig.wide``): w·dense + Σ_t v_t·e_t over the standardized dense
+    inputs and each table's pooled vector e_t. Starts at zero, so a model begins as the DLRM it extends."""
+
+    def __init__(self, n_dense: int, num_tables: int, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(n_dense + num_tables * dim, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.cat([dense.float(), sparse.flatten(1).float()], dim=1)).squeeze(-1)
+
+
 class OverArch(nn.Module):
     """Interaction features → one logit."""
 
@@ -270,6 +294,7 @@ class RankingModel(nn.Module):
         else:
             self.interaction_arch = InteractionArch(len(tables), config.embedding_dim)
         self.over_arch = OverArch(self.interaction_arch.output_dim, config.top_mlp, config.dropout)
+        self.wide_arch = WideArch(n_dense, len(tables), config.embedding_dim) if config.wide else None
         self.to(device)
 
     @property
@@ -298,6 +323,8 @@ class RankingModel(nn.Module):
             values = self.known_ids(values, offsets)
         sparse = self.sparse_arch(values, offsets)  # (B, T, D)
         logits = self.over_arch(self.interaction_arch(self.dense_arch(dense), sparse))
+        if self.wide_arch is not None:
+            logits = logits + self.wide_arch(self.dense_arch.standardized(dense), sparse)
         if self.calibration is not None:  # Platt scaling fitted on rows held aside: the order is unchanged
             logits = logits * self.calibration[0] + self.calibration[1]
         return logits, sparse.float().pow(2).sum(dim=(1, 2)).mean()
