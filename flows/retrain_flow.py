@@ -11,7 +11,10 @@ registered. A scheduled incremental retrain while a canary runs ends ``Skipped``
 the one being judged and reset its sequential evidence, so no canary would ever finish. It waits no longer
 than the canary, which always ends (non-inferiority shown, significantly worse, or ``max_users`` reached);
 drift, manual and requested full retrains supersede a running canary (a drift retrain must not wait behind a
-pre-drift challenger). The run's final state names the outcome (``Skipped``, ``Refused``, ``Challenger``,
+pre-drift challenger). Before it waits or supersedes, a scheduled run judges a challenger the gate handed to the
+canary on insufficient evidence again, on its held-out hours and every hour landed since
+(``gate.runner.grown_evidence``): shown non-inferior, its canary promotes it on its guardrails; shown worse, it
+is rolled back. The run's final state names the outcome (``Skipped``, ``Refused``, ``Challenger``,
 ``Champion``), its message says why, and its tags carry the version and the gate's verdict.
 """
 
@@ -131,6 +134,12 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
                                  f"{pending['trained_until']} (held-out hours excluded); nothing trained, no version "
                                  "registered")
             return _finish(settings, "Skipped", result["skipped"], result)  # the retriever has nothing new either
+        if _waits(mode, reason) and (grown := grown_evidence_task(gate_thresholds, settings)) is not None:
+            # the challenger on insufficient evidence, judged again with the hours landed since its gate
+            result["grown_evidence"] = grown
+            log("v%s on the hours landed since its gate: %s, %s", grown["version"], grown["verdict"], grown["interval"])
+            if grown["verdict"] == "passed":  # its canary now promotes it on its guardrails
+                result["canary"] = canary_flow(config_path=canary_config, start=False, settings=settings)
         if _waits(mode, reason) and (canary := running_canary_task(settings, max_wait_hours=canary_wait_hours)) is not None:
             tag_run("mode:incremental", "retrain:skipped")
             result["waiting_for"] = canary
@@ -178,6 +187,16 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
     then = "; canary started" if "canary" in result else ""
     return _finish(settings, gate["alias"].capitalize(), f"v{version} passed the gate → {gate['alias']}{then}", result,
                    retriever_step)
+
+
+@task
+def grown_evidence_task(thresholds_path: str | None, settings: dict | None) -> dict | None:
+    """``gate.runner.grown_evidence``: the undecided challenger judged on the hours landed since its gate."""
+    from recloop.gate import load_thresholds
+    from recloop.gate.runner import grown_evidence
+
+    found = grown_evidence(settings_from(settings), load_thresholds(thresholds_path) if thresholds_path else None)
+    return found.to_dict() if found is not None else None
 
 
 def _waits(mode: str, reason: str) -> bool:

@@ -404,3 +404,45 @@ def test_the_demo_hints_at_more_events_only_when_data_is_the_cause():
     assert "--events-per-day" in first_model_hint(["auc 0.5100 below the floor 0.55"])
     serving = first_model_hint(["serving check: the model does not load in a fresh process: boom"])
     assert "--events-per-day helps" not in serving and "would not change" in serving
+
+
+def test_a_challenger_on_insufficient_evidence_is_judged_again_on_the_hours_landed_since(champion_home, copy_home,
+                                                                                       tmp_path):
+    """Issue 36: at a few hundred requests a day the canary cannot show an undecided challenger non-inferior
+    online, and the loop served one champion for days. The hours that land after its gate are more rows neither
+    model trained on: judged on its window and those, a challenger shown non-inferior becomes a gate pass (its
+    canary then promotes it on its guardrails); nothing is judged before any hour lands."""
+    from recloop import pipeline, registry
+    from recloop.canary.controller import gate_passed
+    from recloop.gate import run_gate
+    from recloop.gate.runner import grown_evidence
+    from recloop.train import TrainConfig, train
+
+    home = copy_home(champion_home, tmp_path / "home", feast=True)
+    # the champion's twin but for its seed, judged on a 2-hour window against a margin no window that small
+    # can show: "insufficient evidence", handed to the canary
+    trained = train(home, TrainConfig(days=3, epochs=2, batch_size=512, validation_hours=2, device="cpu", seed=1,
+                                      model=ModelConfigSmall()))
+    version = pipeline.register_training(home, trained).version
+    tight = GateThresholds(auc_margin=0.002, calibration_range=(0.5, 2.0), baseline_auc_margin=None,
+                           baseline_logloss_margin=None, max_slice_auc_drop=1.0)
+    outcome = run_gate(home, version, tight, smoke_check=False)
+    assert outcome.verdict == "insufficient evidence" and outcome.alias == "challenger", outcome.reasons
+    assert grown_evidence(home, tight) is None  # no hour has landed after its window yet
+    pipeline.build_features(home)  # day four lands: hours neither model trained on
+    assert not gate_passed(registry.version_info(home, version).tags)
+    shown = grown_evidence(home, tight)  # its window and day four: a day's rows show it within the margin
+    assert shown.verdict == "passed" and shown.version == version and shown.champion == "1", shown
+    window = list(registry.version_info(home, version).validation_window)
+    assert shown.hours[0] == window[0] and shown.hours[1] > window[1] and "every hour landed since" in shown.interval
+    record = registry.gate_record(registry.version_info(home, version).tags)
+    assert gate_passed(registry.version_info(home, version).tags) and record["grown_from"] == window
+    assert grown_evidence(home, tight) is None  # judged: a pass now, nothing left to decide offline
+
+
+def ModelConfigSmall():  # noqa: N802 - the fixtures' small model
+    from conftest import SMALL_MODEL_DIMS
+
+    from recloop.model import ModelConfig
+
+    return ModelConfig(**SMALL_MODEL_DIMS)

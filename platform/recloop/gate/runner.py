@@ -355,13 +355,9 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     reach the best baseline's AUC minus the thresholds' ``baseline_auc_margin`` and keep its log loss within
     ``baseline_logloss_margin`` of the logistic regression's (None: not enforced).
     """
-    import pyarrow.parquet as pq
     from mlflow import MlflowClient
 
     from recloop import registry
-    from recloop.data import FeatureSchema
-    from recloop.features.definition import FeatureLayout
-    from recloop.train import ORACLE_COLUMNS, SLICE_COLUMNS
 
     thresholds = thresholds or GateThresholds()
     registry.configure(settings)
@@ -377,18 +373,9 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     if champion_version == candidate_version:
         raise GateError(f"version {candidate_version} is already the champion")
     files = held_out_files(settings, info)
-    present = set(pq.read_schema(files[0]).names)
-    schema = FeatureSchema.load(FeatureLayout.for_settings(settings).schema,
-                                extra=tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS) if c in present))
+    schema, rows, keep = _held_out_inputs(settings, files)
     mode = info.mode or "full"
     unloadable = _unloadable()
-    layout_schema = json.loads(FeatureLayout.for_settings(settings).schema.read_text())
-    user_key = layout_schema.get("user_key")  # the spec's (``customer``, ``userId``...), not a fixed name
-    rows = held_out_rows(files, user_key if user_key in present else None, layout_schema.get("timestamp"),
-                         layout_schema.get("event_id"))
-    # Served feedback is the champion's own top-k, logged without propensities: judged on, it favours the
-    # champion. Left out when the rest is enough to judge on.
-    keep = ~rows["served"] if rows["served"].any() and (~rows["served"]).sum() >= 1000 else None
     mine: dict = {}
     theirs: dict = {}
     smoke = start_smoke_check(settings, candidate_version, str(files[0]), champion_version, thresholds) \
@@ -408,6 +395,105 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     finally:
         if smoke is not None:
             smoke.cancel()
+
+
+def _held_out_inputs(settings: Settings, files: list[Path]) -> tuple:
+    """The schema to score ``files`` with, their rows' labels, groups, users and served flags
+    (``held_out_rows``) and the rows to judge on (``keep``; None: all)."""
+    import pyarrow.parquet as pq
+
+    from recloop.data import FeatureSchema
+    from recloop.features.definition import FeatureLayout
+    from recloop.train import ORACLE_COLUMNS, SLICE_COLUMNS
+
+    present = set(pq.read_schema(files[0]).names)
+    layout = FeatureLayout.for_settings(settings)
+    schema = FeatureSchema.load(layout.schema,
+                                extra=tuple(c for c in (*ORACLE_COLUMNS, *SLICE_COLUMNS) if c in present))
+    layout_schema = json.loads(layout.schema.read_text())
+    user_key = layout_schema.get("user_key")  # the spec's (``customer``, ``userId``...), not a fixed name
+    rows = held_out_rows(files, user_key if user_key in present else None, layout_schema.get("timestamp"),
+                         layout_schema.get("event_id"))
+    # Served feedback is the champion's own top-k, logged without propensities: judged on, it favours the
+    # champion. Left out when the rest is enough to judge on.
+    keep = ~rows["served"] if rows["served"].any() and (~rows["served"]).sum() >= 1000 else None
+    return schema, rows, keep
+
+
+@dataclass(frozen=True)
+class GrownEvidence:
+    """``grown_evidence``'s verdict on the challenger: ``passed`` (now tagged as the gate's pass), ``refused``
+    (rolled back), or still ``insufficient evidence``; the paired interval and the hours it rests on."""
+
+    version: str
+    champion: str
+    verdict: str
+    interval: str
+    hours: tuple[str, str]
+    rows: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def grown_evidence(settings: Settings, thresholds: GateThresholds | None = None) -> GrownEvidence | None:
+    """The challenger the gate handed to the canary on insufficient evidence, judged again on its held-out hours
+    and every hour landed since: rows neither it nor the champion (unchanged since that gate) trained on.
+
+    A canary at a few hundred requests a day cannot show non-inferiority online within days, and each day's
+    retrain replaced the undecided challenger with another: the loop served one champion for days while a
+    daily full retrain moved ahead (benchmarks/RESULTS.md, issue 36). The logged days that land meanwhile are
+    more evidence of the same kind the gate judged on. The same paired test on the grown window decides:
+    shown non-inferior → the version's gate record becomes a pass on the grown window (``grown_from``), so the
+    canary promotes it on its guardrails unless the online evidence shows it worse (``decision.decide``'s
+    ``shown_offline``); shown worse (overall or a slice) → rolled back; else nothing changes. None when there
+    is nothing to judge: no challenger, one that passed or was made challenger by hand, a champion changed
+    since its gate, or no hour landed after its window."""
+    from recloop import registry
+    from recloop.canary import controller
+    from recloop.features.definition import FeatureLayout
+
+    thresholds = thresholds or GateThresholds()
+    registry.configure(settings)
+    challenger = registry.version_by_alias(settings, "challenger")
+    champion = registry.version_by_alias(settings, "champion")
+    if challenger is None or champion is None:
+        return None
+    record = registry.gate_record(registry.version_info(settings, challenger).tags) or {}
+    window = record.get("window") or ()
+    if not record.get("insufficient_evidence") or str(record.get("champion")) != champion or len(window) != 2:
+        return None
+    first, last = window
+    files = sorted(p for p in FeatureLayout.for_settings(settings).training.glob("*.parquet") if p.stem >= first)
+    if not files or files[-1].stem <= last:
+        return None
+    schema, rows, keep = _held_out_inputs(settings, files)
+    mine: dict = {}
+    theirs: dict = {}
+    score_version(settings, challenger, files, schema, keep, mine)
+    score_version(settings, champion, files, schema, keep, theirs)
+    kept = (lambda a: a[keep]) if keep is not None else (lambda a: a)
+    held = HeldOut(mine["labels"], mine["scores"], theirs["scores"], kept(rows["groups"]), kept(rows["users"]),
+                   mine["slices"], int(rows["served"].sum()) if keep is not None else 0)
+    paired = compare(held, thresholds.auc_margin, thresholds.max_slice_auc_drop, PairedConfig())
+    overall = paired.figures["grouped_auc"]
+    hours = (first, files[-1].stem)
+    interval = (f"{overall['difference']:+.4f} [{overall['low']:+.4f}, {overall['high']:+.4f}] vs champion "
+                f"v{champion} over {int(overall['users'])} users, hours {hours[0]}..{hours[1]} (its gate's "
+                f"{first}..{last} and every hour landed since)")
+    if paired.failures:
+        controller.manual(settings, "rollback", f"shown worse on the hours landed since its gate: "
+                          f"{'; '.join(paired.failures)}", who="gate")
+        verdict = "refused"
+    elif paired.insufficient:
+        verdict = "insufficient evidence"
+    else:
+        detail = {k: v for k, v in record.items() if k not in ("verdict", "insufficient_evidence", "reasons")}
+        registry.tag(settings, challenger, registry.gate_tag(
+            True, **{**detail, "window": list(hours), "grown_from": list(window),
+                     "shown": f"non-inferior within {thresholds.auc_margin}: {interval}"}))
+        verdict = "passed"
+    return GrownEvidence(challenger, champion, verdict, interval, hours, len(held.labels))
 
 
 def _judge(settings: Settings, client, info, candidate_version: str, champion_version: str | None, mode: str,
