@@ -195,7 +195,11 @@ def grown_evidence_task(thresholds_path: str | None, settings: dict | None) -> d
     from recloop.gate import load_thresholds
     from recloop.gate.runner import grown_evidence
 
-    found = grown_evidence(settings_from(settings), load_thresholds(thresholds_path) if thresholds_path else None)
+    try:
+        found = grown_evidence(settings_from(settings), load_thresholds(thresholds_path) if thresholds_path else None)
+    except Exception as err:  # noqa: BLE001 - a second look that fails leaves the canary as it was; the retrain goes on
+        log("the undecided challenger could not be judged again: %s: %s", type(err).__name__, err)
+        return None
     return found.to_dict() if found is not None else None
 
 
