@@ -460,3 +460,32 @@ def test_the_concept_check_judges_a_champion_promoted_yesterday_against_the_line
     found, figures = champion_concept(settings, Champion("2", None, {}), window, MonitorConfig())
     assert figures.get("served_calibration_baseline.all") is not None, figures  # judged against the line
     assert bool(found) == drift, found
+
+
+@pytest.mark.parametrize(("click_scale", "drift"), [(0.6, True), (1.0, False)], ids=["tastes-moved", "no-drift"])
+def test_the_concept_check_judges_the_lines_window_when_the_champion_was_promoted_inside_it(tmp_path, click_scale,
+                                                                                          drift):
+    """A champion promoted late in the window served little of it (issue 36: a loop promoting every day or two
+    never judged a window, and gradual drift was acted on in 0 of 3 seeds): the window is then the model line's
+    served feedback, each impression with its own version's prediction, as the baseline already was."""
+    from datetime import UTC, datetime
+
+    from recloop.journal import SqliteJournal, journal_path
+    from recloop.monitor.decision import MonitorConfig
+    from recloop.monitor.runner import Champion, champion_concept
+    from recloop.settings import Settings
+
+    settings = Settings(home=tmp_path / "home")
+    window = (datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 6, tzinfo=UTC))
+    start_us = int(window[0].timestamp() * 1_000_000)
+    rng = np.random.default_rng(11)
+    journal = SqliteJournal(journal_path(settings))
+    try:
+        _serve(journal, "1", start_us - 2 * 86_400 * 1_000_000, 500, 1.0, rng, "old")  # the week before
+        _serve(journal, "1", start_us, 400, click_scale, rng, "morning")  # the old champion, most of the window
+        _serve(journal, "2", start_us + 20 * 3_600 * 1_000_000, 40, click_scale, rng, "evening")  # 400 impressions
+    finally:
+        journal.close()
+    found, figures = champion_concept(settings, Champion("2", None, {}), window, MonitorConfig())
+    assert figures.get("served_calibration.all") is not None, figures  # judged: the line's 4,400 impressions
+    assert bool(found) == drift, found

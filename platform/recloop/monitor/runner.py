@@ -285,6 +285,12 @@ def champion_concept(settings: Settings, current_champion: Champion | None, wind
     start, end = lake.to_us(window[0]), lake.to_us(window[1])
     try:
         served = journal.served_predictions(current_champion.version, (start, end))
+        if len(served["labels"]) < config.min_impressions:
+            # A champion promoted during the window served little of it: the window is the model line's, every
+            # impression with the prediction of the version that served it (as the baseline below). With the
+            # champion's own rows alone, a loop promoting every day or two judged nothing (gradual drift: 0 of 3
+            # seeds acted on; benchmarks/RESULTS.md, issue 36).
+            served = journal.served_predictions(None, (start, end))
         # Its baseline: the same champion's served feedback since it started serving, up to a week, before
         # the window (a real ranker is not calibrated on what it serves; only a move away from its own
         # calibration is changed tastes). Its whole history, not the window before: tastes that rotate a
