@@ -489,3 +489,54 @@ def test_the_concept_check_judges_the_lines_window_when_the_champion_was_promote
     found, figures = champion_concept(settings, Champion("2", None, {}), window, MonitorConfig())
     assert figures.get("served_calibration.all") is not None, figures  # judged: the line's 4,400 impressions
     assert bool(found) == drift, found
+
+
+def _serve_interleaved(journal, champion: str, challenger: str, start_us: int, requests: int, click_scale: float,
+                       rng) -> None:
+    """Interleaved canary requests: both versions score 10 items, a team draft places them; each item is clicked
+    with the placing version's prediction times ``click_scale``."""
+    import json
+
+    for i in range(requests):
+        items = list(range(10))
+        scores = {champion: rng.uniform(0.05, 0.3, 10).round(6), challenger: rng.uniform(0.05, 0.3, 10).round(6)}
+        teams = rng.integers(0, 2, 10)
+        placed = [scores[challenger if t == 1 else champion][j] for j, t in enumerate(teams)]
+        payload = {"item_ids": items, "ranked": items, "scores": {v: s.tolist() for v, s in scores.items()},
+                   "context": {"device": "mobile"}, "per_candidate": {},
+                   "interleaving": {"champion": champion, "challenger": challenger, "teams": teams.tolist()}}
+        request_id = f"interleaved{i}"
+        journal.record((request_id, 1.0 + i, start_us + i * 60_000_000, int(rng.integers(0, 300)), "interleave",
+                        challenger, 0.95, json.dumps(payload)), [])
+        clicked = [it for it, p in zip(items, placed, strict=True) if rng.random() < p * click_scale]
+        journal.add_feedback(request_id, impressions=items, clicks=clicked)
+
+
+@pytest.mark.parametrize(("click_scale", "drift"), [(0.6, True), (1.0, False)], ids=["tastes-moved", "no-drift"])
+def test_the_lines_window_counts_the_canarys_interleaved_impressions(tmp_path, click_scale, drift):
+    """At a canary's share most requests are interleaved: the model line's window counts them, each impression
+    with the prediction of the version whose team placed it (left out, a day of the loop at 300 requests kept
+    under the monitor's 2,000 impressions and gradual drift was never judged)."""
+    from datetime import UTC, datetime
+
+    from recloop.journal import SqliteJournal, journal_path
+    from recloop.monitor.decision import MonitorConfig
+    from recloop.monitor.runner import Champion, champion_concept
+    from recloop.settings import Settings
+
+    settings = Settings(home=tmp_path / "home")
+    window = (datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 6, tzinfo=UTC))
+    start_us = int(window[0].timestamp() * 1_000_000)
+    rng = np.random.default_rng(5)
+    journal = SqliteJournal(journal_path(settings))
+    try:
+        _serve(journal, "1", start_us - 2 * 86_400 * 1_000_000, 500, 1.0, rng, "old")  # the week before
+        _serve(journal, "2", start_us, 30, click_scale, rng, "alone")  # 300 impressions served by v2 alone
+        _serve_interleaved(journal, "2", "3", start_us + 3_600_000_000, 400, click_scale, rng)
+        line = journal.served_predictions(None, (start_us, start_us + 86_400 * 1_000_000))
+    finally:
+        journal.close()
+    assert len(line["labels"]) == 4300  # v2's 300 and the 4,000 interleaved impressions
+    found, figures = champion_concept(settings, Champion("2", None, {}), window, MonitorConfig())
+    assert figures.get("served_calibration.all") is not None, figures
+    assert bool(found) == drift, found
