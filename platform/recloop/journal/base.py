@@ -423,13 +423,11 @@ class Journal(ABC):
         """Per impression ``version`` served (interleaved requests left out), with event time in the window:
         the label, the version's own predicted probability, the user and each segment column's value (from
         the request's context). ``version=None``: every version's, each impression with the prediction of the
-        version that served it (the model line's served history, across champions), an interleaved request's
-        with the prediction of the version whose team placed the item (at a canary's share most requests are
-        interleaved: left out, a loop promoting every day or two had too few impressions for the monitor)."""
+        version that served it (the model line's served history, across champions)."""
         self.flush()
         window, params = _request_window(event_window=event_window)
-        by_version = ["r.served_version = ?", "r.variant <> 'interleave'"] if version is not None else []
-        where = [*by_version, *window]
+        by_version = ["r.served_version = ?"] if version is not None else []
+        where = ["r.variant <> 'interleave'", *by_version, *window]
         params = [version, *params] if version is not None else params
         rows = self._query(
             f"SELECT f.label, f.scores, r.user_id, r.request_id, r.payload, f.item_id, r.served_version FROM feedback f "
@@ -437,14 +435,10 @@ class Journal(ABC):
         out: dict[str, list] = {"labels": [], "predictions": [], "users": [], **{c: [] for c in segments}}
         payloads: dict[str, dict] = {}
         for label, scores, user_id, request_id, raw, item, served_by in rows:
-            payload = payloads.setdefault(request_id, json.loads(raw))
-            interleaved = payload.get("interleaving")
-            if version is None and interleaved:  # the team that placed the item: 0 the champion, 1 the challenger
-                team = dict(zip(payload["ranked"], interleaved.get("teams", []), strict=False)).get(item)
-                served_by = None if team is None else interleaved["challenger" if team == 1 else "champion"]
             score = json.loads(scores).get(version if version is not None else served_by)
             if score is None:
                 continue
+            payload = payloads.setdefault(request_id, json.loads(raw))
             out["labels"].append(label)
             out["predictions"].append(score)
             out["users"].append(user_id)
