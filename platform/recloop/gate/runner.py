@@ -29,7 +29,7 @@ from recloop.gate.decision import (
     skipped_slices,
     verdict_of,
 )
-from recloop.gate.paired import HeldOut, PairedConfig, compare
+from recloop.gate.paired import HeldOut, PairedConfig, PairedResult, compare
 from recloop.hours import parse_hour
 from recloop.settings import Settings
 
@@ -448,7 +448,8 @@ def grown_evidence(settings: Settings, thresholds: GateThresholds | None = None)
     canary promotes it on its guardrails unless the online evidence shows it worse (``decision.decide``'s
     ``shown_offline``); shown worse (overall or a slice) → rolled back; else nothing changes. None when there
     is nothing to judge: no challenger, one that passed or was made challenger by hand, a champion changed
-    since its gate, or no hour landed after its window."""
+    since its gate, no hour landed after its window, or
+    scorings that do not line up with the rows."""
     from recloop import registry
     from recloop.canary import controller
     from recloop.features.definition import FeatureLayout
@@ -472,28 +473,37 @@ def grown_evidence(settings: Settings, thresholds: GateThresholds | None = None)
     theirs: dict = {}
     score_version(settings, challenger, files, schema, keep, mine)
     score_version(settings, champion, files, schema, keep, theirs)
-    kept = (lambda a: a[keep]) if keep is not None else (lambda a: a)
-    held = HeldOut(mine["labels"], mine["scores"], theirs["scores"], kept(rows["groups"]), kept(rows["users"]),
-                   mine["slices"], int(rows["served"].sum()) if keep is not None else 0)
-    paired = compare(held, thresholds.auc_margin, thresholds.max_slice_auc_drop, PairedConfig())
+    paired = _paired_test(rows, keep, mine, theirs, thresholds)
+    if paired is None:  # the two scorings do not line up with the rows (or hold a NaN): nothing to judge on
+        return None
     overall = paired.figures["grouped_auc"]
     hours = (first, files[-1].stem)
     interval = (f"{overall['difference']:+.4f} [{overall['low']:+.4f}, {overall['high']:+.4f}] vs champion "
                 f"v{champion} over {int(overall['users'])} users, hours {hours[0]}..{hours[1]} (its gate's "
                 f"{first}..{last} and every hour landed since)")
-    if paired.failures:
+    verdict = verdict_of(list(paired.failures), paired.insufficient)
+    if verdict == "refused":
         controller.manual(settings, "rollback", f"shown worse on the hours landed since its gate: "
                           f"{'; '.join(paired.failures)}", who="gate")
-        verdict = "refused"
-    elif paired.insufficient:
-        verdict = "insufficient evidence"
-    else:
+    elif verdict == "passed":
         detail = {k: v for k, v in record.items() if k not in ("verdict", "insufficient_evidence", "reasons")}
         registry.tag(settings, challenger, registry.gate_tag(
             True, **{**detail, "window": list(hours), "grown_from": list(window),
                      "shown": f"non-inferior within {thresholds.auc_margin}: {interval}"}))
-        verdict = "passed"
-    return GrownEvidence(challenger, champion, verdict, interval, hours, len(held.labels))
+    return GrownEvidence(challenger, champion, verdict, interval, hours, len(mine["labels"]))
+
+
+def _paired_test(rows: dict, keep, mine: dict, theirs: dict, thresholds: GateThresholds) -> PairedResult | None:
+    """The paired tests (``gate.paired.compare``) on the held-out rows both versions scored (``score_version``'s
+    arrays of the rows ``keep`` kept); None when the scorings do not line up with the rows or hold a NaN."""
+    kept = (lambda a: a[keep]) if keep is not None else (lambda a: a)
+    if len(rows["labels"]) != len(rows["served"]) or \
+            not np.array_equal(kept(rows["labels"]).astype(np.float32), mine["labels"].astype(np.float32)) or \
+            not all(np.isfinite(m["scores"]).all() for m in (mine, theirs)):
+        return None
+    held = HeldOut(mine["labels"], mine["scores"], theirs["scores"], kept(rows["groups"]), kept(rows["users"]),
+                   mine["slices"], int(rows["served"].sum()) if keep is not None else 0)
+    return compare(held, thresholds.auc_margin, thresholds.max_slice_auc_drop, PairedConfig())
 
 
 def _judge(settings: Settings, client, info, candidate_version: str, champion_version: str | None, mode: str,
@@ -502,14 +512,7 @@ def _judge(settings: Settings, client, info, candidate_version: str, champion_ve
     """``run_gate``'s verdict once both versions are scored: the paired test, off-policy figures, baselines,
     the serving check's result; then the report, tags and aliases."""
     from recloop import registry
-    paired = None
-    kept = (lambda a: a[keep]) if keep is not None else (lambda a: a)
-    if champion is not None and len(rows["labels"]) == len(rows["served"]) and \
-            np.array_equal(kept(rows["labels"]).astype(np.float32), mine["labels"].astype(np.float32)) and \
-            all(np.isfinite(m["scores"]).all() for m in (mine, theirs)):
-        held = HeldOut(mine["labels"], mine["scores"], theirs["scores"], kept(rows["groups"]), kept(rows["users"]),
-                       mine["slices"], int(rows["served"].sum()) if keep is not None else 0)
-        paired = compare(held, thresholds.auc_margin, thresholds.max_slice_auc_drop, PairedConfig())
+    paired = _paired_test(rows, keep, mine, theirs, thresholds) if champion is not None else None
     decision = decide(candidate, champion, thresholds, mode, paired)  # type: ignore[arg-type]
     reasons = list(decision.reasons)
     if champion_version is not None:
