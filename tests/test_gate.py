@@ -34,6 +34,11 @@ CASES = [
     ("too-few-held-out-rows", scores(rows=13, auc=1.0), None, "full", False, "only 13 held-out rows"),
     ("nan-predictions", scores(auc=math.nan, nan_predictions=12), CHAMPION, "full", False, "12 NaN or infinite"),
     ("miscalibrated", scores(calibration=1.25), CHAMPION, "full", False, "calibration 1.250 outside [0.9, 1.1]"),
+    # with the rows' users known, calibration is a test: refused only when its interval lies outside the range
+    ("miscalibration-shown", scores(calibration=1.25, calibration_low=1.15, calibration_high=1.36), None, "full",
+     False, "calibration 1.250 [1.150, 1.360] outside [0.9, 1.1] (95 % interval over users)"),
+    ("a-calibration-gap-within-the-noise", scores(calibration=0.85, calibration_low=0.74, calibration_high=0.98), None,
+     "full", True, None),
     ("incremental-small-drop-ok", scores(auc=0.699), CHAMPION, "incremental", True, None),
     ("incremental-drop-too-big", scores(auc=0.695), CHAMPION, "incremental", False, "auc dropped 0.0050"),
     ("full-retrain-must-not-be-worse", scores(auc=0.699), CHAMPION, "full", False, "may drop at most 0.0"),
@@ -446,3 +451,35 @@ def ModelConfigSmall():  # noqa: N802 - the fixtures' small model
     from recloop.model import ModelConfig
 
     return ModelConfig(**SMALL_MODEL_DIMS)
+
+
+def test_the_calibration_interval_covers_the_truth_and_narrows_with_users():
+    """Predictions 26 % low on a first model's window (2,500 rows, ~9 % clicks) are within the noise of a
+    floor at 0.75; on 40x the rows the same gap is shown. The interval is over users: one user's many rows
+    are one unit of evidence."""
+    from recloop.gate.decision import calibration_interval
+
+    rng = np.random.default_rng(0)
+    covered, widths = 0, []
+    for trial in range(200):
+        users = rng.integers(0, 900, 2500)
+        p = np.full(2500, 0.09)
+        labels = rng.random(2500) < p
+        ratio, low, high = calibration_interval(labels, 0.738 * p, users)
+        covered += low <= 0.738 <= high
+        widths.append(high - low)
+    assert 0.90 <= covered / 200 <= 0.99, covered
+    assert 0.15 < np.mean(widths) < 0.4  # about ±13 %: a floor of 0.75 cannot refuse 0.738 here
+    big = rng.integers(0, 36_000, 100_000)
+    labels = rng.random(100_000) < 0.09
+    ratio, low, high = calibration_interval(labels, np.full(100_000, 0.09 * 0.738), big)
+    assert high < 0.75 and abs(ratio - 0.738) < 0.03
+    # clustered: users click at their own rates, so 20 users' 4,000 rows say less than 2,000 users' 4,000
+    for users in (20, 2000):
+        rates = np.repeat(rng.beta(1, 4, users), 4000 // users)
+        labels = rng.random(4000) < rates
+        _, low, high = calibration_interval(labels, np.full(4000, labels.mean()), np.repeat(np.arange(users),
+                                                                                             4000 // users))
+        widths.append(high - low)
+    assert widths[-2] > 2 * widths[-1], widths[-2:]
+    assert all(np.isnan(calibration_interval(np.zeros(10), np.full(10, 0.1), np.arange(10))[1:]))

@@ -24,6 +24,7 @@ from recloop.gate.decision import (
     GateDecision,
     GateThresholds,
     ModelScores,
+    calibration_interval,
     decide,
     report_markdown,
     skipped_slices,
@@ -80,11 +81,12 @@ class GateOutcome:
 
 
 def score_version(settings: Settings, version: str, files: list[Path], schema, keep: np.ndarray | None = None,
-                  arrays: dict | None = None) -> ModelScores:
+                  arrays: dict | None = None, users: np.ndarray | None = None) -> ModelScores:
     """A registered version's metrics on the given held-out files, overall and per slice.
 
     ``keep``: the rows to judge on (served feedback left out); ``arrays``: receives the labels, scores and
-    slice labels of those rows (for the paired comparison).
+    slice labels of those rows (for the paired comparison); ``users``: every row's user (``held_out_rows``),
+    for the calibration's interval over users (``calibration_low``, ``calibration_high``).
     """
     from recloop import checkpoint
     from recloop.data import ChunkLoader
@@ -100,7 +102,12 @@ def score_version(settings: Settings, version: str, files: list[Path], schema, k
     slices = slice_values(extras, FeatureLayout.for_settings(settings))
     if arrays is not None:
         arrays.update(labels=labels, scores=scores, slices=slices)
-    return ModelScores(metrics(labels, scores, extras.get("p_click")), slice_metrics(labels, scores, slices))
+    overall = metrics(labels, scores, extras.get("p_click"))
+    if users is not None and keep is not None and len(users) == len(keep):
+        users = users[keep]
+    if users is not None and len(users) == len(labels) and overall["nan_predictions"] == 0:
+        _, overall["calibration_low"], overall["calibration_high"] = calibration_interval(labels, scores, users)
+    return ModelScores(overall, slice_metrics(labels, scores, slices))
 
 
 SERVED_EVENT_ID = r"^[0-9a-f]{32}-[0-9]+$"  # the journal's event ids: <request id>-<item id>
@@ -382,12 +389,12 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
         if smoke_check else None
     try:
         try:
-            candidate = score_version(settings, candidate_version, files, schema, keep, mine)
+            candidate = score_version(settings, candidate_version, files, schema, keep, mine, rows["users"])
         except unloadable as err:  # the candidate's own files: a verdict on it, not a failure of the gate
             return _refuse_unloadable(settings, client, info, champion_version, mode, err)
         try:
-            champion = score_version(settings, champion_version, files, schema, keep, theirs) if champion_version \
-                else None
+            champion = score_version(settings, champion_version, files, schema, keep, theirs, rows["users"]) \
+                if champion_version else None
         except unloadable as err:
             raise GateError(f"the champion v{champion_version} cannot be loaded to compare with: {err}") from err
         return _judge(settings, client, info, candidate_version, champion_version, mode, thresholds, files, schema,
