@@ -10,7 +10,7 @@ import pytest
 from recloop.features import ops
 from recloop.features.backend import BackendUnavailable, get_backend
 from recloop.features.definition import _map_lists
-from recloop.features.vocab import NULL_INDEX, OOV_INDEX, Vocabulary
+from recloop.features.vocab import FIRST_INDEX, NULL_INDEX, OOV_INDEX, Vocabulary
 
 PANDAS = get_backend("pandas")
 US = ops.US
@@ -140,6 +140,33 @@ def test_vocabulary_is_append_only_with_a_frequency_threshold():
     lookup = second.lookup_arrow(pa.array([12, 10, 14, None, 11])).to_pylist()
     assert lookup == [3, 2, OOV_INDEX, NULL_INDEX, 5]
     assert second.size == 7 and first.lookup_arrow(pa.array([11])).to_pylist() == [OOV_INDEX]
+
+
+@pytest.mark.parametrize("kind", ["int64", "int32 ids into an int64 vocabulary", "string", "large string batch"])
+def test_every_lookup_path_gives_the_index_arrows_index_in_gives(kind):
+    """Integer ids by binary search, a request's strings through a dict, long string batches through Arrow:
+    the same indices (admitted, out of vocabulary, not yet admitted, null) as ``index_in`` over the admitted."""
+    import pyarrow.compute as pc
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-50, 5000, 3000)
+    strings = kind.endswith("string") or kind.endswith("batch")
+    to_values = (lambda a: pa.array([None if v % 97 == 0 else f"{v:08x}" for v in a])) if strings else \
+        (lambda a: pa.array([None if v % 97 == 0 else int(v) for v in a], pa.int64()))
+    vocab = Vocabulary.empty("c", min_count=2, value_type=pa.string() if strings else pa.int64())
+    vocab = vocab.update(to_values(ids))
+    asked = to_values(np.append(rng.integers(-60, 5200, 5000 if kind == "large string batch" else 60), 97))  # a null
+    if kind.startswith("int32"):
+        asked = asked.cast(pa.int32())
+    admitted = vocab.admitted()
+    position = pc.index_in(asked.cast(admitted["value"].type), value_set=admitted["value"].combine_chunks())
+    expected = pc.if_else(pc.is_null(asked), NULL_INDEX,
+                          pc.fill_null(pc.take(admitted["index"].combine_chunks(), position), OOV_INDEX))
+    got = vocab.lookup_arrow(asked)
+    assert got.type == pa.int64() and got.to_pylist() == expected.to_pylist()
+    assert {NULL_INDEX, OOV_INDEX} <= set(got.to_pylist()) and max(got.to_pylist()) >= FIRST_INDEX
+    empty = Vocabulary.empty("c", value_type=vocab.table.schema.field("value").type)
+    assert set(empty.lookup_arrow(asked).to_pylist()) == {NULL_INDEX, OOV_INDEX}
 
 
 def test_multi_hot_lists_map_through_the_vocabulary_and_keep_the_most_recent():
