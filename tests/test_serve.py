@@ -526,7 +526,8 @@ def test_arrow_batches_score_as_the_logged_pyfunc_does(home: Settings):
 
 def test_sqlite_reader_answers_as_feast_does_and_follows_a_replaced_file(home: Settings, tmp_path: Path):
     """Serving's direct read of Feast's SQLite online store (the embedded default) gives Feast's own answer,
-    unknown and repeated ids included; a store file replaced under it (a new file at the path) is read anew."""
+    unknown and repeated ids included; items' state kept between requests is read again after a write, and a
+    store file replaced under it (a new file at the path) is read anew."""
     import os
     import sqlite3
 
@@ -547,6 +548,15 @@ def test_sqlite_reader_answers_as_feast_does_and_follows_a_replaced_file(home: S
     assert not np.isnan(known["item_events_total"][3]) and not np.isnan(known["user_events_total"][0])
     assert np.isnan(ours.read(10**12, [10**12])["user_events_total"]).all()
     assert ours.read(7, [])["item_events_total"].shape == (0,)
+
+    # items' state is remembered until something is committed to the store (another connection's write)
+    assert set(ours.items.rows) >= {0, 3, 10**12}
+    item_head, item_table, _ = ours.views[ours.item_key]
+    with sqlite3.connect(ours.path) as conn:
+        conn.execute(f'UPDATE "{item_table}" SET value = ? WHERE entity_key = ? AND feature_name = ?',
+                     (Value(int64_val=4242).SerializeToString(), item_head + (3).to_bytes(8, "little"),
+                      "item_events_total"))
+    assert ours.read(7, items)["item_events_total"][3] == 4242 == feasts.read(7, items)["item_events_total"][3]
 
     replacement = tmp_path / "replacement.db"
     shutil.copy(ours.path, replacement)

@@ -175,9 +175,13 @@ class SqliteOnline:
     went to ``get_online_features``. ``tests/test_serve.py`` checks the answers against Feast's own read. The
     connection is read-only, shared by serving's threads under a lock, and opened again when the file is
     replaced.
+
+    Items' state is kept in memory (``ItemStates``, up to ``cached_items`` items) for as long as nothing was
+    committed to the store (SQLite's ``data_version``, and the same file): item statistics change only when
+    the features flow materializes. The user's row is read on every request.
     """
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, cached_items: int | None = None):
         from feast.infra.online_stores.sqlite import SqliteOnlineStore, _table_id
 
         from recloop.features.online_keys import entity_key_head
@@ -190,6 +194,8 @@ class SqliteOnline:
         self.path = SqliteOnlineStore._get_db_path(config)
         self._lock = threading.Lock()
         self._conn, self._file = None, None
+        self.cached_items = settings.serve_item_cache_items if cached_items is None else cached_items
+        self.items = ItemStates(None)
         self.views: dict[str, tuple[bytes, str, list[str]]] = {}
         versioned = bool(getattr(config.registry, "enable_online_feature_view_versioning", False))
         for projection in store.get_feature_service(FEATURE_SERVICE).feature_view_projections:
@@ -239,11 +245,28 @@ class SqliteOnline:
             out[where[key], -1] = _feast_sqlite_time(stamp)
         return out
 
+    def generation(self) -> tuple:
+        """What changes when the store is written: the file's identity and SQLite's ``data_version`` on this
+        connection (it moves whenever another connection commits to the database)."""
+        with self._lock:
+            conn = self._connection()
+            return self._file, conn.execute("PRAGMA data_version").fetchone()[0]
+
     def read(self, user_id: int, item_ids: list[int]) -> dict[str, np.ndarray]:
+        generation = self.generation()  # before the reads: state read after it is at least this generation's
         user = self._view(self.user_key, [user_id])
         unique = list(dict.fromkeys(int(i) for i in item_ids))
-        found = self._view(self.item_key, unique)
-        items = found[[unique.index(int(i)) for i in item_ids]] if item_ids else found
+        remembered = self.items
+        if remembered.generation != generation:
+            self.items = remembered = ItemStates(generation)
+        cached = remembered.get(unique) if self.cached_items else {}
+        missing = [i for i in unique if i not in cached]
+        fetched = dict(zip(missing, self._view(self.item_key, missing), strict=True))
+        if self.cached_items and self.generation() == generation:  # not written meanwhile: safe to keep
+            remembered.add(fetched, self.cached_items)
+        found = {**cached, **fetched}
+        items = np.stack([found[int(i)] for i in item_ids]) if item_ids else \
+            np.zeros((0, len(self.views[self.item_key][2]) + 1))
         out: dict[str, np.ndarray] = {}
         for prefix, values, join_key in (("user", user, self.user_key), ("item", items, self.item_key)):
             for f, name in enumerate(self.views[join_key][2]):
