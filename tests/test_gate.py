@@ -461,7 +461,7 @@ def test_the_calibration_interval_covers_the_truth_and_narrows_with_users():
 
     rng = np.random.default_rng(0)
     covered, widths = 0, []
-    for trial in range(200):
+    for _ in range(200):
         users = rng.integers(0, 900, 2500)
         p = np.full(2500, 0.09)
         labels = rng.random(2500) < p
