@@ -212,12 +212,14 @@ class SqliteOnline:
     def _connection(self):
         import os
         import sqlite3
+        from pathlib import Path
 
         stat = os.stat(self.path)
         if self._conn is None or self._file != (stat.st_dev, stat.st_ino):
             if self._conn is not None:
                 self._conn.close()
-            self._conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
+            self._conn = sqlite3.connect(f"{Path(self.path).resolve().as_uri()}?mode=ro", uri=True,
+                                         check_same_thread=False)  # as a URI: a home with spaces or "?" too
             self._file = (stat.st_dev, stat.st_ino)
         return self._conn
 
