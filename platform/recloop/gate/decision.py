@@ -160,22 +160,18 @@ def floor_failures(scores: ModelScores, thresholds: GateThresholds) -> list[str]
 
 def calibration_interval(labels, predictions, users, z: float = 1.959964) -> tuple[float, float, float]:
     """Calibration (sum of predictions / sum of labels) and its interval (95 % by default) with user-cluster
-    errors: the delta method on the log of the ratio (a heavy user is one unit of evidence; the label sum's
-    noise dominates). NaN bounds without a click or with fewer than two users."""
-    from recloop.evidence.sequential import cluster_mean
+    errors: the ratio's delta-method linearization over users (``evidence.sequential.ratio_linearized``, as the
+    canary's CTR ratios), on the log of the ratio (a heavy user is one unit of evidence; the label sum's noise
+    dominates). NaN bounds without a click or with fewer than two users."""
+    from recloop.evidence.sequential import ratio_linearized
 
     labels = np.asarray(labels, dtype=np.float64)
-    predictions = np.asarray(predictions, dtype=np.float64)
-    clicks = labels.sum()
-    if clicks <= 0 or len(labels) != len(predictions) or len(labels) != len(users):
+    if labels.sum() <= 0 or len(labels) != len(predictions) or len(labels) != len(users):
         return float("nan"), float("nan"), float("nan")
-    ratio = float(predictions.sum() / clicks)
-    # predictions − ratio·labels has mean 0 at the ratio; its mean's variance over users, over the label mean
-    # squared, is the ratio's (the linearization of a ratio of means)
-    _, variance = cluster_mean(predictions - ratio * labels, users)
-    if not math.isfinite(variance) or ratio <= 0:
+    ids, linear, ratio = ratio_linearized(predictions, labels, users)
+    if len(ids) < 2 or ratio <= 0:
         return ratio, float("nan"), float("nan")
-    spread = z * math.sqrt(variance) / (clicks / len(labels)) / ratio
+    spread = z * math.sqrt(float(linear.var(ddof=1)) / len(ids)) / ratio
     return ratio, ratio * math.exp(-spread), ratio * math.exp(spread)
 
 
@@ -258,11 +254,11 @@ def report_markdown(decision: GateDecision, candidate: ModelScores, champion: Mo
     versus = "; vs champion: the paired comparison below" if paired else f"; drop ≤ {allowed} vs champion"
     logloss_rule = f"≤ {thresholds.max_logloss_ratio} × the base rate's log loss" + (
         f" and ≤ {thresholds.max_logloss}" if thresholds.max_logloss is not None else "")
+    shown = candidate.overall.get("calibration_low", math.nan), candidate.overall.get("calibration_high", math.nan)
+    calibration_rule = f"in [{low}, {high}]" + (f" (its 95 % interval over users: [{shown[0]:.3f}, {shown[1]:.3f}])"
+                                                if all(math.isfinite(v) for v in shown) else "")
     rule = {"auc": f"≥ {thresholds.min_auc}" + (versus if champion else ""),
-            "logloss": logloss_rule, "calibration": f"in [{low}, {high}]" + (
-                f" (its 95 % interval over users: [{candidate.overall['calibration_low']:.3f}, "
-                f"{candidate.overall['calibration_high']:.3f}])"
-                if math.isfinite(candidate.overall.get("calibration_low", math.nan)) else ""), "rows": f"≥ {thresholds.min_rows}"}
+            "logloss": logloss_rule, "calibration": calibration_rule, "rows": f"≥ {thresholds.min_rows}"}
     lines += ["", "| metric | candidate | champion | threshold |", "| --- | --- | --- | --- |"]
     for name in ("auc", "logloss", "calibration", "rows"):
         theirs = champion.overall.get(name) if champion else None
