@@ -47,8 +47,8 @@ class Settings(BaseSettings):
         serve_threads: requests scored at once per serving process (the rest wait their turn).
         feedback_flush_seconds: how often served feedback is written to the landing zone as a file.
         serve_max_body_bytes: the largest request body the serving API reads (larger: 413).
-        serve_item_cache_items: items whose online state (Redis) a serving process keeps in memory until the
-            next materialization writes the store (0: every request reads its items from Redis).
+        serve_item_cache_items: items whose online state (Redis, SQLite) a serving process keeps in memory until the
+            next materialization writes the store (0: every request reads its items from the store).
         connect_timeout_seconds, request_timeout_seconds, service_retries: how long a call to MLflow,
             Redis, PostgreSQL or Prefect waits to connect and for an answer, and how often it is
             retried, before it fails with one line naming the service (see ``recloop.endpoints``).

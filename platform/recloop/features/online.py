@@ -103,7 +103,7 @@ class RedisOnline:
     def __init__(self, settings: Settings, cached_items: int | None = None):
         from recloop.endpoints import limits_for, redis_client
         from recloop.features.online_keys import entity_key_head, field_key, generation_key
-        from recloop.features.store import FEATURE_SERVICE, feature_store
+        from recloop.features.store import feature_store
 
         store = feature_store(settings)
         self.project = store.project
@@ -112,16 +112,11 @@ class RedisOnline:
         self.cached_items = settings.serve_item_cache_items if cached_items is None else cached_items
         self.items = ItemStates(None)
         self.views = {}
-        for projection in store.get_feature_service(FEATURE_SERVICE).feature_view_projections:
-            view = store.get_feature_view(projection.name)
-            [join_key] = [column.name for column in view.entity_columns]
-            features = [f.name for f in projection.features]
+        views = service_views(store)
+        for view, join_key, features in views:
             fields = [field_key(view.name, f) for f in features] + [f"_ts:{view.name}".encode()]  # its time last
             self.views[join_key] = (entity_key_head(join_key), fields, features)
-            if view.name == "user_stats":
-                self.user_key = join_key
-            elif view.name == "item_stats":
-                self.item_key = join_key
+        self.user_key, self.item_key = entity_join_keys(views)
 
     def _key(self, join_key: str, entity: int) -> bytes:
         return self.views[join_key][0] + int(entity).to_bytes(8, "little", signed=True) + self.project.encode()
@@ -185,7 +180,7 @@ class SqliteOnline:
         from feast.infra.online_stores.sqlite import SqliteOnlineStore, _table_id
 
         from recloop.features.online_keys import entity_key_head
-        from recloop.features.store import FEATURE_SERVICE, feature_store
+        from recloop.features.store import feature_store
 
         store = feature_store(settings)
         config = store.config
@@ -198,15 +193,10 @@ class SqliteOnline:
         self.items = ItemStates(None)
         self.views: dict[str, tuple[bytes, str, list[str]]] = {}
         versioned = bool(getattr(config.registry, "enable_online_feature_view_versioning", False))
-        for projection in store.get_feature_service(FEATURE_SERVICE).feature_view_projections:
-            view = store.get_feature_view(projection.name)
-            [join_key] = [column.name for column in view.entity_columns]
-            table = _table_id(config.project, view, versioned)
-            self.views[join_key] = (entity_key_head(join_key), table, [f.name for f in projection.features])
-            if view.name == "user_stats":
-                self.user_key = join_key
-            elif view.name == "item_stats":
-                self.item_key = join_key
+        views = service_views(store)
+        for view, join_key, features in views:
+            self.views[join_key] = (entity_key_head(join_key), _table_id(config.project, view, versioned), features)
+        self.user_key, self.item_key = entity_join_keys(views)
         self._connection()
 
     def _connection(self):
@@ -240,10 +230,7 @@ class SqliteOnline:
             f = column.get(name)
             if f is None or key not in where:
                 continue
-            value = Value.FromString(raw)
-            kind = value.WhichOneof("val")
-            if kind is not None and kind != "null_val":
-                out[where[key], f] = getattr(value, kind)
+            out[where[key], f] = _number(Value.FromString(raw))
             out[where[key], -1] = _feast_sqlite_time(stamp)
         return out
 
@@ -324,10 +311,7 @@ def _decode(rows: list[list[bytes | None]], width: int) -> np.ndarray:
                 stamp = Timestamp.FromString(raw)
                 values[r, f] = stamp.seconds * 1_000_000 + stamp.nanos // 1000
             elif raw:
-                value = Value.FromString(raw)
-                kind = value.WhichOneof("val")
-                if kind is not None and kind != "null_val":
-                    values[r, f] = getattr(value, kind)
+                values[r, f] = _number(Value.FromString(raw))
     return values
 
 
@@ -369,12 +353,31 @@ class DeferredOnline:
 
 def _floats(values) -> np.ndarray:
     """Feast value protos as float64, NaN where the store had nothing (faster than Feast's ``to_dict``)."""
-    out = np.full(len(values), np.nan)
-    for i, value in enumerate(values):
-        kind = value.WhichOneof("val")
-        if kind is not None and kind != "null_val":
-            out[i] = getattr(value, kind)
+    return np.array([_number(value) for value in values], dtype=np.float64)
+
+
+def _number(value) -> float:
+    """A Feast ``ValueProto``'s number; NaN where the store had nothing (unset or null)."""
+    kind = value.WhichOneof("val")
+    return float(getattr(value, kind)) if kind is not None and kind != "null_val" else float("nan")
+
+
+def service_views(store) -> list[tuple]:
+    """``(feature view, its join key, the service's features of it)`` for each view of ``ranking_v1``."""
+    from recloop.features.store import FEATURE_SERVICE
+
+    out = []
+    for projection in store.get_feature_service(FEATURE_SERVICE).feature_view_projections:
+        view = store.get_feature_view(projection.name)
+        [join_key] = [column.name for column in view.entity_columns]
+        out.append((view, join_key, [f.name for f in projection.features]))
     return out
+
+
+def entity_join_keys(views: list[tuple]) -> tuple[str, str]:
+    """The join keys of the user and item statistics views of ``service_views`` (the spec's key names)."""
+    keys = {view.name: join_key for view, join_key, _ in views}
+    return keys["user_stats"], keys["item_stats"]
 
 
 @dataclass(frozen=True)
