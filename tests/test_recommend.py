@@ -215,6 +215,27 @@ def test_an_unknown_user_gets_the_popular_items_and_is_told_so(http: httpx.Clien
     assert body["retriever"]["version"] == "1" and body["ranker"]["version"] == "1"
 
 
+def test_on_a_log_of_choices_an_unknown_users_popular_items_are_ordered_by_popularity_too(home: Settings):
+    """The order stage's propensity for the popular answer: each item's share of the retriever's training
+    clicks (+1), normalized over what is left; the similarity path unchanged. Before, the popular answer kept
+    the ranker's order alone: a ratings log's unknown users got the best-rated rarities (RESULTS.md)."""
+    from recloop.serve.recommend import pick_propensity
+
+    retriever = catalog(home)
+    popular = retriever.popular(50)
+    kept = popular[::-1][:40]  # the least popular of the 50 first
+    clicks = retriever.item_clicks[retriever.positions(kept)].astype(float)
+    assert clicks.max() > clicks.min()  # popularity varies over them, or the test shows nothing
+    propensity = pick_propensity(retriever, popular, None, kept, 1.0)
+    np.testing.assert_allclose(propensity, (clicks + 1) / (clicks + 1).sum(), rtol=1e-9)
+    assert np.argmax(propensity) == np.argmax(clicks)
+    halved = pick_propensity(retriever, popular, None, kept, 0.5)
+    np.testing.assert_allclose(halved, np.exp(0.5 * np.log(propensity)), rtol=1e-9)
+    similarity = np.linspace(0.9, 0.1, len(popular))
+    by_similarity = pick_propensity(retriever, popular, similarity, kept, 1.0)
+    np.testing.assert_allclose(by_similarity, np.exp(retriever.log_propensity(kept, similarity[::-1][:40])))
+
+
 @pytest.mark.parametrize(
     "change",
     [

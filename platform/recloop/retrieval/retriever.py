@@ -94,15 +94,20 @@ class Retriever:
         """Each row's ``k`` nearest catalog items: raw ids (Q, k) and scores, best first (-1: none)."""
         return self.index.search(self.user_vectors(rows), k)
 
-    def log_propensity(self, item_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    def log_propensity(self, item_ids: np.ndarray, scores: np.ndarray | None) -> np.ndarray:
         """log P(item | user) over the given retrieved items (normalized over them), from their retrieval
         ``scores`` (cosines): the towers' logits ``score / temperature``, plus log of the item's share of the
         training clicks when the model was trained with the logQ correction (which took exactly that out of
         its logits: what is left ranks items against their popularity, not by how likely the user picks them).
+
+        ``scores`` None (a user the towers cannot place, answered from the popular items): the items' share of
+        the training clicks alone, the best estimate of what someone the model knows nothing about picks.
         """
-        config = self.model.config
-        logits = np.asarray(scores, dtype=np.float64) / config.temperature
-        if config.logq_correction:
+        if scores is None:
+            logits = np.zeros(len(item_ids))
+        else:
+            logits = np.asarray(scores, dtype=np.float64) / self.model.config.temperature
+        if scores is None or self.model.config.logq_correction:
             positions = self.positions(item_ids)
             clicks = np.where(positions >= 0, self.item_clicks[np.maximum(positions, 0)], 0).astype(np.float64)
             logits = logits + np.log((clicks + 1.0) / (self.item_clicks.sum() + len(self.item_clicks)))

@@ -15,7 +15,9 @@
       │ rank      the ranker champion (or challenger, by its own split) scores what is left, each item with
       │           its catalog attributes as per-candidate context (the answering path of ``/rank``: a failing
       │           challenger is never what the user gets); in the ranker's interleaved canary both score
-      │ order     boosted scores under the per-category cap (``retrieval.rules.order_items``) → top k; in the
+      │ order     the ranker's scores, on a log of choices times how likely the user picks the item
+      │           (``pick_propensity``: the retriever's similarity, or popularity for a user it cannot place);
+      │           boosted scores under the per-category cap (``retrieval.rules.order_items``) → top k; in the
       │           interleaved canary, the two rankers' orders merged by team draft under the same cap
       │           (``order_interleaved``), each item's team journaled so a click credits the ranker that
       │           placed it (``variant: interleave``, as on ``/rank``)
@@ -283,9 +285,8 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     weight = settings.recommend_retrieval_weight
     if weight is None:  # by what the spec's rows are: a log of choices (ratings) or of impressions
         weight = 1.0 if svc.spec.events == "chosen" else 0.0
-    if weight > 0 and similarity is not None and len(kept):  # times the retriever's propensity (settings)
-        by_id = dict(zip(found.tolist(), similarity.tolist(), strict=True))
-        propensity = np.exp(weight * retriever.log_propensity(kept, np.array([by_id[i] for i in kept.tolist()])))
+    if weight > 0 and len(kept):  # times the retriever's propensity (settings)
+        propensity = pick_propensity(retriever, found, similarity, kept, weight)
         scores = scores * propensity
         if ranker_variant == "interleave":
             champion_scores = champion_scores * propensity
@@ -346,6 +347,20 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
         candidates=counts,
         skipped_filters=skipped,
     )
+
+
+def pick_propensity(retriever, found: np.ndarray, similarity: np.ndarray | None, kept: np.ndarray,
+                    weight: float) -> np.ndarray:
+    """How likely the user is to pick each ``kept`` item (normalized over them), to the power ``weight``:
+    from the retrieval similarities of ``found``, or, for the popular items answered to a user the retriever
+    cannot place (``similarity`` None), from the items' share of its training clicks. The ranker scores
+    those by "will they like it"; without this, a ratings log's unknown user got the catalog's best-rated
+    rarities ahead of what people pick (MovieLens replay, recall@10 0.044 and 0.020 against popularity's
+    0.075 and 0.067 in two months of three; 0.125 and 0.087 with it: RESULTS.md)."""
+    if similarity is None:
+        return np.exp(weight * retriever.log_propensity(kept, None))
+    by_id = dict(zip(found.tolist(), similarity.tolist(), strict=True))
+    return np.exp(weight * retriever.log_propensity(kept, np.array([by_id[i] for i in kept.tolist()])))
 
 
 class StageTimer:
