@@ -4,11 +4,13 @@ serving's reader, which reloads a replaced file and says when there is none."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from recloop.features.config import FeatureConfig
@@ -18,6 +20,8 @@ from recloop.features.seen import (
     SeenConfig,
     SeenHistory,
     build_seen,
+    history_lists,
+    interactions,
     read_seen,
     seen_items,
     seen_table,
@@ -140,3 +144,83 @@ def test_the_feature_job_publishes_the_history_merged_runs_equal_one_whole_run(t
     rebuilt = build_seen(settings, synthetic, tmp_path_factory.mktemp("whole") / "seen.parquet", as_of,
                          SeenConfig.for_settings(settings))  # no previous file: the whole look-back
     assert rebuilt.table.equals(whole)
+
+
+# --- the derived history (``DatasetSpec.history``) ---------------------------------------------------------
+
+
+def test_each_rows_history_is_the_seen_rule_just_before_it_cut_and_oldest_first(synthetic):
+    rng = np.random.default_rng(5)
+    n = 400  # a few users, few items: repeats, ties in time (whole hours) and a look-back that drops some
+    log = events([(float(d), int(u), int(i), int(lab)) for d, u, i, lab in zip(
+        np.round(rng.uniform(0, 30, n) * 24) / 24, rng.integers(1, 6, n), rng.integers(100, 130, n),
+        rng.random(n) < 0.6, strict=True)])
+    config = SeenConfig(max_items=4, lookback_days=7.0)
+    times = log["ts"].cast(pa.int64()).to_numpy()
+    users = log["user_id"].to_numpy()
+    lists = history_lists(interactions(log, synthetic, config), synthetic, users, times, 4, 7.0).to_pylist()
+    lengths = set()
+    for row in range(n):
+        expected = seen_items(log, synthetic, int(times[row]), config).get(int(users[row]), np.zeros(0))
+        assert lists[row] == expected.tolist()[::-1], row  # the seen rule at its time, oldest first
+        lengths.add(len(lists[row]))
+    assert lengths >= {0, 4} and len(lengths) > 2  # empty, cut at 4, and in between all occur
+
+
+def test_a_derived_history_is_built_into_the_training_rows_and_served_the_same(tmp_path_factory, lake_factory,
+                                                                              synthetic):
+    """The feature job derives the spec's history from the lake (the newest items before each row, through
+    the item vocabulary); serving derives it from the published file as of the job's run; a request may not
+    give it."""
+    from recloop.features.online import DeferredOnline, RequestError, RequestFeatures, online_reader
+    from recloop.schema import DatasetSpec, HistorySpec
+
+    world = WorldConfig(seed=6, days=2, events_per_day=1500)
+    settings = lake_factory(tmp_path_factory.mktemp("derived"), world, features=False)
+    spec = DatasetSpec.model_validate({**synthetic.model_dump(), "history": HistorySpec(name="liked", items=5)})
+    assert spec.version != synthetic.version and load_spec("synthetic").version == synthetic.version
+    config = FeatureConfig.for_spec(spec)
+    build_features(settings, spec, config)
+    layout = FeatureLayout.for_settings(settings)
+    training = pa.concat_tables(pq.read_table(f) for f in sorted(layout.training.glob("*.parquet")))
+    assert "m_liked" in training.column_names
+    schema = json.loads(layout.schema.read_text())
+    assert schema["multi_hot"]["m_liked"]["vocabulary"] == "item_id"
+    state = StateStore(layout.state).latest()
+    vocabulary = state.vocabularies["item_id"]
+    whole = lake.read_window(settings, spec, None, None)
+    seen_config = SeenConfig.for_settings(settings, spec)
+    times = training["ts"].cast(pa.int64()).to_numpy()
+    users = training["user_id"].to_numpy()
+    checked = non_empty = 0
+    for row in np.random.default_rng(0).choice(training.num_rows, 150, replace=False):
+        raw = seen_items(whole, spec, int(times[row]), seen_config).get(int(users[row]), np.zeros(0, np.int64))
+        expected = vocabulary.lookup_arrow(pa.array(np.asarray(raw[:5][::-1], dtype=np.int64))).to_pylist()
+        assert training["m_liked"][int(row)].as_py() == expected, row
+        checked, non_empty = checked + 1, non_empty + bool(expected)
+    assert checked == 150 and non_empty > 50  # most rows' users had clicked before
+
+    features = RequestFeatures(settings, spec, config, DeferredOnline(lambda: online_reader(settings)))
+    as_of = StateStore(layout.state).as_of_us(StateStore(layout.state).latest_version())
+    user = int(users[-1])
+    row = features.request_rows(user, {"device": "ios"}, as_of, ["m_liked"])
+    newest = seen_items(whole, spec, as_of, seen_config)[user][:5][::-1]
+    assert row["m_liked"][0].as_py() == vocabulary.lookup_arrow(pa.array(np.asarray(newest, dtype=np.int64))).to_pylist()
+    assert len(newest) == 5
+    with pytest.raises(RequestError, match="derived from the lake"):
+        features.request_rows(user, {"liked": [1, 2]}, as_of, ["m_liked"])
+
+
+def test_a_derived_history_needs_both_keys_and_a_name_of_its_own(synthetic):
+    from pydantic import ValidationError
+
+    from recloop.schema import DatasetSpec
+
+    raw = synthetic.model_dump()
+    with pytest.raises(ValidationError, match="a name of its own"):
+        DatasetSpec.model_validate({**raw, "history": {"name": "device"}})
+    with pytest.raises(ValidationError, match="between 1 and 500"):
+        DatasetSpec.model_validate({**raw, "history": {"items": 0}})
+    keyless = [c for c in raw["columns"] if c["role"] != "user_key"]
+    with pytest.raises(ValidationError, match="needs a user_key"):
+        DatasetSpec.model_validate({**raw, "columns": keyless, "history": {}})

@@ -204,6 +204,34 @@ class CriteoOptions(_Frozen):
         return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
+class HistorySpec(_Frozen):
+    """A list column the feature job derives from the lake instead of reading it from the files: each event's
+    user's newest ``items`` distinct items *before* the event (oldest first, as a history list is written),
+    by the rule ``/recommend``'s seen filter applies (``recloop.features.seen``: label-1 rows, or every row of
+    a log of items users ``chosen``; within ``RECLOOP_RECOMMEND_SEEN_HISTORY_DAYS``).
+
+    It feeds the ranker and the retriever's user tower as a ``multi_hot`` list sharing the item key's
+    vocabulary, so a user is described by what they picked, not only by an id of their own: what a log
+    without a history column (ratings, purchases) needs for a user with few events. Serving derives the same
+    list from the history file the feature job publishes (``features/seen.parquet``), as of that run; a
+    request never gives it.
+
+    Args:
+        name: the derived column's name (not a column of the files).
+        items: how many of the user's newest items it holds.
+    """
+
+    name: str = "recent_items"
+    items: int = 20
+
+    @field_validator("items")
+    @classmethod
+    def _items(cls, value: int) -> int:
+        if not 1 <= value <= 500:
+            raise ValueError("items must be between 1 and 500")
+        return value
+
+
 class DatasetSpec(_Frozen):
     """A dataset: its columns, how its files are laid out, and how strict ingestion is.
 
@@ -224,6 +252,8 @@ class DatasetSpec(_Frozen):
             response; ``chosen``: an item the user picked themselves (a rating, a purchase, a play), the label
             whether they liked it. ``/recommend`` orders a ``chosen`` log's items by how likely the user is to
             pick them as well as to like them (``Settings.recommend_retrieval_weight``).
+        history: a user-history list derived from the lake (``HistorySpec``), for a log without one;
+            ``history: {name: recent_items, items: 20}``.
     """
 
     name: str
@@ -235,6 +265,7 @@ class DatasetSpec(_Frozen):
     integral_floats: bool = False
     criteo: CriteoOptions | None = None
     events: Literal["shown", "chosen"] = "shown"
+    history: HistorySpec | None = None
 
     @model_validator(mode="after")
     def _roles(self) -> DatasetSpec:
@@ -254,6 +285,12 @@ class DatasetSpec(_Frozen):
                     c.name for c in self.columns if c.role in ("user_key", "item_key", "categorical")]:
                 raise ValueError(f"multi_hot {column.name!r} shares the vocabulary of {column.vocabulary!r}, which is "
                                  "not a key or categorical column")
+        if self.history is not None:
+            if not (self.user_key and self.item_key):
+                raise ValueError("history: a derived user history needs a user_key and an item_key column")
+            if self.history.name in names:
+                raise ValueError(f"history: {self.history.name!r} is a column of the files; a derived history "
+                                 "needs a name of its own")
         if self.format == "criteo_tsv" and self.criteo is None:
             raise ValueError("format criteo_tsv needs a 'criteo:' section with the start time")
         return self
@@ -272,6 +309,19 @@ class DatasetSpec(_Frozen):
     def by_role(self, role: Role) -> list[ColumnSpec]:
         return [c for c in self.columns if c.role == role]
 
+    @property
+    def history_column(self) -> ColumnSpec | None:
+        """The derived history (``history``) as the feature job makes it: a ``multi_hot`` list of item ids."""
+        if self.history is None:
+            return None
+        return ColumnSpec(name=self.history.name, role="multi_hot", dtype="list<int64>", nullable=True,
+                          vocabulary=self.item_key, description="derived from the lake: the user's newest items")
+
+    def model_lists(self) -> list[ColumnSpec]:
+        """The ``multi_hot`` columns the models read: the files' own, then the derived history."""
+        derived = self.history_column
+        return [*self.by_role("multi_hot"), *([derived] if derived is not None else [])]
+
     def _single(self, role: Role) -> str | None:
         found = self.by_role(role)
         return found[0].name if found else None
@@ -283,7 +333,9 @@ class DatasetSpec(_Frozen):
         import hashlib
         import json
 
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        # a spec without a derived history keeps the digest it had before ``history`` existed
+        dumped = self.model_dump(mode="json", exclude={"history"} if self.history is None else None)
+        canonical = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     @property

@@ -121,4 +121,6 @@ class FeatureConfig:
             for c in spec.by_role("numeric")
         )
         multi_hot = tuple(MultiHotFeature(c.name, vocabulary=c.vocabulary or c.name) for c in spec.by_role("multi_hot"))
+        if spec.history is not None:  # derived from the lake (``DatasetSpec.history``), as long as it is written
+            multi_hot += (MultiHotFeature(spec.history.name, vocabulary=spec.item_key, max_length=spec.history.items),)
         return cls(categorical=tuple(categorical), crosses=crosses, numeric=numeric, multi_hot=multi_hot)

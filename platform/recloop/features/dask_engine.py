@@ -50,6 +50,7 @@ from recloop.features import definition, outputs
 from recloop.features.backend import get_backend
 from recloop.features.moments import Moments
 from recloop.features.ops import STAT_NAMES
+from recloop.features.seen import with_history
 from recloop.features.state import read_snapshot_part, write_snapshot_part
 from recloop.features.vocab import count_values, merge_counts, out_of_vocabulary_until, sightings_before
 from recloop.formats import TRAINING_PARQUET
@@ -264,6 +265,7 @@ def write_training(window: Any, *rest: Any, job: Job, prefixes: tuple[str, ...])
         if SEEN in table.column_names:
             seen[getattr(job.spec, definition.role_of(prefix))] = table[SEEN].to_numpy()
         aligned[prefix] = backend.from_arrow(table.select([f"{prefix}_{s}" for s in STAT_NAMES]))
+    rows = with_history(job.settings, job.spec, rows)  # the derived history, if the spec has one
     training = definition.training_rows(backend, job.config, job.spec, rows.drop_columns([ORDER]),
                                         vocabularies, stats, aligned)
     for feature in definition.admission_counted(job.config, job.spec):

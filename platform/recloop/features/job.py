@@ -54,7 +54,7 @@ from recloop.features.outputs import (
     write_periods,
 )
 from recloop.features.outputs import period_start as _period_start
-from recloop.features.seen import SeenConfig, build_seen
+from recloop.features.seen import SeenConfig, build_seen, with_history
 from recloop.features.state import FeatureState, StateStore
 from recloop.features.vocab import Vocabulary, count_values, out_of_vocabulary_until, sightings_before
 from recloop.features.window import WindowPlan, compute_window
@@ -219,7 +219,7 @@ def _publish_seen(settings: Settings, spec: DatasetSpec, layout: FeatureLayout, 
     if latest_version is None:
         return None
     as_of_us = store.as_of_us(latest_version)
-    written = build_seen(settings, spec, layout.seen, as_of_us, SeenConfig.for_settings(settings, spec), rebuild=rebuild)
+    written = build_seen(settings, spec, layout.seen, as_of_us, SeenConfig.published(settings, spec), rebuild=rebuild)
     return None if written is None else len(pc.unique(written.table[written.user_key]))
 
 
@@ -320,8 +320,8 @@ def _build_window(settings: Settings, spec: DatasetSpec, config: FeatureConfig, 
     correcting = not new_state and rebuild is not None and end_us <= rebuild["until_us"]
     counted = store.at_or_before(start_us, counted=True, snapshots=False)
     if local:
-        computed = compute_window(backend, spec, config, plan, lake.read_window(settings, spec, plan.read_from_us,
-                                                                                 end_us))
+        events = with_history(settings, spec, lake.read_window(settings, spec, plan.read_from_us, end_us))
+        computed = compute_window(backend, spec, config, plan, events)
         if computed is None:
             summary.message = f"no events between {summary.start} and {summary.end}"
             return summary

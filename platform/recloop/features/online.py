@@ -32,6 +32,7 @@ from recloop.features import ops
 from recloop.features.backend import get_backend
 from recloop.features.config import FeatureConfig
 from recloop.features.definition import ENTITY_PREFIXES, FeatureLayout, training_rows
+from recloop.features.seen import SeenHistory, history_of
 from recloop.features.state import FeatureState, StateStore
 from recloop.formats import ARROW_TYPES
 from recloop.schema import ColumnSpec, DatasetSpec, compile_pattern
@@ -404,6 +405,9 @@ class RequestFeatures:
         self._cuts: dict[frozenset[str], FeatureConfig] = {}
         self.refresh()
         self._context_columns = {c.name: c for role in CONTEXT_ROLES for c in spec.by_role(role)}
+        # the published history of the lake (``features.seen``): the derived history column's source, and
+        # /recommend's seen filter reads the same object
+        self.seen = SeenHistory(FeatureLayout.for_settings(settings).seen)
 
     def per_candidate(self, context: dict[str, Any]) -> dict[str, bool]:
         """For each context column of a (valid) request, whether it was given per candidate."""
@@ -512,6 +516,9 @@ class RequestFeatures:
         ``numbers_required`` False: a numeric column the context leaves out is not refused for being null."""
         spec, n = self.spec, len(item_ids)
         unknown = sorted(set(context) - set(self._context_columns))
+        if spec.history is not None and spec.history.name in unknown:
+            raise RequestError(f"context {spec.history.name!r}: the user's history is derived from the lake "
+                               "(the spec's history), not given by the request")
         if unknown:
             raise RequestError(f"unknown context columns {unknown}; allowed: {sorted(self._context_columns)}")
         _check_timestamp(spec, ts_us)
@@ -535,6 +542,9 @@ class RequestFeatures:
                 _check_multi_hot(column, columns[name])
         for oracle in spec.by_role("oracle"):
             columns[oracle.name] = pa.nulls(n, ARROW_TYPES[oracle.dtype])
+        if spec.history is not None:  # as of the feature job's last run (the training rows': as of the event)
+            derived = history_of(self.seen.items(user_id), spec.history.items)
+            columns[spec.history.name] = pa.array([derived] * n, pa.list_(pa.int64()))
         columns["_ts_us"] = pa.array(np.full(n, ts_us, dtype=np.int64))
         return pa.table(columns)
 

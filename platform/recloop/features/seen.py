@@ -88,6 +88,16 @@ class SeenConfig:
     def enabled(self) -> bool:
         return self.max_items > 0
 
+    @classmethod
+    def published(cls, settings: Settings, spec: DatasetSpec) -> SeenConfig:
+        """What the feature job publishes: the filter's bounds, holding at least the spec's derived history
+        (``DatasetSpec.history``: serving reads it from the same file, so the file keeps that many items even
+        with the filter off)."""
+        config = cls.for_settings(settings, spec)
+        if spec.history is None:
+            return config
+        return cls(max(config.max_items, spec.history.items), config.lookback_days, config.every_interaction)
+
 
 def _keys(spec: DatasetSpec) -> tuple[str, str]:
     if not (spec.user_key and spec.item_key):
@@ -153,10 +163,91 @@ def seen_items(events: pa.Table, spec: DatasetSpec, before_us: int, config: Seen
     """
     user, item = _keys(spec)
     table = seen_table(events, spec, before_us, config)
+    if table.num_rows == 0:  # nothing before that time (else the ends below would name one user too many)
+        return {}
     index, items = _grouped(table, user, item)
     ends = [*index.starts[1:].tolist(), len(items)]
     return {u: items[start:end] for u, start, end in zip(index.users.tolist(), index.starts.tolist(), ends,
                                                         strict=True)}
+
+
+# --- the derived history: each event's user's newest items before it (``DatasetSpec.history``) ---------------
+
+
+def history_lists(pairs: pa.Table, spec: DatasetSpec, users: np.ndarray, times_us: np.ndarray, items: int,
+                  lookback_days: float) -> pa.ListArray:
+    """For each (user, time), the user's newest ``items`` distinct items among ``pairs`` strictly before that
+    time and within ``lookback_days`` of it, **oldest first** (the newest last, as a history list is written):
+    exactly ``seen_items`` at that time, cut to ``items`` and reversed (ties in time: the smaller item id
+    counts as the newer, as there).
+
+    Args:
+        pairs: (user, item, ``last_us``) rows that count (``interactions``), any order.
+        users, times_us: the rows to describe (any order; a row's own event is not before it).
+    """
+    user, item = _keys(spec)
+    pair_users = pairs[user].to_numpy(zero_copy_only=False).astype(np.int64)
+    pair_items = pairs[item].to_numpy(zero_copy_only=False).astype(np.int64)
+    pair_times = pairs[LAST].to_numpy(zero_copy_only=False).astype(np.int64)
+    order = np.lexsort((-pair_items, pair_times, pair_users))  # per user, oldest first; ties: larger item first
+    pair_users, pair_items, pair_times = pair_users[order], pair_items[order], pair_times[order]
+    users, times_us = np.asarray(users, dtype=np.int64), np.asarray(times_us, dtype=np.int64)
+    lookback = int(round(lookback_days * DAY_US))
+    lists: list[list[int] | None] = [None] * len(users)
+    current, recent = None, {}  # the user walked, their items by newest time (insertion order: oldest first)
+    at = end = 0
+    for row in np.lexsort((times_us, users)).tolist():
+        who, when = int(users[row]), int(times_us[row])
+        if who != current:
+            current, recent = who, {}
+            at = int(np.searchsorted(pair_users, who, "left"))
+            end = int(np.searchsorted(pair_users, who, "right"))
+        while at < end and pair_times[at] < when:
+            key = int(pair_items[at])
+            recent.pop(key, None)  # met again: it moves to the newest end
+            recent[key] = int(pair_times[at])
+            if len(recent) > items:  # an item pushed out can only come back by being met again
+                del recent[next(iter(recent))]
+            at += 1
+        while recent and next(iter(recent.values())) < when - lookback:
+            del recent[next(iter(recent))]
+        lists[row] = list(recent)
+    return pa.array(lists, pa.list_(pa.int64()))
+
+
+def with_history(settings: Settings, spec: DatasetSpec, events: pa.Table) -> pa.Table:
+    """``events`` with the spec's derived history column (``DatasetSpec.history``), from the lake's events
+    before each one (read here, so any subset of events, a window or a partition, gets the same lists);
+    ``events`` unchanged for a spec without one."""
+    if spec.history is None or events.num_rows == 0:
+        return events
+    if spec.history.name in events.column_names:
+        events = events.drop_columns([spec.history.name])
+    config = SeenConfig.for_settings(settings, spec)
+    times = (events["_ts_us"] if "_ts_us" in events.column_names else events[spec.timestamp].cast(pa.int64()))
+    times = times.to_numpy() if isinstance(times, pa.Array) else times.combine_chunks().to_numpy()
+    if len(times) == 0:
+        return events.append_column(spec.history.name, pa.array([], pa.list_(pa.int64())))
+    users = events[spec.user_key].to_numpy(zero_copy_only=False)
+    since = int(times.min()) - int(round(config.lookback_days * DAY_US))
+    lake_events = lake.read_window(settings, spec, since, int(times.max()),
+                                   columns=[spec.timestamp, spec.label, spec.user_key, spec.item_key])
+    if lake_events.num_rows:
+        lake_events = lake_events.filter(pc.is_in(lake_events[spec.user_key], pa.array(np.unique(users))))
+        pairs = interactions(lake_events, spec, config)
+    else:
+        pairs = pa.table({spec.user_key: pa.array([], pa.int64()), spec.item_key: pa.array([], pa.int64()),
+                          LAST: pa.array([], pa.int64())})
+    lists = history_lists(pairs, spec, users, times, spec.history.items, config.lookback_days)
+    return events.append_column(spec.history.name, lists)
+
+
+def history_of(items_newest_first: np.ndarray | None, count: int) -> list[int]:
+    """Serving's derived history from the published file's items (``SeenHistory.items``): the newest
+    ``count``, oldest first as the feature job writes it (None, no file yet: an empty history)."""
+    if items_newest_first is None:
+        return []
+    return [int(i) for i in items_newest_first[:count][::-1]]
 
 
 @dataclass(frozen=True)

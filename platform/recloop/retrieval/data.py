@@ -121,7 +121,7 @@ class RetrievalFeatures:
             elif column.role == "numeric" and f"d_{column.name}" in dense and fixed_per_item(column.name):
                 item_dense.append(f"d_{column.name}")
                 attributes.append(column.name)
-        history = tuple(f"m_{c.name}" for c in spec.by_role("multi_hot")
+        history = tuple(f"m_{c.name}" for c in spec.model_lists()
                         if c.vocabulary == item and f"m_{c.name}" in raw["multi_hot"])
         return cls(user_id=f"c_{user}", context=tuple(context), history=history, item_id=f"c_{item}",
                    item_categorical=tuple(item_categorical), item_dense=tuple(item_dense), raw_user=user,

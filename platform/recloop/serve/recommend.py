@@ -216,7 +216,9 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
             skipped.append(f"seen: the journal could not be read ({type(err).__name__})")
     history = None
     if settings.recommend_seen_history_items > 0:
-        history = svc.seen_history.items(body.user_id)
+        history = svc.seen_history.items(body.user_id)  # the file may hold more (a spec's derived history)
+        if history is not None:
+            history = history[: settings.recommend_seen_history_items]
         if history is None:
             skipped.append(f"seen_history: {svc.seen_history.missing}")
     kept, dropped = filter_candidates(

@@ -22,9 +22,7 @@ from fastapi import Depends, HTTPException, Request
 from recloop import canary
 from recloop.evidence import interleaving, offpolicy
 from recloop.features.config import FeatureConfig
-from recloop.features.definition import FeatureLayout
 from recloop.features.online import OnlineReader, RequestError, RequestFeatures, online_reader
-from recloop.features.seen import SeenHistory
 from recloop.journal import open_journal
 from recloop.schema import DatasetSpec
 from recloop.scoring import load_retriever, score
@@ -60,7 +58,7 @@ class Service:
         self.retrievers.on_swap = lambda old, new: self._retriever_deployed(new)
         self.retrievers.on_load_failure = partial(self._load_failed, model_name=RETRIEVER_NAME)
         self.unavailable = UnavailableItems(settings.unavailable_items_path)
-        self.seen_history = SeenHistory(FeatureLayout.for_settings(settings).seen)  # /recommend's lake history
+        self.seen_history = self.features.seen  # /recommend's lake history (the derived history's too)
         self.readiness = Readiness(self.pool, self.features)
         # RECLOOP_JOURNAL: SQLite, or PostgreSQL for replicas. A PostgreSQL down at start-up is not a reason to serve
         # nothing: requests are kept until it answers, feedback is refused meanwhile (``Journal.degraded``).
