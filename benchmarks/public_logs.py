@@ -35,8 +35,6 @@ format: table
 on_extra_columns: quarantine
 integral_floats: true
 events: chosen
-# each rating's user described by the 20 movies they rated last before it (derived from the log itself)
-history: {name: recent_movies, items: 20}
 columns:
   - {name: rating_id, role: event_id, dtype: string}
   - {name: timestamp, role: timestamp, dtype: timestamp, format: epoch_s, min: "1995-01-01"}
