@@ -77,6 +77,16 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
         # /recommend weighs how likely a user picks an item beside the ranker's "will they like it" (0.12 and
         # 0.07 by the ranker alone on this log, 0.67 and 0.64 with the retriever's propensity)
         assert recommend["recommend"]["recall@10"] > 0.3, recommend
+    # every period's users together: each user-period a unit, the means weighted by the periods' users
+    overall = summary["recommend_overall"]
+    periods = [p["recommend"] for p in summary["periods"]]
+    assert overall["users"] == sum(p["users"] for p in periods)
+    for name in ("recommend", "popularity", "cooccurrence"):
+        weighted = sum(p[name]["recall@10"] * p["users"] for p in periods) / overall["users"]
+        assert abs(overall[name]["recall@10"] - weighted) < 1e-3, (name, overall, periods)
+    difference, low, high = overall["recommend"]["versus popularity"]["recall@10"]
+    assert low <= difference <= high
+    assert abs(difference - (overall["recommend"]["recall@10"] - overall["popularity"]["recall@10"])) < 1e-3
     assert all(p["retriever_version"] for p in summary["periods"]), [p["retriever_gate"] for p in summary["periods"]]
     assert summary["periods"][1]["drift"] in ("ok", "drift", "insufficient_data", "data_quality")
     # each period's incremental candidate made one pass over it (the full retrains' epochs are theirs alone)
@@ -90,6 +100,7 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
     assert "champion − baseline (95 % paired bootstrap)" in report and "logistic: auc " in report
     assert json.loads((settings.home / "reports" / "replay.json").read_text())["period"] == "week"
     assert "Recommendations: /recommend against popularity and co-occurrence" in report
+    assert "<tr><td>all</td>" in report  # the pooled row under the periods'
 
 
 def test_features_and_feast_follow_the_spec_keys_and_genre_vocabulary(replayed):

@@ -208,6 +208,7 @@ def run_replay(
     canary: _Canary | None = None
     # recommendations need users and items to recommend (a Criteo log names neither: scored rows only)
     recommending = config.recommend_k > 0 and bool(spec.user_key and spec.item_key)
+    pooled: dict[str, list[np.ndarray]] = {}  # each list's per-user recall and NDCG, every period's users
     if recommending:
         _first_retriever(settings, config)
     for index, start in enumerate(starts):
@@ -215,7 +216,8 @@ def run_replay(
         began_period = time.perf_counter()
         record = PeriodRecord(index, _iso(start), _iso(stop))
         if recommending:  # before the period lands: the lake, features and models as of its start
-            record.recommend = _recommend_period(settings, spec, events, ts_us, (start - step, start, stop), config)
+            record.recommend = _recommend_period(settings, spec, events, ts_us, (start - step, start, stop), config,
+                                                 pooled)
         landed = _land(events, ts_us, start, stop, spec, landing / f"period-{index:03d}.parquet")
         ingested = _ingest_and_build(settings, spec, landed, config)
         record.landed, record.quarantined = ingested.rows_landed, ingested.rows_quarantined
@@ -280,6 +282,7 @@ def run_replay(
             "rows_quarantined": loaded.rows_quarantined,
         },
         "periods": [asdict(r) for r in records],
+        "recommend_overall": _recommend_overall(pooled, config.recommend_k) if pooled else {},
         "seconds": round(time.perf_counter() - began, 1),
     }
     summary["report"] = str(write_report(settings, summary))
@@ -456,10 +459,12 @@ def _next_retriever(settings: Settings, config: ReplayConfig) -> tuple[str | Non
 
 
 def _recommend_period(settings: Settings, spec: DatasetSpec, events: pa.Table, ts_us: np.ndarray,
-                      bounds: tuple[int, int, int], config: ReplayConfig) -> dict:
+                      bounds: tuple[int, int, int], config: ReplayConfig,
+                      pooled: dict[str, list[np.ndarray]] | None = None) -> dict:
     """``/recommend``, popularity and co-occurrence lists for the period's users, asked as of its start, scored
     against what each went on to like in it (module docstring). ``bounds``: (the period before's start, this
-    period's start, its end)."""
+    period's start, its end). Each list's per-user (recall, NDCG) are appended to ``pooled`` (for the figures
+    over every period's users, ``_recommend_overall``)."""
     from recloop.evidence.topk import paired_difference, per_user
     from recloop.features.seen import SeenConfig, seen_items
     from recloop.retrieval.baselines import cooccurrence_lists, popularity_lists
@@ -496,6 +501,10 @@ def _recommend_period(settings: Settings, spec: DatasetSpec, events: pa.Table, t
         "cooccurrence": cooccurrence_lists(users[before], items[before], labels[before], asked, seen, k),
     }
     scores = {name: per_user(found, relevant, k) for name, found in lists.items()}
+    if pooled is not None:
+        for name, (recall, ndcg) in scores.items():
+            pooled.setdefault(f"{name} recall", []).append(recall)
+            pooled.setdefault(f"{name} ndcg", []).append(ndcg)
     out: dict = {"k": k, "users": len(asked), "liked": int(sum(len(v) for v in relevant.values())),
                  "errors": errors}
     for name, (recall, ndcg) in scores.items():
@@ -504,6 +513,24 @@ def _recommend_period(settings: Settings, spec: DatasetSpec, events: pa.Table, t
         out["recommend"][f"versus {name}"] = {
             metric: [round(x, 4) for x in paired_difference(scores["recommend"][j], scores[name][j])]
             for j, metric in enumerate((f"recall@{k}", f"ndcg@{k}"))}
+    return out
+
+
+def _recommend_overall(pooled: dict[str, list[np.ndarray]], k: int) -> dict:
+    """The lists' figures over every replayed period's users together (each user-period one unit), with the
+    paired intervals: a period holds a dozen users on a small log, too few to tell lists apart alone."""
+    from recloop.evidence.topk import paired_difference
+
+    joined = {key: np.concatenate(parts) for key, parts in pooled.items()}
+    out: dict = {"k": k, "users": int(len(joined["recommend recall"]))}
+    for name in ("recommend", "popularity", "cooccurrence"):
+        out[name] = {f"recall@{k}": round(float(joined[f"{name} recall"].mean()), 4),
+                     f"ndcg@{k}": round(float(joined[f"{name} ndcg"].mean()), 4)}
+    for name in ("popularity", "cooccurrence"):
+        out["recommend"][f"versus {name}"] = {
+            f"{metric}@{k}": [round(x, 4) for x in paired_difference(joined[f"recommend {metric}"],
+                                                                     joined[f"{name} {metric}"])]
+            for metric in ("recall", "ndcg")}
     return out
 
 
@@ -712,6 +739,13 @@ def write_report(settings: Settings, summary: dict) -> Path:
         for p in periods
     )
     recommend_rows = "".join(_recommend_row(p) for p in periods if p.get("recommend", {}).get("users"))
+    if summary.get("recommend_overall", {}).get("users"):
+        failed: dict[str, dict] = {}
+        for p in periods:
+            for status, error in p.get("recommend", {}).get("errors", {}).items():
+                failed.setdefault(status, {"count": 0})["count"] += error["count"]
+        recommend_rows += _recommend_row({"period": "all", "recommend": {**summary["recommend_overall"],
+                                                                          "errors": failed}})
     recommend_table = (
         "<h2>Recommendations: /recommend against popularity and co-occurrence</h2><p>Each user who liked an "
         "item in the period (up to a sample) asks <code>POST /recommend</code> as of the period's first instant; "

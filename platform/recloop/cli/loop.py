@@ -386,5 +386,14 @@ def replay_command(
     if json_out:
         emit(summary)
         return
+    overall = summary.get("recommend_overall") or {}
+    if overall.get("users"):
+        k = overall["k"]
+        versus = ", ".join(
+            f"{name} {v[0]:+.3f} [{v[1]:+.3f}, {v[2]:+.3f}]"
+            for name in ("popularity", "cooccurrence")
+            for v in [overall["recommend"][f"versus {name}"][f"recall@{k}"]])
+        console.print(f"recall@{k} over every period's {overall['users']} users: /recommend "
+                      f"{overall['recommend'][f'recall@{k}']:.3f}; − {versus}")
     console.print(f"replayed {len(summary['periods'])} {summary['period']}s in {summary['seconds']} s; "
                   f"report: {summary['report']}")
