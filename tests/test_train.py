@@ -467,6 +467,13 @@ def test_small_batches_keep_the_dense_rate_and_the_warm_up_is_a_share_of_the_run
     assert [round(short(s), 3) for s in (0, 4, 5, 30)] == [0.167, 0.833, 1.0, 1.0]
     assert long_run(9) == pytest.approx(0.5) and long_run(19) == 1.0
     assert warmup_factor(config, 114, warm=True)(0) == 1.0
+    # unset, by mode: a run from scratch at 0.02 (with the wide part, level or ahead on every log measured),
+    # a warm-started one at 0.005; the model has its wide part unless told otherwise
+    from recloop.train import FULL_LR, INCREMENTAL_LR
+
+    assert dense_rate(TrainConfig(mode="full"), 256) == FULL_LR == 2e-2
+    assert dense_rate(TrainConfig(mode="incremental"), 256) == INCREMENTAL_LR == 5e-3
+    assert TrainConfig(mode="incremental", lr=1e-3).dense_lr == 1e-3 and ModelConfig().wide
 
 
 def test_a_tiny_window_without_early_stopping_rows_is_not_raised_to_a_hundred_epochs(tmp_path: Path):

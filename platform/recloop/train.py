@@ -81,6 +81,9 @@ class TrainError(RuntimeError):
 # A full retrain's early-stopping share and embedding penalty (``TrainConfig``: an incremental run's are 0).
 FULL_EARLY_STOPPING_SHARE = 0.1
 FULL_EMBEDDING_L2 = 0.01
+# the dense layers' Adam rate by mode (``TrainConfig.lr`` None): a run from scratch, a warm-started one
+FULL_LR = 2e-2
+INCREMENTAL_LR = 5e-3
 
 
 @dataclass(frozen=True)
@@ -92,12 +95,16 @@ class TrainConfig:
         days: window of a full retrain: days of time before the held-out rows.
         epochs: passes over the window: a full retrain's days, an incremental run's new (and replayed) hours.
         batch_size: rows per step; None: 16K on a GPU, 4K on a CPU (``recloop.model.default_batch_size``).
-        lr: dense (MLP) Adam learning rate up to ``reference_batch`` rows a step; above it scaled by
+        lr: dense (MLP) Adam learning rate up to ``reference_batch`` rows a step (None: by mode, ``FULL_LR`` 0.02
+            from scratch, ``INCREMENTAL_LR`` 0.005 warm-started; ``dense_lr``); above it scaled by
             sqrt(batch/reference) and, from scratch, warmed up linearly (``dense_rate``) so large batches stay
             stable. Below it the rate is not scaled down: a small log's run (256-row steps, a few dozen of them
             before early stopping) trained its layers at half the rate, while the tables' optimizer (whose step
             does not depend on the batch) memorized the rows; on 7,200 Criteo rows the model lost to a logistic
-            regression on the dense columns alone (benchmarks/RESULTS.md, "Issue 37: training rates").
+            regression on the dense columns alone (benchmarks/RESULTS.md, "Issue 37: training rates"). A full
+            run at 0.02 with the model's wide part (``ModelConfig.wide``) was level or ahead of 0.005 without it
+            on every log measured (Criteo, MovieLens, the synthetic world at 40k and 400k rows; RESULTS.md,
+            "Issue 37: a wide part and faster layers by default"); an incremental run keeps 0.005 (unmeasured).
         warmup_steps, warmup_share: the warm-up lasts ``warmup_share`` of the run's planned steps, at most
             ``warmup_steps`` (20 steps were half of a 38-step run).
         validation_hours: the newest hours of time held out for validation (whole feature files).
@@ -186,7 +193,7 @@ class TrainConfig:
     days: int = 7
     epochs: int = 1
     batch_size: int | None = None
-    lr: float = 5e-3
+    lr: float | None = None
     reference_batch: int = 1024
     warmup_steps: int = 20
     warmup_share: float = 0.05
@@ -220,6 +227,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def dense_lr(self) -> float:
+        """``lr`` as this run uses it (None: by mode)."""
+        if self.lr is not None:
+            return self.lr
+        return FULL_LR if self.mode == "full" else INCREMENTAL_LR
 
     @property
     def held_aside_share(self) -> float:
@@ -696,7 +710,7 @@ def complete(settings: Settings, run: Path | str, tracker: Tracker | None = None
     model = RankingModel(ModelConfig.from_dict(state["model"]), len(state["dense"]),
                          [tuple(t) for t in state["tables"]], device=device, seed=config.seed)
     checkpoint.load_weights(model, Path(state["path"]), device)  # every rank's rows, put together here
-    optimizer = dense_optimizer(model, config.lr, device, config.weight_decay)
+    optimizer = dense_optimizer(model, config.dense_lr, device, config.weight_decay)
     checkpoint.load_optimizer(optimizer, state["path"], device)
     start = _run_start(trained.run_id, config, state["model"], windows, schema, trained.warm_start,
                        trained.resumed_from_step) if tracker is not None else None
@@ -762,9 +776,9 @@ def _followed(tracker: Tracker | None, start: RunStart | None):
 
 
 def dense_rate(config: TrainConfig, batch_size: int) -> float:
-    """The dense layers' Adam rate at ``batch_size`` rows a step: ``config.lr``, scaled by sqrt(batch/reference)
+    """The dense layers' Adam rate at ``batch_size`` rows a step: ``config.dense_lr``, scaled by sqrt(batch/reference)
     above ``reference_batch`` (never down below it: see ``TrainConfig.lr``)."""
-    return config.lr * math.sqrt(max(batch_size, config.reference_batch) / config.reference_batch)
+    return config.dense_lr * math.sqrt(max(batch_size, config.reference_batch) / config.reference_batch)
 
 
 def warmup_factor(config: TrainConfig, planned_steps: int, warm: bool) -> Callable[[int], float]:
@@ -1104,7 +1118,7 @@ def _build(config: TrainConfig, schema: FeatureSchema, device: torch.device, run
             with torch.no_grad():
                 if held is not None:
                     held.state1.mul_(config.warm_state_decay)
-    optimizer = dense_optimizer(model, config.lr, device, config.weight_decay)  # fused AdamW on a GPU
+    optimizer = dense_optimizer(model, config.dense_lr, device, config.weight_decay)  # fused AdamW on a GPU
     if source is not None:
         checkpoint.load_optimizer(optimizer, source["path"], device)
     return model, optimizer, grown, resumed

@@ -83,7 +83,8 @@ class ModelConfig(TableBudgets):
         wide: add a linear part to the logit (Wide & Deep's "wide" side, DeepFM's first-order term): a weight
             on each standardized dense input and on each table's pooled vector (a learned scalar per id). DLRM's
             top MLP sees the ids only through dot products, so an id's own click rate is learnt indirectly;
-            a logistic regression on the same inputs learns it directly and beat the ranker on small logs.
+            a logistic regression on the same inputs learns it directly and beat the ranker on small logs. On
+            by default (with ``TrainConfig``'s full-run rate 0.02): level or ahead on every log measured.
     """
 
     embedding_dim: int = 16
@@ -97,7 +98,7 @@ class ModelConfig(TableBudgets):
     multi_hot_columns: tuple[str, ...] = field(default=())
     embedding_backend: str = "auto"
     dropout: float = 0.0
-    wide: bool = False
+    wide: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
