@@ -77,6 +77,17 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
         # /recommend weighs how likely a user picks an item beside the ranker's "will they like it" (0.12 and
         # 0.07 by the ranker alone on this log, 0.67 and 0.64 with the retriever's propensity)
         assert recommend["recommend"]["recall@10"] > 0.3, recommend
+    # the champion against the baselines over every period's rows together, paired over users
+    scored = summary["scores_overall"]
+    assert scored["rows"] == sum(p["scores"]["model"]["rows"] for p in summary["periods"]) and scored["periods"] == 2
+    assert set(scored["versus"]) == {"ctr", "logistic"} and scored["versus"]["logistic"]["over"] == "users"
+    for figures in scored["versus"].values():
+        assert figures["auc"][1] <= figures["auc"][0] <= figures["auc"][2]
+    loss = scored["versus"]["logistic"]["logloss"]
+    per_period = [p["scores"]["model"]["logloss"] - p["scores"]["baseline:logistic"]["logloss"] for p in summary["periods"]]
+    rows = [p["scores"]["model"]["rows"] for p in summary["periods"]]
+    # log loss is a mean over rows: the pooled difference is the periods' differences weighted by their rows
+    assert abs(loss[0] - sum(d * n for d, n in zip(per_period, rows, strict=True)) / sum(rows)) < 1e-3, loss
     # every period's users together: each user-period a unit, the means weighted by the periods' users
     overall = summary["recommend_overall"]
     periods = [p["recommend"] for p in summary["periods"]]
@@ -101,6 +112,7 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
     assert json.loads((settings.home / "reports" / "replay.json").read_text())["period"] == "week"
     assert "Recommendations: /recommend against popularity and co-occurrence" in report
     assert "<tr><td>all</td>" in report  # the pooled row under the periods'
+    assert "Over every replayed period's" in report
 
 
 def test_features_and_feast_follow_the_spec_keys_and_genre_vocabulary(replayed):

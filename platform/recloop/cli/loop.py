@@ -386,6 +386,11 @@ def replay_command(
     if json_out:
         emit(summary)
         return
+    scored = summary.get("scores_overall") or {}
+    for name, figures in (scored.get("versus") or {}).items():
+        parts = ", ".join(f"{label} {v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]" for metric, label in
+                          (("auc", "AUC"), ("logloss", "log loss")) for v in [figures.get(metric)] if v)
+        console.print(f"champion − {name} over every period's {scored['rows']:,} rows: {parts}")
     overall = summary.get("recommend_overall") or {}
     if overall.get("users"):
         k = overall["k"]
