@@ -199,7 +199,7 @@ def test_the_wide_part_starts_as_the_dlrm_and_learns_an_ids_own_rate(rows):
     files, schema = rows
     batch = batches(rows)[0]
     shape = dict(embedding_dim=8, bottom_mlp=(8,), top_mlp=(8,), multi_hot_columns=tuple(schema.multi_hot))
-    deep = RankingModel(ModelConfig(**shape), len(schema.dense), schema.tables)
+    deep = RankingModel(ModelConfig(**shape, wide=False), len(schema.dense), schema.tables)
     wide = RankingModel(ModelConfig(**shape, wide=True), len(schema.dense), schema.tables)
     assert deep.wide_arch is None and wide.wide_arch is not None
     with torch.no_grad():

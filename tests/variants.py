@@ -37,6 +37,10 @@ def unchanged(weights) -> None:
 
 
 def inverted(weights) -> None:
-    """Scores reversed: the ranking shows users their least likely clicks first."""
+    """Scores reversed: the ranking shows users their least likely clicks first (the logit's every part: the
+    over arch's last layer and, in a model with one, the wide part, which is added to it)."""
     weights["over_arch.layers.2.weight"].neg_()
     weights["over_arch.layers.2.bias"].neg_()
+    for name in ("wide_arch.linear.weight", "wide_arch.linear.bias"):
+        if name in weights:
+            weights[name].neg_()
