@@ -669,6 +669,7 @@ def _scores_overall(pooled: dict) -> dict:
     found = {}
     for name, parts in pooled.get("baselines", {}).items():
         if len(parts) == periods:  # a baseline every period scored
+            # ``paired_intervals`` compares log loss where the baseline's figures have one (a probability)
             found[name] = {"scores": np.concatenate([p for p, _ in parts]),
                            "logloss": 0.0 if all(has for _, has in parts) else None}
     return {"rows": int(len(labels)), "periods": periods,

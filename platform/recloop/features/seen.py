@@ -224,10 +224,7 @@ def with_history(settings: Settings, spec: DatasetSpec, events: pa.Table) -> pa.
     if spec.history.name in events.column_names:
         events = events.drop_columns([spec.history.name])
     config = SeenConfig.for_settings(settings, spec)
-    times = (events["_ts_us"] if "_ts_us" in events.column_names else events[spec.timestamp].cast(pa.int64()))
-    times = times.to_numpy() if isinstance(times, pa.Array) else times.combine_chunks().to_numpy()
-    if len(times) == 0:
-        return events.append_column(spec.history.name, pa.array([], pa.list_(pa.int64())))
+    times = events[spec.timestamp].cast(pa.int64()).to_numpy()
     users = events[spec.user_key].to_numpy(zero_copy_only=False)
     since = int(times.min()) - int(round(config.lookback_days * DAY_US))
     lake_events = lake.read_window(settings, spec, since, int(times.max()),
@@ -236,10 +233,15 @@ def with_history(settings: Settings, spec: DatasetSpec, events: pa.Table) -> pa.
         lake_events = lake_events.filter(pc.is_in(lake_events[spec.user_key], pa.array(np.unique(users))))
         pairs = interactions(lake_events, spec, config)
     else:
-        pairs = pa.table({spec.user_key: pa.array([], pa.int64()), spec.item_key: pa.array([], pa.int64()),
-                          LAST: pa.array([], pa.int64())})
+        pairs = _no_pairs(spec)
     lists = history_lists(pairs, spec, users, times, spec.history.items, config.lookback_days)
     return events.append_column(spec.history.name, lists)
+
+
+def _no_pairs(spec: DatasetSpec) -> pa.Table:
+    """An empty (user, item, ``last_us``) table: no interaction counts."""
+    return pa.table({spec.user_key: pa.array([], pa.int64()), spec.item_key: pa.array([], pa.int64()),
+                     LAST: pa.array([], pa.int64())})
 
 
 def history_of(items_newest_first: np.ndarray | None, count: int) -> list[int]:
@@ -326,11 +328,7 @@ def build_seen(settings: Settings, spec: DatasetSpec, path: Path, as_of_us: int,
         pairs = []
     if events.num_rows:
         pairs.append(interactions(events, spec, config))
-    if pairs:
-        merged = pa.concat_tables(pairs, promote_options="permissive")
-    else:
-        merged = pa.table({spec.user_key: pa.array([], pa.int64()), spec.item_key: pa.array([], pa.int64()),
-                           LAST: pa.array([], pa.int64())})
+    merged = pa.concat_tables(pairs, promote_options="permissive") if pairs else _no_pairs(spec)
     table = bounded(merged, spec, as_of_us, config)
     write_seen(path, table, spec, as_of_us, config)
     return SeenFile(table, as_of_us, spec.user_key, spec.item_key, config)

@@ -359,10 +359,11 @@ def pick_propensity(retriever, found: np.ndarray, similarity: np.ndarray | None,
     those by "will they like it"; without this, a ratings log's unknown user got the catalog's best-rated
     rarities ahead of what people pick (MovieLens replay, recall@10 0.044 and 0.020 against popularity's
     0.075 and 0.067 in two months of three; 0.125 and 0.087 with it: RESULTS.md)."""
-    if similarity is None:
-        return np.exp(weight * retriever.log_propensity(kept, None))
-    by_id = dict(zip(found.tolist(), similarity.tolist(), strict=True))
-    return np.exp(weight * retriever.log_propensity(kept, np.array([by_id[i] for i in kept.tolist()])))
+    kept_similarity = None
+    if similarity is not None:
+        by_id = dict(zip(found.tolist(), similarity.tolist(), strict=True))
+        kept_similarity = np.array([by_id[i] for i in kept.tolist()])
+    return np.exp(weight * retriever.log_propensity(kept, kept_similarity))
 
 
 class StageTimer:
