@@ -40,8 +40,11 @@ def main() -> None:
     parser.add_argument("--profile", type=Path)
     args = parser.parse_args()
 
+    from recloop.cli.base import drop_deprecation_notices
     from recloop.demo import DemoConfig, run_demo
     from recloop.settings import Settings
+
+    drop_deprecation_notices()  # as `recloop demo` does
 
     stages: list[dict] = []
     last = [time.perf_counter(), cpu_seconds()]

@@ -536,9 +536,11 @@ def loop_grid(
     recovery (twice the time; its interval across seeds only)."""
     from pathlib import Path
 
+    from recloop.cli.base import drop_deprecation_notices
     from recloop.demo import DemoConfig, run_demo
     from recloop.settings import Settings
 
+    drop_deprecation_notices()  # as `recloop demo` does: libraries' notices to their own callers stay out of the log
     runs: dict[str, list[dict]] = {}
     for scenario in scenarios:
         for seed in range(first_seed, first_seed + seeds):

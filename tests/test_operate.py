@@ -117,7 +117,7 @@ def test_libraries_deprecation_notices_stay_out_of_the_commands_output():
     code = """if True:
         import warnings
         from recloop.cli import base
-        base._drop_deprecation_notices()
+        base.drop_deprecation_notices()
         warnings.simplefilter("once", DeprecationWarning)  # what importing Feast does
         warnings.warn("numpy.core is deprecated", DeprecationWarning, stacklevel=1)
         warnings.warn("old", FutureWarning, stacklevel=1)

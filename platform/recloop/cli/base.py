@@ -69,11 +69,11 @@ def _options(ctx: typer.Context,
              debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of a failure.")] = False) -> None:
     """recloop: continuous retraining for GPU recommenders. Settings come from RECLOOP_* variables."""
     if not sys.warnoptions:  # `python -W ...` still decides for itself
-        _drop_deprecation_notices()
+        drop_deprecation_notices()
     debug_option(ctx, debug)
 
 
-def _drop_deprecation_notices() -> None:
+def drop_deprecation_notices() -> None:
     """Libraries' deprecation notices (numpy via Evidently, litestar via Prefect...) are for their callers'
     developers, not for the command's reader. Dropped where warnings are shown, not by a filter: importing
     Feast puts ``simplefilter("once", DeprecationWarning)`` in front of any filter set before."""
