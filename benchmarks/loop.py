@@ -23,6 +23,16 @@ at this simulation's pace), with the paired online AUC guardrail (both models' s
 the challenger's requests) beside the CTR evidence; the gate at the shipped non-inferiority margin
 (``GateThresholds().auc_margin``), "insufficient evidence" counted apart, with the window's power.
 
+The full loop (``--loop-seeds``): ``recloop demo`` per world seed and scenario, as it ships. A run costs minutes,
+so a grid is built over several invocations (and sessions): ``--loop-rows FILE`` appends each finished run as one
+JSON line (with the machine and commit it ran on), and ``--loop-table FILE ...`` runs nothing and summarizes every
+run in those files (and in earlier ``--json`` results) by scenario and configuration: the paired differences' means
+with t intervals over seeds, drift acted on within 2 days and false alarms with Wilson intervals.
+
+    python benchmarks/loop.py --skip canary,gate,concept --loop-seeds 1 --loop-first-seed 7 --scenarios none,gradual \\
+        --loop-events-per-day 10000 --loop-requests-per-day 300 --loop-rows grid.jsonl
+    python benchmarks/loop.py --loop-table grid.jsonl results/loop-*.json --json table.json
+
 Targets (issue 36): identical challenger rolled back ≤ 5 % (upper bound ≤ 10 %), 10 %-better promoted ≥ 90 %,
 10 %-worse promoted ≤ 5 %; gate: ≤ 5 % of panel-better refused, ≤ 5 % of panel-worse passed, or
 "insufficient evidence" reported.
@@ -526,14 +536,15 @@ def concept_rates(seeds: int, scenarios: tuple[str, ...], requests_per_day: int,
 
 def loop_grid(
     seeds: int, scenarios: tuple[str, ...], days: int, events_per_day: int, requests_per_day: int, root: str,
-    first_seed: int = 0, twin: bool = False,
+    first_seed: int = 0, twin: bool = False, rows_path: str | None = None,
 ) -> dict:
     """``recloop demo`` per world seed and scenario, as it ships (``DemoConfig``'s canary, gate and monitor),
     with the daily full retrain as the panel's upper reference: the paired same-panel differences loop −
     never retrained and loop − daily full two cycles after the drift (each run's user-cluster interval; mean
     and t interval across seeds: the primary figures), the day drift was first acted on (detection delay)
     and false alarms on ``none``. With ``twin`` each drifted run also runs its no-drift twin for the twin-world
-    recovery (twice the time; its interval across seeds only)."""
+    recovery (twice the time; its interval across seeds only). ``rows_path``: each finished run is appended there
+    as a JSON line (``loop_table`` summarizes such files)."""
     from pathlib import Path
 
     from recloop.cli.base import drop_deprecation_notices
@@ -586,20 +597,80 @@ def loop_grid(
             }
             runs.setdefault(scenario, []).append(row)
             print(f"loop {scenario} seed {seed}: {json.dumps(row, default=float)}", flush=True)
-    out = {}
-    for scenario, rows in runs.items():
-        entry = {"runs": rows}
-        for key in ("recovery", "loop_minus_frozen", "loop_minus_daily_full"):
-            values = [r[key] for r in rows if r[key] is not None]
-            if values:
-                entry[key] = dict(zip(("mean", "low", "high"), mean_ci(values), strict=True))
-        delays = [r["detection_delay_days"] for r in rows]
-        entry["detected_within_2_days"] = sum(d is not None and d <= 1 for d in delays) / len(rows)
-        if scenario == "none":
-            entry["false_alarm_checks"] = sum(r["false_alarms"] for r in rows)
-            entry["checks"] = len(rows) * (days - 1)
-        out[scenario] = entry
-    return out
+            if rows_path:
+                line = {"scenario": scenario, **row, "days": days, "events_per_day": events_per_day,
+                        "requests_per_day": requests_per_day, "machine": machine()}
+                with open(rows_path, "a") as out:
+                    out.write(json.dumps(line, default=float) + "\n")
+    return {scenario: summarize_scenario(scenario, rows, days) for scenario, rows in runs.items()}
+
+
+def summarize_scenario(scenario: str, rows: list[dict], days: int) -> dict:
+    """One scenario's runs: the paired differences' means with t intervals over seeds, the share of runs whose
+    drift was acted on within 2 days (Wilson interval), and false alarms on ``none`` (each day after the first
+    is a check)."""
+    entry: dict = {"runs": rows, "seeds": [r["seed"] for r in rows]}
+    for key in ("recovery", "loop_minus_frozen", "loop_minus_daily_full"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            entry[key] = dict(zip(("mean", "low", "high"), mean_ci(values), strict=True))
+    acted = sum(r["detection_delay_days"] is not None and r["detection_delay_days"] <= 1 for r in rows)
+    entry["detected_within_2_days"] = acted / len(rows)
+    entry["detected_ci"] = proportion_ci(acted, len(rows))
+    if scenario == "none":
+        entry["false_alarm_checks"] = sum(r["false_alarms"] or 0 for r in rows)
+        entry["checks"] = len(rows) * (days - 1)
+        entry["false_alarm_ci"] = proportion_ci(entry["false_alarm_checks"], entry["checks"])
+    return entry
+
+
+def loop_table(paths: list[str]) -> dict:
+    """Every full-loop run in ``paths`` (``--loop-rows`` JSON lines, or ``--json`` results with a ``loop`` part)
+    summarized by scenario and configuration (days, events and requests a day); a seed found twice counts once
+    (the later file wins). Prints a markdown table, with the hosts and commits the runs came from: give it the
+    files of one shipped configuration (runs of older defaults are not told apart by their sizes)."""
+    found: dict[tuple, dict[int, dict]] = {}
+    for path in paths:
+        with open(path) as handle:
+            text = handle.read()
+        if path.endswith(".jsonl"):
+            lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            result = json.loads(text)
+            arguments = result.get("arguments", {})
+            lines = [{"scenario": scenario, **row, "days": arguments.get("loop_days", 5),
+                      "events_per_day": arguments.get("loop_events_per_day"),
+                      "requests_per_day": arguments.get("loop_requests_per_day"), "machine": result.get("machine")}
+                     for scenario, entry in result.get("loop", {}).items() for row in entry["runs"]]
+        for line in lines:
+            key = (line["scenario"], line["days"], line["events_per_day"], line["requests_per_day"])
+            found.setdefault(key, {})[line["seed"]] = {**line, "source": path.rsplit("/", 1)[-1]}
+    order = {name: i for i, name in enumerate(("none", "gradual", "sudden", "covariate"))}
+    table = {}
+    print("| scenario (days × events, requests a day) | seeds | loop − daily full, mean [t 95 %] | loop − never "
+          "retrained | drift acted on within 2 days | false alarms | hosts at commits |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for key in sorted(found, key=lambda k: (k[1:], order.get(k[0], 9), k[0])):
+        scenario, days, events, requests = key
+        rows = [found[key][seed] for seed in sorted(found[key])]
+        entry = summarize_scenario(scenario, rows, days)
+        table[f"{scenario} {days}x{events} {requests}"] = entry
+        full, frozen = entry.get("loop_minus_daily_full", {}), entry.get("loop_minus_frozen", {})
+        acted = "—" if scenario == "none" else (
+            f"{entry['detected_within_2_days']:.0%} [{entry['detected_ci'][0]:.0%}, {entry['detected_ci'][1]:.0%}]")
+        alarms = "—" if scenario != "none" else (
+            f"{entry['false_alarm_checks']} of {entry['checks']} [{entry['false_alarm_ci'][0]:.0%}, "
+            f"{entry['false_alarm_ci'][1]:.0%}]")
+        hosts = ", ".join(sorted({f"{(r.get('machine') or {}).get('cpu', '?')} at {(r.get('machine') or {}).get('commit', '?')}"
+                                  for r in rows}))
+        print(f"| `{scenario}` ({days} × {events:,}, {requests}) | {len(rows)} | {_interval(full)} | "
+              f"{_interval(frozen)} | {acted} | {alarms} | {hosts} |")
+    return table
+
+
+def _interval(figure: dict) -> str:
+    nan = float("nan")
+    return f"{figure.get('mean', nan):+.3f} [{figure.get('low', nan):+.3f}, {figure.get('high', nan):+.3f}]"
 
 
 def main() -> None:
@@ -635,8 +706,17 @@ def main() -> None:
     parser.add_argument(
         "--loop-root", default=None, help="where the runs' homes go (default: a temporary folder)"
     )
+    parser.add_argument("--loop-rows", default=None, help="append each finished full-loop run here (JSON lines)")
+    parser.add_argument("--loop-table", nargs="+", default=None, metavar="FILE",
+                        help="run nothing: summarize the full-loop runs in these files (--loop-rows, --json)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.loop_table:
+        table = loop_table(args.loop_table)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"machine": machine(), "files": args.loop_table, "loop": table}, out, indent=2, default=float)
+        return
     skip = set(filter(None, args.skip.split(",")))
     started = time.perf_counter()
     result: dict = {"machine": machine(), "arguments": vars(args)}
@@ -694,6 +774,7 @@ def main() -> None:
                 args.loop_root or scratch,
                 args.loop_first_seed,
                 args.loop_twin,
+                args.loop_rows,
             )
         for scenario, entry in result["loop"].items():
             print(
