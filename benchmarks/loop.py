@@ -605,6 +605,58 @@ def loop_grid(
     return {scenario: summarize_scenario(scenario, rows, days) for scenario, rows in runs.items()}
 
 
+def loop_lanes(args, scratch: str) -> dict:
+    """The grid's runs ``--loop-lanes`` at a time, each in a process of its own (``loop.py --loop-seeds 1``) with
+    one intra-op thread: on 2 cores, two demos with torch's default two threads each spent much of their time
+    in thread pools waiting for a core (a run took ~800 s against ~390 s with one thread each,
+    benchmarks/RESULTS.md, issue 36's grid). Seed by seed, so a grid cut short holds every scenario. Each run's
+    row goes to ``--loop-rows`` (a file in ``scratch`` if not given); the summary is over this grid's runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rows_path = args.loop_rows or str(Path(scratch) / "rows.jsonl")
+    scenarios = tuple(args.scenarios.split(","))
+    seeds = range(args.loop_first_seed, args.loop_first_seed + args.loop_seeds)
+    jobs = [(scenario, seed) for seed in seeds for scenario in scenarios]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    running: list[tuple[subprocess.Popen, str, int, object]] = []
+    while jobs or running:
+        while jobs and len(running) < args.loop_lanes:
+            scenario, seed = jobs.pop(0)
+            log = open(Path(scratch) / f"{scenario}-{seed}.log", "w")  # noqa: SIM115 - closed when the run ends
+            command = [sys.executable, __file__, "--skip", "canary,gate,concept", "--loop-seeds", "1",
+                       "--loop-first-seed", str(seed), "--scenarios", scenario, "--loop-days", str(args.loop_days),
+                       "--loop-events-per-day", str(args.loop_events_per_day),
+                       "--loop-requests-per-day", str(args.loop_requests_per_day), "--loop-rows", rows_path]
+            command += ["--loop-twin"] if args.loop_twin else []
+            command += ["--loop-root", args.loop_root] if args.loop_root else []
+            running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), scenario, seed,
+                            log))
+        time.sleep(2)
+        for job in list(running):
+            process, scenario, seed, log = job
+            if process.poll() is None:
+                continue
+            running.remove(job)
+            log.close()
+            if process.returncode:
+                tail = Path(log.name).read_text()[-2000:]
+                print(f"loop {scenario} seed {seed}: failed (exit {process.returncode}); its log ends:\n{tail}",
+                      flush=True)
+    wanted = {(scenario, seed) for scenario in scenarios for seed in seeds}
+    rows: dict[str, list[dict]] = {}
+    if Path(rows_path).exists():
+        for line in Path(rows_path).read_text().splitlines():
+            row = json.loads(line) if line.strip() else None
+            if row and (row["scenario"], row["seed"]) in wanted:
+                rows.setdefault(row["scenario"], []).append(row)
+                print(f"loop {row['scenario']} seed {row['seed']}: {line}", flush=True)
+    return {scenario: summarize_scenario(scenario, sorted(found, key=lambda r: r["seed"]), args.loop_days)
+            for scenario, found in rows.items()}
+
+
 def summarize_scenario(scenario: str, rows: list[dict], days: int) -> dict:
     """One scenario's runs: the paired differences' means with t intervals over seeds, the share of runs whose
     drift was acted on within 2 days (Wilson interval), and false alarms on ``none`` (each day after the first
@@ -706,6 +758,8 @@ def main() -> None:
     parser.add_argument(
         "--loop-root", default=None, help="where the runs' homes go (default: a temporary folder)"
     )
+    parser.add_argument("--loop-lanes", type=int, default=1,
+                        help="full-loop runs at a time, each a process of its own with one intra-op thread")
     parser.add_argument("--loop-rows", default=None, help="append each finished full-loop run here (JSON lines)")
     parser.add_argument("--loop-table", nargs="+", default=None, metavar="FILE",
                         help="run nothing: summarize the full-loop runs in these files (--loop-rows, --json)")
@@ -765,7 +819,7 @@ def main() -> None:
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="recloop-loop-") as scratch:
-            result["loop"] = loop_grid(
+            result["loop"] = loop_lanes(args, scratch) if args.loop_lanes > 1 else loop_grid(
                 args.loop_seeds,
                 tuple(args.scenarios.split(",")),
                 args.loop_days,
