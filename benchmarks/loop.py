@@ -646,15 +646,17 @@ def loop_lanes(args, scratch: str) -> dict:
                 print(f"loop {scenario} seed {seed}: failed (exit {process.returncode}); its log ends:\n{tail}",
                       flush=True)
     wanted = {(scenario, seed) for scenario in scenarios for seed in seeds}
-    rows: dict[str, list[dict]] = {}
+    found: dict[tuple[str, int], dict] = {}  # a seed run again in the same file: the newest line counts
     if Path(rows_path).exists():
         for line in Path(rows_path).read_text().splitlines():
             row = json.loads(line) if line.strip() else None
             if row and (row["scenario"], row["seed"]) in wanted:
-                rows.setdefault(row["scenario"], []).append(row)
-                print(f"loop {row['scenario']} seed {row['seed']}: {line}", flush=True)
-    return {scenario: summarize_scenario(scenario, sorted(found, key=lambda r: r["seed"]), args.loop_days)
-            for scenario, found in rows.items()}
+                found[(row["scenario"], row["seed"])] = row
+    rows: dict[str, list[dict]] = {}
+    for (scenario, seed), row in sorted(found.items()):
+        rows.setdefault(scenario, []).append(row)
+        print(f"loop {scenario} seed {seed}: {json.dumps(row, default=float)}", flush=True)
+    return {scenario: summarize_scenario(scenario, mine, args.loop_days) for scenario, mine in rows.items()}
 
 
 def summarize_scenario(scenario: str, rows: list[dict], days: int) -> dict:
