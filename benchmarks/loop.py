@@ -647,11 +647,9 @@ def loop_lanes(args, scratch: str) -> dict:
                       flush=True)
     wanted = {(scenario, seed) for scenario in scenarios for seed in seeds}
     found: dict[tuple[str, int], dict] = {}  # a seed run again in the same file: the newest line counts
-    if Path(rows_path).exists():
-        for line in Path(rows_path).read_text().splitlines():
-            row = json.loads(line) if line.strip() else None
-            if row and (row["scenario"], row["seed"]) in wanted:
-                found[(row["scenario"], row["seed"])] = row
+    for row in read_runs(rows_path) if Path(rows_path).exists() else []:
+        if (row["scenario"], row["seed"]) in wanted:
+            found[(row["scenario"], row["seed"])] = row
     rows: dict[str, list[dict]] = {}
     for (scenario, seed), row in sorted(found.items()):
         rows.setdefault(scenario, []).append(row)
@@ -685,18 +683,7 @@ def loop_table(paths: list[str]) -> dict:
     files of one shipped configuration (runs of older defaults are not told apart by their sizes)."""
     found: dict[tuple, dict[int, dict]] = {}
     for path in paths:
-        with open(path) as handle:
-            text = handle.read()
-        if path.endswith(".jsonl"):
-            lines = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            result = json.loads(text)
-            arguments = result.get("arguments", {})
-            lines = [{"scenario": scenario, **row, "days": arguments.get("loop_days", 5),
-                      "events_per_day": arguments.get("loop_events_per_day"),
-                      "requests_per_day": arguments.get("loop_requests_per_day"), "machine": result.get("machine")}
-                     for scenario, entry in result.get("loop", {}).items() for row in entry["runs"]]
-        for line in lines:
+        for line in read_runs(path):
             key = (line["scenario"], line["days"], line["events_per_day"], line["requests_per_day"])
             found.setdefault(key, {})[line["seed"]] = {**line, "source": path.rsplit("/", 1)[-1]}
     order = {name: i for i, name in enumerate(("none", "gradual", "sudden", "covariate"))}
@@ -720,6 +707,21 @@ def loop_table(paths: list[str]) -> dict:
         print(f"| `{scenario}` ({days} × {events:,}, {requests}) | {len(rows)} | {_interval(full)} | "
               f"{_interval(frozen)} | {acted} | {alarms} | {hosts} |")
     return table
+
+
+def read_runs(path: str) -> list[dict]:
+    """The full-loop runs in one file, each a ``--loop-rows`` line: the file's lines (``.jsonl``), or the ``loop``
+    part of a ``--json`` result with its arguments' sizes and machine added."""
+    with open(path) as handle:
+        text = handle.read()
+    if path.endswith(".jsonl"):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    result = json.loads(text)
+    arguments = result.get("arguments", {})
+    return [{"scenario": scenario, **row, "days": arguments.get("loop_days", 5),
+             "events_per_day": arguments.get("loop_events_per_day"),
+             "requests_per_day": arguments.get("loop_requests_per_day"), "machine": result.get("machine")}
+            for scenario, entry in result.get("loop", {}).items() for row in entry["runs"]]
 
 
 def _interval(figure: dict) -> str:
