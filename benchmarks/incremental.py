@@ -50,12 +50,16 @@ def main() -> None:
                         help="embedding optimizer state decay at warm start (1.0: none; the loop's default is 0.25)")
     parser.add_argument("--chain", default="",
                         help="the loop's chain instead: per world, a full model on day 0, then one incremental run "
-                             "per day from the one before, for each comma-separated EPOCHS[:REPLAY[:DECAY]][/K] variant "
-                             "(e.g. '1,3,1:1.0,1:1.0:0,1:1.0/3'; DECAY: --decay; /K: a full retrain every K days), "
-                             "against a daily full retrain of days 0..day with --full-epochs")
+                             "per day from the one before, for each comma-separated EPOCHS[:REPLAY[:DECAY[:LR]]][/K] "
+                             "variant (e.g. '1,3,1:1.0,1:1.0:0,1:1.0:0.25:0.02,1:1.0/3'; DECAY: --decay; LR: the "
+                             "incremental run's dense rate, default the shipped INCREMENTAL_LR; /K: a full retrain "
+                             "every K days), against a daily full retrain of days 0..day with --full-epochs")
     parser.add_argument("--full-epochs", type=int, default=3, help="--chain: the full retrain's epochs")
     parser.add_argument("--panel-requests", type=int, default=2000,
                         help="--chain: requests on each day's evaluation panel")
+    parser.add_argument("--scenario", default="none", choices=("none", "gradual", "sudden", "covariate"),
+                        help="--chain: the world's drift (as the loop grid's scenarios)")
+    parser.add_argument("--drift-day", type=int, default=2, help="--chain: the first day of the drift")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
     if args.chain:
@@ -126,7 +130,8 @@ START = datetime(2026, 1, 1, tzinfo=UTC)  # the simulated world's first day
 def _landed_world(work: Path, world_seed: int, args) -> tuple[Settings, FeatureConfig, World]:
     """A world of ``--days`` + 1 days simulated and ingested into a home under ``work`` (no features yet);
     the world after its last day (its users' histories as they stand then) for the panel."""
-    world = World(WorldConfig(seed=world_seed, days=args.days + 1, events_per_day=args.events_per_day))
+    drift = dict(drift=args.scenario, drift_day=args.drift_day) if getattr(args, "scenario", "none") != "none" else {}
+    world = World(WorldConfig(seed=world_seed, days=args.days + 1, events_per_day=args.events_per_day, **drift))
     world.write(work / "landing")
     settings = Settings(home=work / "home", frame_backend="pandas")
     ingest(work / "landing", load_spec("synthetic"), settings, now=datetime(2026, 6, 1, tzinfo=UTC))
@@ -164,13 +169,13 @@ def chain(args) -> None:
                 full = train(settings, TrainConfig(mode="full", days=day + 1, epochs=args.full_epochs, **common))
                 full_walls.append(time.perf_counter() - began)
                 for variant in variants:
-                    epochs, replay, decay, every = variant
+                    epochs, replay, decay, every, lr = variant
                     if every and day % every == 0:  # the loop's periodic full retrain: it becomes the head
                         heads[variant], finals[variant] = Path(full.checkpoint), full
                         continue
                     _cold_baselines(settings)
                     began = time.perf_counter()
-                    run = train(settings, TrainConfig(mode="incremental", days=day + 1, epochs=epochs,
+                    run = train(settings, TrainConfig(mode="incremental", days=day + 1, epochs=epochs, lr=lr,
                                                       replay_fraction=replay, warm_state_decay=decay, **common),
                                 warm_start=heads[variant])
                     walls[variant] += time.perf_counter() - began
@@ -221,23 +226,24 @@ def chain(args) -> None:
         per_day.append(row)
     report("the chain's panel gap per day (t interval over worlds)", per_day, machine(), None)
     report(f"the loop's chain: day 0 full, then {args.days} daily incremental runs vs a daily full retrain "
-           f"({args.full_epochs} epochs) over {args.days + 1} days x {args.events_per_day} events, {args.worlds} worlds",
+           f"({args.full_epochs} epochs) over {args.days + 1} days x {args.events_per_day} events, {args.worlds} worlds"
+           + (f", {args.scenario} drift from day {args.drift_day}" if args.scenario != "none" else ""),
            rows, {**machine(), "pairs": json.dumps(pairs), "daily": json.dumps(daily)}, args.json_path)
 
 
-def _label(variant: tuple[int, float, float, int]) -> str:
-    epochs, replay, decay, every = variant
+def _label(variant: tuple[int, float, float, int, float | None]) -> str:
+    epochs, replay, decay, every, lr = variant
     return f"{epochs} epochs, {replay:.0%} replay" + (f", Adagrad state x{decay:g} at warm start" if decay != 1.0 else "") \
-        + (f", full retrain every {every} days" if every else "")
+        + (f", dense rate {lr:g}" if lr is not None else "") + (f", full retrain every {every} days" if every else "")
 
 
-def _variant(text: str) -> tuple[int, float, float, int]:
-    """``EPOCHS[:REPLAY[:DECAY]][/K]`` → (epochs, replay fraction, ``warm_state_decay``, full retrain every K days
-    or 0)."""
+def _variant(text: str) -> tuple[int, float, float, int, float | None]:
+    """``EPOCHS[:REPLAY[:DECAY[:LR]]][/K]`` → (epochs, replay fraction, ``warm_state_decay``, full retrain every K
+    days or 0, the dense rate or None for the shipped ``INCREMENTAL_LR``)."""
     text, _, every = text.partition("/")
     parts = text.split(":")
     return (int(parts[0]), float(parts[1]) if len(parts) > 1 else 0.0, float(parts[2]) if len(parts) > 2 else 1.0,
-            int(every or 0))
+            int(every or 0), float(parts[3]) if len(parts) > 3 else None)
 
 
 def _panel_rewards(settings: Settings, world: World, day: int, args, runs: dict) -> dict:
