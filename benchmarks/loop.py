@@ -594,6 +594,12 @@ def loop_grid(
                 "champions": [d.get("champion") for d in summary["days"]],
                 "promotions": sum(str(c).startswith("promote v") for d in summary["days"] for c in d.get("canary", [])),
                 "retrains": [d.get("retrain") for d in summary["days"]],
+                # each day's canary moves (start, step, promote, rollback, held), and every day's panel by model:
+                # where the loop trails the reference, whether a challenger was still in its canary says why
+                "canaries": [list(d.get("canary", [])) for d in summary["days"]],
+                "panel_by_day": {str(d): {name: figures["normalized_reward"] for name, figures in models.items()
+                                      if isinstance(figures, dict) and "normalized_reward" in figures}
+                                 for d, models in panel.items()},
             }
             runs.setdefault(scenario, []).append(row)
             print(f"loop {scenario} seed {seed}: {json.dumps(row, default=float)}", flush=True)
