@@ -536,7 +536,7 @@ def concept_rates(seeds: int, scenarios: tuple[str, ...], requests_per_day: int,
 
 def loop_grid(
     seeds: int, scenarios: tuple[str, ...], days: int, events_per_day: int, requests_per_day: int, root: str,
-    first_seed: int = 0, twin: bool = False, rows_path: str | None = None,
+    first_seed: int = 0, twin: bool = False, rows_path: str | None = None, reference_seeds: int = 1,
 ) -> dict:
     """``recloop demo`` per world seed and scenario, as it ships (``DemoConfig``'s canary, gate and monitor),
     with the daily full retrain as the panel's upper reference: the paired same-panel differences loop −
@@ -544,7 +544,8 @@ def loop_grid(
     and t interval across seeds: the primary figures), the day drift was first acted on (detection delay)
     and false alarms on ``none``. With ``twin`` each drifted run also runs its no-drift twin for the twin-world
     recovery (twice the time; its interval across seeds only). ``rows_path``: each finished run is appended there
-    as a JSON line (``loop_table`` summarizes such files)."""
+    as a JSON line (``loop_table`` summarizes such files). ``reference_seeds``: the daily full retrain is the
+    mean of this many seeds' retrains (``DemoConfig.reference_seeds``)."""
     from pathlib import Path
 
     from recloop.cli.base import drop_deprecation_notices
@@ -565,6 +566,7 @@ def loop_grid(
                 drift_day=2,
                 twin=twin and scenario != "none",
                 daily_full=True,
+                reference_seeds=reference_seeds,
             )
             began = time.perf_counter()
             summary = run_demo(Settings(home=home, frame_backend="pandas"), config)
@@ -605,7 +607,8 @@ def loop_grid(
             print(f"loop {scenario} seed {seed}: {json.dumps(row, default=float)}", flush=True)
             if rows_path:
                 line = {"scenario": scenario, **row, "days": days, "events_per_day": events_per_day,
-                        "requests_per_day": requests_per_day, "machine": machine()}
+                        "requests_per_day": requests_per_day, "reference_seeds": reference_seeds,
+                        "machine": machine()}
                 with open(rows_path, "a") as out:
                     out.write(json.dumps(line, default=float) + "\n")
     return {scenario: summarize_scenario(scenario, rows, days) for scenario, rows in runs.items()}
@@ -635,7 +638,8 @@ def loop_lanes(args, scratch: str) -> dict:
             command = [sys.executable, __file__, "--skip", "canary,gate,concept", "--loop-seeds", "1",
                        "--loop-first-seed", str(seed), "--scenarios", scenario, "--loop-days", str(args.loop_days),
                        "--loop-events-per-day", str(args.loop_events_per_day),
-                       "--loop-requests-per-day", str(args.loop_requests_per_day), "--loop-rows", rows_path]
+                       "--loop-requests-per-day", str(args.loop_requests_per_day), "--loop-rows", rows_path,
+                       "--loop-reference-seeds", str(args.loop_reference_seeds)]
             command += ["--loop-twin"] if args.loop_twin else []
             command += ["--loop-root", args.loop_root] if args.loop_root else []
             running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), scenario, seed,
@@ -690,7 +694,8 @@ def loop_table(paths: list[str]) -> dict:
     found: dict[tuple, dict[int, dict]] = {}
     for path in paths:
         for line in read_runs(path):
-            key = (line["scenario"], line["days"], line["events_per_day"], line["requests_per_day"])
+            key = (line["scenario"], line["days"], line["events_per_day"], line["requests_per_day"],
+                   line.get("reference_seeds", 1))
             found.setdefault(key, {})[line["seed"]] = {**line, "source": path.rsplit("/", 1)[-1]}
     order = {name: i for i, name in enumerate(("none", "gradual", "sudden", "covariate"))}
     table = {}
@@ -698,10 +703,11 @@ def loop_table(paths: list[str]) -> dict:
           "retrained | drift acted on within 2 days | false alarms | hosts at commits |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for key in sorted(found, key=lambda k: (k[1:], order.get(k[0], 9), k[0])):
-        scenario, days, events, requests = key
+        scenario, days, events, requests, references = key
         rows = [found[key][seed] for seed in sorted(found[key])]
         entry = summarize_scenario(scenario, rows, days)
-        table[f"{scenario} {days}x{events} {requests}"] = entry
+        table[f"{scenario} {days}x{events} {requests}" + (f" reference of {references} seeds" if references > 1
+                                                           else "")] = entry
         full, frozen = entry.get("loop_minus_daily_full", {}), entry.get("loop_minus_frozen", {})
         acted = "—" if scenario == "none" else (
             f"{entry['detected_within_2_days']:.0%} [{entry['detected_ci'][0]:.0%}, {entry['detected_ci'][1]:.0%}]")
@@ -710,7 +716,8 @@ def loop_table(paths: list[str]) -> dict:
             f"{entry['false_alarm_ci'][1]:.0%}]")
         hosts = ", ".join(sorted({f"{(r.get('machine') or {}).get('cpu', '?')} at {(r.get('machine') or {}).get('commit', '?')}"
                                   for r in rows}))
-        print(f"| `{scenario}` ({days} × {events:,}, {requests}) | {len(rows)} | {_interval(full)} | "
+        print(f"| `{scenario}` ({days} × {events:,}, {requests}"
+              + (f"; reference: mean of {references} seeds" if references > 1 else "") + f") | {len(rows)} | {_interval(full)} | "
               f"{_interval(frozen)} | {acted} | {alarms} | {hosts} |")
     return table
 
@@ -768,6 +775,8 @@ def main() -> None:
     parser.add_argument(
         "--loop-root", default=None, help="where the runs' homes go (default: a temporary folder)"
     )
+    parser.add_argument("--loop-reference-seeds", type=int, default=1,
+                        help="the daily full retrain (the panel's reference) as the mean of this many seeds' retrains")
     parser.add_argument("--loop-lanes", type=int, default=1,
                         help="full-loop runs at a time, each a process of its own with one intra-op thread")
     parser.add_argument("--loop-rows", default=None, help="append each finished full-loop run here (JSON lines)")
@@ -839,6 +848,7 @@ def main() -> None:
                 args.loop_first_seed,
                 args.loop_twin,
                 args.loop_rows,
+                args.loop_reference_seeds,
             )
         for scenario, entry in result["loop"].items():
             print(

@@ -11,7 +11,9 @@ baselines). Variants (issue 37: whether the wide part and the layers' rate shoul
 - ``wide``: the wide part, layers at 0.005;
 - ``fast``: no wide part, layers at 0.02;
 - ``wide10``: the wide part, layers at 0.01;
-- ``shipped``: the defaults as they are (the wide part, a full run's layers at 0.02).
+- ``shipped``: the defaults as they are (the wide part, a full run's layers at 0.02);
+- ``averaged``: the defaults, ending on the mean of the weights at the early-stopping checks
+  (``TrainConfig.average_checks``).
 
 The table is each variant's mean and its difference from ``base`` per seed.
 """
@@ -33,6 +35,7 @@ VARIANTS = {
     "fast": ({"wide": False}, {"lr": 2e-2}),
     "wide10": ({"wide": True}, {"lr": 1e-2}),
     "shipped": ({}, {}),
+    "averaged": ({}, {"average_checks": True}),
 }
 
 

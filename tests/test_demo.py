@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from recloop.settings import Settings
@@ -18,7 +19,8 @@ def demo(prefect_server, tmp_path_factory) -> tuple[Settings, dict]:
 
     settings = Settings(home=tmp_path_factory.mktemp("demo") / "home", frame_backend="pandas")
     summary = run_demo(settings, DemoConfig(days=3, events_per_day=4000, requests_per_day=120, rounds=3, seed=1,
-                                            drift="sudden", drift_day=2, panel_requests=100))
+                                            drift="sudden", drift_day=2, panel_requests=100, daily_full=True,
+                                            reference_seeds=2))
     return settings, summary
 
 
@@ -60,6 +62,12 @@ def test_the_demo_runs_every_stage_each_day(demo):
     assert paired["day"] == 2 and sorted(paired["per_day"]) == [1, 2]
     headline = paired["headline"]["champion - never_retrained"]
     assert headline["low"] <= headline["difference"] <= headline["high"]
+    # the upper reference, a daily full retrain from scratch, is the mean of its two seeds request by request
+    for day, rewards in summary["panels"].items():
+        seeds = np.array([rewards["daily_full_seed0"], rewards["daily_full_seed1"]])
+        assert np.allclose(rewards["daily_full"], seeds.mean(axis=0)), day
+        assert not np.allclose(seeds[0], seeds[1]), day  # two trainings, not one model twice
+    assert "champion - daily_full" in paired["headline"]
     report = Path(summary["report"]).read_text()
     assert "plotly" in report and "served / oracle" in report and "oracle recall@100" in report
     assert "Loop efficacy (same panel, paired)" in report

@@ -113,3 +113,20 @@ def test_the_demos_paired_efficacy_headline_is_two_cycles_after_the_drift():
     assert headline["difference"] == pytest.approx((0.8 - 0.3) / 0.7 - (0.5 - 0.3) / 0.7)
     assert headline["low"] <= headline["difference"] <= headline["high"]
     assert paired_efficacy(panels, DemoConfig(drift="none"))["day"] == 5  # no drift: the last day
+
+
+def test_a_reference_of_several_seeds_is_the_mean_of_their_rewards_request_by_request():
+    """The loop grid's daily full retrain is one draw of a training; ``averaged`` makes it the mean of several
+    seeds' (request by request, so the paired differences against it stay paired)."""
+    world = World(WorldConfig(seed=2, days=3, events_per_day=5000))
+    panel = draw_panel(world, 1.5, 400, candidates=30, seed=0)
+    scores = {"a": _scores(world, panel, 0.5), "b": _scores(world, panel, 4.0), "c": _scores(world, panel, 1.0)}
+    rows = per_request(world, panel, scores, averaged={"mean": ["a", "b"]})
+    assert np.allclose(rows["mean"]["reward"], (rows["a"]["reward"] + rows["b"]["reward"]) / 2)
+    assert np.allclose(rows["mean"]["ndcg"], (rows["a"]["ndcg"] + rows["b"]["ndcg"]) / 2)
+    assert not np.allclose(rows["mean"]["reward"], rows["a"]["reward"])  # not one of its members
+    figures = score_panel(world, panel, scores, resamples=100, averaged={"mean": ["a", "b"]})
+    # the normalized reward is linear in the rewards: the mean's is the mean of its members'
+    assert figures["mean"]["normalized_reward"] == pytest.approx(
+        (figures["a"]["normalized_reward"] + figures["b"]["normalized_reward"]) / 2)
+    assert figures["mean"]["low"] < figures["mean"]["normalized_reward"] < figures["mean"]["high"]

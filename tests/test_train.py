@@ -178,6 +178,39 @@ def test_early_stopping_keeps_the_best_weights_and_calibrates_on_rows_it_never_t
     assert metrics(labels, scores)["logloss"] == pytest.approx(record["best_logloss"], abs=1e-5)
 
 
+def test_weights_averaged_over_the_checks_are_their_mean_and_a_grown_table_stops_the_average():
+    from recloop.train import _WeightAverage
+
+    model = torch.nn.Linear(3, 2)
+    average = _WeightAverage(model)
+    seen = []
+    for value in (1.0, 2.0, 6.0):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        seen.append(model.weight.detach().clone())
+        average.add(model)
+    average.load_into(model)
+    assert average.count == 3 and torch.allclose(model.weight, torch.stack(seen).mean(dim=0))
+    grown = torch.nn.Linear(4, 2)  # a table that grew mid-run (ids admitted): no average of unlike shapes
+    average.add(grown)
+    assert average.count == 0
+
+
+def test_a_run_can_end_on_the_mean_of_its_checks_weights(home: Settings):
+    """``average_checks``: the weights at every early-stopping check after the first, averaged (stochastic
+    weight averaging along the run); the same run without it ends on its last weights."""
+    never_restore = dict(epochs=3, restore_z=float("inf"))  # each run ends on what it computed, not the best check
+    plain = train(home, config(**never_restore))
+    averaged = train(home, config(**never_restore, average_checks=True))
+    record = averaged.early_stopping
+    assert record["averaged_checks"] == len(record["checks"]) - 1 >= 2, record
+    assert "averaged_checks" not in plain.early_stopping
+    assert [c[0] for c in record["checks"]] == [c[0] for c in plain.early_stopping["checks"]]  # the same run
+    mine = load_file(Path(averaged.checkpoint) / "model.safetensors")
+    theirs = load_file(Path(plain.checkpoint) / "model.safetensors")
+    assert any(not torch.equal(mine[k], theirs[k]) for k in mine if mine[k].is_floating_point())
+
+
 def test_a_feature_constant_over_the_training_rows_is_centred_not_stretched():
     """A two-day window's day-of-week cosine is one value (Thursday and Friday): scaled by 1 / its spread, the
     next day's value reached the model as hundreds and its held-out log loss tripled."""

@@ -82,9 +82,12 @@ def expected_reward(logits: np.ndarray, order: np.ndarray, k: int = 10) -> np.nd
 
 
 def per_request(
-    world: World, panel: Panel, scores: dict[str, np.ndarray], k: int = 10, seed: int = 0
+    world: World, panel: Panel, scores: dict[str, np.ndarray], k: int = 10, seed: int = 0,
+    averaged: dict[str, list[str]] | None = None,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Per request and policy: expected reward, NDCG@k; with ``oracle`` and ``random`` added."""
+    """Per request and policy: expected reward, NDCG@k; with ``oracle`` and ``random`` added. ``averaged``: a
+    policy of its own per name, each request's reward and NDCG the mean of the named policies' (models trained
+    alike with different seeds: what such a training gives in expectation, not one draw of it)."""
     logits = true_logits(world, panel)
     gain = 1.0 / (1.0 + np.exp(-logits))
     rng = np.random.default_rng(seed)
@@ -96,6 +99,8 @@ def per_request(
     for name, order in orders.items():
         dcg = (np.take_along_axis(gain, order[:, :k], axis=1) * discount).sum(axis=1)
         out[name] = {"reward": expected_reward(logits, order, k), "ndcg": dcg / ideal}
+    for name, members in (averaged or {}).items():
+        out[name] = {key: np.mean([out[m][key] for m in members], axis=0) for key in ("reward", "ndcg")}
     return out
 
 
@@ -106,9 +111,11 @@ def score_panel(
     k: int = 10,
     resamples: int = 500,
     seed: int = 0,
+    averaged: dict[str, list[str]] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Normalized reward (with a user-cluster bootstrap 95 % interval), regret and NDCG@k per policy."""
-    rows = per_request(world, panel, scores, k, seed)
+    """Normalized reward (with a user-cluster bootstrap 95 % interval), regret and NDCG@k per policy
+    (``averaged``: as ``per_request``'s)."""
+    rows = per_request(world, panel, scores, k, seed, averaged)
     _, users = np.unique(panel.users, return_inverse=True)
     g = users.max() + 1
     draws = np.random.default_rng(seed).poisson(1.0, (resamples, g)).astype(np.float64)

@@ -159,6 +159,9 @@ class TrainConfig:
             README walkthrough's runs (2,311 rows, 9 steps an epoch, all inside the 20-step warm-up) kept the
             weights of step 3, barely moved from their initialization, so a second run came out identical to
             the first; and a retrain on new rows must not return with some of them never trained on.
+        average_checks: the run ends with the mean of its weights at every early-stopping check after the first
+            (a uniform average along the trajectory, as stochastic weight averaging), in place of the last
+            weights; the best check still replaces it when the average does worse by ``restore_z``.
         calibration_rows: Platt scaling (``recloop.evidence.calibration``) is fitted on up to this many of the
             early-stopping rows (without them: the newest *training* rows, intercept only) and kept with the
             checkpoint's JSON, so its probabilities are those of data it has not seen; 0: none.
@@ -216,6 +219,7 @@ class TrainConfig:
     patience: int = 1
     restore_z: float = 2.0
     early_stopping_checks: int = 4
+    average_checks: bool = False
     calibration_rows: int = 200_000
     calibration_slope: bool = False
     embedding_l2: float | None = None
@@ -842,6 +846,7 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
     checking = bool(windows.tuning) and run_dir is not None
     steps_per_epoch = math.ceil(loader.num_rows / batch_size)
     check_every = math.ceil(steps_per_epoch / max(config.early_stopping_checks, 1))
+    average = _WeightAverage(model) if checking and config.average_checks else None
     stop = False
     for epoch in range(position["epoch"], windows.epochs):
         skip = position["batch"] if epoch == position["epoch"] else 0
@@ -853,6 +858,8 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
                             samples=position["samples"] + batch.size)
             if checking and epoch > 0 and (batch_index + 1) % check_every == 0 and batch_index + 1 < steps_per_epoch:
                 stop = _early_stopping(model, windows, schema, config, device, position, run_dir)
+                if average is not None:
+                    average.add(model)
             if position["step"] % config.checkpoint_every == 0:
                 step.finish()  # the outstanding id check first: never checkpoint a run that met bad ids
                 save(False)
@@ -869,6 +876,8 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
             position.update(epoch=epoch + 1, batch=0)
             if checking:
                 stop = _early_stopping(model, windows, schema, config, device, position, run_dir)
+                if average is not None and epoch > 0:
+                    average.add(model)
         if tracker is not None:
             stats = loader.stats  # where the epoch went: a loop that waited for chunks was data-bound
             figures = {"epoch": epoch + 1, "samples_per_s": round(
@@ -881,6 +890,9 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
         if stop:
             break
     step.finish()
+    if average is not None and average.count >= 2:
+        average.load_into(model)
+        position.setdefault("early_stopping", {})["averaged_checks"] = average.count
     if windows.tuning and run_dir is not None:
         _restore_best(model, windows, schema, config, device, position, run_dir)
     if tracker is not None:
@@ -889,6 +901,31 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
 
 
 BEST_WEIGHTS = "best.safetensors"
+
+
+class _WeightAverage:
+    """The running mean of a model's floating-point weights at the checks it is given (``add``); other
+    tensors (ids, counters) keep the model's own values when the mean is loaded."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.count = 0
+        self.sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in model.state_dict().items()
+                     if v.is_floating_point()}
+
+    def add(self, model: torch.nn.Module) -> None:
+        state = model.state_dict()
+        if any(state.get(key) is None or state[key].shape != total.shape for key, total in self.sums.items()):
+            self.sums, self.count = {}, 0  # a table grew (new ids admitted): the run keeps its own last weights
+            return
+        if not self.sums:
+            return
+        for key, total in self.sums.items():
+            total.add_(state[key].detach().to(torch.float64))
+        self.count += 1
+
+    def load_into(self, model: torch.nn.Module) -> None:
+        state = model.state_dict()
+        model.load_state_dict({**state, **{k: (v / self.count).to(state[k].dtype) for k, v in self.sums.items()}})
 
 
 def _early_stopping(model: RankingModel, windows: Windows, schema: FeatureSchema, config: TrainConfig,

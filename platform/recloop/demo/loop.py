@@ -106,7 +106,8 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
         on_day(bootstrap)
     frozen = FrozenRanker(settings, first["gate"]["version"])
     if config.daily_full:
-        frozen.reference = frozen.model  # day 0's full retrain is the bootstrap model itself
+        # day 0's full retrain is the bootstrap model itself (its other seeds trained alike)
+        frozen.reference = [frozen.model, *train_reference(settings, 0, config, batch_size, first=1)]
     last_full_day = 0
 
     from recloop import registry

@@ -48,15 +48,18 @@ def paired_efficacy(panels: dict[int, dict], config: DemoConfig) -> dict:
     return {"per_day": per_day, "day": day, "headline": per_day.get(day)}
 
 
-def train_reference(settings: Settings, day: int, config: DemoConfig, batch_size: int):
-    """A full retrain from scratch on days 0..``day`` (held-out hours excluded, as the loop's), loaded for the
-    panel; no MLflow run, no version: it serves nobody."""
+def train_reference(settings: Settings, day: int, config: DemoConfig, batch_size: int, first: int = 0) -> list:
+    """Full retrains from scratch on days 0..``day`` (held-out hours excluded, as the loop's), one per seed
+    ``first``..``config.reference_seeds`` − 1 (offsets from the trainer's default seed), loaded for the panel;
+    no MLflow run, no version: they serve nobody."""
+    from dataclasses import replace
+
     from recloop.scoring import load_checkpoint
     from recloop.train import TrainConfig, train
 
-    summary = train(settings, TrainConfig(mode="full", days=day + 1, epochs=config.full_epochs,
-                                          batch_size=batch_size, validation_hours=6))
-    return load_checkpoint(summary.checkpoint, f"daily-full-day{day}")
+    base = TrainConfig(mode="full", days=day + 1, epochs=config.full_epochs, batch_size=batch_size, validation_hours=6)
+    return [load_checkpoint(train(settings, replace(base, seed=base.seed + i)).checkpoint, f"daily-full-day{day}-{i}")
+            for i in range(first, max(config.reference_seeds, 1))]
 
 
 def rank_panel(features, world: World, panel, models: dict) -> dict[str, np.ndarray]:
@@ -104,7 +107,8 @@ class FrozenRanker:
         self.model = load_version(settings, version)
         self.features = RequestFeatures(settings, spec, FeatureConfig.for_spec(spec), online_reader(settings))
         self._models = {version: self.model}
-        self.reference = None  # the daily full retrain (``DemoConfig.daily_full``), when there is one
+        # the daily full retrain (``DemoConfig.daily_full``), when there is one: a model per reference seed
+        self.reference: list | None = None
 
     def panel(self, world: World, day: int, config: DemoConfig, champion: str | None) -> dict:
         """The day's panel (drawn on its own stream): per-request expected clicks of the oracle, a random
@@ -116,11 +120,14 @@ class FrozenRanker:
         if champion is not None and champion not in self._models:
             self._models[champion] = load_version(self.settings, champion)
         models = {"never_retrained": self.model, "champion": self._models.get(champion, self.model)}
-        if self.reference is not None:
-            models["daily_full"] = self.reference
+        averaged = {}
+        if self.reference:  # "daily_full": the mean over its seeds (one draw each would be one seed's luck)
+            names = [f"daily_full_seed{i}" for i in range(len(self.reference))]
+            models.update(zip(names, self.reference, strict=True))
+            averaged["daily_full"] = names
         stacked = rank_panel(self.features, world, panel, models)
-        rows = per_request(world, panel, stacked, k=config.shown, seed=config.seed)
-        figures = score_panel(world, panel, stacked, k=config.shown, seed=config.seed)
+        rows = per_request(world, panel, stacked, k=config.shown, seed=config.seed, averaged=averaged)
+        figures = score_panel(world, panel, stacked, k=config.shown, seed=config.seed, averaged=averaged)
         return {"rewards": {k: v["reward"] for k, v in rows.items()}, "users": panel.users,
                 "figures": {k: {m: round(x, 4) for m, x in v.items()} for k, v in figures.items()
                             if k in ("champion", "never_retrained", "daily_full")}}

@@ -44,6 +44,11 @@ class DemoConfig:
     # The upper reference: each day also a full retrain from scratch on every day so far (not registered, not
     # served), scored on the next day's panel beside the live champion ("daily_full").
     daily_full: bool = False
+    # The reference's seeds: "daily_full" on the panel is the mean, request by request, of this many full
+    # retrains differing only in their seed. On 10,000-event days two retrains of the same rows land 0.05 apart
+    # in normalized reward (sd; benchmarks/RESULTS.md, "the reference is one draw"), so against one seed "the
+    # loop − the daily full retrain" is mostly that seed's luck.
+    reference_seeds: int = 1
     # The recommendation path: this share of each round's requests goes to /recommend, which retrieves
     # ``retrieve_k`` of the catalog (a few hundred items in this small world) for the ranker.
     # Items shown to a user within ``seen_hours`` (simulated) are not recommended again: a few hours, as
