@@ -13,7 +13,8 @@ baselines). Variants (issue 37: whether the wide part and the layers' rate shoul
 - ``wide10``: the wide part, layers at 0.01;
 - ``shipped``: the defaults as they are (the wide part, a full run's layers at 0.02);
 - ``averaged``: the defaults, ending on the mean of the weights at the early-stopping checks
-  (``TrainConfig.average_checks``).
+  (``TrainConfig.average_checks``; a one-epoch run has a single check, so nothing to average);
+- ``shipped3`` / ``averaged3``: the same two with three epochs, as the demo's and the flows' full retrains.
 
 The table is each variant's mean and its difference from ``base`` per seed.
 """
@@ -36,6 +37,8 @@ VARIANTS = {
     "wide10": ({"wide": True}, {"lr": 1e-2}),
     "shipped": ({}, {}),
     "averaged": ({}, {"average_checks": True}),
+    "shipped3": ({}, {"epochs": 3}),
+    "averaged3": ({}, {"epochs": 3, "average_checks": True}),
 }
 
 
