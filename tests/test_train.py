@@ -156,7 +156,8 @@ def test_early_stopping_keeps_the_best_weights_and_calibrates_on_rows_it_never_t
     # at the rates shipped until 2026-11-28 (tables 0.2, layers 2.1e-3 at these 512-row steps, a 20-step warm-up)
     # the tables memorize their rows within six epochs, so the last weights lose on the held-aside rows beyond
     # noise and the best check's come back (at today's defaults the run overfits less and keeps its last weights)
-    summary = train(home, config(epochs=6, lr=2.12e-3, warmup_share=1.0, model=replace(SMALL, embedding_lr=0.2)))
+    summary = train(home, config(epochs=6, lr=2.12e-3, warmup_share=1.0, model=replace(SMALL, embedding_lr=0.2),
+                                 average_checks=False))  # the last weights against the best check's
     record = summary.early_stopping
     assert record["rows"] >= 1000 and len(record["checks"]) >= 4 and record["files"]
     assert record["best_logloss"] == min(value for _, value in record["checks"])
@@ -182,6 +183,7 @@ def test_weights_averaged_over_the_checks_are_their_mean_and_a_grown_table_stops
     from recloop.train import _WeightAverage
 
     model = torch.nn.Linear(3, 2)
+    assert _WeightAverage(model, max_bytes=8).why_not  # larger than its cap: no second copy of the weights
     average = _WeightAverage(model)
     seen = []
     for value in (1.0, 2.0, 6.0):
@@ -193,15 +195,16 @@ def test_weights_averaged_over_the_checks_are_their_mean_and_a_grown_table_stops
     assert average.count == 3 and torch.allclose(model.weight, torch.stack(seen).mean(dim=0))
     grown = torch.nn.Linear(4, 2)  # a table that grew mid-run (ids admitted): no average of unlike shapes
     average.add(grown)
-    assert average.count == 0
+    assert average.count == 0 and "changed shape" in average.why_not
 
 
 def test_a_run_can_end_on_the_mean_of_its_checks_weights(home: Settings):
-    """``average_checks``: the weights at every early-stopping check after the first, averaged (stochastic
-    weight averaging along the run); the same run without it ends on its last weights."""
+    """``average_checks`` (the default): the weights at every early-stopping check after the first, averaged
+    (stochastic weight averaging along the run); the same run without it ends on its last weights. A run that
+    crashed after the averaging began resumes to the same average."""
     never_restore = dict(epochs=3, restore_z=float("inf"))  # each run ends on what it computed, not the best check
-    plain = train(home, config(**never_restore))
-    averaged = train(home, config(**never_restore, average_checks=True))
+    plain = train(home, config(**never_restore, average_checks=False))
+    averaged = train(home, config(**never_restore))
     record = averaged.early_stopping
     assert record["averaged_checks"] == len(record["checks"]) - 1 >= 2, record
     assert "averaged_checks" not in plain.early_stopping
@@ -209,6 +212,29 @@ def test_a_run_can_end_on_the_mean_of_its_checks_weights(home: Settings):
     mine = load_file(Path(averaged.checkpoint) / "model.safetensors")
     theirs = load_file(Path(plain.checkpoint) / "model.safetensors")
     assert any(not torch.equal(mine[k], theirs[k]) for k in mine if mine[k].is_floating_point())
+
+
+def test_a_run_that_crashed_while_averaging_resumes_to_the_same_average(home: Settings, tmp_path: Path):
+    other = Settings(home=tmp_path / "other", frame_backend="pandas")
+    shutil.copytree(home.home, other.home)
+    deterministic = config(epochs=3, deterministic=True, checkpoint_every=6, restore_z=float("inf"))
+    uninterrupted = train(home, deterministic)
+    checks = [at for at, _ in uninterrupted.early_stopping["checks"]]
+    crash_at = checks[2] + 1  # two checks averaged by then; the checkpoint before it holds one or two
+
+    def crash(step: int) -> None:
+        if step == crash_at:
+            raise KeyboardInterrupt("simulated crash")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(other, deterministic, on_step=crash)
+    resumed = train(other, deterministic)
+    assert resumed.resumed_from_step > checks[1], (resumed.resumed_from_step, checks)
+    assert resumed.early_stopping["averaged_checks"] == uninterrupted.early_stopping["averaged_checks"] >= 2
+    a = load_file(Path(uninterrupted.checkpoint) / "model.safetensors")
+    b = load_file(Path(resumed.checkpoint) / "model.safetensors")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 def test_a_feature_constant_over_the_training_rows_is_centred_not_stretched():
