@@ -177,6 +177,21 @@ def test_the_paired_test_tells_noise_from_a_worse_model():
     assert ndcg.difference < 0
 
 
+def test_a_candidate_scoring_exactly_as_the_champion_is_not_worse():
+    """The same scores on every row leave no spread to resample: the one-sided p of "worse by more than the
+    margin" is then 1 (it read 0, and a slice where an incremental run scored as its champion refused it)."""
+    rng = np.random.default_rng(4)
+    labels, truth, groups, user = _requests(rng)
+    champion = truth + rng.normal(0, 0.5, len(truth))
+    for metric in ("gauc", "auc"):
+        same = paired_bootstrap(labels, champion.copy(), champion, groups, user, rng=rng, resamples=200,
+                                margin=0.01, metric=metric)
+        assert (same.difference, same.low, same.high) == (0.0, 0.0, 0.0) and same.p_worse == 1.0, (metric, same)
+    worse = paired_bootstrap(labels, champion - 10 * (labels > 0), champion, groups, user, rng=rng, resamples=200,
+                             margin=0.01, metric="auc")  # every positive below every negative, every resample
+    assert worse.high < -0.01 and worse.p_worse < 0.001
+
+
 def test_holm_matches_statsmodels_and_slices_need_power():
     from statsmodels.stats.multitest import multipletests
 

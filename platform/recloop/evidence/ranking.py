@@ -201,7 +201,8 @@ def paired_bootstrap(
     # one-sided p of "difference <= -margin" being the truth vs not: share of resamples not below -margin,
     # centred (basic bootstrap): H0 "drop is at most margin", rejected when the whole mass is below -margin.
     se = float(boot.std(ddof=1))
-    p_worse = float(stats.norm.sf((-margin - diff) / se)) if se > 0 else float(diff < -margin)
+    # with no spread (the same scores on every resample) the limit of the above: 1 unless the drop exceeds margin
+    p_worse = float(stats.norm.sf((-margin - diff) / se)) if se > 0 else float(diff >= -margin)
     return PairedResult(
         metric, float(cand), float(champ), diff, float(low), float(high), p_worse, margin, n_units
     )
@@ -225,7 +226,8 @@ def _paired_pooled_auc(
     tail = (1 - confidence) / 2
     low, high = np.quantile(boot, [tail, 1 - tail])
     se = float(boot.std(ddof=1))
-    p_worse = float(stats.norm.sf((-margin - diff) / se)) if se > 0 else float(diff < -margin)
+    # with no spread (the same scores on every resample) the limit of the above: 1 unless the drop exceeds margin
+    p_worse = float(stats.norm.sf((-margin - diff) / se)) if se > 0 else float(diff >= -margin)
     return PairedResult(
         "auc", float(cand), float(champ), diff, float(low), float(high), p_worse, margin, n_units
     )
