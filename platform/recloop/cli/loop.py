@@ -212,6 +212,9 @@ def demo_command(
                                             "twin-world recovery as well (about twice the time).")] = False,
     daily_full: Annotated[bool, typer.Option(help="Also train a full model from scratch each day, scored on the "
                                                   "evaluation panel as the upper reference (not served).")] = False,
+    reference_seeds: Annotated[int, typer.Option(min=1, help="With --daily-full: the reference is the mean of this "
+                                                             "many full retrains differing only in their seed (one "
+                                                             "retrain is one draw of the training).")] = 1,
     full_every_days: Annotated[float, typer.Option(min=0, help="A scheduled retrain starts over from scratch once "
                                                                "the champion's chain of incremental runs spans this "
                                                                "many days (0: never).")] = 3.0,
@@ -224,7 +227,7 @@ def demo_command(
     settings = Settings()
     config = DemoConfig(days=days, events_per_day=events_per_day, requests_per_day=requests_per_day, seed=seed,
                         drift=drift, drift_day=drift_day, twin=twin, daily_full=daily_full,
-                        full_every_days=full_every_days)
+                        reference_seeds=reference_seeds, full_every_days=full_every_days)
     if not json_out:
         console.print(f"recloop demo: {days} simulated days, drift '{drift}' from day {drift_day}; "
                       f"home {settings.home.resolve()}")
