@@ -537,6 +537,7 @@ def concept_rates(seeds: int, scenarios: tuple[str, ...], requests_per_day: int,
 def loop_grid(
     seeds: int, scenarios: tuple[str, ...], days: int, events_per_day: int, requests_per_day: int, root: str,
     first_seed: int = 0, twin: bool = False, rows_path: str | None = None, reference_seeds: int = 1,
+    seeded_training: bool = False,
 ) -> dict:
     """``recloop demo`` per world seed and scenario, as it ships (``DemoConfig``'s canary, gate and monitor),
     with the daily full retrain as the panel's upper reference: the paired same-panel differences loop −
@@ -545,7 +546,9 @@ def loop_grid(
     and false alarms on ``none``. With ``twin`` each drifted run also runs its no-drift twin for the twin-world
     recovery (twice the time; its interval across seeds only). ``rows_path``: each finished run is appended there
     as a JSON line (``loop_table`` summarizes such files). ``reference_seeds``: the daily full retrain is the
-    mean of this many seeds' retrains (``DemoConfig.reference_seeds``)."""
+    mean of this many seeds' retrains (``DemoConfig.reference_seeds``). ``seeded_training``: the loop's and the
+    reference's training seed is the world seed (``DemoConfig.train_seed``), so seed effects average out over the
+    grid instead of one training seed's luck sitting in every run."""
     from pathlib import Path
 
     from recloop.cli.base import drop_deprecation_notices
@@ -567,6 +570,7 @@ def loop_grid(
                 twin=twin and scenario != "none",
                 daily_full=True,
                 reference_seeds=reference_seeds,
+                train_seed=seed if seeded_training else 0,
             )
             began = time.perf_counter()
             summary = run_demo(Settings(home=home, frame_backend="pandas"), config)
@@ -608,6 +612,7 @@ def loop_grid(
             if rows_path:
                 line = {"scenario": scenario, **row, "days": days, "events_per_day": events_per_day,
                         "requests_per_day": requests_per_day, "reference_seeds": reference_seeds,
+                        "train_seed": seed if seeded_training else 0, "seeded_training": seeded_training,
                         "machine": machine()}
                 with open(rows_path, "a") as out:
                     out.write(json.dumps(line, default=float) + "\n")
@@ -640,6 +645,7 @@ def loop_lanes(args, scratch: str) -> dict:
                        "--loop-events-per-day", str(args.loop_events_per_day),
                        "--loop-requests-per-day", str(args.loop_requests_per_day), "--loop-rows", rows_path,
                        "--loop-reference-seeds", str(args.loop_reference_seeds)]
+            command += ["--loop-seeded-training"] if args.loop_seeded_training else []
             command += ["--loop-twin"] if args.loop_twin else []
             command += ["--loop-root", args.loop_root] if args.loop_root else []
             running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), scenario, seed,
@@ -695,7 +701,7 @@ def loop_table(paths: list[str]) -> dict:
     for path in paths:
         for line in read_runs(path):
             key = (line["scenario"], line["days"], line["events_per_day"], line["requests_per_day"],
-                   line.get("reference_seeds", 1))
+                   line.get("reference_seeds", 1), bool(line.get("seeded_training")))
             found.setdefault(key, {})[line["seed"]] = {**line, "source": path.rsplit("/", 1)[-1]}
     order = {name: i for i, name in enumerate(("none", "gradual", "sudden", "covariate"))}
     table = {}
@@ -703,11 +709,11 @@ def loop_table(paths: list[str]) -> dict:
           "retrained | drift acted on within 2 days | false alarms | hosts at commits |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for key in sorted(found, key=lambda k: (k[1:], order.get(k[0], 9), k[0])):
-        scenario, days, events, requests, references = key
+        scenario, days, events, requests, references, seeded = key
         rows = [found[key][seed] for seed in sorted(found[key])]
         entry = summarize_scenario(scenario, rows, days)
         table[f"{scenario} {days}x{events} {requests}" + (f" reference of {references} seeds" if references > 1
-                                                           else "")] = entry
+                                                           else "") + (" seeded training" if seeded else "")] = entry
         full, frozen = entry.get("loop_minus_daily_full", {}), entry.get("loop_minus_frozen", {})
         acted = "—" if scenario == "none" else (
             f"{entry['detected_within_2_days']:.0%} [{entry['detected_ci'][0]:.0%}, {entry['detected_ci'][1]:.0%}]")
@@ -717,7 +723,8 @@ def loop_table(paths: list[str]) -> dict:
         hosts = ", ".join(sorted({f"{(r.get('machine') or {}).get('cpu', '?')} at {(r.get('machine') or {}).get('commit', '?')}"
                                   for r in rows}))
         print(f"| `{scenario}` ({days} × {events:,}, {requests}"
-              + (f"; reference: mean of {references} seeds" if references > 1 else "") + f") | {len(rows)} | {_interval(full)} | "
+              + (f"; reference: mean of {references} seeds" if references > 1 else "")
+              + ("; training seed = world seed" if seeded else "") + f") | {len(rows)} | {_interval(full)} | "
               f"{_interval(frozen)} | {acted} | {alarms} | {hosts} |")
     return table
 
@@ -777,6 +784,8 @@ def main() -> None:
     )
     parser.add_argument("--loop-reference-seeds", type=int, default=1,
                         help="the daily full retrain (the panel's reference) as the mean of this many seeds' retrains")
+    parser.add_argument("--loop-seeded-training", action="store_true",
+                        help="train the loop and its reference with the world seed as the training seed")
     parser.add_argument("--loop-lanes", type=int, default=1,
                         help="full-loop runs at a time, each a process of its own with one intra-op thread")
     parser.add_argument("--loop-rows", default=None, help="append each finished full-loop run here (JSON lines)")
@@ -849,6 +858,7 @@ def main() -> None:
                 args.loop_twin,
                 args.loop_rows,
                 args.loop_reference_seeds,
+                args.loop_seeded_training,
             )
         for scenario, entry in result["loop"].items():
             print(

@@ -76,7 +76,7 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
                  retriever: bool = True, retriever_thresholds: str | None = None, retriever_epochs: int = 3,
                  monitor_request: bool = False, requested_at: float | None = None,
                  canary_wait_hours: float = 24.0, replay_fraction: float = 1.0,
-                 full_every_hours: float | None = None, full_epochs: int = 2,
+                 full_every_hours: float | None = None, full_epochs: int = 2, seed: int = 0,
                  settings: dict | None = None) -> dict:
     """``monitor_request``: this run answers the drift monitor's request (the ``full-retrain`` deployment's
     event trigger sets it; the demo's inline retrain too): its gate verdict is recorded for the monitor's
@@ -90,7 +90,8 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
     ``full_every_hours``: a scheduled incremental retrain becomes a full one (``days``, ``full_epochs``; reason
     ``periodic``) once the champion's chain of incremental runs spans this many hours of data
     (``pipeline.periodic_full_due``); None: never. ``epochs``: passes of the training; None: one for an
-    incremental run, ``full_epochs`` for a full one (by hand, on drift or periodic alike, here or on a server)."""
+    incremental run, ``full_epochs`` for a full one (by hand, on drift or periodic alike, here or on a server).
+    ``seed``: the ranker's training seed (``TrainConfig.seed``)."""
     epochs = run_epochs(mode, epochs, full_epochs)
     retriever_step = None
     if retriever:
@@ -105,7 +106,7 @@ def retrain_flow(mode: Literal["incremental", "full"] = "incremental", reason: s
             return _retrain(mode, reason, spec, days, epochs, batch_size, validation_hours, canary_config,
                             gate_thresholds, settings, retriever_step, canary_wait_hours, replay_fraction,
                             (time.time() if requested_at is None else requested_at) if monitor_request else None,
-                            (full_every_hours, full_epochs))
+                            (full_every_hours, full_epochs), seed)
     except SlotBusy as busy:
         log("%s", busy)
         record_outcome(settings_from(settings), "retrain", "cancelled")
@@ -120,7 +121,7 @@ def run_epochs(mode: str, epochs: int | None, full_epochs: int) -> int:
 def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, batch_size: int | None,
              validation_hours: int, canary_config: str | None, gate_thresholds: str | None, settings: dict | None,
              retriever_step=None, canary_wait_hours: float = 24.0, replay_fraction: float = 0.0,
-             monitor_clock: float | None = None, periodic: tuple[float | None, int] = (None, 2)):
+             monitor_clock: float | None = None, periodic: tuple[float | None, int] = (None, 2), seed: int = 0):
     spec = datasets.source(settings_from(settings), spec)  # resolved once, for every stage below
     result: dict = {"mode": mode, "reason": reason, "spec": spec}
     log("%s retrain (%s)", mode, reason)
@@ -153,7 +154,8 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             mode, reason, epochs = "full", "periodic", periodic[1]
             result.update(mode=mode, reason=reason, periodic=why)
     result["train"] = train_flow(mode=mode, days=days, epochs=epochs, replay_fraction=replay_fraction,
-                                 batch_size=batch_size, validation_hours=validation_hours, settings=settings)
+                                 batch_size=batch_size, validation_hours=validation_hours, seed=seed,
+                                 settings=settings)
     if reason == "periodic":  # it trained: the next periodic retrain is a period away, whatever the gate says
         periodic_full_task(validation_hours, periodic[0], settings, record=True)
     version = result["train"]["mlflow"]["version"]

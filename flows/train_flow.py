@@ -46,6 +46,8 @@ def train_processes_task(config: dict, nproc: int, settings: dict | None) -> dic
                "--validation-hours", str(config["validation_hours"]), "--replay", str(config["replay_fraction"])]
     if config["batch_size"]:
         command += ["--batch-size", str(config["batch_size"])]
+    if config.get("seed"):
+        command += ["--seed", str(config["seed"])]
     done = subprocess.run(command, env={**os.environ, **_settings_environment(settings)}, capture_output=True,
                           text=True, check=False)
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -58,12 +60,14 @@ def train_processes_task(config: dict, nproc: int, settings: dict | None) -> dic
 @flow(name="train", flow_run_name=train_run_name, log_prints=True)
 def train_flow(mode: Literal["incremental", "full"] = "incremental", days: int = 7, epochs: int = 1,
                batch_size: int | None = None, validation_hours: int = 6, replay_fraction: float = 0.0,
-               slot_timeout_seconds: float = 3600, nproc: int = 1, settings: dict | None = None) -> dict:
+               slot_timeout_seconds: float = 3600, nproc: int = 1, seed: int = 0,
+               settings: dict | None = None) -> dict:
     """Holds the ``recloop-model`` slot while it trains (``flow_support.model_slot``); a run that waited
     ``slot_timeout_seconds`` for it ends Cancelled, having done nothing. ``nproc`` > 1 trains as that many
-    processes (one per GPU of the machine or pod: the deployment asks for as many, prefect.yaml)."""
+    processes (one per GPU of the machine or pod: the deployment asks for as many, prefect.yaml). ``seed``:
+    ``TrainConfig.seed`` (initialization and batch order)."""
     config = {"mode": mode, "days": days, "epochs": epochs, "batch_size": batch_size,
-              "validation_hours": validation_hours, "replay_fraction": replay_fraction}
+              "validation_hours": validation_hours, "replay_fraction": replay_fraction, "seed": seed}
     try:
         with model_slot(slot_timeout_seconds, settings_from(settings).home):
             result = (train_processes_task(config, nproc, settings) if nproc > 1

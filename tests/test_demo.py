@@ -20,7 +20,7 @@ def demo(prefect_server, tmp_path_factory) -> tuple[Settings, dict]:
     settings = Settings(home=tmp_path_factory.mktemp("demo") / "home", frame_backend="pandas")
     summary = run_demo(settings, DemoConfig(days=3, events_per_day=4000, requests_per_day=120, rounds=3, seed=1,
                                             drift="sudden", drift_day=2, panel_requests=100, daily_full=True,
-                                            reference_seeds=2))
+                                            reference_seeds=2, train_seed=3))
     return settings, summary
 
 
@@ -68,6 +68,13 @@ def test_the_demo_runs_every_stage_each_day(demo):
         assert np.allclose(rewards["daily_full"], seeds.mean(axis=0)), day
         assert not np.allclose(seeds[0], seeds[1]), day  # two trainings, not one model twice
     assert "champion - daily_full" in paired["headline"]
+    # every ranker the loop trained (bootstrap, incremental, the drift's full retrain) used the configured seed
+    from recloop import checkpoint
+
+    versions = {d["candidate_version"] for d in days if d["candidate_version"]}
+    assert len(versions) == 3, versions
+    for version in versions:
+        assert checkpoint.load_model(checkpoint.resolve(settings, version))[1]["train"]["seed"] == 3, version
     report = Path(summary["report"]).read_text()
     assert "plotly" in report and "served / oracle" in report and "oracle recall@100" in report
     assert "Loop efficacy (same panel, paired)" in report

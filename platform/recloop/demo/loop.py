@@ -83,7 +83,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     train_args = {"batch_size": batch_size, "validation_hours": 6, "canary_config": str(canary_path),
                   "gate_thresholds": str(_write_json(settings, "gate.json", asdict(config.gate))),
                   "retriever_thresholds": str(_write_json(settings, "retriever_gate.json", asdict(retriever_gate))),
-                  "retriever_epochs": config.full_epochs}
+                  "retriever_epochs": config.full_epochs, "seed": config.train_seed}
     oracle = WorldOracle(World(world_config))  # its own copy: the oracle reads tastes, never the histories
 
     bootstrap = DayRecord(day=0)

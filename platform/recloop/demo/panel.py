@@ -50,7 +50,7 @@ def paired_efficacy(panels: dict[int, dict], config: DemoConfig) -> dict:
 
 def train_reference(settings: Settings, day: int, config: DemoConfig, batch_size: int, first: int = 0) -> list:
     """Full retrains from scratch on days 0..``day`` (held-out hours excluded, as the loop's), one per seed
-    ``first``..``config.reference_seeds`` − 1 (offsets from the trainer's default seed), loaded for the panel;
+    ``config.train_seed`` + ``first``..``config.reference_seeds`` − 1, loaded for the panel;
     no MLflow run, no version: they serve nobody."""
     from dataclasses import replace
 
@@ -58,7 +58,8 @@ def train_reference(settings: Settings, day: int, config: DemoConfig, batch_size
     from recloop.train import TrainConfig, train
 
     base = TrainConfig(mode="full", days=day + 1, epochs=config.full_epochs, batch_size=batch_size, validation_hours=6)
-    return [load_checkpoint(train(settings, replace(base, seed=base.seed + i)).checkpoint, f"daily-full-day{day}-{i}")
+    return [load_checkpoint(train(settings, replace(base, seed=config.train_seed + i)).checkpoint,
+                            f"daily-full-day{day}-{i}")
             for i in range(first, max(config.reference_seeds, 1))]
 
 

@@ -49,6 +49,10 @@ class DemoConfig:
     # in normalized reward (sd; benchmarks/RESULTS.md, "the reference is one draw"), so against one seed "the
     # loop − the daily full retrain" is mostly that seed's luck.
     reference_seeds: int = 1
+    # The ranker's training seed in every retrain (TrainConfig.seed); the reference's are train_seed + 0..K-1.
+    # Seeds are not exchangeable across worlds (benchmarks/RESULTS.md, "The grid again"): a grid over world
+    # seeds varies this with them, so that no one seed's luck sits in the loop or in its reference.
+    train_seed: int = 0
     # The recommendation path: this share of each round's requests goes to /recommend, which retrieves
     # ``retrieve_k`` of the catalog (a few hundred items in this small world) for the ranker.
     # Items shown to a user within ``seen_hours`` (simulated) are not recommended again: a few hours, as
