@@ -559,6 +559,7 @@ def loop_grid(
     runs: dict[str, list[dict]] = {}
     for scenario in scenarios:
         for seed in range(first_seed, first_seed + seeds):
+            train_seed = seed if seeded_training else 0
             home = Path(root) / f"{scenario}-{seed}" / "home"
             config = DemoConfig(
                 days=days,
@@ -570,7 +571,7 @@ def loop_grid(
                 twin=twin and scenario != "none",
                 daily_full=True,
                 reference_seeds=reference_seeds,
-                train_seed=seed if seeded_training else 0,
+                train_seed=train_seed,
             )
             began = time.perf_counter()
             summary = run_demo(Settings(home=home, frame_backend="pandas"), config)
@@ -612,7 +613,7 @@ def loop_grid(
             if rows_path:
                 line = {"scenario": scenario, **row, "days": days, "events_per_day": events_per_day,
                         "requests_per_day": requests_per_day, "reference_seeds": reference_seeds,
-                        "train_seed": seed if seeded_training else 0, "seeded_training": seeded_training,
+                        "train_seed": train_seed, "seeded_training": seeded_training,
                         "machine": machine()}
                 with open(rows_path, "a") as out:
                     out.write(json.dumps(line, default=float) + "\n")

@@ -855,6 +855,14 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
     average = _WeightAverage(model, config.average_max_bytes) if checking and config.average_checks else None
     if average is not None:
         average.resume(run_dir, position["step"], device)
+
+    def check(averaged: bool) -> bool:
+        """An early-stopping check (whether to stop); its weights join the average unless it is the first."""
+        stopped = _early_stopping(model, windows, schema, config, device, position, run_dir)
+        if average is not None and averaged:
+            average.add(model)
+        return stopped
+
     stop = False
     for epoch in range(position["epoch"], windows.epochs):
         skip = position["batch"] if epoch == position["epoch"] else 0
@@ -865,9 +873,7 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
             position.update(step=position["step"] + 1, epoch=epoch, batch=batch_index + 1,
                             samples=position["samples"] + batch.size)
             if checking and epoch > 0 and (batch_index + 1) % check_every == 0 and batch_index + 1 < steps_per_epoch:
-                stop = _early_stopping(model, windows, schema, config, device, position, run_dir)
-                if average is not None:
-                    average.add(model)
+                stop = check(averaged=True)
             if position["step"] % config.checkpoint_every == 0:
                 step.finish()  # the outstanding id check first: never checkpoint a run that met bad ids
                 save(False)
@@ -885,9 +891,7 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
         if not stop:
             position.update(epoch=epoch + 1, batch=0)
             if checking:
-                stop = _early_stopping(model, windows, schema, config, device, position, run_dir)
-                if average is not None and epoch > 0:
-                    average.add(model)
+                stop = check(averaged=epoch > 0)
         if tracker is not None:
             stats = loader.stats  # where the epoch went: a loop that waited for chunks was data-bound
             figures = {"epoch": epoch + 1, "samples_per_s": round(
@@ -913,8 +917,6 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
 
 
 BEST_WEIGHTS = "best.safetensors"
-
-
 AVERAGE_WEIGHTS = "average.safetensors"
 
 

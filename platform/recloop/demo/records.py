@@ -46,7 +46,7 @@ class DemoConfig:
     daily_full: bool = False
     # The reference's seeds: "daily_full" on the panel is the mean, request by request, of this many full
     # retrains differing only in their seed. On 10,000-event days two retrains of the same rows land 0.05 apart
-    # in normalized reward (sd; benchmarks/RESULTS.md, "the reference is one draw"), so against one seed "the
+    # in normalized reward (sd; benchmarks/RESULTS.md, "One retrain is one draw"), so against one seed "the
     # loop − the daily full retrain" is mostly that seed's luck.
     reference_seeds: int = 1
     # The ranker's training seed in every retrain (TrainConfig.seed); the reference's are train_seed + 0..K-1.
