@@ -1,12 +1,15 @@
 """One simulated day of ``recloop demo``, per stage, with a cProfile of the whole run.
 
     python benchmarks/demo_stages.py [--days 2] [--events-per-day 10000] [--json out.json] [--profile out.prof]
+        [--profile-from-day 1]
 
 Runs ``demo.run_demo`` (bootstrap day 0, then ``days - 1`` simulated days, no twin, no daily full retrain)
 in a temporary ``RECLOOP_HOME`` and times each stage the demo announces (``on_stage``: landing, serving
 rounds with canary checks, night: ingest, features, drift check, retrain and gate), wall and CPU seconds
 (this process and its children: on a shared machine the CPU figure is the steadier one), then lists the
-functions with the largest cumulative time: where a day's fixed costs are.
+functions with the largest cumulative time: where a day's fixed costs are. The profile starts with
+``--profile-from-day`` (1: a simulated day's costs, without day 0's one-time imports, server start and bootstrap;
+0: the whole run).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def main() -> None:
     parser.add_argument("--events-per-day", type=int, default=10_000)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--profile", type=Path)
+    parser.add_argument("--profile-from-day", type=int, default=1,
+                        help="profile from this day's first stage on (0: the whole run, imports and bootstrap included)")
     args = parser.parse_args()
 
     from recloop.cli.base import drop_deprecation_notices
@@ -48,8 +53,13 @@ def main() -> None:
 
     stages: list[dict] = []
     last = [time.perf_counter(), cpu_seconds()]
+    profiler = cProfile.Profile()
+    profiling = [False]
 
     def on_stage(day: int, what: str) -> None:
+        if day >= args.profile_from_day and not profiling[0]:
+            profiler.enable()
+            profiling[0] = True
         now, cpu = time.perf_counter(), cpu_seconds()
         if stages:
             stages[-1]["seconds"] = round(now - last[0], 1)
@@ -60,23 +70,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as home:
         settings = Settings(home=Path(home) / "home", frame_backend="pandas")
         config = DemoConfig(days=args.days, events_per_day=args.events_per_day, twin=False, daily_full=False)
-        profiler = cProfile.Profile()
         began = time.perf_counter()
-        profiler.enable()
         summary = run_demo(settings, config, on_stage=on_stage)
         profiler.disable()
         total = time.perf_counter() - began
         stages[-1]["seconds"] = round(time.perf_counter() - last[0], 1)
         stages[-1]["cpu_seconds"] = round(cpu_seconds() - last[1], 1)
-    if args.profile:
+    if args.profile and profiling[0]:
         profiler.dump_stats(str(args.profile))
-    top = pstats.Stats(profiler)
-    top.sort_stats("cumulative")
     print(f"total {total:.1f} s; per day: {[d.get('seconds') for d in summary['days']]}")
     for row in stages:
         print(f"  day {row['day']}: {row.get('seconds', 0):>7.1f} s wall {row.get('cpu_seconds', 0):>7.1f} s CPU  "
               f"{row['stage']}")
-    top.print_stats(35)
+    if profiling[0]:
+        print(f"profiled from day {args.profile_from_day}:")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(35)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "total_seconds": total, "stages": stages,
                                          "days": [{k: d.get(k) for k in ("day", "seconds", "retrain", "gate",

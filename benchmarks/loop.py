@@ -591,6 +591,12 @@ def loop_grid(
                 - panel[day]["never_retrained"]["normalized_reward"],
                 "loop_minus_daily_full": panel[day]["champion"]["normalized_reward"]
                 - panel[day]["daily_full"]["normalized_reward"],
+                # the same for what users were shown: the champion, or within a running canary's share the
+                # challenger's ranking or the interleaving (``demo.panel.served_scores``)
+                "served_minus_frozen": panel[day]["served"]["normalized_reward"]
+                - panel[day]["never_retrained"]["normalized_reward"],
+                "served_minus_daily_full": panel[day]["served"]["normalized_reward"]
+                - panel[day]["daily_full"]["normalized_reward"],
                 # the same differences with the run's own paired user-cluster interval (``demo.paired_efficacy``)
                 "paired": (summary.get("paired") or {}).get("per_day", {}).get(day),
                 "detection_delay_days": (min(acted) - config.drift_day) if acted else None,
@@ -679,7 +685,8 @@ def summarize_scenario(scenario: str, rows: list[dict], days: int) -> dict:
     drift was acted on within 2 days (Wilson interval), and false alarms on ``none`` (each day after the first
     is a check)."""
     entry: dict = {"runs": rows, "seeds": [r["seed"] for r in rows]}
-    for key in ("recovery", "loop_minus_frozen", "loop_minus_daily_full"):
+    for key in ("recovery", "loop_minus_frozen", "loop_minus_daily_full", "served_minus_frozen",
+                "served_minus_daily_full"):
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
             entry[key] = dict(zip(("mean", "low", "high"), mean_ci(values), strict=True))
@@ -706,9 +713,9 @@ def loop_table(paths: list[str]) -> dict:
             found.setdefault(key, {})[line["seed"]] = {**line, "source": path.rsplit("/", 1)[-1]}
     order = {name: i for i, name in enumerate(("none", "gradual", "sudden", "covariate"))}
     table = {}
-    print("| scenario (days × events, requests a day) | seeds | loop − daily full, mean [t 95 %] | loop − never "
-          "retrained | drift acted on within 2 days | false alarms | hosts at commits |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| scenario (days × events, requests a day) | seeds | loop − daily full, mean [t 95 %] | loop as served − "
+          "daily full | loop − never retrained | drift acted on within 2 days | false alarms | hosts at commits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in sorted(found, key=lambda k: (k[1:], order.get(k[0], 9), k[0])):
         scenario, days, events, requests, references, seeded = key
         rows = [found[key][seed] for seed in sorted(found[key])]
@@ -726,7 +733,8 @@ def loop_table(paths: list[str]) -> dict:
         print(f"| `{scenario}` ({days} × {events:,}, {requests}"
               + (f"; reference: mean of {references} seeds" if references > 1 else "")
               + ("; training seed = world seed" if seeded else "") + f") | {len(rows)} | {_interval(full)} | "
-              f"{_interval(frozen)} | {acted} | {alarms} | {hosts} |")
+              f"{_interval(entry.get('served_minus_daily_full', {}))} | {_interval(frozen)} | {acted} | {alarms} | "
+              f"{hosts} |")
     return table
 
 
@@ -746,6 +754,8 @@ def read_runs(path: str) -> list[dict]:
 
 
 def _interval(figure: dict) -> str:
+    if not figure:  # a figure older rows do not have
+        return "—"
     nan = float("nan")
     return f"{figure.get('mean', nan):+.3f} [{figure.get('low', nan):+.3f}, {figure.get('high', nan):+.3f}]"
 

@@ -130,3 +130,42 @@ def test_a_reference_of_several_seeds_is_the_mean_of_their_rewards_request_by_re
     assert figures["mean"]["normalized_reward"] == pytest.approx(
         (figures["a"]["normalized_reward"] + figures["b"]["normalized_reward"]) / 2)
     assert figures["mean"]["low"] < figures["mean"]["normalized_reward"] < figures["mean"]["high"]
+
+
+def test_the_panel_as_served_routes_each_user_as_the_canary_does():
+    """While a canary runs, what users are shown is not the champion alone: ``served`` gives the users the
+    experiment's salt puts in the challenger's share the challenger's ranking (``canary``) or the team-draft
+    interleaving of both (``interleave``), and the others the champion's."""
+    from recloop.canary.decision import route
+    from recloop.demo.panel import served_scores
+
+    world = World(WorldConfig(seed=2, days=3, events_per_day=5000))
+    panel = draw_panel(world, 1.5, 400, candidates=30, seed=0)
+    champion, challenger = _scores(world, panel, 4.0), _scores(world, panel, 0.3)
+
+    def orders(scores):
+        return np.argsort(-scores, axis=1, kind="stable")
+
+    def reward(scores):
+        return per_request(world, panel, {"x": scores})["x"]["reward"]
+
+    salt = "recloop-canary-v2-test"
+    routed = np.array([route(int(u), 0.5, salt) == "challenger" for u in panel.users])
+    assert 0.3 < routed.mean() < 0.7
+    half = orders(served_scores(champion, challenger, panel.users, 0.5, salt, interleave=False, k=10, seed=0))
+    assert (half[routed] == orders(challenger)[routed]).all()
+    assert (half[~routed] == orders(champion)[~routed]).all()
+    nobody = served_scores(champion, challenger, panel.users, 0.0, salt, interleave=False, k=10, seed=0)
+    assert (orders(nobody) == orders(champion)).all()
+
+    everybody = served_scores(champion, challenger, panel.users, 1.0, salt, interleave=True, k=10, seed=0)
+    top = orders(everybody)[:, :10]
+    # each shown item is the best one of the champion's or of the challenger's not shown above it
+    for row, shown in enumerate(top[:50]):
+        for slot, item in enumerate(shown):
+            above = set(shown[:slot].tolist())
+            firsts = [next(i for i in orders(s)[row] if i not in above) for s in (champion, challenger)]
+            assert item in firsts
+    # the interleaving shows half of each: its reward lies between the two rankings' (on average)
+    low, mid, high = reward(champion).mean(), reward(everybody).mean(), reward(challenger).mean()
+    assert low < mid < high

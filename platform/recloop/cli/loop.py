@@ -255,11 +255,15 @@ def demo_command(
     width = min(console.width, DEMO_WIDTH) if console.is_terminal else DEMO_WIDTH  # a log file is not 80 wide
     Console(stderr=True, width=width).print(demo_table(summary))
     paired = summary.get("paired") or {}
-    for name, found in (paired.get("headline") or {}).items():
-        baseline = name.removeprefix("champion - ").replace("_", " ")
-        console.print(f"loop efficacy (same panel, paired): on day {paired['day']} the champion's normalized reward "
+    headline = paired.get("headline") or {}
+    for name, found in headline.items():
+        policy, baseline = name.split(" - ")
+        if policy == "served" and found["difference"] == headline[f"champion - {baseline}"]["difference"]:
+            continue  # no canary running at the panel: served is the champion
+        who = "the champion's" if policy == "champion" else "the ranking as served (a running canary's share included)"
+        console.print(f"loop efficacy (same panel, paired): on day {paired['day']} {who} normalized reward "
                       f"is {found['difference']:+.3f} [95% CI {found['low']:+.3f}, {found['high']:+.3f}] against the "
-                      f"{baseline} model's on the same requests (0: random, 1: the oracle)")
+                      f"{baseline.replace('_', ' ')} model's on the same requests (0: random, 1: the oracle)")
     recovery = (summary.get("recovery") or {}).get("headline")
     if recovery:
         mine, frozen = recovery["champion"], recovery["never_retrained"]

@@ -113,6 +113,7 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
     from recloop import registry
     from recloop.monitor.dashboards import online_ctr
     from recloop.serve.app import ServerThread, create_app
+    from recloop.serve.models import registry_wanted
 
     serving = Settings(**{**settings.model_dump(), "serve_poll_seconds": 1.0, "feedback_flush_seconds": 3600,
                           "recommend_candidates": config.retrieve_k, "recommend_seen_hours": config.seen_hours})
@@ -128,7 +129,8 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
             served, baseline = _serve_day(server.url, app, world, day, config, flows, canary_path, record, frozen)
             record.requests, record.online_ctr = served["requests"], served["ctr"]
             record.vs_oracle, record.baseline_vs_oracle = served["vs_oracle"], baseline
-            panels[day] = frozen.panel(world, day, config, registry.version_by_alias(settings, "champion"))
+            live = registry_wanted(settings)  # the ranker as serving routes it now (a canary's share included)
+            panels[day] = frozen.panel(world, day, config, live.champion, live)
             record.panel = panels[day]["figures"]
             path = served["recommend"]
             record.recommend_requests, record.recommend_clicks = path["requests"], sum(path["clicks"].values())

@@ -34,14 +34,17 @@ def twin_recovery(panels: dict[int, dict], twin: dict, config: DemoConfig) -> di
 
 def paired_efficacy(panels: dict[int, dict], config: DemoConfig) -> dict:
     """Per day: the champion's normalized reward minus the never-retrained model's (and the daily full
-    retrain's, when there is one) on that day's panel, paired, with a user-cluster interval; the headline is
-    two cycles after the drift (the last day when the run is shorter), as the twin recovery's."""
+    retrain's, when there is one) on that day's panel, paired, with a user-cluster interval, and the same for
+    ``served`` (what users were shown: the champion, or within a running canary's share the challenger or the
+    interleaving); the headline is two cycles after the drift (the last day when the run is shorter), as the
+    twin recovery's."""
     from recloop.panel import paired_difference
 
     per_day = {}
     for day, panel in panels.items():
         rewards = panel["rewards"]
-        per_day[day] = {f"champion - {other}": paired_difference(rewards, panel["users"], "champion", other)
+        per_day[day] = {f"{policy} - {other}": paired_difference(rewards, panel["users"], policy, other)
+                        for policy in ("champion", "served") if policy in rewards
                         for other in ("never_retrained", "daily_full") if other in rewards}
     wanted = config.drift_day + 2 if config.drift != "none" else max(per_day, default=None)
     day = wanted if wanted in per_day else max(per_day, default=None)
@@ -61,6 +64,35 @@ def train_reference(settings: Settings, day: int, config: DemoConfig, batch_size
     return [load_checkpoint(train(settings, replace(base, seed=config.train_seed + i)).checkpoint,
                             f"daily-full-day{day}-{i}")
             for i in range(first, max(config.reference_seeds, 1))]
+
+
+def served_scores(champion: np.ndarray, challenger: np.ndarray, users: np.ndarray, share: float, salt: str | None,
+                  interleave: bool, k: int, seed: int) -> np.ndarray:
+    """Scores (requests, candidates) whose order is what each request's user is shown while a canary runs:
+    the users ``canary.route`` puts in the challenger's ``share`` (under the experiment's ``salt``) get the
+    challenger's ranking, or with ``interleave`` the team draft of the champion's and the challenger's top
+    ``k`` (``evidence.interleaving``, the merge ``/rank`` makes; the rest in the champion's order); the others
+    the champion's. Rank scores: only their order means anything."""
+    from recloop.canary.decision import route
+    from recloop.evidence.interleaving import team_draft_batch
+
+    n, m = champion.shape
+    kwargs = {"salt": salt} if salt else {}  # no salt: serving's default split
+    routed = np.array([route(int(u), share, **kwargs) == "challenger" for u in users.tolist()], dtype=bool)
+    orders = {name: np.argsort(-s, axis=1, kind="stable") for name, s in (("champion", champion),
+                                                                           ("challenger", challenger))}
+    order = orders["champion"].copy()
+    if not interleave:
+        order[routed] = orders["challenger"][routed]
+    ranks = np.empty((n, m))
+    np.put_along_axis(ranks, order, np.arange(m, 0, -1, dtype=float)[None, :], axis=1)
+    if interleave and routed.any():
+        picked, _ = team_draft_batch(orders["champion"][routed], orders["challenger"][routed], k,
+                                     np.random.default_rng(seed))
+        top = ranks[routed]
+        np.put_along_axis(top, picked, (2 * m - np.arange(picked.shape[1], dtype=float))[None, :], axis=1)
+        ranks[routed] = top
+    return ranks
 
 
 def rank_panel(features, world: World, panel, models: dict) -> dict[str, np.ndarray]:
@@ -111,27 +143,41 @@ class FrozenRanker:
         # the daily full retrain (``DemoConfig.daily_full``), when there is one: a model per reference seed
         self.reference: list | None = None
 
-    def panel(self, world: World, day: int, config: DemoConfig, champion: str | None) -> dict:
+    def panel(self, world: World, day: int, config: DemoConfig, champion: str | None, live=None) -> dict:
         """The day's panel (drawn on its own stream): per-request expected clicks of the oracle, a random
-        ranking, the never-retrained model and the live champion; normalized rewards with intervals."""
+        ranking, the never-retrained model and the live champion; normalized rewards with intervals.
+
+        ``live``: the ranker's deployment as serving routes it (``serve.models.Wanted``: champion, challenger,
+        share, mode, salt). ``served`` is then each panel request as its user is served: the champion's ranking,
+        or for the users the experiment's salt puts in the challenger's share, the challenger's (``canary``
+        mode) or the team-draft interleaving of both (``interleave``, as ``/rank`` merges them). While a canary
+        runs at 95 % of users the champion alone is not what the loop serves."""
         from recloop.panel import draw_panel, per_request, score_panel
         from recloop.scoring import load_version
 
         panel = draw_panel(world, day + 0.5, config.panel_requests, min(config.candidates, 50), seed=config.seed)
-        if champion is not None and champion not in self._models:
-            self._models[champion] = load_version(self.settings, champion)
+        challenger = live.challenger if live is not None and live.share > 0 and \
+            live.mode in ("canary", "interleave") else None
+        for version in (champion, challenger):
+            if version is not None and version not in self._models:
+                self._models[version] = load_version(self.settings, version)
         models = {"never_retrained": self.model, "champion": self._models.get(champion, self.model)}
+        if challenger is not None:
+            models["challenger"] = self._models[challenger]
         averaged = {}
         if self.reference:  # "daily_full": the mean over its seeds (one draw each would be one seed's luck)
             names = [f"daily_full_seed{i}" for i in range(len(self.reference))]
             models.update(zip(names, self.reference, strict=True))
             averaged["daily_full"] = names
         stacked = rank_panel(self.features, world, panel, models)
+        stacked["served"] = stacked["champion"] if challenger is None else served_scores(
+            stacked["champion"], stacked["challenger"], panel.users, live.share, live.salt,
+            interleave=live.mode == "interleave", k=config.shown, seed=config.seed * 1000 + day)
         rows = per_request(world, panel, stacked, k=config.shown, seed=config.seed, averaged=averaged)
         figures = score_panel(world, panel, stacked, k=config.shown, seed=config.seed, averaged=averaged)
         return {"rewards": {k: v["reward"] for k, v in rows.items()}, "users": panel.users,
                 "figures": {k: {m: round(x, 4) for m, x in v.items()} for k, v in figures.items()
-                            if k in ("champion", "never_retrained", "daily_full")}}
+                            if k in ("champion", "served", "challenger", "never_retrained", "daily_full")}}
 
     def rank(self, bodies: list[dict]) -> list[list[int]]:
         """The never-retrained model's order of each request's candidates (one scoring call for all)."""

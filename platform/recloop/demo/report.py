@@ -109,10 +109,13 @@ _REPORT = Environment(autoescape=True).from_string("""<!doctype html>
 td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td.moves{white-space:nowrap;text-align:left}
 table.decisions td{text-align:left;vertical-align:top}</style></head><body>
 <h1>recloop demo</h1>
-{% for name, found in (paired.headline or {}).items() %}<p><b>Loop efficacy (same panel, paired)</b>: on day
-{{ paired.day }} the champion's normalized reward is {{ "%+.3f" % found.difference }} [95% CI {{ "%+.3f" % found.low }},
-{{ "%+.3f" % found.high }}] against the {{ name[11:].replace("_", " ") }} model's on the same panel requests (user-cluster
-interval; 0 is random, 1 the oracle).</p>{% endfor %}
+{% for name, found in (paired.headline or {}).items() %}{% set policy, other = name.split(" - ") %}
+{% if policy == "champion" or found.difference != paired.headline[name.replace("served", "champion")].difference %}
+<p><b>Loop efficacy (same panel, paired)</b>: on day
+{{ paired.day }} {{ "the champion's" if policy == "champion" else "the ranking as served (the champion, and within the
+running canary's share of users the challenger's)" }} normalized reward is {{ "%+.3f" % found.difference }} [95% CI
+{{ "%+.3f" % found.low }}, {{ "%+.3f" % found.high }}] against the {{ other.replace("_", " ") }} model's on the same panel
+requests (user-cluster interval; 0 is random, 1 the oracle).</p>{% endif %}{% endfor %}
 {% if recovery %}<p><b>Loop efficacy (twin worlds)</b>: on day {{ summary.recovery.day }} the champion's normalized
 reward on the evaluation panel is {{ "%.1f%%" % (recovery.champion.recovery * 100) }} [95% CI
 {{ "%.1f%%" % (recovery.champion.low * 100) }}, {{ "%.1f%%" % (recovery.champion.high * 100) }}] of the no-drift
@@ -146,10 +149,11 @@ its always-valid interval); the raw CTRs beside it are for reference only ({{ ra
 {% endfor %}</table>{% else %}<p>No canary moved.</p>{% endif %}
 {% for note in notes %}<p class="raw-ctr-note"><b>Why a lower raw CTR was promoted.</b> {{ note }}</p>{% endfor %}
 <h2>Evaluation panel (normalized reward: 0 random, 1 the oracle; 95% user-cluster interval)</h2>
-<table><tr><th>day</th><th>live champion</th><th>never retrained</th>{% if config.daily_full %}<th>daily full retrain (upper
-reference)</th>{% endif %}<th>NDCG@{{ config.shown }} (champion)</th></tr>
+<table><tr><th>day</th><th>live champion</th><th>as served (a running canary's share included)</th><th>never
+retrained</th>{% if config.daily_full %}<th>daily full retrain (upper reference)</th>{% endif %}<th>NDCG@{{ config.shown }}
+(champion)</th></tr>
 {% for r in records if r.panel %}<tr><td>{{ r.day }}</td>
-{% for policy in (["champion", "never_retrained", "daily_full"] if config.daily_full else ["champion", "never_retrained"]) %}
+{% for policy in (["champion", "served", "never_retrained", "daily_full"] if config.daily_full else ["champion", "served", "never_retrained"]) %}
 {% set f = r.panel.get(policy) %}<td>{% if f %}{{ "%.3f" % f.normalized_reward }} [{{ "%.3f" % f.low }}, {{ "%.3f" % f.high }}]{% else %}-{% endif %}</td>
 {% endfor %}<td>{{ fmt(r.panel.champion.ndcg) }}</td></tr>
 {% endfor %}</table>
