@@ -153,23 +153,26 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             tag_run("retrain:periodic")  # the run's name keeps the mode it was scheduled with; its tags say full
             mode, reason, epochs = "full", "periodic", periodic[1]
             result.update(mode=mode, reason=reason, periodic=why)
-    result["train"] = train_flow(mode=mode, days=days, epochs=epochs, replay_fraction=replay_fraction,
-                                 batch_size=batch_size, validation_hours=validation_hours, seed=seed,
-                                 settings=settings)
-    if reason == "periodic":  # it trained: the next periodic retrain is a period away, whatever the gate says
-        periodic_full_task(validation_hours, periodic[0], settings, record=True)
-    version = result["train"]["mlflow"]["version"]
-    record = judged_task(version, settings)
-    if (skip := already_judged(version, result["train"]["mlflow"].get("duplicate_of"), record)) is not None:
-        log("%s", skip)
-        tag_run(f"model-version:{version}", f"mode:{mode}", "gate:skipped")
-        result["skipped"] = skip
-        if monitor_clock is not None and record is not None:  # the monitor learns the verdict that stands
-            runner.record_retrain_outcome(settings_from(settings), deployed=record["verdict"] == "passed",
-                                          now=monitor_clock, gate_reasons=record.get("reasons", []),
-                                          version=str(version))
-        return _finish(settings, "Skipped", skip, result, retriever_step)
-    result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)
+    from recloop.gate.runner import smoke_process_ahead
+
+    with smoke_process_ahead():  # the gate's fresh serving-check process imports while the candidate trains
+        result["train"] = train_flow(mode=mode, days=days, epochs=epochs, replay_fraction=replay_fraction,
+                                     batch_size=batch_size, validation_hours=validation_hours, seed=seed,
+                                     settings=settings)
+        if reason == "periodic":  # it trained: the next periodic retrain is a period away, whatever the gate says
+            periodic_full_task(validation_hours, periodic[0], settings, record=True)
+        version = result["train"]["mlflow"]["version"]
+        record = judged_task(version, settings)
+        if (skip := already_judged(version, result["train"]["mlflow"].get("duplicate_of"), record)) is not None:
+            log("%s", skip)
+            tag_run(f"model-version:{version}", f"mode:{mode}", "gate:skipped")
+            result["skipped"] = skip
+            if monitor_clock is not None and record is not None:  # the monitor learns the verdict that stands
+                runner.record_retrain_outcome(settings_from(settings), deployed=record["verdict"] == "passed",
+                                              now=monitor_clock, gate_reasons=record.get("reasons", []),
+                                              version=str(version))
+            return _finish(settings, "Skipped", skip, result, retriever_step)
+        result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)
     if monitor_clock is not None:  # the monitor's trigger learns the verdict: cool-down only after a pass
         runner.record_retrain_outcome(settings_from(settings), deployed=gate["alias"] is not None, now=monitor_clock,
                                       gate_reasons=gate.get("reasons", []), version=str(version))

@@ -491,3 +491,13 @@ def test_the_calibration_interval_covers_the_truth_and_narrows_with_users():
         widths.append(high - low)
     assert widths[-2] > 2 * widths[-1], widths[-2:]
     assert all(np.isnan(calibration_interval(np.zeros(10), np.full(10, 0.1), np.arange(10))[1:]))
+
+
+def test_a_serving_check_process_started_ahead_and_never_taken_is_stopped():
+    """The retrain flow starts the gate's fresh process before training; when no gate takes it (training failed,
+    the gate skipped) it does not outlive the block."""
+    from recloop.gate.runner import _AHEAD, smoke_process_ahead
+
+    with smoke_process_ahead() as ahead:
+        assert _AHEAD == [ahead] and ahead.poll() is None
+    assert ahead.poll() is not None and ahead.returncode != 0 and not _AHEAD

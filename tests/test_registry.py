@@ -178,7 +178,12 @@ def test_a_model_that_emits_nan_is_refused(home: Settings):
         state["over_arch.layers.0.weight"][0, 0] = float("nan")
 
     logged = tracking.log_training(home, corrupted(home, base, poison), example_rows(home))
-    outcome = run_gate(home, logged.version, LENIENT, smoke_check=True)
+    from recloop.gate.runner import _AHEAD, smoke_process_ahead
+
+    with smoke_process_ahead() as ahead:  # as the retrain flow starts it: before the gate knows the version
+        outcome = run_gate(home, logged.version, LENIENT, smoke_check=True)
+        assert ahead not in _AHEAD  # the gate took it
+    assert ahead.returncode == 0  # and it did the check (a process stopped unused ends killed)
     assert not outcome.passed
     assert any("NaN" in r for r in outcome.reasons), outcome.reasons
     assert any("serving check" in r for r in outcome.reasons), outcome.reasons

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -146,6 +147,58 @@ def held_out_rows(files: list[Path], user_key: str | None, timestamp: str | None
 SMOKE_ROWS = 256
 SMOKE_REPEATS = 5
 
+# The serving check's fresh process: Python, MLflow's pyfunc, pyarrow and torch imported first (most of its
+# seconds), then what to load and score read from its standard input as one JSON line, so that it can be
+# started before the gate knows the version (``smoke_process_ahead``).
+SMOKE_CODE = (
+    "import json, statistics, sys, time, mlflow.pyfunc, pyarrow.parquet as pq, torch\n"
+    "line = sys.stdin.readline()\n"
+    "if not line:\n"
+    "    sys.exit(0)\n"  # stopped unused: nothing to check
+    "job = json.loads(line)\n"
+    f"rows = pq.read_table(job['example']).slice(0, {SMOKE_ROWS}).to_pandas()\n"
+    "models = [mlflow.pyfunc.load_model(f) for f in job['folders']]\n"
+    "outs = [m.predict(rows) for m in models]\n"
+    "times = [[] for _ in models]\n"
+    f"for _ in range({SMOKE_REPEATS}):\n"
+    "    for m, t in zip(models, times):\n"
+    "        began = time.perf_counter(); m.predict(rows); t.append((time.perf_counter() - began) * 1000)\n"
+    "print(json.dumps({'ms': [statistics.median(t) for t in times], 'finite': bool((outs[0] == outs[0]).all())}))\n"
+)
+_AHEAD: list = []  # a fresh process started by ``smoke_process_ahead``, for the next gate in this process
+
+
+def _spawn_smoke_process():
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", SMOKE_CODE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _stop(process) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.communicate()
+
+
+@contextlib.contextmanager
+def smoke_process_ahead():
+    """Start the serving check's fresh process now, for a gate that runs later in this process (the retrain
+    flow: while the candidate trains). Its imports then run beside the training instead of after it (about
+    3 s of a simulated day's gate on 2 cores, ``benchmarks/demo_stages.py``). The process is as fresh as
+    ever: it holds nothing of this one and loads the version from its registered files. The next
+    ``start_smoke_check`` takes it; one no gate took (training failed, the gate was skipped) is stopped
+    when the block ends."""
+    process = _spawn_smoke_process()
+    _AHEAD.append(process)
+    try:
+        yield process
+    finally:
+        if process in _AHEAD:
+            _AHEAD.remove(process)
+            _stop(process)
+
 
 class SmokeCheck:
     """The serving check's fresh process, started by ``start_smoke_check``; ``result`` waits for its verdict.
@@ -184,9 +237,8 @@ class SmokeCheck:
             self.timing
 
     def cancel(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-            self._process.communicate()
+        if self._process is not None:
+            _stop(self._process)
 
 
 def start_smoke_check(settings: Settings, version: str, example_file: str, champion: str | None = None,
@@ -202,10 +254,8 @@ def start_smoke_check(settings: Settings, version: str, example_file: str, champ
 
     The fresh process opens each version's verified download (``checkpoint.model_folder``: the bytes serving
     loads, fetched here once and scored from by the gate too), so it pays for Python, torch and MLflow's
-    pyfunc, not for MLflow's tracking store and a second download (8 s against 12 s on a 2-core CPU)."""
-    import subprocess
-    import sys
-
+    pyfunc, not for MLflow's tracking store and a second download (8 s against 12 s on a 2-core CPU); one
+    started ahead by ``smoke_process_ahead`` has paid for its imports already."""
     from recloop import checkpoint
 
     thresholds = thresholds or GateThresholds()
@@ -221,20 +271,27 @@ def start_smoke_check(settings: Settings, version: str, example_file: str, champ
             folders.append(str(checkpoint.model_folder(settings, champion)))
     except checkpoint.CheckpointError:  # the champion's copy: not the candidate's fault; no ratio then
         champion = None
-    code = (
-        "import json, statistics, sys, time, mlflow.pyfunc, pyarrow.parquet as pq\n"
-        f"rows = pq.read_table(sys.argv[1]).slice(0, {SMOKE_ROWS}).to_pandas()\n"
-        "models = [mlflow.pyfunc.load_model(f) for f in sys.argv[2:]]\n"
-        "outs = [m.predict(rows) for m in models]\n"
-        "times = [[] for _ in models]\n"
-        f"for _ in range({SMOKE_REPEATS}):\n"
-        "    for m, t in zip(models, times):\n"
-        "        began = time.perf_counter(); m.predict(rows); t.append((time.perf_counter() - began) * 1000)\n"
-        "print(json.dumps({'ms': [statistics.median(t) for t in times], 'finite': bool((outs[0] == outs[0]).all())}))\n"
-    )
-    process = subprocess.Popen([sys.executable, "-c", code, example_file, *folders], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    job = json.dumps({"example": example_file, "folders": folders}) + "\n"
+    process = _AHEAD.pop() if _AHEAD else None  # started ahead of this gate (``smoke_process_ahead``)
+    if process is not None and not _send(process, job):  # it died before its job
+        _stop(process)
+        process = None
+    if process is None:
+        process = _spawn_smoke_process()
+        _send(process, job)  # a process that dies at once fails the check with its own error output
     return SmokeCheck(process, timing, champion, thresholds)
+
+
+def _send(process, job: str) -> bool:
+    """Hand the fresh process its job; False if it has already ended."""
+    if process.poll() is not None:
+        return False
+    try:
+        process.stdin.write(job)
+        process.stdin.flush()
+    except (BrokenPipeError, OSError):
+        return False
+    return True
 
 
 def smoke_latency_failure(candidate_ms: float, champion_ms: float | None, thresholds: GateThresholds) -> str | None:
