@@ -499,5 +499,5 @@ def test_a_serving_check_process_started_ahead_and_never_taken_is_stopped():
     from recloop.gate.runner import _AHEAD, smoke_process_ahead
 
     with smoke_process_ahead() as ahead:
-        assert _AHEAD == [ahead] and ahead.poll() is None
+        assert [ahead] == _AHEAD and ahead.poll() is None
     assert ahead.poll() is not None and ahead.returncode != 0 and not _AHEAD
