@@ -67,6 +67,7 @@ from recloop.panel import SimulatedModel, draw_panel, expected_reward, score_pan
 from recloop.simulate import DEVICES, World, WorldConfig  # noqa: E402
 
 K, CANDIDATES = 10, 30
+LOOP_DRIFT_DAY = 2  # the full loop's drift day; its figures are read two cycles after it (day 4)
 LEGACY_MAX_CTR_DROP = 0.05  # the legacy rule: the challenger's raw CTR at most 5 % below the champion's
 CHAMPION_NOISE = 1.5
 
@@ -567,7 +568,7 @@ def loop_grid(
                 requests_per_day=requests_per_day,
                 seed=seed,
                 drift=scenario,
-                drift_day=2,
+                drift_day=LOOP_DRIFT_DAY,
                 twin=twin and scenario != "none",
                 daily_full=True,
                 reference_seeds=reference_seeds,
@@ -685,8 +686,9 @@ def summarize_scenario(scenario: str, rows: list[dict], days: int) -> dict:
     drift was acted on within 2 days (Wilson interval), and false alarms on ``none`` (each day after the first
     is a check)."""
     entry: dict = {"runs": rows, "seeds": [r["seed"] for r in rows]}
+    rows = [{**r, "newest_minus_daily_full": newest_minus_daily_full(r)} for r in rows]
     for key in ("recovery", "loop_minus_frozen", "loop_minus_daily_full", "served_minus_frozen",
-                "served_minus_daily_full"):
+                "served_minus_daily_full", "newest_minus_daily_full"):
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
             entry[key] = dict(zip(("mean", "low", "high"), mean_ci(values), strict=True))
@@ -698,6 +700,20 @@ def summarize_scenario(scenario: str, rows: list[dict], days: int) -> dict:
         entry["checks"] = len(rows) * (days - 1)
         entry["false_alarm_ci"] = proportion_ci(entry["false_alarm_checks"], entry["checks"])
     return entry
+
+
+def newest_minus_daily_full(row: dict) -> float | None:
+    """On the headline day's panel, the newest ranker the loop has put in front of users (the running canary's
+    challenger, else the champion) minus the daily full retrain: the loop's training against the reference,
+    without the day a canary holds a new model back. None for rows without the daily panels."""
+    panels = row.get("panel_by_day") or {}
+    if not panels:
+        return None
+    day = LOOP_DRIFT_DAY + 2 if str(LOOP_DRIFT_DAY + 2) in panels else max(int(d) for d in panels)
+    panel = panels[str(day)]
+    if "daily_full" not in panel:
+        return None
+    return panel.get("challenger", panel["champion"]) - panel["daily_full"]
 
 
 def loop_table(paths: list[str]) -> dict:
@@ -714,8 +730,9 @@ def loop_table(paths: list[str]) -> dict:
     order = {name: i for i, name in enumerate(("none", "gradual", "sudden", "covariate"))}
     table = {}
     print("| scenario (days × events, requests a day) | seeds | loop − daily full, mean [t 95 %] | loop as served − "
-          "daily full | loop − never retrained | drift acted on within 2 days | false alarms | hosts at commits |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "daily full | newest model − daily full | loop − never retrained | drift acted on within 2 days | "
+          "false alarms | hosts at commits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in sorted(found, key=lambda k: (k[1:], order.get(k[0], 9), k[0])):
         scenario, days, events, requests, references, seeded = key
         rows = [found[key][seed] for seed in sorted(found[key])]
@@ -733,7 +750,8 @@ def loop_table(paths: list[str]) -> dict:
         print(f"| `{scenario}` ({days} × {events:,}, {requests}"
               + (f"; reference: mean of {references} seeds" if references > 1 else "")
               + ("; training seed = world seed" if seeded else "") + f") | {len(rows)} | {_interval(full)} | "
-              f"{_interval(entry.get('served_minus_daily_full', {}))} | {_interval(frozen)} | {acted} | {alarms} | "
+              f"{_interval(entry.get('served_minus_daily_full', {}))} | "
+              f"{_interval(entry.get('newest_minus_daily_full', {}))} | {_interval(frozen)} | {acted} | {alarms} | "
               f"{hosts} |")
     return table
 
