@@ -29,10 +29,12 @@ def machine() -> dict[str, str]:
 
     cpu = "unknown"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                      if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        cpu = fields.get("model name", cpu)
+        if "cpu family" in fields:  # a model name as bare as "AMD EPYC" hides the generation: 25 Zen 3/4, 26 Zen 5
+            cpu += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
     except OSError:
         pass
     info = {"cpu": cpu, "cores": str(os.cpu_count()), "python": std_platform.python_version(), "commit": _commit()}
