@@ -185,8 +185,9 @@ def _stop(process) -> None:
 @contextlib.contextmanager
 def smoke_process_ahead():
     """Start the serving check's fresh process now, for a gate that runs later in this process (the retrain
-    flow: while the candidate trains). Its imports then run beside the training instead of after it (about
-    3 s of a simulated day's gate on 2 cores, ``benchmarks/demo_stages.py``). The process is as fresh as
+    flow: while the candidate trains). Its imports then run beside the training instead of after it (the gate
+    had waited 6 s for them in a loaded simulated day; on a quiet 2-core host the gain is within run-to-run
+    noise, as the imports then share the cores with training: benchmarks/RESULTS.md). The process is as fresh as
     ever: it holds nothing of this one and loads the version from its registered files. The next
     ``start_smoke_check`` takes it; one no gate took (training failed, the gate was skipped) is stopped
     when the block ends."""
