@@ -356,15 +356,19 @@ def canary_rates(
 GATE_RULES = ("gate", "point estimate (before)", "not shown worse", "one Holm family", "legacy")
 
 
-def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int, zone: float = 0.05) -> dict:
+def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int, zone: float = 0.05,
+               margin: float | None = None) -> dict:
     """Per world seed, candidates of random quality around the champion judged on a logged day of the
     world's own events, against the truth on the evaluation panel (normalized reward). Four rules on the
     same candidates and tests: the gate's (``gate.paired.compare``: overall the estimate must hold or beat
     the champion, device slices refuse when Holm-significantly worse), "not shown worse" (the overall test
     significant at alpha instead of the estimate), the same tests in one Holm family (the rule before), and
     the legacy fixed thresholds. Error rates over all candidates and outside an indifference zone of ``zone``
-    (relative normalized reward): a candidate within a few percent of the champion is neither."""
+    (relative normalized reward): a candidate within a few percent of the champion is neither. ``margin``: the
+    gate's non-inferiority margin (default: the shipped ``GateThresholds().auc_margin``)."""
     from recloop.gate.paired import HeldOut, PairedConfig, compare
+
+    margin = GateThresholds().auc_margin if margin is None else margin
 
     records = []
     for seed in range(seeds):
@@ -399,9 +403,7 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int,
             cand_scores = candidate.scores(world, users, items, truth)
             # the gate's own comparison at the shipped margin (GateThresholds().auc_margin), users as the groups
             held = HeldOut(labels, cand_scores, champ_scores, users, users, {"device": device})
-            result = compare(
-                held, max_drop=GateThresholds().auc_margin, max_slice_drop=0.01, config=PairedConfig(resamples=resamples)
-            )
+            result = compare(held, max_drop=margin, max_slice_drop=0.01, config=PairedConfig(resamples=resamples))
             overall = result.figures["grouped_auc"]
             slices = [v for k, v in result.figures.items() if k.startswith("slice ")]
             # the old rule: pooled AUC may drop 0.002 (incremental), 0.01 per slice of >= 200 rows
@@ -434,7 +436,7 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int,
                 }
             )
         print(f"  gate seed {seed}: {candidates} candidates judged", flush=True)
-    out: dict = {"zone": zone, "candidates": records}
+    out: dict = {"zone": zone, "margin": margin, "candidates": records}
     for rule in GATE_RULES:
         out[rule] = {}
         for label, width in (("all", 0.0), (f"outside ±{zone:.0%}", zone)):
@@ -789,6 +791,8 @@ def main() -> None:
     parser.add_argument("--events-per-day", type=int, default=50_000)
     parser.add_argument("--gate-candidates", type=int, default=20, help="candidates per world seed")
     parser.add_argument("--gate-seeds", type=int, default=None)
+    parser.add_argument("--gate-margin", type=float, default=None,
+                        help="the gate's AUC non-inferiority margin (default: the shipped GateThresholds().auc_margin)")
     parser.add_argument("--resamples", type=int, default=300)
     parser.add_argument("--modes", default="interleave,canary")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: canary, gate, concept")
@@ -851,7 +855,8 @@ def main() -> None:
                 )
     if "gate" not in skip:
         result["gate"] = gate_rates(
-            args.gate_seeds or args.seeds, args.gate_candidates, args.events_per_day, args.resamples
+            args.gate_seeds or args.seeds, args.gate_candidates, args.events_per_day, args.resamples,
+            margin=args.gate_margin,
         )
         for rule in GATE_RULES:
             for label, row in result["gate"][rule].items():
