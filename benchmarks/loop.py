@@ -594,8 +594,9 @@ def loop_grid(
                 - panel[day]["never_retrained"]["normalized_reward"],
                 "loop_minus_daily_full": panel[day]["champion"]["normalized_reward"]
                 - panel[day]["daily_full"]["normalized_reward"],
-                # the same for what users were shown: the champion, or within a running canary's share the
-                # challenger's ranking or the interleaving (``demo.panel.served_scores``)
+                # the same for the deployment as of the panel (after the day's last canary check): the champion,
+                # or within a running canary's share the challenger's ranking or the interleaving
+                # (``demo.panel.served_scores``)
                 "served_minus_frozen": panel[day]["served"]["normalized_reward"]
                 - panel[day]["never_retrained"]["normalized_reward"],
                 "served_minus_daily_full": panel[day]["served"]["normalized_reward"]
@@ -707,13 +708,14 @@ def summarize_scenario(scenario: str, rows: list[dict], days: int) -> dict:
 def newest_minus_daily_full(row: dict) -> float | None:
     """On the headline day's panel, the newest ranker the loop has put in front of users (the running canary's
     challenger, else the champion) minus the daily full retrain: the loop's training against the reference,
-    without the day a canary holds a new model back. None for rows without the daily panels."""
+    without the day a canary holds a new model back. None for rows without the daily panels or written before
+    the panel kept the challenger's figure (their champion would pass for the newest model)."""
     panels = row.get("panel_by_day") or {}
     if not panels:
         return None
     day = LOOP_DRIFT_DAY + 2 if str(LOOP_DRIFT_DAY + 2) in panels else max(int(d) for d in panels)
     panel = panels[str(day)]
-    if "daily_full" not in panel:
+    if "daily_full" not in panel or "served" not in panel:  # rows from before the panel kept the challenger
         return None
     return panel.get("challenger", panel["champion"]) - panel["daily_full"]
 

@@ -171,8 +171,10 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
                 runner.record_retrain_outcome(settings_from(settings), deployed=record["verdict"] == "passed",
                                               now=monitor_clock, gate_reasons=record.get("reasons", []),
                                               version=str(version))
-            return _finish(settings, "Skipped", skip, result, retriever_step)
-        result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)
+        else:
+            result["gate"] = gate = gate_flow(version, gate_thresholds, settings=settings)
+    if skip is not None:  # the unused serving-check process is stopped before the retriever trains
+        return _finish(settings, "Skipped", skip, result, retriever_step)
     if monitor_clock is not None:  # the monitor's trigger learns the verdict: cool-down only after a pass
         runner.record_retrain_outcome(settings_from(settings), deployed=gate["alias"] is not None, now=monitor_clock,
                                       gate_reasons=gate.get("reasons", []), version=str(version))

@@ -41,6 +41,8 @@ def test_the_table_reads_the_loop_as_served_and_its_newest_model_beside_the_cham
     assert loop.newest_minus_daily_full(rows[0]) == pytest.approx(-0.01)
     assert loop.newest_minus_daily_full(rows[1]) == pytest.approx(0.02)  # no canary: the champion is the newest
     assert loop.newest_minus_daily_full({"panel_by_day": {}}) is None
+    older = {"panel_by_day": {"4": {"champion": 0.3, "daily_full": 0.4}}}  # before the panel kept the challenger
+    assert loop.newest_minus_daily_full(older) is None
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (entry,) = loop.loop_table([str(path)]).values()

@@ -158,6 +158,14 @@ def test_the_panel_as_served_routes_each_user_as_the_canary_does():
     nobody = served_scores(champion, challenger, panel.users, 0.0, salt, interleave=False, k=10, seed=0)
     assert (orders(nobody) == orders(champion)).all()
 
+    # interleaved for half the users: the others keep the champion's order, the routed ones get the team draft
+    from recloop.evidence.interleaving import team_draft_batch
+
+    mixed = orders(served_scores(champion, challenger, panel.users, 0.5, salt, interleave=True, k=10, seed=7))
+    assert (mixed[~routed] == orders(champion)[~routed]).all()
+    drafted, _ = team_draft_batch(orders(champion)[routed], orders(challenger)[routed], 10, np.random.default_rng(7))
+    assert (mixed[routed][:, :10] == drafted).all()
+
     everybody = served_scores(champion, challenger, panel.users, 1.0, salt, interleave=True, k=10, seed=0)
     top = orders(everybody)[:, :10]
     # each shown item is the best one of the champion's or of the challenger's not shown above it

@@ -257,9 +257,7 @@ def demo_command(
     paired = summary.get("paired") or {}
     headline = paired.get("headline") or {}
     for name, found in headline.items():
-        policy, baseline = name.split(" - ")
-        if policy == "served" and found["difference"] == headline[f"champion - {baseline}"]["difference"]:
-            continue  # no canary running at the panel: served is the champion
+        policy, baseline = name.split(" - ")  # "served - …" only when a canary ran at the panel
         who = "the champion's" if policy == "champion" else "the ranking as served (a running canary's share included)"
         console.print(f"loop efficacy (same panel, paired): on day {paired['day']} {who} normalized reward "
                       f"is {found['difference']:+.3f} [95% CI {found['low']:+.3f}, {found['high']:+.3f}] against the "

@@ -34,18 +34,19 @@ def twin_recovery(panels: dict[int, dict], twin: dict, config: DemoConfig) -> di
 
 def paired_efficacy(panels: dict[int, dict], config: DemoConfig) -> dict:
     """Per day: the champion's normalized reward minus the never-retrained model's (and the daily full
-    retrain's, when there is one) on that day's panel, paired, with a user-cluster interval, and the same for
-    ``served`` (what users were shown: the champion, or within a running canary's share the challenger or the
-    interleaving); the headline is two cycles after the drift (the last day when the run is shorter), as the
-    twin recovery's."""
+    retrain's, when there is one) on that day's panel, paired, with a user-cluster interval, and on days when a
+    ranker canary was running at the panel the same for ``served`` (the deployment as of the panel, after the
+    day's last canary check: the champion, or within the canary's share the challenger or the interleaving);
+    the headline is two cycles after the drift (the last day when the run is shorter), as the twin recovery's."""
     from recloop.panel import paired_difference
 
     per_day = {}
     for day, panel in panels.items():
         rewards = panel["rewards"]
+        # "served" only where a canary ran at the panel: elsewhere it is the champion, figure for figure
+        policies = ("champion", "served") if "challenger" in rewards else ("champion",)
         per_day[day] = {f"{policy} - {other}": paired_difference(rewards, panel["users"], policy, other)
-                        for policy in ("champion", "served") if policy in rewards
-                        for other in ("never_retrained", "daily_full") if other in rewards}
+                        for policy in policies for other in ("never_retrained", "daily_full") if other in rewards}
     wanted = config.drift_day + 2 if config.drift != "none" else max(per_day, default=None)
     day = wanted if wanted in per_day else max(per_day, default=None)
     return {"per_day": per_day, "day": day, "headline": per_day.get(day)}
@@ -147,11 +148,12 @@ class FrozenRanker:
         """The day's panel (drawn on its own stream): per-request expected clicks of the oracle, a random
         ranking, the never-retrained model and the live champion; normalized rewards with intervals.
 
-        ``live``: the ranker's deployment as serving routes it (``serve.models.Wanted``: champion, challenger,
-        share, mode, salt). ``served`` is then each panel request as its user is served: the champion's ranking,
-        or for the users the experiment's salt puts in the challenger's share, the challenger's (``canary``
-        mode) or the team-draft interleaving of both (``interleave``, as ``/rank`` merges them). While a canary
-        runs at 95 % of users the champion alone is not what the loop serves."""
+        ``live``: the ranker's deployment as the registry states it now (``serve.models.Wanted``: champion,
+        challenger, share, mode, salt; the demo reads it after the day's last canary check). ``served`` is then
+        each panel request as serving routes its user under that deployment: the champion's ranking, or for the
+        users the experiment's salt puts in the challenger's share, the challenger's (``canary`` mode) or the
+        team-draft interleaving of both (``interleave``, as ``/rank`` merges them). While a canary runs at 95 %
+        of users the champion alone is not what the loop serves."""
         from recloop.panel import draw_panel, per_request, score_panel
         from recloop.scoring import load_version
 

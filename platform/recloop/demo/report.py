@@ -110,12 +110,11 @@ td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td.moves{white-spac
 table.decisions td{text-align:left;vertical-align:top}</style></head><body>
 <h1>recloop demo</h1>
 {% for name, found in (paired.headline or {}).items() %}{% set policy, other = name.split(" - ") %}
-{% if policy == "champion" or found.difference != paired.headline[name.replace("served", "champion")].difference %}
 <p><b>Loop efficacy (same panel, paired)</b>: on day
 {{ paired.day }} {{ "the champion's" if policy == "champion" else "the ranking as served (the champion, and within the
 running canary's share of users the challenger's)" }} normalized reward is {{ "%+.3f" % found.difference }} [95% CI
 {{ "%+.3f" % found.low }}, {{ "%+.3f" % found.high }}] against the {{ other.replace("_", " ") }} model's on the same panel
-requests (user-cluster interval; 0 is random, 1 the oracle).</p>{% endif %}{% endfor %}
+requests (user-cluster interval; 0 is random, 1 the oracle).</p>{% endfor %}
 {% if recovery %}<p><b>Loop efficacy (twin worlds)</b>: on day {{ summary.recovery.day }} the champion's normalized
 reward on the evaluation panel is {{ "%.1f%%" % (recovery.champion.recovery * 100) }} [95% CI
 {{ "%.1f%%" % (recovery.champion.low * 100) }}, {{ "%.1f%%" % (recovery.champion.high * 100) }}] of the no-drift

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -166,6 +167,7 @@ SMOKE_CODE = (
     "print(json.dumps({'ms': [statistics.median(t) for t in times], 'finite': bool((outs[0] == outs[0]).all())}))\n"
 )
 _AHEAD: list = []  # a fresh process started by ``smoke_process_ahead``, for the next gate in this process
+_AHEAD_LOCK = threading.Lock()
 
 
 def _spawn_smoke_process():
@@ -192,12 +194,16 @@ def smoke_process_ahead():
     ``start_smoke_check`` takes it; one no gate took (training failed, the gate was skipped) is stopped
     when the block ends."""
     process = _spawn_smoke_process()
-    _AHEAD.append(process)
+    with _AHEAD_LOCK:
+        _AHEAD.append(process)
     try:
         yield process
     finally:
-        if process in _AHEAD:
-            _AHEAD.remove(process)
+        with _AHEAD_LOCK:
+            untaken = process in _AHEAD
+            if untaken:
+                _AHEAD.remove(process)
+        if untaken:
             _stop(process)
 
 
@@ -273,7 +279,8 @@ def start_smoke_check(settings: Settings, version: str, example_file: str, champ
     except checkpoint.CheckpointError:  # the champion's copy: not the candidate's fault; no ratio then
         champion = None
     job = json.dumps({"example": example_file, "folders": folders}) + "\n"
-    process = _AHEAD.pop() if _AHEAD else None  # started ahead of this gate (``smoke_process_ahead``)
+    with _AHEAD_LOCK:  # one started ahead of this gate (``smoke_process_ahead``)
+        process = _AHEAD.pop() if _AHEAD else None
     if process is not None and not _send(process, job):  # it died before its job
         _stop(process)
         process = None
