@@ -401,7 +401,8 @@ def gate_rates(seeds: int, candidates: int, events_per_day: int, resamples: int,
             )
             effect = scored["candidate"]["normalized_reward"] / scored["champion"]["normalized_reward"] - 1.0
             cand_scores = candidate.scores(world, users, items, truth)
-            # the gate's own comparison at the shipped margin (GateThresholds().auc_margin), users as the groups
+            # the gate's own comparison at ``margin`` (the shipped GateThresholds().auc_margin unless given), users
+            # as the groups
             held = HeldOut(labels, cand_scores, champ_scores, users, users, {"device": device})
             result = compare(held, max_drop=margin, max_slice_drop=0.01, config=PairedConfig(resamples=resamples))
             overall = result.figures["grouped_auc"]

@@ -129,8 +129,8 @@ def run_demo(settings: Settings, config: DemoConfig, on_day: Callable[[DayRecord
             served, baseline = _serve_day(server.url, app, world, day, config, flows, canary_path, record, frozen)
             record.requests, record.online_ctr = served["requests"], served["ctr"]
             record.vs_oracle, record.baseline_vs_oracle = served["vs_oracle"], baseline
-            live = registry_wanted(settings)  # the ranker as serving routes it now (a canary's share included)
-            panels[day] = frozen.panel(world, day, config, live.champion, live)
+            # the ranker as serving routes it now (a canary's share included)
+            panels[day] = frozen.panel(world, day, config, registry_wanted(settings))
             record.panel = panels[day]["figures"]
             path = served["recommend"]
             record.recommend_requests, record.recommend_clicks = path["requests"], sum(path["clicks"].values())

@@ -144,7 +144,7 @@ class FrozenRanker:
         # the daily full retrain (``DemoConfig.daily_full``), when there is one: a model per reference seed
         self.reference: list | None = None
 
-    def panel(self, world: World, day: int, config: DemoConfig, champion: str | None, live=None) -> dict:
+    def panel(self, world: World, day: int, config: DemoConfig, live) -> dict:
         """The day's panel (drawn on its own stream): per-request expected clicks of the oracle, a random
         ranking, the never-retrained model and the live champion; normalized rewards with intervals.
 
@@ -158,8 +158,8 @@ class FrozenRanker:
         from recloop.scoring import load_version
 
         panel = draw_panel(world, day + 0.5, config.panel_requests, min(config.candidates, 50), seed=config.seed)
-        challenger = live.challenger if live is not None and live.share > 0 and \
-            live.mode in ("canary", "interleave") else None
+        champion = live.champion
+        challenger = live.challenger if live.share > 0 and live.mode in ("canary", "interleave") else None
         for version in (champion, challenger):
             if version is not None and version not in self._models:
                 self._models[version] = load_version(self.settings, version)
