@@ -1,16 +1,26 @@
-"""Are the canary's CTR intervals valid when a few users make most of the requests?
+"""Are the canary's CTR intervals valid when a few users make most of the requests, or an arm has few users?
 
-    python benchmarks/ab_validity.py [--reps 2000] [--alpha 0.001] [--json out.json]
+    python benchmarks/ab_validity.py [--reps 1000] [--json out.json]
 
-Two arms of identical models: users split by a coin, each request shows 10 items clicked at the user's own rate
-(Beta(2, 10)), users' activity lognormal with spread ``sigma`` (0.5: even, 2.0: a handful of users make most
-requests). Each simulated canary look is judged by ``evidence.sequential.ab_difference`` (the A/B canary: ratio
-of CTRs, user-cluster delta-method variance, the always-valid interval at ``alpha``) and, on the same requests all
-interleaved, by ``interleaving_difference`` (the shipped interleaved canary: each click credited to the team that
-placed the item, a fair coin for identical rankers); the share of looks whose interval excludes 0 is the
-false-significance rate, which a valid interval keeps at or below ``alpha``. No CUPED (the covariate does not
-change the A/B rate here). Found after ``tests/test_serve.py::test_a_good_challenger_is_stepped_up_and_promoted``
-rolled an identical challenger back once ("significantly worse … always-valid at alpha 0.001") on 200 requests.
+Users' activity is lognormal with spread ``sigma`` (0.5: even, 2.0: a handful of users make most requests); each
+request shows 10 items clicked at the user's own rate (Beta(2, 10)), times ``1 + effect`` in the challenger's
+arm. Users are split by a coin at the canary's ``share``; looks are taken once the challenger has
+``requests`` requests (the canary judges nothing before ``min_requests``). Each look is judged by
+``evidence.sequential.ab_difference`` two ways, on the same requests:
+
+- **plain**: the delta-method variance of the two arms' CTR ratio over user clusters (``cap_quantile=None,
+  small_sample=False``: what the A/B canary and the retriever's canary ran before);
+- **shipped**: users' impressions capped at the pooled 90th percentile, the leverage correction and the
+  Student's t widening for the arms' effective numbers of users (the defaults).
+
+and, for identical arms, by ``interleaving_difference`` (the ranker's interleaved canary: each click credited to
+the team that placed it, a fair coin for identical rankers). Reported: for identical arms, the share of looks
+whose interval excludes 0 at ``alpha`` 0.001 with ``tau`` 1 (the sharpest one-look check: a valid interval keeps
+it at or below alpha); for a 20 %-worse challenger, the share found "significantly worse" at the shipped canary's
+``alpha`` 0.05 and ``tau`` 0.05 (the rollback's power); for identical arms at those settings, the share found
+significantly worse (a false rollback at one look). Found after
+``tests/test_serve.py::test_a_good_challenger_is_stepped_up_and_promoted`` rolled an identical challenger back
+once ("significantly worse … always-valid at alpha 0.001").
 """
 
 from __future__ import annotations
@@ -25,43 +35,68 @@ use_source_tree()
 
 from recloop.evidence.sequential import ab_difference, interleaving_difference  # noqa: E402
 
+PLAIN = {"cap_quantile": None, "small_sample": False}
 
-def false_significance(rng: np.random.Generator, requests: int, sigma: float, alpha: float,
-                       users: int = 300) -> tuple[bool, bool]:
-    """(A/B, interleaved): whether each interval excludes 0 on one look at identical arms."""
+
+def look(rng: np.random.Generator, *, users: int, share: float, requests: int, sigma: float, effect: float):
+    """One canary look: (champion's, challenger's) (clicks, shown, user) per request and the interleaved
+    credits of the same requests as if every one had been interleaved."""
     activity = rng.lognormal(0.0, sigma, users)
     rate = rng.beta(2, 10, users)
-    who = rng.choice(users, requests, p=activity / activity.sum())
-    clicks, shown = rng.binomial(10, rate[who]), np.full(requests, 10)
-    arm = (rng.random(users) < 0.5)[who]
-    a, b = ~arm, arm
-    split = ab_difference(clicks[a], shown[a], who[a], clicks[b], shown[b], who[b], tau=1.0, alpha=alpha)
-    credited = rng.binomial(clicks, 0.5)  # the challenger team's share of each request's clicks
-    interleaved = interleaving_difference(clicks - credited, credited, who, tau=1.0, alpha=alpha)
-    return (bool(split.high < 0 or split.low > 0), bool(interleaved.high < 0 or interleaved.low > 0))
+    arm = rng.random(users) < share
+    if not arm.any():
+        arm[rng.integers(users)] = True
+    # requests arrive by activity; keep drawing until the challenger has ``requests`` of its own
+    p = activity / activity.sum()
+    total = int(requests / max(p[arm].sum(), 1e-9) * 1.05) + 1
+    who = rng.choice(users, total, p=p)
+    inside = arm[who]
+    last = np.flatnonzero(inside)[requests - 1] if inside.sum() >= requests else total - 1
+    who, inside = who[: last + 1], inside[: last + 1]
+    clicks = rng.binomial(10, np.minimum(rate[who] * np.where(inside, 1.0 + effect, 1.0), 1.0))
+    shown = np.full(len(who), 10)
+    credited = rng.binomial(clicks, 0.5)
+    return (clicks[~inside], shown[~inside], who[~inside]), (clicks[inside], shown[inside], who[inside]), \
+        (clicks - credited, credited, who)
+
+
+def rates(rng, reps: int, **shape) -> dict:
+    found = {k: 0 for k in ("plain_false", "shipped_false", "interleaved_false", "plain_false_005",
+                            "shipped_false_005", "plain_power", "shipped_power")}
+    for _ in range(reps):
+        a, b, interleaved = look(rng, effect=0.0, **shape)
+        for name, options in (("plain", PLAIN), ("shipped", {})):
+            strict = ab_difference(*a, *b, tau=1.0, alpha=0.001, **options)
+            found[f"{name}_false"] += strict.high < 0 or strict.low > 0
+            canary = ab_difference(*a, *b, tau=0.05, alpha=0.05, **options)
+            found[f"{name}_false_005"] += canary.high < 0
+        credit = interleaving_difference(*interleaved, tau=1.0, alpha=0.001)
+        found["interleaved_false"] += credit.high < 0 or credit.low > 0
+        a, b, _ = look(rng, effect=-0.2, **shape)
+        for name, options in (("plain", PLAIN), ("shipped", {})):
+            found[f"{name}_power"] += ab_difference(*a, *b, tau=0.05, alpha=0.05, **options).high < 0
+    return {k: v / reps for k, v in found.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=2000)
-    parser.add_argument("--alpha", type=float, default=0.001)
+    parser.add_argument("--reps", type=int, default=1000)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from statsmodels.stats.proportion import proportion_confint
 
     rng = np.random.default_rng(0)
     rows = []
-    for sigma in (0.5, 1.0, 1.5, 2.0):
-        for requests in (200, 2000):
-            found = np.array([false_significance(rng, requests, sigma, args.alpha) for _ in range(args.reps)])
-            for column, canary in enumerate(("A/B", "interleaved")):
-                hits = int(found[:, column].sum())
-                low, high = proportion_confint(hits, args.reps, method="wilson")
-                rows.append({"canary": canary, "sigma": sigma, "requests": requests, "rate": hits / args.reps,
-                             "low": low, "high": high})
-                print(f"{canary:>11}, activity sigma {sigma}, {requests} requests: identical arms significant in "
-                      f"{hits / args.reps:.2%} [{low:.2%}, {high:.2%}] of {args.reps} looks (alpha {args.alpha:.2%})",
-                      flush=True)
+    for users, share in ((300, 0.5), (300, 0.05), (3000, 0.05)):
+        for sigma in (0.5, 1.0, 2.0):
+            for requests in (200, 2000):
+                shape = {"users": users, "share": share, "requests": requests, "sigma": sigma}
+                row = {**shape, "reps": args.reps, **rates(rng, args.reps, **shape)}
+                rows.append(row)
+                print(f"{users} users, share {share:.0%}, sigma {sigma}, {requests} challenger requests: identical "
+                      f"significant at alpha 0.1 %: plain {row['plain_false']:.2%}, shipped {row['shipped_false']:.2%}, "
+                      f"interleaved {row['interleaved_false']:.2%}; identical 'worse' at the canary's 5 %: plain "
+                      f"{row['plain_false_005']:.2%}, shipped {row['shipped_false_005']:.2%}; 20 % worse found: plain "
+                      f"{row['plain_power']:.1%}, shipped {row['shipped_power']:.1%}", flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"machine": machine(), "arguments": vars(args), "rows": rows}, out, indent=2)

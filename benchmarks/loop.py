@@ -131,10 +131,13 @@ def run_canary(
     day: float,
     draw: int,
     shown_offline: bool = False,
+    plain_ab: bool = False,
 ) -> dict:
     """Look after look until promote or roll back (an undecided canary at ``max_looks`` is rolled back as
     inconclusive, as ``max_users`` does in the controller). ``shown_offline``: the challenger passed the
-    gate's non-inferiority test, so the canary promotes unless the online evidence shows it worse."""
+    gate's non-inferiority test, so the canary promotes unless the online evidence shows it worse.
+    ``plain_ab``: the A/B evidence as it was before its small-sample guards (no impressions cap, no leverage
+    or Student's t correction), the baseline of ``benchmarks/ab_validity.py``."""
     users_all = np.arange(len(world.user_taste))
     salt = "recloop-canary" if legacy else experiment_salt("2", float(draw))
     place = np.array([position(int(u), salt) for u in users_all])
@@ -219,6 +222,7 @@ def run_canary(
                     alpha=config.alpha,
                     pre_a=covariates[0] if covariates else None,
                     pre_b=covariates[1] if covariates else None,
+                    **({"cap_quantile": None, "small_sample": False} if plain_ab else {}),
                 )
         auc_evidence = None
         if not legacy and log["auc_user"]:
@@ -279,8 +283,10 @@ def canary_rates(
     # the shipped canary (CanaryConfig()'s margins, the paired online AUC guardrail included) at the
     # simulation's pace: what prefect.yaml's canary-check and the demo run
     # a mode named "<mode>+offline": the same canary for a challenger the gate showed non-inferior offline
+    # (the retriever's A/B canary always is: its promotion rides on the guardrails); "+plain": the A/B
+    # evidence without its small-sample guards, the baseline they replaced
     config_new = {
-        mode: shipped(bake_seconds=0, min_requests=200, min_feedback=1000, mode=mode.removesuffix("+offline"))
+        mode: shipped(bake_seconds=0, min_requests=200, min_feedback=1000, mode=mode.split("+")[0])
         for mode in modes
     }
     legacy = CanaryConfig(
@@ -319,7 +325,8 @@ def canary_rates(
                         max_looks=max_looks,
                         day=1.0,
                         draw=seed * 10_000 + draw,
-                        shown_offline=name.endswith("+offline"),
+                        shown_offline="+offline" in name,
+                        plain_ab="+plain" in name,
                     )
                     entry = results.setdefault(name, {}).setdefault(label, [])
                     entry.append({**outcome, "true_effect": measured})
