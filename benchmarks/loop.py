@@ -285,6 +285,9 @@ def canary_rates(
     # a mode named "<mode>+offline": the same canary for a challenger the gate showed non-inferior offline
     # (the retriever's A/B canary always is: its promotion rides on the guardrails); "+plain": the A/B
     # evidence without its small-sample guards, the baseline they replaced
+    for mode in modes:
+        if "+plain" in mode and not mode.startswith("canary"):
+            raise SystemExit(f"--modes {mode}: '+plain' is the A/B evidence's baseline, for the canary mode only")
     config_new = {
         mode: shipped(bake_seconds=0, min_requests=200, min_feedback=1000, mode=mode.split("+")[0])
         for mode in modes

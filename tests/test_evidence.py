@@ -149,7 +149,8 @@ def _canary_look(rng, *, users=300, share=0.05, challenger_requests=2000, sigma=
     activity, rate = rng.lognormal(0.0, sigma, users), rng.beta(2, 10, users)
     arm = rng.random(users) < share
     arm[0] = True
-    who = rng.choice(users, int(challenger_requests / (activity[arm].sum() / activity.sum())), p=activity / activity.sum())
+    share_of_requests = max(activity[arm].sum() / activity.sum(), 0.01)  # at most 100x the challenger's requests
+    who = rng.choice(users, int(challenger_requests / share_of_requests), p=activity / activity.sum())
     inside = arm[who]
     clicks = rng.binomial(10, np.minimum(rate[who] * np.where(inside, 1.0 + effect, 1.0), 1.0))
     shown = np.full(len(who), 10)
@@ -183,6 +184,22 @@ def test_the_guarded_ab_interval_finds_a_worse_challenger_as_often_where_users_a
         plain += ab_difference(*a, *b, tau=0.05, alpha=0.05, cap_quantile=None, small_sample=False).high < 0
         shipped += ab_difference(*a, *b, tau=0.05, alpha=0.05).high < 0
     assert shipped >= 10 and shipped >= plain - 2
+
+
+def test_the_guards_leave_cuped_and_the_estimate_alone_and_a_clickless_arm_is_not_certain():
+    """The leverage correction widens the variance only: a covariate CUPED cannot use (constant) leaves the
+    estimate exactly as without it (the corrected values once fed CUPED and moved the estimate 0.19 -> 0.96).
+    An arm without a click is not known exactly (its own spread is 0)."""
+    rng = np.random.default_rng(2)
+    a, b = _canary_look(rng, users=400, share=0.3, challenger_requests=300, sigma=1.5)
+    plain = ab_difference(*a, *b, tau=0.05, alpha=0.05)
+    flat = ab_difference(*a, *b, tau=0.05, alpha=0.05, pre_a=np.zeros(len(np.unique(a[2]))),
+                         pre_b=np.zeros(len(np.unique(b[2]))))
+    assert flat.estimate == pytest.approx(plain.estimate, abs=1e-12) and "CUPED" in flat.method
+    assert flat.variance == pytest.approx(plain.variance, rel=1e-9)
+    clickless = ab_difference(*a, np.zeros_like(b[0]), b[1], b[2], tau=0.05, alpha=0.05)
+    assert clickless.estimate == -1.0 and clickless.variance > 0.2 * plain.variance
+    assert np.isinf(ab_difference(*a, b[0], np.zeros_like(b[1]), b[2], tau=0.05).high)  # nothing shown in b
 
 
 def test_effective_users_and_the_t_widening():
