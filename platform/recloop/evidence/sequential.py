@@ -78,19 +78,32 @@ def cluster_mean(values, clusters, weights=None) -> tuple[float, float]:
     return mean, variance
 
 
+def cluster_totals(numerator, denominator, clusters) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each cluster's id (``np.unique`` order) and its summed numerator and denominator."""
+    ids, index = np.unique(np.asarray(clusters), return_inverse=True)
+    num = np.bincount(index, weights=np.asarray(numerator, dtype=np.float64), minlength=len(ids))
+    den = np.bincount(index, weights=np.asarray(denominator, dtype=np.float64), minlength=len(ids))
+    return ids, num, den
+
+
+def linearized_totals(num: np.ndarray, den: np.ndarray) -> tuple[np.ndarray, float]:
+    """The delta-method linearization of the ratio ``sum(num) / sum(den)`` over per-cluster totals: each
+    cluster's ``(num - R * den) / mean den`` and ``R``."""
+    if not len(num):  # no evidence yet
+        return np.zeros(0), 0.0
+    ratio = num.sum() / max(den.sum(), 1e-300)
+    return (num - ratio * den) / max(den.mean(), 1e-300), float(ratio)
+
+
 def ratio_linearized(numerator, denominator, clusters) -> tuple[np.ndarray, np.ndarray, float]:
     """Per-cluster totals and the delta-method linearization of a ratio metric (CTR = clicks / impressions).
 
     Returns the clusters' ids, each cluster's linearized value ``(clicks - R * impressions) / mean
     impressions`` (mean zero, variance = the ratio's variance times the number of clusters) and ``R``.
     """
-    ids, index = np.unique(np.asarray(clusters), return_inverse=True)
-    if not len(ids):  # no evidence yet
-        return ids, np.zeros(0), 0.0
-    num = np.bincount(index, weights=np.asarray(numerator, dtype=np.float64))
-    den = np.bincount(index, weights=np.asarray(denominator, dtype=np.float64))
-    ratio = num.sum() / max(den.sum(), 1e-300)
-    return ids, (num - ratio * den) / max(den.mean(), 1e-300), float(ratio)
+    ids, num, den = cluster_totals(numerator, denominator, clusters)
+    linear, ratio = linearized_totals(num, den)
+    return ids, linear, ratio
 
 
 def cuped(metric, covariate) -> tuple[np.ndarray, float]:
@@ -167,16 +180,10 @@ def ab_difference(
       measured is that identical arms' false significance stays at or below ``alpha`` where the plain
       interval was 4-69x over (``benchmarks/ab_validity.py``), with as much power where users are many.
     """
-    ids_a, index_a = np.unique(np.asarray(users_a), return_inverse=True)
-    ids_b, index_b = np.unique(np.asarray(users_b), return_inverse=True)
-    per_user = [
-        (np.bincount(index, weights=np.asarray(clicks, dtype=np.float64), minlength=len(ids)),
-         np.bincount(index, weights=np.asarray(shown, dtype=np.float64), minlength=len(ids)))
-        for ids, index, clicks, shown in ((ids_a, index_a, clicks_a, impressions_a),
-                                          (ids_b, index_b, clicks_b, impressions_b))
-    ]
+    per_user = [cluster_totals(clicks_a, impressions_a, users_a)[1:],
+                cluster_totals(clicks_b, impressions_b, users_b)[1:]]
     method = "ratio, user clusters"
-    if cap_quantile is not None and len(ids_a) and len(ids_b):
+    if cap_quantile is not None and len(per_user[0][1]) and len(per_user[1][1]):
         cap = float(np.quantile(np.concatenate([per_user[0][1], per_user[1][1]]), cap_quantile))
         if cap > 0:
             scaled = []
@@ -186,8 +193,8 @@ def ab_difference(
             per_user = scaled
             method += f", impressions capped at p{cap_quantile * 100:g}"
     (num_a, den_a), (num_b, den_b) = per_user
-    _, la, ra = ratio_linearized(num_a, den_a, np.arange(len(num_a)))
-    _, lb, rb = ratio_linearized(num_b, den_b, np.arange(len(num_b)))
+    la, ra = linearized_totals(num_a, den_a)
+    lb, rb = linearized_totals(num_b, den_b)
     if pre_a is not None and pre_b is not None and len(la) > 2 and len(lb) > 2:
         adjusted, _ = cuped(np.concatenate([la, lb]), np.concatenate([pre_a, pre_b]))
         la, lb = adjusted[: len(la)], adjusted[len(la) :]
