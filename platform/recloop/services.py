@@ -51,13 +51,19 @@ def _read_pid_file(path: Path) -> tuple[int, int | None]:
     return int(fields[0]), (int(fields[1]) if len(fields) > 1 else None)
 
 
+MLFLOW_UI_WORKERS = 1
+
+
 def _command(service: Service, settings: Settings, host: str) -> list[str]:
     bin_dir = Path(sys.executable).parent
     if service.name == "prefect":
         return [str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(service.port)]
     if service.name == "mlflow":
+        # One worker process: MLflow's default four each import MLflow (about 30 CPU-seconds to start on a
+        # 2-core host against 8 for one, and the UI slower to answer meanwhile); one reviewer's browser on
+        # one machine is served by one worker's threads. A team's MLflow is its own server (``mlflow_tracking_uri``).
         return [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", settings.resolved_mlflow_tracking_uri(),
-                "--host", host, "--port", str(service.port)]
+                "--host", host, "--port", str(service.port), "--workers", str(MLFLOW_UI_WORKERS)]
     if service.name == "evidently":
         from recloop.monitor.dashboards import workspace_path
 
@@ -72,6 +78,8 @@ def _service_env(service: Service, host: str) -> dict[str, str]:
     on another port said "Can't connect to Server API")."""
     if service.name == "prefect":
         return {"PREFECT_UI_API_URL": f"{service.url(host)}/api", "PREFECT_SERVER_API_PORT": str(service.port)}
+    if service.name == "mlflow":  # MLflow's job runner (seven consumer processes for its GenAI jobs): unused here
+        return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     return {}
 
 
