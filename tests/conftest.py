@@ -268,9 +268,10 @@ def prefect_server():
     from prefect.logging.configuration import setup_logging
     from prefect.testing.utilities import prefect_test_harness
 
-    from recloop.flow_support import in_process_runs, run_logs_to_the_ui_only
+    from recloop.flow_support import batch_embedded_server_writers, in_process_runs, run_logs_to_the_ui_only
 
     run_logs_to_the_ui_only()
+    batch_embedded_server_writers()  # as the demo's temporary server
     setup_logging(incremental=False)
     with prefect_test_harness(server_startup_timeout=180), in_process_runs():  # no heartbeats, as the demo
         yield
