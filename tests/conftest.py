@@ -132,7 +132,9 @@ def _feast_imported_quietly() -> None:
 
     try:
         with warnings.catch_warnings():
-            import feast  # noqa: F401
+            from recloop.features.feast_import import import_feast
+
+            import_feast()  # as recloop imports it (without typeguard's instrumentation)
     except Exception:  # noqa: BLE001 - the GPU machine has no Feast; a broken one fails its own tests
         pass
 

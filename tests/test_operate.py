@@ -363,4 +363,4 @@ def test_up_tells_the_prefect_ui_the_port_its_api_is_on():
 
     env = services._service_env(services.Service("prefect", 4321, "/api/health"), "127.0.0.1")
     assert env["PREFECT_UI_API_URL"] == "http://127.0.0.1:4321/api"
-    assert services._service_env(services.Service("mlflow", 5000, "/health"), "127.0.0.1") == {}
+    assert "PREFECT_UI_API_URL" not in services._service_env(services.Service("mlflow", 5000, "/health"), "127.0.0.1")

@@ -15,9 +15,14 @@ from __future__ import annotations
 import atexit
 import warnings
 
-from feast.infra.offline_stores.duckdb import DuckDBOfflineStore as _FeastDuckDBOfflineStore
-from feast.infra.offline_stores.duckdb import DuckDBOfflineStoreConfig as _FeastDuckDBOfflineStoreConfig
 from pydantic import StrictStr
+
+from recloop.features.feast_import import import_feast
+
+import_feast()  # before Feast's modules below: without typeguard's instrumentation (feast_import)
+
+from feast.infra.offline_stores.duckdb import DuckDBOfflineStore as _FeastDuckDBOfflineStore  # noqa: E402
+from feast.infra.offline_stores.duckdb import DuckDBOfflineStoreConfig as _FeastDuckDBOfflineStoreConfig  # noqa: E402
 
 TYPE = "recloop.features.offline_store.DuckDBOfflineStore"  # what a Feast configuration's offline_store.type says
 

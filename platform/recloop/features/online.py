@@ -32,6 +32,7 @@ from recloop.features import ops
 from recloop.features.backend import get_backend
 from recloop.features.config import FeatureConfig
 from recloop.features.definition import ENTITY_PREFIXES, FeatureLayout, training_rows
+from recloop.features.feast_import import import_feast
 from recloop.features.seen import SeenHistory, history_of
 from recloop.features.state import FeatureState, StateStore
 from recloop.formats import ARROW_TYPES
@@ -178,6 +179,7 @@ class SqliteOnline:
     """
 
     def __init__(self, settings: Settings, cached_items: int | None = None):
+        import_feast()
         from feast.infra.online_stores.sqlite import SqliteOnlineStore, _table_id
 
         from recloop.features.online_keys import entity_key_head
@@ -216,6 +218,7 @@ class SqliteOnline:
 
     def _view(self, join_key: str, ids: list[int]) -> np.ndarray:
         """(len(ids), features + 1) float64: each feature, then the row's time (µs); NaN: no value."""
+        import_feast()
         from feast.protos.feast.types.Value_pb2 import Value
 
         head, table, features = self.views[join_key]
@@ -302,6 +305,7 @@ class ItemStates:
 def _decode(rows: list[list[bytes | None]], width: int) -> np.ndarray:
     """HMGET answers (Feast's serialized ``ValueProto`` fields, then the row's serialized ``Timestamp``) as
     (rows, width) float64, the time in µs; NaN: missing."""
+    import_feast()
     from feast.protos.feast.types.Value_pb2 import Value
     from google.protobuf.timestamp_pb2 import Timestamp
 

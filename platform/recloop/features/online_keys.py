@@ -15,9 +15,12 @@ import struct
 
 import numpy as np
 
+from recloop.features.feast_import import import_feast
+
 
 def entity_key_head(join_key: str) -> bytes:
     """Feast's serialized entity key for ``{join_key: int64}``, minus the trailing 8 value bytes."""
+    import_feast()
     from feast.infra.key_encoding_utils import serialize_entity_key
     from feast.protos.feast.types.EntityKey_pb2 import EntityKey
     from feast.protos.feast.types.Value_pb2 import Value
@@ -41,6 +44,7 @@ def generation_key(project: str) -> bytes:
 
 def field_key(view: str, feature: str) -> bytes:
     """The Redis hash field of one feature of a view: Feast's ``murmur3("<view>:<feature>")``."""
+    import_feast()
     from feast.infra.online_stores.helpers import _mmh3
 
     return _mmh3(f"{view}:{feature}")

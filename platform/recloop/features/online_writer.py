@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from recloop.features.feast_import import import_feast
 from recloop.features.online_keys import field_key, generation_key, redis_keys
 
 
@@ -55,6 +56,7 @@ def write_to_redis(client, *, project: str, view: str, join_key: str, table: pa.
 
     Returns the number of entities written.
     """
+    import_feast()
     from feast.protos.feast.types.Value_pb2 import Value
     from google.protobuf.timestamp_pb2 import Timestamp
 

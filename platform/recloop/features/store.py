@@ -34,6 +34,7 @@ from urllib.parse import urlparse
 import pandas as pd
 
 from recloop import endpoints
+from recloop.features.feast_import import import_feast
 from recloop.settings import Settings
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ def _registry_file(settings: Settings) -> Path | None:
 
 def repo_config(settings: Settings):
     """Feast's RepoConfig for these settings (the same as feature_store.yaml for the defaults)."""
+    import_feast()
     from feast.repo_config import RepoConfig
 
     from recloop.features import offline_store
@@ -115,6 +117,7 @@ def require_services(settings: Settings) -> None:
 
 
 def feature_store(settings: Settings):
+    import_feast()
     from feast import FeatureStore
 
     _environment(settings)
@@ -178,6 +181,7 @@ def apply_repo(settings: Settings, spec: DatasetSpec | None = None, force: bool 
     The entities, join keys and views follow the spec (``write_entities``; without one, the home's).
     Returns whether it applied.
     """
+    import_feast()
     from feast.repo_operations import apply_total
 
     write_entities(settings, spec)
@@ -222,6 +226,7 @@ def forget_other_homes_tables(settings: Settings) -> list[str]:
     Returns:
         The paths of the tables forgotten.
     """
+    import_feast()
     from feast.protos.feast.core.Registry_pb2 import Registry as RegistryProto
 
     registry_file = _registry_file(settings)
