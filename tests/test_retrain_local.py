@@ -51,3 +51,8 @@ def test_retrain_runs_in_its_own_process_without_a_prefect_server(champion_home:
     assert {"ingest", "features", "train", "gate"} <= {name for (name,) in sqlite3.connect(
         home.home / "prefect" / "prefect.db").execute("SELECT f.name FROM flow_run r JOIN flow f ON f.id = r.flow_id")}
     assert len(names) == len(set(names)), names  # every run named, none twice
+    # the server's task-run recorder writes in batches (flow_support.EMBEDDED_SERVER_WRITERS): the last batch is
+    # flushed as the command's temporary server stops, so every task run is there and ended
+    with sqlite3.connect(home.home / "prefect" / "prefect.db") as db:
+        tasks = dict(db.execute("SELECT state_type, COUNT(*) FROM task_run GROUP BY state_type").fetchall())
+    assert set(tasks) == {"COMPLETED"} and tasks["COMPLETED"] >= 4, tasks
