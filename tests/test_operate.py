@@ -363,4 +363,10 @@ def test_up_tells_the_prefect_ui_the_port_its_api_is_on():
 
     env = services._service_env(services.Service("prefect", 4321, "/api/health"), "127.0.0.1")
     assert env["PREFECT_UI_API_URL"] == "http://127.0.0.1:4321/api"
-    assert "PREFECT_UI_API_URL" not in services._service_env(services.Service("mlflow", 5000, "/health"), "127.0.0.1")
+    assert env["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"] == "200"  # as the temporary server's
+    # MLflow's UI without its job runner (seven consumer processes), unless the user's environment asks for it
+    mlflow = services.Service("mlflow", 5000, "/health")
+    assert services._service_env(mlflow, "127.0.0.1") == {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "true")
+        assert services._service_env(mlflow, "127.0.0.1") == {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true"}

@@ -28,17 +28,16 @@ from recloop.settings import Settings
 # the server's own lock wait lets the server's answer decide; a real server keeps recloop's limits.
 EMBEDDED_SERVER_REQUEST_SECONDS = 120.0
 EMBEDDED_SERVER_RETRIES = 5  # Prefect's default
-# The temporary server's background writers, batched. Its task-run recorder writes each task-run event (three a
-# task) in a transaction of its own as it arrives (Prefect's batch size 1); the API's own writes meet that lock,
-# get "database is locked" and are retried 2, 4, 8… s later. A flow of 10 tasks and a 3-task subflow took 3.9 s
-# (in-process work 0.1 s) on a 2-core host, 1.0 s with the recorder batched (as with it off); the event persister
-# batched too (20 a transaction by default). Both still flush every 5 s and on shutdown, so the UI shows a task
-# run at most that much later. A real server (PostgreSQL) keeps Prefect's defaults.
+# Prefect's own local servers (the temporary one a run starts, and `recloop up`'s), their background writers
+# batched. The task-run recorder writes each task-run event (three a task) in a transaction of its own as it
+# arrives (Prefect's batch size 1); the API's own writes meet that SQLite lock, get "database is locked" and are
+# retried 2, 4, 8… s later. A flow of 10 tasks and a 3-task subflow took 3.9 s (in-process work 0.1 s) on a 2-core
+# host, 1.0 s with the recorder batched (as with it off); the event persister batched too (20 a transaction by
+# default). Both still flush every 5 s and at shutdown, so the UI shows a task run at most that much later. A
+# server recloop does not start (``RECLOOP_PREFECT_API_URL`` / ``PREFECT_API_URL``) keeps its own settings.
 EMBEDDED_SERVER_WRITERS = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "200",
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "200",
-    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_READ_BATCH_SIZE": "200",
 }
 
 
@@ -65,11 +64,15 @@ def configure_prefect(settings: Settings) -> None:
         os.environ.setdefault("PREFECT_API_URL", settings.prefect_api_url)
 
 
+def embedded_server_writers() -> dict[str, str]:
+    """``EMBEDDED_SERVER_WRITERS``, each unless the environment sets it already."""
+    return {name: os.environ.get(name, value) for name, value in EMBEDDED_SERVER_WRITERS.items()}
+
+
 def batch_embedded_server_writers() -> None:
     """``EMBEDDED_SERVER_WRITERS`` in the environment (unless set), before a temporary server starts: it takes
     its settings from the environment of the process that starts it."""
-    for name, value in EMBEDDED_SERVER_WRITERS.items():
-        os.environ.setdefault(name, value)
+    os.environ.update(embedded_server_writers())
 
 
 @contextmanager

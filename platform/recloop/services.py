@@ -76,10 +76,13 @@ def _service_env(service: Service, host: str) -> dict[str, str]:
     """What a service's own process needs to know of where it listens: the Prefect UI asks its API at
     ``PREFECT_UI_API_URL``, which otherwise stays http://127.0.0.1:4200/api whatever port it was given (the UI
     on another port said "Can't connect to Server API")."""
-    if service.name == "prefect":
-        return {"PREFECT_UI_API_URL": f"{service.url(host)}/api", "PREFECT_SERVER_API_PORT": str(service.port)}
+    if service.name == "prefect":  # its writers batched as the temporary server's (flow_support)
+        from recloop.flow_support import embedded_server_writers
+
+        return {"PREFECT_UI_API_URL": f"{service.url(host)}/api", "PREFECT_SERVER_API_PORT": str(service.port),
+                **embedded_server_writers()}
     if service.name == "mlflow":  # MLflow's job runner (seven consumer processes for its GenAI jobs): unused here
-        return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
     return {}
 
 
