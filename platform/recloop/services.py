@@ -59,9 +59,10 @@ def _command(service: Service, settings: Settings, host: str) -> list[str]:
     if service.name == "prefect":
         return [str(bin_dir / "prefect"), "server", "start", "--host", host, "--port", str(service.port)]
     if service.name == "mlflow":
-        # One worker process: MLflow's default four each import MLflow (about 30 CPU-seconds to start on a
-        # 2-core host against 8 for one, and the UI slower to answer meanwhile); one reviewer's browser on
-        # one machine is served by one worker's threads. A team's MLflow is its own server (``mlflow_tracking_uri``).
+        # One worker process: MLflow's default four each import MLflow (with its job runner off, see
+        # ``_service_env``: 9 CPU-seconds to answer on a 2-core host; the four workers and the job runner took 33);
+        # one reviewer's browser on one machine is served by one worker's threads. A team's MLflow is its own
+        # server (``mlflow_tracking_uri``).
         return [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", settings.resolved_mlflow_tracking_uri(),
                 "--host", host, "--port", str(service.port), "--workers", str(MLFLOW_UI_WORKERS)]
     if service.name == "evidently":
@@ -73,9 +74,9 @@ def _command(service: Service, settings: Settings, host: str) -> list[str]:
 
 
 def _service_env(service: Service, host: str) -> dict[str, str]:
-    """What a service's own process needs to know of where it listens: the Prefect UI asks its API at
-    ``PREFECT_UI_API_URL``, which otherwise stays http://127.0.0.1:4200/api whatever port it was given (the UI
-    on another port said "Can't connect to Server API")."""
+    """A service's own environment: where it listens (the Prefect UI asks its API at ``PREFECT_UI_API_URL``,
+    which otherwise stays http://127.0.0.1:4200/api whatever port it was given: the UI on another port said
+    "Can't connect to Server API"), and what it need not start (Prefect's writers batched, MLflow's job runner)."""
     if service.name == "prefect":  # its writers batched as the temporary server's (flow_support)
         from recloop.flow_support import embedded_server_writers
 
