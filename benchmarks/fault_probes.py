@@ -76,8 +76,8 @@ def registry_down_at_start(home: Settings, check: Callable[[bool, str], str]) ->
     statuses: Counter = Counter()
     try:
         for user in range(200):
-            statuses[str(httpx.post(f"http://127.0.0.1:{port}/rank", json={"user_id": user, "item_ids": [1, 2, 3]},
-                                    timeout=10).status_code)] += 1
+            body = {"user_id": user, "item_ids": [1, 2, 3], "context": {"category": 1}}  # (no null category)
+            statuses[str(httpx.post(f"http://127.0.0.1:{port}/rank", json=body, timeout=10).status_code)] += 1
         scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     finally:
         _stop(server)
@@ -118,7 +118,8 @@ def journal_down_at_start(home: Settings, check: Callable[[bool, str], str]) -> 
         statuses: Counter = Counter()
         served = []
         for user in range(200):
-            ranked = httpx.post(f"{url}/rank", json={"user_id": user, "item_ids": [1, 2, 3]}, timeout=10)
+            ranked = httpx.post(f"{url}/rank", json={"user_id": user, "item_ids": [1, 2, 3], "context": {"category": 1}},
+                                timeout=10)
             statuses[str(ranked.status_code)] += 1
             if ranked.status_code == 200:
                 served.append(ranked.json())

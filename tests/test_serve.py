@@ -43,6 +43,7 @@ WORLD = WorldConfig(seed=4, days=4, events_per_day=6000)  # the shared champion'
 DAY3 = datetime(2026, 1, 4, tzinfo=UTC)  # the end of its featurized days (the online store's state)
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CATEGORY = {"category": 1}  # the synthetic spec allows no null category: a request without it is refused
 # Small traffic per step: judged on wide guardrails, except the one each bad challenger breaks.
 # A/B by user, no holdout, and a minimum effect of 100 %: 200 requests cannot show a 5 % one (the
 # interleaving test below and benchmarks/loop.py measure the default configuration).
@@ -160,6 +161,15 @@ def run_canary(home: Settings, http: httpx.Client, server, version: str, users: 
     ({"user_id": 1, "item_ids": [1], "context": {"price": True}}, "True is not a number"),
     ({"user_id": 1, "item_ids": [1], "ts": "1999-12-31T00:00:00Z"}, "before the spec's minimum"),
     ({"user_id": 1, "item_ids": [1], "ts": "2999-01-01T00:00:00Z"}, "in the future"),
+    # a served row lands as an event: a column the spec allows no null in, left out, sent its feedback to
+    # quarantine (`null:category`) after /rank and /feedback had both answered 200
+    ({"user_id": 1, "item_ids": [1], "context": {"device": "ios"}}, "context ['category'] required"),
+    # each candidate once: [5, 5, 5] was answered with item 5 three times, under two different scores
+    ({"user_id": 1, "item_ids": [5, 5, 6], "context": CATEGORY}, "ids given more than once: [5]"),
+    # ids and counts are integers, not JSON's true or text (lax validation ranked [true, "2"] as items 1, 2)
+    ({"user_id": True, "item_ids": [1], "context": CATEGORY}, "valid integer"),
+    ({"user_id": 1, "item_ids": [True, "2"], "context": CATEGORY}, "valid integer"),
+    ({"user_id": 1, "item_ids": [1], "top_k": "1", "context": CATEGORY}, "valid integer"),
 ])
 def test_rank_refuses_bad_requests_with_a_clear_4xx(client: httpx.Client, body, fragment):
     """Each bad request answers 422 naming its problem (a raw string is sent as it is: JSON with
@@ -184,11 +194,32 @@ def test_rank_refuses_an_oversized_body_before_reading_it_all(client: httpx.Clie
 
     streamed = client.post("/rank", content=chunks(), headers={"Content-Type": "application/json"})
     assert streamed.status_code == 413
-    assert client.post("/rank", json={"user_id": 1, "item_ids": [1]}).status_code == 200
+    assert client.post("/rank", json={"user_id": 1, "item_ids": [1], "context": CATEGORY}).status_code == 200
+
+
+def test_a_content_length_that_is_not_a_number_is_a_bad_request_not_a_large_one():
+    """The body limit read a ``Content-Length`` of ``abc`` as over the limit (413); it is malformed (400). Called
+    as ASGI directly: HTTP clients and uvicorn's parser never let such a header through."""
+    from recloop.serve.body_limit import BodyLimit
+
+    async def app(scope, receive, send):  # pragma: no cover - never reached
+        raise AssertionError("the app was called")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "headers": [(b"content-length", b"abc")]}
+    asyncio.run(BodyLimit(app, max_bytes=1024)(scope, receive, send))
+    assert sent[0]["status"] == 400 and b"not a number" in sent[1]["body"]
 
 
 def test_feedback_is_validated_against_its_request(client: httpx.Client):
-    answer = client.post("/rank", json={"user_id": 3, "item_ids": [1, 2, 3]}).json()
+    answer = client.post("/rank", json={"user_id": 3, "item_ids": [1, 2, 3], "context": CATEGORY}).json()
     rid = answer["request_id"]
     unknown = client.post("/feedback", json={"request_id": uuid.uuid4().hex, "impressions": [1]})
     assert unknown.status_code == 404 and "unknown request id" in unknown.json()["detail"]
@@ -196,7 +227,7 @@ def test_feedback_is_validated_against_its_request(client: httpx.Client):
     assert stranger.status_code == 422 and "[99] were not shown" in stranger.json()["detail"]
     # a candidate the answer did not list (top_k cut it) was never an impression: it would land as a
     # training event with no position (the synthetic spec's `position` comes from the served order)
-    cut = client.post("/rank", json={"user_id": 3, "item_ids": [1, 2, 3], "top_k": 1}).json()
+    cut = client.post("/rank", json={"user_id": 3, "item_ids": [1, 2, 3], "top_k": 1, "context": CATEGORY}).json()
     listed = cut["items"][0]["item_id"]
     hidden = next(i for i in (1, 2, 3) if i != listed)
     refused = client.post("/feedback", json={"request_id": cut["request_id"], "impressions": [listed, hidden]})
@@ -206,6 +237,9 @@ def test_feedback_is_validated_against_its_request(client: httpx.Client):
     assert unshown.status_code == 422 and "not among the impressions" in unshown.json()["detail"]
     malformed = client.post("/feedback", json={"request_id": "../../etc", "impressions": [1]})
     assert malformed.status_code == 422
+    # an item shown once is impressed once (``[1, 1, 2]`` was accepted as two impressions)
+    twice = client.post("/feedback", json={"request_id": rid, "impressions": [1, 1, 2], "clicks": [1]})
+    assert twice.status_code == 422 and "more than once: [1]" in json.dumps(twice.json())
 
 
 def test_admin_endpoints_need_the_token(client: httpx.Client, home: Settings):
@@ -217,6 +251,8 @@ def test_admin_endpoints_need_the_token(client: httpx.Client, home: Settings):
     no_canary = client.post("/admin/canary", json={"share": 0.5}, headers=AUTH)
     assert no_canary.status_code == 409 and "no canary" in no_canary.json()["detail"]
     assert client.post("/admin/canary", json={"share": 2}, headers=AUTH).status_code == 422
+    not_a_share = client.post("/admin/canary", content='{"share": NaN}', headers={**AUTH, "Content-Type": "application/json"})
+    assert not_a_share.status_code == 422 and "finite number" in json.dumps(not_a_share.json())  # not "≤ 1"
 
 
 def test_admin_endpoints_are_off_without_a_configured_token(home: Settings, tmp_path: Path):
@@ -235,7 +271,7 @@ def test_admin_endpoints_are_off_without_a_configured_token(home: Settings, tmp_
 
 def test_health_and_metrics(client: httpx.Client):
     assert client.get("/healthz").json()["ready"] is True
-    client.post("/rank", json={"user_id": 10**15, "item_ids": [10**15, 1]})  # unknown user and item
+    client.post("/rank", json={"user_id": 10**15, "item_ids": [10**15, 1], "context": CATEGORY})  # unknown user and item
     text = client.get("/metrics").text
     for name in ("recloop_requests_total", "recloop_request_seconds_bucket", "recloop_feature_fallbacks_total",
                  "recloop_canary_share", "recloop_model_info", "recloop_online_ctr", "recloop_invalid_requests_total",
@@ -293,7 +329,7 @@ def test_served_rows_equal_the_training_rows_of_the_same_events(home: Settings, 
 
 def test_a_failed_admin_flush_says_why_and_keeps_the_events(client: httpx.Client, server, monkeypatch):
     service = server.server.config.app.state.service
-    answer = client.post("/rank", json={"user_id": 4, "item_ids": [1, 2]}).json()
+    answer = client.post("/rank", json={"user_id": 4, "item_ids": [1, 2], "context": CATEGORY}).json()
     assert client.post("/feedback", json={"request_id": answer["request_id"], "impressions": [1]}).status_code == 200
 
     def disk_full(landing_dir, limit=200_000):

@@ -26,7 +26,7 @@ from recloop.train import TrainSummary
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-RANK = {"user_id": 3, "item_ids": [1, 2, 3]}
+RANK = {"user_id": 3, "item_ids": [1, 2, 3], "context": {"category": 1}}  # category: the spec allows no null
 
 
 @pytest.fixture(scope="module")

@@ -446,11 +446,13 @@ class RequestFeatures:
         finally:
             self._loading.release()
 
-    def rows(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int
-             ) -> tuple[pa.Table, Fallbacks]:
-        """One row per candidate, with the training rows' ``d_*``, ``c_*`` and ``m_*`` columns."""
+    def rows(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int,
+             whole_row: bool = True) -> tuple[pa.Table, Fallbacks]:
+        """One row per candidate, with the training rows' ``d_*``, ``c_*`` and ``m_*`` columns. The context
+        must hold every column the spec allows no null in (``whole_row``, as a served request lands; False
+        for a probe that is never landed)."""
         state = self._current_state()
-        window = self._window(user_id, item_ids, context, ts_us)
+        window = self._window(user_id, item_ids, context, ts_us, whole_row=whole_row)
         raw = self.online.read(user_id, item_ids)
         ttl_us = self.config.ttl_seconds * 1_000_000
         for prefix in ENTITY_PREFIXES.values():  # older than the TTL: unknown, as the training rows have it
@@ -479,10 +481,10 @@ class RequestFeatures:
         configuration cut to those columns; the whole context is checked as ``rows`` checks it.
         """
         state = self._current_state()
-        # numbers are not among what it makes: one left out is not refused (an item attribute such as a
-        # release year, required on /rank, is the catalog's business on /recommend, which the request may not
-        # give: checked as required here, every /recommend on a ratings log with a year was refused)
-        window = self._window(user_id, [PROBE_ENTITY], context, ts_us, numbers_required=False)
+        # never landed: a column left out is not refused (an item attribute such as a category or a release
+        # year, required on /rank, is the catalog's business on /recommend, which the request may not give:
+        # checked as required here, every /recommend on a ratings log with a year was refused)
+        window = self._window(user_id, [PROBE_ENTITY], context, ts_us, whole_row=False)
         return training_rows(self.backend, self._cut(columns), self.spec, window, state.vocabularies,
                              state.stats, befores={})
 
@@ -515,9 +517,11 @@ class RequestFeatures:
         return state
 
     def _window(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int,
-                numbers_required: bool = True) -> pa.Table:
-        """The request as a table of events, in the spec's columns (what ingestion would have landed).
-        ``numbers_required`` False: a numeric column the context leaves out is not refused for being null."""
+                whole_row: bool = True) -> pa.Table:
+        """The request as a table of events, in the spec's columns (what ingestion would have landed). A
+        column the spec allows no null in and the context leaves out is refused (a served row without it
+        lands, with its feedback, in quarantine); ``whole_row`` False (a row for the request alone, which
+        is never landed): not refused, a category unknown to the model and a number left for the catalog."""
         spec, n = self.spec, len(item_ids)
         unknown = sorted(set(context) - set(self._context_columns))
         if spec.history is not None and spec.history.name in unknown:
@@ -535,15 +539,24 @@ class RequestFeatures:
             columns[spec.user_key] = pa.array(np.full(n, user_id, dtype=np.int64))
         if spec.item_key:
             columns[spec.item_key] = pa.array(np.asarray(item_ids, dtype=np.int64))
+        required = []
         for name, column in self._context_columns.items():
             value = context.get(name, DEFAULT_POSITION if name == "position" else None)
             columns[name] = _broadcast(name, value, n, ARROW_TYPES[column.dtype])
-            if column.role == "numeric" and (numbers_required or name in context):
+            if column.role == "numeric" and (whole_row or name in context):
                 _check_numeric(column, columns[name])
-            elif column.role == "categorical" and name in context:  # left out: unknown to the model (its OOV row)
+            elif column.role in ("categorical", "multi_hot") and name not in context:
+                # left out: unknown to the model (its OOV row); but a served row lands as an event, and one
+                # without a column the spec allows no null in went to quarantine with its feedback
+                if not column.nullable and whole_row:
+                    required.append(name)
+            elif column.role == "categorical":
                 _check_categorical(column, columns[name])
-            elif column.role == "multi_hot" and name in context:
+            elif column.role == "multi_hot":
                 _check_multi_hot(column, columns[name])
+        if required:
+            raise RequestError(f"context {required} required: the spec allows no null in them, and a served row "
+                               "lands as an event (with one left out, its feedback could not be learned from)")
         for oracle in spec.by_role("oracle"):
             columns[oracle.name] = pa.nulls(n, ARROW_TYPES[oracle.dtype])
         if spec.history is not None:  # as of the feature job's last run (the training rows': as of the event)

@@ -364,7 +364,8 @@ def off_policy(settings: Settings, candidate: str, champion: str, window: tuple[
     models = {v: load_version(settings, v) for v in (candidate, champion)}
     scores: dict[str, list] = {candidate: [], champion: []}
     for log in logs:
-        rows, _ = features.rows(log["user_id"], log["item_ids"], log["context"], log["ts_us"])
+        # re-scored as they were served (never landed again): a column left out then stays unknown
+        rows, _ = features.rows(log["user_id"], log["item_ids"], log["context"], log["ts_us"], whole_row=False)
         for version, model in models.items():
             scores[version].append(score(model, rows).numpy())
     labels = [log["label"] for log in logs]

@@ -28,7 +28,10 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+        if declared is not None and not declared.isdigit():  # (uvicorn's h11 refuses it first; another server may not)
+            await self._refuse(send, 400, "the Content-Length header is not a number")
+            return
+        if declared is not None and int(declared) > self.max_bytes:
             await self._refuse(send)
             return
         chunks, size, more = [], 0, True
@@ -53,9 +56,9 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send) -> None:
-        detail = json.dumps({"detail": f"request body over the limit of {self.max_bytes} bytes"}).encode()
-        await send({"type": "http.response.start", "status": 413,
+    async def _refuse(self, send, status: int = 413, why: str | None = None) -> None:
+        detail = json.dumps({"detail": why or f"request body over the limit of {self.max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(detail)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": detail})

@@ -73,7 +73,7 @@ class Readiness:
     def _probe(self, champion) -> Verdict:
         now = time.time()
         try:
-            rows, _ = self.features.rows(PROBE_ENTITY, [PROBE_ENTITY], {}, int(now * 1_000_000))
+            rows, _ = self.features.rows(PROBE_ENTITY, [PROBE_ENTITY], {}, int(now * 1_000_000), whole_row=False)
         except Exception as err:  # noqa: BLE001 - whatever breaks the path is the reason
             return Verdict(False, (f"features cannot be built: {type(err).__name__}: {err}",), now)
         try:

@@ -66,7 +66,7 @@ from recloop.retrieval.rules import (
     order_interleaved,
     order_items,
 )
-from recloop.serve.requests import ContextKey, ContextValue, Id
+from recloop.serve.requests import ContextKey, ContextValue, Count, Id
 from recloop.serve.service import Service, ServiceDep, journal_scores
 
 log = logging.getLogger("recloop.serve")
@@ -82,7 +82,7 @@ class RecommendRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     user_id: Id
     context: dict[ContextKey, ContextValue] = Field(default_factory=dict, max_length=64)
-    k: int = Field(default=10, ge=1, le=MAX_K)
+    k: Count = Field(default=10, ge=1, le=MAX_K)
     exclude: list[Id] = Field(default_factory=list, max_length=MAX_EXCLUDE)
     ts: datetime | None = None
 
@@ -253,7 +253,9 @@ def recommend(svc: Service, body: RecommendRequest) -> RecommendResponse:
     if len(kept):
         context = {**body.context, **per_item}
         try:
-            rows, fallbacks = svc.features.rows(body.user_id, kept.tolist(), context, ts_us)
+            # whole_row False: a column the spec requires that neither the request nor the catalog holds is
+            # unknown to the model, as before (its rows land in quarantine if fed back)
+            rows, fallbacks = svc.features.rows(body.user_id, kept.tolist(), context, ts_us, whole_row=False)
         except RequestError as err:
             raise HTTPException(422, str(err)) from err
         except Exception as err:  # noqa: BLE001

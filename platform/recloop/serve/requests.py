@@ -6,6 +6,7 @@ characters), so a bad request is a 422 naming the field before any model runs. `
 from __future__ import annotations
 
 import math
+from collections import Counter
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -15,7 +16,21 @@ MAX_CANDIDATES = 1000
 INT64_MAX = 2**63 - 1
 EXACT_INT = 2**53  # integers beyond this lose precision as float64, which is what the model computes in
 MAX_TEXT = 1024
-Id = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# strict: JSON's true and "2" are not the ids 1 and 2 (lax validation ranked {"item_ids": [true, "2"]})
+Id = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
+Count = Annotated[int, Field(strict=True)]
+
+
+def _distinct(ids: list[int]) -> list[int]:
+    """Ids each given once: a candidate listed twice was answered twice with two scores, and a repeated
+    impression counted once, so the answer and the journal disagreed about what was shown."""
+    if len(set(ids)) != len(ids):
+        repeated = sorted(i for i, times in Counter(ids).items() if times > 1)
+        raise ValueError(f"ids given more than once: {repeated[:10]}")
+    return ids
+
+
+DistinctIds = Annotated[list[Id], AfterValidator(_distinct)]
 
 
 def _text(value: str) -> str:
@@ -68,10 +83,10 @@ class RankRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=False)
     user_id: Id
-    item_ids: list[Id] = Field(min_length=1, max_length=MAX_CANDIDATES)
+    item_ids: DistinctIds = Field(min_length=1, max_length=MAX_CANDIDATES)
     context: dict[ContextKey, ContextValue] = Field(default_factory=dict, max_length=64)
     ts: datetime | None = None
-    top_k: int | None = Field(default=None, ge=1, le=MAX_CANDIDATES)
+    top_k: Count | None = Field(default=None, ge=1, le=MAX_CANDIDATES)
 
 
 class RankedItem(BaseModel):
@@ -89,8 +104,8 @@ class RankResponse(BaseModel):
 class FeedbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
-    impressions: list[Id] = Field(min_length=1, max_length=MAX_CANDIDATES)
-    clicks: list[Id] = Field(default_factory=list, max_length=MAX_CANDIDATES)
+    impressions: DistinctIds = Field(min_length=1, max_length=MAX_CANDIDATES)
+    clicks: DistinctIds = Field(default_factory=list, max_length=MAX_CANDIDATES)
 
 
 ModelName = Literal["recloop-ranker", "recloop-retriever"]
@@ -98,7 +113,7 @@ ModelName = Literal["recloop-ranker", "recloop-retriever"]
 
 class CanaryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    share: float = Field(ge=0.0, le=1.0)
+    share: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
     mode: Literal["interleave", "canary", "shadow"] | None = None
     model: ModelName = "recloop-ranker"
 
