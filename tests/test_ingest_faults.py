@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -199,7 +200,14 @@ def _criteo_text(n: int) -> str:
         cats = [f"{int(rng.integers(0, 2**32)):08x}" for _ in range(26)]
         line = "\t".join([str(int(rng.random() < 0.25)), *ints, *cats])
         lines.append(line if i % 37 else line[: line.rfind("\t")])  # every 37th line is short a field
-    return "\n".join(lines)  # no final newline: the last line still counts
+    return "\n".join(lines)  # no final newline: the last line still counts (in a file that is not changing)
+
+
+def _written_a_while_ago(path: Path, text: str) -> None:
+    """``text`` at ``path``, last changed two minutes ago: a text file whose last line has no line end is read
+    only once it has not changed for ``readers.UNSETTLED_SECONDS``."""
+    path.write_text(text)
+    os.utime(path, (time.time() - 120, time.time() - 120))
 
 
 @pytest.mark.parametrize("kind", ["parquet", "csv", "criteo"])
@@ -213,7 +221,7 @@ def test_small_batches_land_exactly_what_one_batch_lands(kind, small_events, now
     elif kind == "csv":
         (landing / "e.csv").write_bytes(_csv_with_bad_lines(events))
     else:
-        (landing / "day_2").write_text(_criteo_text(300))
+        _written_a_while_ago(landing / "day_2", _criteo_text(300))
 
     outcomes = []
     for batch_rows in (1_000_000, 16):
@@ -229,8 +237,69 @@ def test_small_batches_land_exactly_what_one_batch_lands(kind, small_events, now
 
 def test_a_reader_never_holds_more_than_a_batch(small_events, tmp_path):
     pq.write_table(small_events, tmp_path / "e.parquet", row_group_size=100)
-    (tmp_path / "day_0").write_text(_criteo_text(120))
+    _written_a_while_ago(tmp_path / "day_0", _criteo_text(120))
     for name, spec, rows in (("e.parquet", SYNTHETIC, small_events.num_rows), ("day_0", CRITEO, 120)):
         with open_landing_file(tmp_path / name) as handle:
             sizes = [b.rows_in for b in read_batches(handle, name, spec, "0" * 64, batch_rows=16)]
         assert max(sizes) <= 16 and sum(sizes) == rows, (name, sizes)
+
+
+# --- what an adversarial review of ingestion found (2026-11-29) -------------------------------------------------
+
+
+def test_a_timestamp_no_python_datetime_holds_quarantines_its_row_not_the_file(small_events, now, tmp_path):
+    """Two bad stamps in one file, one before year 1: pandera's report of the failures turned them into Python
+    datetimes and crashed (OverflowError), so the whole file was rejected and its good rows never landed."""
+    micros = small_events["ts"].cast(pa.int64()).to_pylist()
+    micros[0] = -62_200_000_000 * 10**6  # before year 1
+    micros[1] = 4_000_000_000 * 10**6  # 2096: in the future
+    stamps = pa.array(micros, pa.int64()).cast(pa.timestamp("us", tz="UTC"))
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    pq.write_table(small_events.set_column(small_events.schema.get_field_index("ts"), "ts", stamps), landing / "e.parquet")
+    settings = Settings(home=tmp_path / "home")
+    [result] = ingest(landing, SYNTHETIC, settings, now=now).results
+    assert result.status == "ingested", result.error
+    assert (result.rows_landed, result.rows_quarantined) == (small_events.num_rows - 2, 2)
+    reasons = dict(zip(*(quarantine_table(settings)[c].to_pylist() for c in ("_source_row", "_reason")), strict=True))
+    assert reasons == {0: "out_of_range:ts", 1: "future_timestamp:ts"}
+
+
+def test_a_header_without_a_line_end_is_an_empty_csv_not_a_bad_one(now, tmp_path):
+    """``event_id,ts,…`` with no newline after it was rejected for good ("Could not skip initial 1 rows"), while
+    the same header with a newline was a file of no rows."""
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    _written_a_while_ago(landing / "header.csv", ",".join(SYNTHETIC.names))
+    [result] = ingest(landing, SYNTHETIC, Settings(home=tmp_path / "home"), now=now).results
+    assert (result.status, result.rows_in, result.error) == ("ingested", 0, None)
+
+
+def test_blank_lines_of_a_criteo_file_are_no_rows(now, tmp_path):
+    """Trailing blank lines were rows with one field each, quarantined as ``wrong_field_count:1/40``."""
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    (landing / "day_0").write_text(_criteo_text(36) + "\n\n\n")  # (its first line is short a field)
+    [result] = ingest(landing, CRITEO, Settings(home=tmp_path / "home"), now=now).results
+    assert (result.rows_in, result.rows_landed, result.reasons) == (36, 35, {"wrong_field_count:39/40": 1})
+
+
+def test_a_text_file_still_being_written_waits_for_the_next_run(now, tmp_path):
+    """A CSV read while its writer was inside the last line landed that line cut short (``0.`` of ``0.75`` as
+    0.0); the finished line was then refused as a duplicate id and the wrong value stayed. A text file whose
+    last line has no line end and that changed within ``UNSETTLED_SECONDS`` is left for the next run."""
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    header = ",".join(SYNTHETIC.names)
+    first = "e1,2026-01-01T00:00:00Z,1,2,0,ios,GB,3,10.5,1,,0.25"
+    second = "e2,2026-01-01T00:01:00Z,1,3,1,ios,GB,3,10.5,2,,0.75"
+    (landing / "events.csv").write_text(f"{header}\n{first}\n{second[:-2]}")  # the writer is at "0."
+    settings = Settings(home=tmp_path / "home")
+    [waiting] = ingest(landing, SYNTHETIC, settings, now=now).results
+    assert waiting.status == "rejected" and "may still be being written" in waiting.error
+    assert not lake_table(settings).num_rows
+    (landing / "events.csv").write_text(f"{header}\n{first}\n{second}\n")  # finished: read at once
+    [landed] = ingest(landing, SYNTHETIC, settings, now=now).results
+    assert (landed.status, landed.rows_landed) == ("ingested", 2)
+    assert sorted(lake_table(settings).select(["event_id", "p_click"]).to_pylist(), key=str) == [
+        {"event_id": "e1", "p_click": 0.25}, {"event_id": "e2", "p_click": 0.75}]

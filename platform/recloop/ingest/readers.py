@@ -33,6 +33,7 @@ import io
 import os
 import re
 import stat
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -138,7 +139,8 @@ def read_batches(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
 
     Raises ``FileRejected`` (before the first batch or between two) if the file cannot be read.
     """
-    if os.fstat(handle.fileno()).st_size == 0:
+    info = os.fstat(handle.fileno())
+    if info.st_size == 0:
         raise FileRejected("empty file (0 bytes)")
     lowered = name.lower()
     found = sniff(handle, spec)
@@ -158,6 +160,9 @@ def read_batches(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
         shown = {"csv": "CSV with a header", "tsv": "tab-separated text with a header"}.get(content, content)
         note = (f"{name}: read as {shown} by its content (its name says "
                 f"{by_suffix or 'nothing of its format'}); name it {_suffix_for(content)} to say so")
+    if found.kind == "text" and not found.compressed and (spec.format == "criteo_tsv" or content in ("csv", "tsv")
+                                                          or by_suffix == "csv"):
+        _check_settled(handle, info)
     if spec.format == "criteo_tsv":
         if content in ("parquet", "csv", "tsv"):
             batches = _criteo_table_file(handle, name, spec, batch_rows, content, found)
@@ -174,6 +179,23 @@ def read_batches(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
             "or text whose first line names the spec's columns"
         )
     return _noted(batches, note) if note else batches
+
+
+# A text file whose last line has no line end and that changed this recently may still be being written:
+# it waits for the next run. (Read at once, a line cut at "0." of "0.75" landed as 0.0, and the finished
+# line was refused later as a duplicate id: the wrong value stayed.) An older one is read as it is.
+UNSETTLED_SECONDS = 60.0
+
+
+def _check_settled(handle: BinaryIO, info: os.stat_result) -> None:
+    handle.seek(info.st_size - 1)
+    last = handle.read(1)
+    handle.seek(0)
+    age = time.time() - info.st_mtime
+    if last != b"\n" and age < UNSETTLED_SECONDS:
+        raise FileRejected(f"its last line has no line end and it changed {max(age, 0):.0f} s ago: it may still be "
+                           f"being written (read once it has not changed for {UNSETTLED_SECONDS:.0f} s)",
+                           permanent=False)
 
 
 @dataclass(frozen=True)
@@ -264,6 +286,18 @@ def _read_parquet(handle: BinaryIO, batch_rows: int) -> Iterator[SourceBatch]:
 # --- CSV ---------------------------------------------------------------------------------------------------
 
 
+def _header_only(handle: BinaryIO, compressed: bool) -> bool:
+    """Whether nothing but blank space follows the first line; leaves the handle at 0."""
+    try:
+        stream = _text_stream(handle, compressed)
+        stream.readline()
+        rest = stream.read(1 << 16)
+        handle.seek(0)
+    except _READ_ERRORS as err:
+        raise FileRejected(f"cannot decompress: {err}") from err
+    return not rest.strip()
+
+
 def _text_stream(handle: BinaryIO, compressed: bool) -> BinaryIO:
     return gzip.GzipFile(fileobj=handle, mode="rb") if compressed else handle  # type: ignore[return-value]
 
@@ -277,6 +311,7 @@ def _read_csv(handle: BinaryIO, compressed: bool, batch_rows: int, delimiter: st
         raise FileRejected(f"cannot decompress: {err}") from err
     if not header_line.strip():
         raise FileRejected("no header line")
+    header_only = _header_only(handle, compressed)
     try:
         # utf-8-sig: Excel's "CSV UTF-8" starts with a byte order mark, not part of the first column's name.
         names = [n.strip() if delimiter == "\t" else n
@@ -286,6 +321,10 @@ def _read_csv(handle: BinaryIO, compressed: bool, batch_rows: int, delimiter: st
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
         raise FileRejected(f"header names columns more than once: {duplicated}")
+
+    if header_only:  # no rows (Arrow refuses to skip a header line with no line end after it)
+        return iter([SourceBatch(table=pa.table({n: pa.array([], pa.string()) for n in names}),
+                                 source_row=np.empty(0, np.int64), text=True)])
 
     invalid: list[tuple[int, str, str]] = []
 
@@ -417,6 +456,8 @@ def _read_criteo(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
                 line = raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8-sig" if number == 0 else "utf-8")
             except UnicodeDecodeError as err:
                 raise FileRejected(f"not UTF-8 text (line {number}, byte {err.start})") from err
+            if not line.strip():  # a blank line (trailing ones are common) is no row, as the CSV reader has it
+                continue
             count = line.count("\t")
             if count == len(fields) - 1:
                 good.append(number)

@@ -386,7 +386,28 @@ def _nulls_per_list(parts: pa.ListArray, flat: pa.Array) -> np.ndarray:
 # --- value checks ----------------------------------------------------------------------------------------
 
 
+# What a Python datetime holds (years 1-9999), in microseconds since 1970: pandera reports a failing value as a
+# Python object, and one beyond these crashed its report (OverflowError), rejecting the file's good rows too.
+_DATETIME_MICROS = (-62_135_596_800_000_000, 253_402_300_799_999_999)
+
+
+def _outside_datetime(table: pa.Table, spec: DatasetSpec, problems: RowProblems) -> pa.Table:
+    """Timestamps a Python datetime cannot hold: ``out_of_range`` here, and null for the checks that follow."""
+    for col in spec.columns:
+        if col.dtype != "timestamp":
+            continue
+        micros = table[col.name].combine_chunks().cast(pa.int64())
+        low, high = _DATETIME_MICROS
+        outside = pc.fill_null(pc.or_(pc.less(micros, low), pc.greater(micros, high)), False)
+        if pc.any(outside).as_py():
+            problems.add(np.flatnonzero(outside.to_numpy(zero_copy_only=False)), f"out_of_range:{col.name}")
+            kept = pc.if_else(outside, pa.scalar(None, table[col.name].type), table[col.name].combine_chunks())
+            table = table.set_column(table.schema.get_field_index(col.name), col.name, kept)
+    return table
+
+
 def _check_values(table: pa.Table, spec: DatasetSpec, now: datetime, problems: RowProblems) -> None:
+    table = _outside_datetime(table, spec, problems)
     scalar_columns = [c for c in spec.columns if c.dtype != "list<int64>"]
     frame = table.select([c.name for c in scalar_columns]).to_pandas(types_mapper=pd.ArrowDtype)
     schema = pandera.DataFrameSchema(
@@ -400,7 +421,7 @@ def _check_values(table: pa.Table, spec: DatasetSpec, now: datetime, problems: R
             code = "null" if check == "not_nullable" else str(check)
             rows = group["index"].to_numpy(dtype=np.int64)
             if code == "null":  # a value that failed conversion, or was not finite, is null now: it has its reason
-                already = [problems.rows_with(f"{c}:{column}") for c in ("invalid_type", "non_finite")]
+                already = [problems.rows_with(f"{c}:{column}") for c in ("invalid_type", "non_finite", "out_of_range")]
                 rows = np.setdiff1d(rows, np.concatenate(already))
             problems.add(rows, f"{code}:{column}")
     for col in spec.columns:
