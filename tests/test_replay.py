@@ -307,3 +307,27 @@ def test_one_canary_at_a_time_but_drift_full_retrain_takes_the_place_of_its_peri
     assert kept is replaced and note == "v5 not served: canary v4 still runs"
     kept, note = _Canary.offer(replaced, "6", "full", 3, champion="1")  # a canary of an earlier period is not cut
     assert kept is replaced
+
+
+def test_the_catalog_gives_the_ranker_each_items_genres(replayed):
+    """``/recommend``'s rank stage gives each candidate its catalog attributes as context. A list fixed per
+    item (a film's genres) was not among them, so the ranker, trained with genres, scored every candidate of
+    a ratings log with its genres unknown, and what it fed back lacked a column the spec requires."""
+    import numpy as np
+
+    from recloop import registry
+    from recloop.ingest.lake import read_window
+    from recloop.retrieval.publish import retriever_folder
+    from recloop.retrieval.retriever import Retriever
+    from recloop.serve.recommend import _candidate_context
+
+    settings, _ = replayed
+    version = registry.aliases(settings, registry.RETRIEVER_NAME)["champion"]
+    retriever = Retriever.load(retriever_folder(settings, version))  # as saved and loaded: JSON lists
+    assert "genres" in retriever.features.item_attributes and "year" in retriever.attributes
+    events = read_window(settings, datasets.resolve(settings, None), None, None, columns=["product", "genres"])
+    genres = dict(zip(events["product"].to_pylist(), events["genres"].to_pylist(), strict=True))
+    positions = np.arange(min(20, len(retriever.catalog)))
+    context = _candidate_context(retriever, positions, datasets.resolve(settings, None))
+    ids = retriever.catalog.raw_ids[positions].tolist()
+    assert context["genres"] == [genres.get(i) for i in ids] and any(context["genres"])

@@ -105,7 +105,10 @@ class RetrievalFeatures:
         categorical, dense = set(raw["categorical"]), set(raw["dense"])
 
         def fixed_per_item(column: str) -> bool:
-            distinct = events.groupby(item)[column].nunique(dropna=True)
+            values = events[column]
+            if spec.column(column).dtype == "list<int64>":  # lists are not hashable: as tuples
+                values = values.map(lambda v: None if v is None else tuple(v))
+            distinct = values.groupby(events[item]).nunique(dropna=True)
             return len(distinct) > 0 and float((distinct <= 1).mean()) >= 0.99
 
         item_categorical, item_dense, context, attributes, integer_categories = [], [], [], [], []
@@ -123,6 +126,10 @@ class RetrievalFeatures:
                 attributes.append(column.name)
         history = tuple(f"m_{c.name}" for c in spec.model_lists()
                         if c.vocabulary == item and f"m_{c.name}" in raw["multi_hot"])
+        # a list fixed per item (a film's genres) is kept with the catalog too: /recommend's rank stage gives it
+        # to the ranker, which was trained with it (without, every candidate's genres were unknown to it)
+        attributes += [c.name for c in spec.columns if c.role == "multi_hot" and f"m_{c.name}" not in history
+                       and c.name in events.columns and fixed_per_item(c.name)]
         return cls(user_id=f"c_{user}", context=tuple(context), history=history, item_id=f"c_{item}",
                    item_categorical=tuple(item_categorical), item_dense=tuple(item_dense), raw_user=user,
                    raw_item=item, item_vocabulary=item, item_attributes=tuple(attributes),
@@ -285,14 +292,24 @@ def log_sampling_probability(counts: np.ndarray, smoothing: float = 1.0) -> np.n
     return np.log(counts / counts.sum()).astype(np.float32)
 
 
+def object_array(values: list) -> np.ndarray:
+    """A 1-D object array of ``values`` as they are (``np.array`` makes lists of equal length a 2-D array)."""
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
 def newest_attributes(events: pa.Table, item_key: str, timestamp: str, columns: tuple[str, ...],
                       raw_ids: np.ndarray) -> dict[str, np.ndarray]:
     """Each item's newest value of each raw attribute column in ``events`` (lake rows), aligned with
     ``raw_ids``: float64 for numbers (NaN where the item has no row or the value is null), objects for text
-    (None there)."""
+    and lists (None there)."""
     def text(column: str) -> bool:
         return column in events.column_names and (pa.types.is_string(events[column].type)
-                                                 or pa.types.is_large_string(events[column].type))
+                                                 or pa.types.is_large_string(events[column].type)
+                                                 or pa.types.is_list(events[column].type)
+                                                 or pa.types.is_large_list(events[column].type))
 
     out = {c: np.full(len(raw_ids), None, dtype=object) if text(c) else np.full(len(raw_ids), np.nan)
            for c in columns}
@@ -308,6 +325,6 @@ def newest_attributes(events: pa.Table, item_key: str, timestamp: str, columns: 
     rows = order[newest[position[found]]]
     for column in present:
         values = events[column].combine_chunks() if text(column) else events[column].cast(pa.float64()).combine_chunks()
-        values = np.array(values.to_pylist(), dtype=object) if text(column) else values.to_numpy(zero_copy_only=False)
+        values = object_array(values.to_pylist()) if text(column) else values.to_numpy(zero_copy_only=False)
         out[column][found] = values[rows]
     return out

@@ -25,7 +25,7 @@ from scipy.special import log_softmax
 
 from recloop.features.vocab import FIRST_INDEX
 from recloop.model.retrieval import RetrievalConfig, TwoTowerModel
-from recloop.retrieval.data import ItemCatalog, RetrievalFeatures, Rows, read_rows, user_bags
+from recloop.retrieval.data import ItemCatalog, RetrievalFeatures, Rows, object_array, read_rows, user_bags
 from recloop.retrieval.evaluate import (
     RetrievalScores,
     WorldOracle,
@@ -57,8 +57,8 @@ class Retriever:
                  item_clicks: np.ndarray, attributes: dict[str, np.ndarray] | None = None):
         self.model, self.features, self.catalog, self.index = model, features, catalog, index
         self.item_clicks = np.asarray(item_clicks, dtype=np.int64)
-        self.attributes = {k: np.asarray(v, dtype=object if np.asarray(v).dtype == object else np.float64)
-                           for k, v in (attributes or {}).items()}
+        self.attributes = {k: v if isinstance(v, np.ndarray) and v.dtype == object
+                           else np.asarray(v, dtype=np.float64) for k, v in (attributes or {}).items()}
         self._popular = popularity_ranking(self.item_clicks, catalog.raw_ids, len(catalog))
         self._by_id = np.argsort(catalog.raw_ids, kind="stable")
         self._sorted_ids = catalog.raw_ids[self._by_id]
@@ -127,7 +127,7 @@ class Retriever:
         save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()},
                   Path(folder) / "items.safetensors")
         text = {k: v.tolist() for k, v in self.attributes.items() if v.dtype == object}
-        if text:  # text attributes (a brand, say): safetensors holds numbers only
+        if text:  # text and list attributes (a brand, genres): safetensors holds numbers only
             (Path(folder) / "attributes.json").write_text(json.dumps(text))
 
     @classmethod
@@ -155,7 +155,7 @@ def saved_attributes(folder: Path, items: dict[str, np.ndarray]) -> dict[str, np
     its arrays), text in ``attributes.json``."""
     attributes = {k.split(".", 1)[1]: v for k, v in items.items() if k.startswith("attribute.")}
     if (Path(folder) / "attributes.json").exists():
-        attributes.update({k: np.array(v, dtype=object)
+        attributes.update({k: object_array(v)
                            for k, v in json.loads((Path(folder) / "attributes.json").read_text()).items()})
     return attributes
 
