@@ -78,8 +78,9 @@ ContextKey = Annotated[str, Field(max_length=128)]  # pydantic's str already ref
 
 class RankRequest(BaseModel):
     """A ranking request. ``context`` holds the spec's categorical, numeric and list columns, each one
-    value for all candidates or a list with one value per candidate; ``ts`` (default: now) is the event
-    time the features are computed at."""
+    value for all candidates or a list with one value per candidate; a column the spec allows no null in
+    is required (the served rows land as events); ``ts`` (default: now) is the event time the features are
+    computed at. Each candidate is listed once."""
 
     model_config = ConfigDict(extra="forbid", strict=False)
     user_id: Id
