@@ -95,6 +95,19 @@ def catalog(home: Settings) -> Retriever:
     return Retriever.load(retriever_folder(home, "1"))
 
 
+def test_a_history_with_a_null_in_it_is_one_list_not_one_per_candidate(http: httpx.Client, home: Settings):
+    """``"history": [null, 5]`` was read as one value per candidate (its first element is null) and refused with
+    "/recommend takes one value per column … not one per candidate"; it is one list with a null in it, which
+    ingestion takes (the null is no item), so it is answered."""
+    user = known_users(home, 1)[0]
+    answer = http.post("/recommend", json={"user_id": user, "context": {**CONTEXT, "history": [None, 5]}, "k": 5,
+                                           "ts": TS})
+    assert answer.status_code == 200, answer.text
+    per_candidate = http.post("/recommend", json={"user_id": user, "context": {**CONTEXT, "history": [[5], None]},
+                                                  "k": 5, "ts": TS})
+    assert per_candidate.status_code == 422 and "not one per candidate" in per_candidate.text
+
+
 def test_a_known_user_gets_k_items_from_the_catalog_named_by_both_models(http: httpx.Client, home: Settings):
     user = known_users(home, 1)[0]
     answer = http.post(

@@ -570,8 +570,8 @@ def per_candidate(value: Any, arrow_type: pa.DataType) -> bool:
     """Whether a context value gives one value per candidate (a list; for a list column, a list of lists)."""
     if not isinstance(value, list):
         return False
-    if pa.types.is_list(arrow_type):
-        return bool(value) and isinstance(value[0], list | None)
+    if pa.types.is_list(arrow_type):  # lists (or nulls) only, one at least: [null, 1] is one list with a null in it
+        return all(isinstance(v, list | None) for v in value) and any(isinstance(v, list) for v in value)
     return True
 
 
