@@ -303,3 +303,17 @@ def test_a_text_file_still_being_written_waits_for_the_next_run(now, tmp_path):
     assert (landed.status, landed.rows_landed) == ("ingested", 2)
     assert sorted(lake_table(settings).select(["event_id", "p_click"]).to_pylist(), key=str) == [
         {"event_id": "e1", "p_click": 0.25}, {"event_id": "e2", "p_click": 0.75}]
+
+
+def test_a_file_named_or_a_replayed_log_is_read_at_once_without_a_last_line_end(now, tmp_path):
+    """The wait is for files found in the landing zone: a file named as the source (the user chose it) and a
+    finished log (``recloop replay``, ``wait_for_writers=False``) are read at once, last line included."""
+    header = ",".join(SYNTHETIC.names)
+    text = f"{header}\ne1,2026-01-01T00:00:00Z,1,2,0,ios,GB,3,10.5,1,,0.25"  # just written, no line end
+    for name, where, options in (("named", "events.csv", {}), ("replayed", "", {"wait_for_writers": False})):
+        landing = tmp_path / name
+        landing.mkdir()
+        (landing / "events.csv").write_text(text)
+        [result] = ingest(landing / where, SYNTHETIC, Settings(home=tmp_path / f"home-{name}"), now=now,
+                          **options).results
+        assert (result.status, result.rows_landed) == ("ingested", 1), (name, result.error)

@@ -106,6 +106,8 @@ def test_a_history_with_a_null_in_it_is_one_list_not_one_per_candidate(http: htt
     per_candidate = http.post("/recommend", json={"user_id": user, "context": {**CONTEXT, "history": [[5], None]},
                                                   "k": 5, "ts": TS})
     assert per_candidate.status_code == 422 and "not one per candidate" in per_candidate.text
+    text = http.post("/recommend", json={"user_id": user, "context": CONTEXT, "k": "5", "ts": TS})
+    assert text.status_code == 422 and "valid integer" in text.text  # k is a JSON integer, not "5" (nor true)
 
 
 def test_a_known_user_gets_k_items_from_the_catalog_named_by_both_models(http: httpx.Client, home: Settings):

@@ -151,6 +151,9 @@ def test_the_replayed_champion_serves_requests_by_the_spec_keys(replayed):
         )
         assert answer.status_code == 200, answer.text
         assert sorted(i["item_id"] for i in answer.json()["items"]) == [3, 4, 5]
+        # the spec allows no null in genres (a list) or year (a number): left out, both are named at once
+        refused = client.post("/rank", json={"user_id": 1, "item_ids": [3]})
+        assert refused.status_code == 422 and "['year', 'genres'] required" in refused.text, refused.text
 
 
 def test_the_period_is_inferred_from_density():

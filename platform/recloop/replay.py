@@ -166,7 +166,7 @@ def run_replay(
     began = time.perf_counter()
     datasets.keep(settings, spec)
     source = Settings(**{**settings.model_dump(), "home": settings.home / "replay" / "source"})
-    loaded = ingest(data, spec, source)
+    loaded = ingest(data, spec, source, wait_for_writers=False)  # a finished log: every file read now
     events = read_window(source, spec, None, None)
     if events.num_rows == 0:
         raise ReplayError(

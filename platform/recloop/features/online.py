@@ -543,17 +543,14 @@ class RequestFeatures:
         for name, column in self._context_columns.items():
             value = context.get(name, DEFAULT_POSITION if name == "position" else None)
             columns[name] = _broadcast(name, value, n, ARROW_TYPES[column.dtype])
-            if column.role == "numeric" and (whole_row or name in context):
-                _check_numeric(column, columns[name])
-            elif column.role in ("categorical", "multi_hot") and name not in context:
-                # left out: unknown to the model (its OOV row); but a served row lands as an event, and one
-                # without a column the spec allows no null in went to quarantine with its feedback
+            if name not in context and value is None:
+                # left out: unknown to the model (its OOV row, a missing number); but a served row lands as an
+                # event, and one without a column the spec allows no null in went to quarantine with its feedback
                 if not column.nullable and whole_row:
                     required.append(name)
-            elif column.role == "categorical":
-                _check_categorical(column, columns[name])
-            elif column.role == "multi_hot":
-                _check_multi_hot(column, columns[name])
+                continue
+            if column.role in _CHECKS:  # whole_row False: a null (a catalog item without it) is unknown too
+                _CHECKS[column.role](column, columns[name], nulls_allowed=column.nullable or not whole_row)
         if required:
             raise RequestError(f"context {required} required: the spec allows no null in them, and a served row "
                                "lands as an event (with one left out, its feedback could not be learned from)")
@@ -575,10 +572,10 @@ def per_candidate(value: Any, arrow_type: pa.DataType) -> bool:
     return True
 
 
-def _check_numeric(column: ColumnSpec, values: pa.Array) -> None:
+def _check_numeric(column: ColumnSpec, values: pa.Array, nulls_allowed: bool = False) -> None:
     """Refuse what ingestion would have quarantined: a null where the spec allows none, a number that is
     not finite or outside the spec's bounds (the model never saw such a value in training)."""
-    if not column.nullable and values.null_count:
+    if not (column.nullable or nulls_allowed) and values.null_count:
         raise RequestError(f"context {column.name!r} cannot be null")
     numbers = values.cast(pa.float64()).to_numpy(zero_copy_only=False)
     present = ~np.asarray(values.is_null())
@@ -619,10 +616,10 @@ def _scalars(values: list) -> Any:
             yield value
 
 
-def _check_categorical(column: ColumnSpec, values: pa.Array) -> None:
+def _check_categorical(column: ColumnSpec, values: pa.Array, nulls_allowed: bool = False) -> None:
     """Refuse a value the request gives that ingestion would have quarantined: a null where the spec allows
     none, a value outside ``allowed`` or the bounds, text that does not match the spec's pattern."""
-    if not column.nullable and values.null_count:
+    if not (column.nullable or nulls_allowed) and values.null_count:
         raise RequestError(f"context {column.name!r} cannot be null")
     present = [v for v in values.to_pylist() if v is not None]
     if column.allowed is not None:
@@ -643,10 +640,10 @@ def _check_categorical(column: ColumnSpec, values: pa.Array) -> None:
                                f"[{column.min}, {column.max}]")
 
 
-def _check_multi_hot(column: ColumnSpec, values: pa.ListArray) -> None:
+def _check_multi_hot(column: ColumnSpec, values: pa.ListArray, nulls_allowed: bool = False) -> None:
     """Refuse a list ingestion would have quarantined: a null list where the spec allows none, an element
     outside the spec's bounds (``ingest.validate`` checks the same)."""
-    if not column.nullable and values.null_count:
+    if not (column.nullable or nulls_allowed) and values.null_count:
         raise RequestError(f"context {column.name!r} cannot be null")
     elements = pc.list_flatten(values).drop_null().to_numpy(zero_copy_only=False)
     low = -np.inf if column.min is None else float(column.min)
@@ -655,6 +652,9 @@ def _check_multi_hot(column: ColumnSpec, values: pa.ListArray) -> None:
     if len(refused):
         raise RequestError(f"context {column.name!r}: {int(refused[0])} is outside the spec's range "
                            f"[{column.min}, {column.max}]")
+
+
+_CHECKS = {"numeric": _check_numeric, "categorical": _check_categorical, "multi_hot": _check_multi_hot}
 
 
 def _check_timestamp(spec: DatasetSpec, ts_us: int) -> None:

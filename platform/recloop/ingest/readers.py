@@ -134,10 +134,12 @@ def check_unchanged(handle: BinaryIO, size: int) -> None:
 
 
 def read_batches(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
-                 batch_rows: int = DEFAULT_BATCH_ROWS) -> Iterator[SourceBatch]:
+                 batch_rows: int = DEFAULT_BATCH_ROWS, settled_only: bool = False) -> Iterator[SourceBatch]:
     """Batches of the open file ``handle`` (called ``name``) as the spec's format says.
 
-    Raises ``FileRejected`` (before the first batch or between two) if the file cannot be read.
+    Raises ``FileRejected`` (before the first batch or between two) if the file cannot be read, or, with
+    ``settled_only`` (a file found in the landing zone), if it is text that may still be being written
+    (``_check_settled``).
     """
     info = os.fstat(handle.fileno())
     if info.st_size == 0:
@@ -160,8 +162,8 @@ def read_batches(handle: BinaryIO, name: str, spec: DatasetSpec, digest: str,
         shown = {"csv": "CSV with a header", "tsv": "tab-separated text with a header"}.get(content, content)
         note = (f"{name}: read as {shown} by its content (its name says "
                 f"{by_suffix or 'nothing of its format'}); name it {_suffix_for(content)} to say so")
-    if found.kind == "text" and not found.compressed and (spec.format == "criteo_tsv" or content in ("csv", "tsv")
-                                                          or by_suffix == "csv"):
+    if settled_only and found.kind == "text" and not found.compressed and (
+            spec.format == "criteo_tsv" or content in ("csv", "tsv") or by_suffix == "csv"):
         _check_settled(handle, info)
     if spec.format == "criteo_tsv":
         if content in ("parquet", "csv", "tsv"):
@@ -188,6 +190,8 @@ UNSETTLED_SECONDS = 60.0
 
 
 def _check_settled(handle: BinaryIO, info: os.stat_result) -> None:
+    """Refuse for now a file whose last byte is not a line end and whose last change is recent: the file's
+    time against the wall clock (not the ingest's own ``now``, which judges the events' timestamps)."""
     handle.seek(info.st_size - 1)
     last = handle.read(1)
     handle.seek(0)
@@ -291,11 +295,13 @@ def _header_only(handle: BinaryIO, compressed: bool) -> bool:
     try:
         stream = _text_stream(handle, compressed)
         stream.readline()
-        rest = stream.read(1 << 16)
+        blank = True
+        while blank and (block := stream.read(1 << 16)):
+            blank = not block.strip()
         handle.seek(0)
     except _READ_ERRORS as err:
         raise FileRejected(f"cannot decompress: {err}") from err
-    return not rest.strip()
+    return blank
 
 
 def _text_stream(handle: BinaryIO, compressed: bool) -> BinaryIO:

@@ -179,6 +179,7 @@ def ingest(
     on_file: Callable[[FileResult], None] | None = None,
     batch_rows: int = DEFAULT_BATCH_ROWS,
     reingest: bool = False,
+    wait_for_writers: bool = True,
 ) -> IngestSummary:
     """Ingest ``source`` (a file or a folder) into the lake under ``settings.home``.
 
@@ -191,6 +192,10 @@ def ingest(
         batch_rows: rows read, checked and written at a time: what bounds the memory a file takes.
         reingest: read the files again even if the ledger has them under this spec (``--reingest``): rows
             already in the lake come back as ``duplicate_event_id``, the others land.
+        wait_for_writers: a text file found in a folder whose last line has no line end and that changed
+            within ``readers.UNSETTLED_SECONDS`` waits for the next run (it may still be being written); False
+            (a finished log, as ``recloop replay`` reads one) reads it now. A file named as the source is
+            always read now: the user chose it.
 
     Example::
 
@@ -205,7 +210,8 @@ def ingest(
         summary.recovered = lake.recover(ledger, settings.home, [settings.lake_events_dir, settings.quarantine_dir])
         ledger.ensure_ids(lambda: _lake_ids(ledger, settings, spec))
         for candidate in candidates:
-            result = _ingest_candidate(candidate, spec, settings, ledger, now, batch_rows, reingest)
+            result = _ingest_candidate(candidate, spec, settings, ledger, now, batch_rows, reingest,
+                                       settled_only=wait_for_writers and not candidate.follow)
             summary.add(result)
             if on_file:
                 on_file(result)
@@ -232,7 +238,7 @@ def _token(key: str, again: bool) -> str:
 
 
 def _ingest_candidate(candidate: Candidate, spec: DatasetSpec, settings: Settings, ledger: Ledger, now: datetime,
-                      batch_rows: int, reingest: bool = False) -> FileResult:
+                      batch_rows: int, reingest: bool = False, settled_only: bool = False) -> FileResult:
     path = str(candidate.path)
     if candidate.action == "ignore":
         return FileResult(path, "ignored", None, error=candidate.reason)
@@ -261,7 +267,7 @@ def _ingest_candidate(candidate: Candidate, spec: DatasetSpec, settings: Setting
         staging = _Staging(settings, _token(key, reingest), now)
         ledger.begin_file()
         try:
-            batches = read_batches(handle, candidate.path.name, spec, digest, batch_rows)
+            batches = read_batches(handle, candidate.path.name, spec, digest, batch_rows, settled_only=settled_only)
             result = _land(batches, candidate.path, key, spec, settings, ledger, staging, now,
                            lambda: check_unchanged(handle, size), size)
             result.sha256 = digest

@@ -107,7 +107,7 @@ class RetrievalFeatures:
         def fixed_per_item(column: str) -> bool:
             values = events[column]
             if spec.column(column).dtype == "list<int64>":  # lists are not hashable: as tuples
-                values = values.map(lambda v: None if v is None else tuple(v))
+                values = values.map(lambda v: None if v is None else tuple(v.tolist() if isinstance(v, np.ndarray) else v))
             distinct = values.groupby(events[item]).nunique(dropna=True)
             return len(distinct) > 0 and float((distinct <= 1).mean()) >= 0.99
 
@@ -128,8 +128,8 @@ class RetrievalFeatures:
                         if c.vocabulary == item and f"m_{c.name}" in raw["multi_hot"])
         # a list fixed per item (a film's genres) is kept with the catalog too: /recommend's rank stage gives it
         # to the ranker, which was trained with it (without, every candidate's genres were unknown to it)
-        attributes += [c.name for c in spec.columns if c.role == "multi_hot" and f"m_{c.name}" not in history
-                       and c.name in events.columns and fixed_per_item(c.name)]
+        attributes += [c.name for c in spec.columns if c.role == "multi_hot" and c.vocabulary != item
+                       and f"m_{c.name}" in raw["multi_hot"] and c.name in events.columns and fixed_per_item(c.name)]
         return cls(user_id=f"c_{user}", context=tuple(context), history=history, item_id=f"c_{item}",
                    item_categorical=tuple(item_categorical), item_dense=tuple(item_dense), raw_user=user,
                    raw_item=item, item_vocabulary=item, item_attributes=tuple(attributes),

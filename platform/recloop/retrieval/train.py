@@ -249,7 +249,8 @@ def features_for(settings: Settings, spec_source: str, schema_path: Path) -> Ret
     spec = datasets.resolve(settings, spec_source, remember=False)
     if spec.item_key is None:
         raise RetrievalTrainError(f"spec {spec.name!r} has no item_key column: nothing to retrieve")
-    wanted = [spec.item_key, *(c.name for c in spec.columns if c.role in ("categorical", "numeric", "multi_hot"))]
+    wanted = [spec.item_key, *(c.name for c in spec.columns if c.role in ("categorical", "numeric")
+                               or (c.role == "multi_hot" and c.vocabulary != spec.item_key))]  # (a history: no)
     events = read_window(settings, spec, None, None, columns=wanted)
     events = events.slice(max(0, events.num_rows - 200_000)).to_pandas()
     try:
