@@ -270,7 +270,14 @@ def test_admin_endpoints_are_off_without_a_configured_token(home: Settings, tmp_
 
 
 def test_health_and_metrics(client: httpx.Client):
-    assert client.get("/healthz").json()["ready"] is True
+    health = client.get("/healthz").json()
+    assert health["ready"] is True
+    # the fixture's world is January 2026: by the wall clock its state is past the 30-day TTL, so every user and
+    # item is served as never seen (after `recloop demo`, all of them were, and nothing said so)
+    age = health["feature_state_age"]
+    expected = (datetime.now(UTC) - datetime.fromisoformat(age["as_of"])).total_seconds() / 86400
+    assert age["as_of"].startswith("2026-01-0") and abs(age["age_days"] - expected) < 0.2
+    assert age["past_ttl"] is (expected > 30)
     client.post("/rank", json={"user_id": 10**15, "item_ids": [10**15, 1], "context": CATEGORY})  # unknown user and item
     text = client.get("/metrics").text
     for name in ("recloop_requests_total", "recloop_request_seconds_bucket", "recloop_feature_fallbacks_total",

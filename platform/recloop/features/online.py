@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any, Protocol
 
 import numpy as np
@@ -421,6 +422,16 @@ class RequestFeatures:
     @property
     def state_version(self) -> int | None:
         return self._state.version if self._state else None
+
+    def state_age(self, now: datetime) -> dict | None:
+        """When the published state ends and whether ``now`` is past its TTL: then every user and item is served
+        as never seen (a stopped feature job, or a home whose events are older than the clock: the demo's
+        simulated January). None before a state is loaded."""
+        if self._state is None:
+            return None
+        age = (now - self._state.as_of).total_seconds()
+        return {"as_of": self._state.as_of.isoformat(), "age_days": round(age / 86400, 1),
+                "past_ttl": age > self.config.ttl_seconds}
 
     def refresh(self) -> bool:
         """Load the newest feature state if the feature job wrote one since; returns whether it did."""

@@ -27,6 +27,7 @@ import logging
 import secrets
 import threading
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
@@ -106,6 +107,8 @@ def healthz(svc: ServiceDep) -> JSONResponse:
     live, verdict = svc.pool.live, svc.readiness.check()
     body = {"ready": verdict.ready, "reasons": list(verdict.reasons), "versions": live.versions,
             "share": live.share, "mode": live.mode, "feature_state": svc.features.state_version,
+            # past its TTL, every user and item is served as never seen (a stopped feature job, an old home)
+            "feature_state_age": svc.features.state_age(datetime.now(UTC)),
             "swaps": svc.pool.swaps, "watcher_error": svc.pool.last_error,
             "load_failures": {v: f.reason for v, f in svc.pool.failures.items()},
             "retriever": _retriever_health(svc),
