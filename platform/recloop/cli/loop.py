@@ -238,8 +238,10 @@ def demo_command(
         if not json_out:
             candidate = f" → v{record.candidate_version} {record.gate}" if record.candidate_version else ""
             retriever = f" v{record.retriever_version}" if record.retriever_version else ""
-            live.done(f"day {record.day}: {record.events:,} events, {record.requests} requests, drift "
-                      f"{record.drift}, {record.retrain}{candidate}; canary "
+            # (the stage line's "serving N requests" counts both kinds; "drift check: drift" read "drift drift")
+            live.done(f"day {record.day}: {record.events:,} events, {record.requests} /rank and "
+                      f"{record.recommend_requests} /recommend requests, drift check: {record.drift}, "
+                      f"{record.retrain}{candidate}; canary "
                       f"{', '.join(record.canary) or '-'}; retriever{retriever} "
                       f"{record.retriever_gate} (oracle recall {figure(record.retriever_oracle_recall)}), "
                       f"/recommend {record.recommend_clicks} clicks ({record.seconds} s)")
