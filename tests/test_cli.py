@@ -230,3 +230,75 @@ def test_promote_and_rollback_take_the_retriever_by_model(runner: CliRunner, tmp
     assert registry.version_by_alias(settings, "champion", registry.RETRIEVER_NAME) == first
     wrong = runner.invoke(app, ["promote", "1", "--model", "recloop-nothing"])
     assert wrong.exit_code == 2 and "recloop-retriever" in wrong.output
+
+
+def _versions(settings, tmp_path: Path, count: int) -> list[str]:
+    """``count`` registered ranker versions (of an empty folder: the aliases are under test, not the model)."""
+    from recloop import registry
+
+    registry.configure(settings)
+    source = tmp_path / "artifacts"
+    source.mkdir(exist_ok=True)
+    return [registry.register(settings, str(source)) for _ in range(count)]
+
+
+def test_two_promotes_at_once_end_as_one_after_the_other(tmp_path: Path):
+    """Two `recloop promote` at the same moment each read the old champion: one version was lost (champion 2,
+    previous 1, v3 nowhere) while both commands said they had won. Alias moves take a lock."""
+    import os
+    import subprocess
+    import sys
+
+    from recloop import registry
+    from recloop.settings import Settings
+
+    settings = Settings(home=tmp_path / "home")
+    first, second, third = _versions(settings, tmp_path, 3)
+    registry.promote(settings, first)
+    env = {**os.environ, "RECLOOP_HOME": str(settings.home)}
+    runs = [subprocess.Popen([sys.executable, "-m", "recloop.cli", "promote", version, "--json"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for version in (second, third)]
+    for run in runs:
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+    state = registry.aliases(settings)
+    assert {state["champion"], state["previous"]} == {second, third}, state  # either order, nothing lost
+
+
+def test_a_version_is_a_number_in_ascii_digits_and_01_is_1(runner: CliRunner, tmp_path: Path):
+    """`promote 01` compared "01" with the champion "1": champion and previous became the same version and the
+    real previous was lost; `promote ١` (an Arabic-Indic one) was v1, `promote ²` a Python error message."""
+    from recloop import registry
+    from recloop.settings import Settings
+
+    settings = Settings()
+    first, second = _versions(settings, tmp_path, 2)
+    registry.promote(settings, second)
+    registry.promote(settings, first)  # champion 1, previous 2
+    again = runner.invoke(app, ["promote", "01", "--json"])
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout) == {"champion": first, "challenger": None, "previous": second}
+    for odd in ("\u0661", "\u00b2", "v1", ""):
+        refused = runner.invoke(app, ["promote", odd])
+        assert refused.exit_code == 2 and "has no version" in refused.output, (odd, refused.output)
+
+
+def test_promoting_the_challenger_by_hand_ends_its_canary_as_promoted(runner: CliRunner, tmp_path: Path):
+    """`recloop promote N` of the challenger moved the aliases alone: its canary tag still said "running" at
+    its last share. It goes through the canary's own decision now."""
+    from recloop import registry
+    from recloop.canary import CanaryConfig, controller
+    from recloop.canary.tag import CanaryTag
+    from recloop.settings import Settings
+
+    settings = Settings()
+    first, second = _versions(settings, tmp_path, 2)
+    registry.promote(settings, first)
+    controller.set_challenger(settings, second, who="test", why="a challenger")
+    controller.start(settings, CanaryConfig())
+    assert CanaryTag.from_tags(registry.version_info(settings, second).tags).state == "running"
+    promoted = runner.invoke(app, ["promote", second, "--json"])
+    assert promoted.exit_code == 0, promoted.output
+    assert json.loads(promoted.stdout) == {"champion": second, "challenger": None, "previous": first}
+    tag = CanaryTag.from_tags(registry.version_info(settings, second).tags)
+    assert tag.state == "promoted" and "manual promote" in " ".join(tag.reasons), tag

@@ -248,6 +248,9 @@ def test_admin_endpoints_need_the_token(client: httpx.Client, home: Settings):
         assert client.post(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert client.post("/admin/canary", json={"share": 0.5}).status_code == 401
     assert client.post("/admin/reload", headers=AUTH).json()["versions"]["champion"] == "1"
+    # no body: every field has its default (it was 422 "Field required"); nothing to roll back to here
+    nothing = client.post("/admin/rollback", headers=AUTH)
+    assert nothing.status_code == 409 and "nothing to rollback" in nothing.json()["detail"], nothing.json()
     no_canary = client.post("/admin/canary", json={"share": 0.5}, headers=AUTH)
     assert no_canary.status_code == 409 and "no canary" in no_canary.json()["detail"]
     assert client.post("/admin/canary", json={"share": 2}, headers=AUTH).status_code == 422

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from recloop import endpoints
@@ -378,14 +379,24 @@ class UnknownVersion(LookupError):
     """No such registered version (the message names the versions there are)."""
 
 
-def require_version(settings: Settings, version: str, model_name: str = MODEL_NAME) -> None:
-    """Raises ``UnknownVersion`` unless ``version`` of ``model_name`` is registered."""
+def require_version(settings: Settings, version: str | int, model_name: str = MODEL_NAME) -> str:
+    """``version`` as the registry writes it (``"01"`` is ``"1"``); raises ``UnknownVersion`` unless it is
+    a number in ASCII digits that ``model_name`` has registered (``"²"`` and ``"١"`` are digits to Python's
+    ``int`` and ``isdigit``, not versions)."""
     client = mlflow_client(settings)
     numbers = sorted(int(v.version) for v in client.search_model_versions(f"name='{model_name}'"))
-    if str(version).isdigit() and int(version) in numbers:
-        return
+    if re.fullmatch(r"[0-9]+", str(version)) and int(version) in numbers:
+        return str(int(version))
     known = f"versions {numbers[0]}..{numbers[-1]}" if numbers else "no version registered yet"
-    raise UnknownVersion(f"{model_name} has no version {version!r} ({known})")
+    raise UnknownVersion(f"{model_name} has no version {str(version)!r} ({known})")
+
+
+@contextmanager
+def _moving_aliases(settings: Settings):
+    """One alias move at a time on this machine: two promotes at once each read the old champion, and one's
+    version was lost while both said they had won."""
+    with exclusive_lock(settings.home.resolve() / "mlflow-aliases.lock"):
+        yield
 
 
 def promote(settings: Settings, version: str, *, who: str | None = None, why: str = "",
@@ -395,25 +406,27 @@ def promote(settings: Settings, version: str, *, who: str | None = None, why: st
     Raises:
         UnknownVersion: ``version`` is not registered.
     """
-    require_version(settings, version, model_name)
-    old = version_by_alias(settings, "champion", model_name)
-    if old is not None and old != version:
-        set_alias(settings, "previous", old, who=who, why=f"replaced by v{version}", model_name=model_name)
-    set_alias(settings, "champion", version, who=who, why=why, model_name=model_name)
-    if version_by_alias(settings, "challenger", model_name) == version:
-        remove_alias(settings, "challenger", model_name)
-    return aliases(settings, model_name)
+    version = require_version(settings, version, model_name)  # "01" compared as "1": champion == previous
+    with _moving_aliases(settings):
+        old = version_by_alias(settings, "champion", model_name)
+        if old is not None and old != version:
+            set_alias(settings, "previous", old, who=who, why=f"replaced by v{version}", model_name=model_name)
+        set_alias(settings, "champion", version, who=who, why=why, model_name=model_name)
+        if version_by_alias(settings, "challenger", model_name) == version:
+            remove_alias(settings, "challenger", model_name)
+        return aliases(settings, model_name)
 
 
 def rollback(settings: Settings, *, who: str | None = None, why: str = "",
              model_name: str = MODEL_NAME) -> dict[str, str | None]:
     """``champion`` := ``previous`` (the demoted version is tagged with who and why)."""
-    previous = version_by_alias(settings, "previous", model_name)
-    if previous is None:
-        raise RuntimeError("nothing to roll back to: no version has the 'previous' alias")
-    current = version_by_alias(settings, "champion", model_name)
-    if current is not None:
-        tag(settings, current, moved_by(ROLLED_BACK_TAG, who, why), model_name)
-    set_alias(settings, "champion", previous, who=who, why=f"rollback: {why}", model_name=model_name)
-    remove_alias(settings, "previous", model_name)
-    return aliases(settings, model_name)
+    with _moving_aliases(settings):
+        previous = version_by_alias(settings, "previous", model_name)
+        if previous is None:
+            raise RuntimeError("nothing to roll back to: no version has the 'previous' alias")
+        current = version_by_alias(settings, "champion", model_name)
+        if current is not None:
+            tag(settings, current, moved_by(ROLLED_BACK_TAG, who, why), model_name)
+        set_alias(settings, "champion", previous, who=who, why=f"rollback: {why}", model_name=model_name)
+        remove_alias(settings, "previous", model_name)
+        return aliases(settings, model_name)

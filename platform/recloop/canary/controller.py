@@ -135,7 +135,7 @@ def _json_ready(value):
 def check_model(model_name: str) -> str:
     """``model_name`` if the canary knows it (the ranker or the retriever), else a ValueError."""
     if model_name not in (MODEL_NAME, RETRIEVER_NAME):
-        raise ValueError(f"no canary for {model_name!r}: choose {MODEL_NAME} or {RETRIEVER_NAME}")
+        raise ValueError(f"no model {model_name!r} here: choose {MODEL_NAME} or {RETRIEVER_NAME}")
     return model_name
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from recloop.cli.base import (
@@ -22,6 +23,7 @@ from recloop.cli.base import (
     load_spec,
     no_status,
 )
+from recloop.cli_boundary import stderr
 from recloop.settings import Settings
 
 
@@ -217,14 +219,28 @@ def promote_command(
     = "recloop-ranker",
     json_out: JsonOption = False,
 ) -> None:
-    """Make VERSION the champion by hand (the old champion becomes 'previous')."""
+    """Make VERSION the champion by hand (the old champion becomes 'previous'). The challenger is promoted
+    through its canary (`recloop canary promote`'s decision), so its canary ends as promoted."""
     from recloop import registry
-    from recloop.canary.controller import check_model
+    from recloop.canary import controller
 
+    settings = Settings()
     try:
-        state = registry.promote(Settings(), version, why=why, model_name=check_model(model))
+        name = controller.check_model(model)
+        version = registry.require_version(settings, version, name)
+        if registry.version_by_alias(settings, "challenger", name) == version:
+            # (promoted by alias alone, its canary tag still said "running" at its last share)
+            state = controller.manual(settings, "promote", why, who="operator", model_name=name).aliases
+        else:
+            state = registry.promote(settings, version, why=why, model_name=name)
     except (registry.UnknownVersion, ValueError) as err:
         raise fail_usage(str(err)) from err
+    gate = registry.gate_record(registry.version_info(settings, version, name).tags) or {}
+    if gate.get("verdict") == "failed":  # an operator may overrule the gate; the line says they did
+        undecided = gate.get("insufficient_evidence")
+        reasons = "; ".join(str(r) for r in undecided or gate.get("reasons") or ()) or "see its gate tag"
+        said = "could not decide on" if undecided else "refused"
+        stderr.print(f"note: the gate {said} v{version} ({escape(reasons)}); promoted by hand as asked")
     emit(state) if json_out else console.print(f"aliases: {state}")
 
 

@@ -182,13 +182,13 @@ def _manual(action: Literal["promote", "rollback"], body: ReasonRequest, svc: Se
 
 
 @admin.post("/promote", dependencies=[Depends(require_admin)])
-def promote(body: ReasonRequest, svc: ServiceDep) -> dict:
-    return _manual("promote", body, svc)
+def promote(svc: ServiceDep, body: ReasonRequest | None = None) -> dict:
+    return _manual("promote", body or ReasonRequest(), svc)  # no body: every field has its default
 
 
 @admin.post("/rollback", dependencies=[Depends(require_admin)])
-def rollback(body: ReasonRequest, svc: ServiceDep) -> dict:
-    return _manual("rollback", body, svc)
+def rollback(svc: ServiceDep, body: ReasonRequest | None = None) -> dict:
+    return _manual("rollback", body or ReasonRequest(), svc)
 
 
 @admin.post("/flush", dependencies=[Depends(require_admin)])
