@@ -356,6 +356,22 @@ def test_duplicates_across_files_and_reingestion_are_noops(small_events, setting
     assert pc.count_distinct(lake_rows(settings)["event_id"]).as_py() == small_events.num_rows
 
 
+def test_a_file_read_again_leaves_its_first_rows_in_the_lake(small_events, settings, now, tmp_path):
+    """``--reingest`` deleted the file's ledger record, and with it the first read's outputs from the lake's
+    committed files: its rows left every reader (features: 2,928 rows of 3,000) while their ids made the second
+    read's rows duplicates, so they were lost for good, and a whole day read again emptied the lake."""
+    from recloop.ingest.lake import read_window
+
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    pq.write_table(small_events, landing / "a.parquet")
+    ingest(landing, SYNTHETIC, settings, now=now)
+    again = ingest(landing / "a.parquet", SYNTHETIC, settings, now=now, reingest=True)
+    assert (again.rows_landed, again.rows_quarantined) == (0, small_events.num_rows)  # duplicates, as documented
+    assert read_window(settings, SYNTHETIC, None, None).num_rows == small_events.num_rows
+    assert ingest(landing, SYNTHETIC, settings, now=now).files_skipped == 1  # and known to the ledger again
+
+
 def test_a_bad_file_does_not_stop_the_run(small_events, settings, now, tmp_path):
     landing = tmp_path / "landing"
     (landing / "2026-01-01").mkdir(parents=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -174,10 +175,14 @@ class Ledger:
         )
 
     def forget(self, sha256: str) -> bool:
-        """Remove a finished or rejected file's record (``recloop ingest --reingest``): the next run reads it
-        again. Its landed rows stay in the lake and its ids in the id set, so they come back as duplicates."""
-        cursor = self._db.execute("DELETE FROM files WHERE sha256 = ? AND status != 'committing'", (sha256,))
-        return cursor.rowcount > 0
+        """Let the next run read a file again (``recloop ingest --reingest``). A rejected file's record goes;
+        a finished one's is kept under another key, because its outputs are the lake's committed files (deleted,
+        the rows it landed left every reader of the lake while its ids still made the new read's rows
+        duplicates: lost for good). Its rows and ids stay, so they come back as duplicates."""
+        moved = self._db.execute("UPDATE files SET sha256 = ? WHERE sha256 = ? AND status = 'done'",
+                                 (f"{sha256}:read-again-{time.time_ns()}", sha256))
+        removed = self._db.execute("DELETE FROM files WHERE sha256 = ? AND status = 'rejected'", (sha256,))
+        return moved.rowcount + removed.rowcount > 0
 
     def record_rejected(self, *, sha256: str, path: str, size: int, spec: str, error: str) -> None:
         self._db.execute(
