@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import TypeVar
 
@@ -36,8 +37,20 @@ def load_dataclass(path: str | Path, cls: type[T]) -> T:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown {cls.__name__} settings {unknown}; known: {sorted(known)}")
+    not_numbers = sorted(name for name, value in raw.items() if _has_nan(value))
+    if not_numbers:  # YAML's .nan compares false with everything: a NaN threshold switched its check off
+        raise ConfigError(f"{path}: {not_numbers}: NaN is not a setting (write the number, or null where "
+                          "the setting may be off)")
     try:
         return TypeAdapter(cls).validate_python(raw)
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
         raise ConfigError(f"{path}: {problems}") from err
+    except ValueError as err:  # the dataclass's own checks of its values together (``__post_init__``)
+        raise ConfigError(f"{path}: {err}") from err
+
+
+def _has_nan(value) -> bool:
+    if isinstance(value, float):
+        return math.isnan(value)
+    return isinstance(value, list | tuple) and any(_has_nan(v) for v in value)

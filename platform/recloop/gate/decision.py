@@ -80,6 +80,27 @@ class GateThresholds:
     smoke_latency_ratio: float = 3.0
     smoke_budget_ms: float | None = None
 
+    def __post_init__(self) -> None:
+        """Values that cannot mean what the field says (a file's ``min_auc: 7`` refused every model, ``min_rows:
+        -5`` or a calibration range upside down passed nonsense): a ValueError naming them."""
+        wrong = []
+        if not 0.0 <= self.min_auc <= 1.0:
+            wrong.append(f"min_auc {self.min_auc} is not in [0, 1]")
+        low, high = self.calibration_range
+        if not 0.0 <= low <= high:
+            wrong.append(f"calibration_range {list(self.calibration_range)} is not [low, high] with 0 ≤ low ≤ high")
+        for name in ("min_rows", "min_slice_rows"):
+            if getattr(self, name) < 0:
+                wrong.append(f"{name} {getattr(self, name)} is negative")
+        for name in ("max_logloss", "max_logloss_ratio", "smoke_latency_ratio", "smoke_budget_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                wrong.append(f"{name} {value} is not positive")
+        if self.auc_margin < 0:  # the non-inferiority margin (the margins against baselines may be either sign)
+            wrong.append(f"auc_margin {self.auc_margin} is negative")
+        if wrong:
+            raise ValueError("; ".join(wrong))
+
 
 @dataclass(frozen=True)
 class ModelScores:
