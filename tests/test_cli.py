@@ -302,3 +302,25 @@ def test_promoting_the_challenger_by_hand_ends_its_canary_as_promoted(runner: Cl
     assert json.loads(promoted.stdout) == {"champion": second, "challenger": None, "previous": first}
     tag = CanaryTag.from_tags(registry.version_info(settings, second).tags)
     assert tag.state == "promoted" and "manual promote" in " ".join(tag.reasons), tag
+
+
+def test_a_bad_setting_is_one_line_naming_its_variable_and_an_empty_home_is_refused(tmp_path: Path):
+    """``RECLOOP_SERVE_THREADS=abc`` printed "1 validation error for Settings" (exit 1) on some commands and a
+    four-line pydantic report on others; an empty ``RECLOOP_HOME`` was the working directory (a lake appeared
+    wherever the command ran)."""
+    import os
+    import subprocess
+    import sys
+
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "recloop.cli", *args], capture_output=True, text=True,
+                              env={**os.environ, "RECLOOP_HOME": str(tmp_path / "home"), **env}, cwd=tmp_path,
+                              timeout=120)
+
+    for command in (["ingest", str(tmp_path)], ["gate"], ["promote", "1"]):
+        done = run(*command, RECLOOP_SERVE_THREADS="abc")
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, (command, done.stderr)
+        assert "RECLOOP_SERVE_THREADS='abc': Input should be a valid integer" in done.stderr, done.stderr
+    empty = run("ingest", str(tmp_path), RECLOOP_HOME="")
+    assert empty.returncode == 2 and "RECLOOP_HOME='': is empty" in empty.stderr, empty.stderr
+    assert not (tmp_path / "lake").exists()

@@ -101,13 +101,11 @@ def test_interleaved_order_takes_turns_under_the_same_cap_and_scores_each_item_b
 def test_a_negative_boost_is_refused_when_the_settings_are_read(monkeypatch):
     """``RECLOOP_RECOMMEND_BOOSTS`` with a negative (or non-finite) multiplier is a configuration error at
     start-up, not a 500 on every /recommend."""
-    from pydantic import ValidationError
-
-    from recloop.settings import Settings
+    from recloop.settings import Settings, SettingsError
 
     for bad in ('{"5": -1.0}', '{"5": "inf"}'):
         monkeypatch.setenv("RECLOOP_RECOMMEND_BOOSTS", bad)
-        with pytest.raises(ValidationError, match="recommend_boosts"):
+        with pytest.raises(SettingsError, match="RECLOOP_RECOMMEND_BOOSTS"):
             Settings()
     monkeypatch.setenv("RECLOOP_RECOMMEND_BOOSTS", '{"5": 1.2}')
     assert Settings().recommend_boosts == {5: 1.2}

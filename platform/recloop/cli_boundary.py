@@ -110,6 +110,11 @@ class ErrorBoundary(TyperGroup):
             raise typer.Exit(code=INTERRUPTED) from None
         except Exception as err:
             from recloop.endpoints import ServiceUnavailable
+            from recloop.settings import SettingsError
+
+            if isinstance(err, SettingsError):  # a RECLOOP_* variable: one line naming it, as a bad option is
+                self._report(ctx, str(err), "usage", hint=False)
+                raise typer.Exit(code=USAGE_ERROR) from None
 
             unavailable = isinstance(err, ServiceUnavailable)
             code = SERVICE_UNAVAILABLE if unavailable else FAILURE

@@ -15,10 +15,16 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SettingsError(ValueError):
+    """A setting (an environment variable ``RECLOOP_<FIELD>``, ``.env``, or a value given in code) that is not
+    what its field takes, said in one line naming the variable (pydantic's report took four lines and named a
+    field the user never typed)."""
 
 
 class Settings(BaseSettings):
@@ -91,6 +97,24 @@ class Settings(BaseSettings):
     """
 
     model_config = SettingsConfigDict(env_prefix="RECLOOP_", env_file=".env", extra="ignore", frozen=True)
+
+    def __init__(self, **values: Any):
+        try:
+            super().__init__(**values)
+        except ValidationError as err:
+            said = "; ".join(_said(e) for e in err.errors())
+            raise SettingsError(f"bad setting: {said}") from None
+
+    @field_validator("home", mode="before")
+    @classmethod
+    def _a_folder(cls, value: Any) -> Any:
+        """An empty ``RECLOOP_HOME`` was the working directory (a lake appeared wherever a command ran); a
+        file there failed later with NotADirectoryError."""
+        if isinstance(value, str | Path) and not str(value).strip():
+            raise ValueError("is empty: name a folder (or unset it for ./.recloop)")
+        if isinstance(value, str | Path) and Path(value).exists() and not Path(value).is_dir():
+            raise ValueError("is a file, not a folder")
+        return value
 
     home: Path = Path(".recloop")
     mlflow_tracking_uri: str = ""
@@ -175,3 +199,15 @@ class Settings(BaseSettings):
         if self.mlflow_tracking_uri:
             return self.mlflow_tracking_uri
         return f"sqlite:///{(self.home / 'mlflow.db').resolve()}"
+
+
+def _said(error: dict) -> str:
+    """One failed setting: its variable, its value (short; not shown for a token, password, DSN or secret),
+    and why."""
+    name = "RECLOOP_" + "_".join(map(str, error["loc"])).upper()
+    text = repr(error.get("input"))
+    if any(word in name for word in ("TOKEN", "PASSWORD", "DSN", "SECRET")):
+        text = "(not shown)"
+    elif len(text) > 60:
+        text = text[:57] + "..."
+    return f"{name}={text}: {error['msg'].removeprefix('Value error, ')}"
