@@ -324,3 +324,14 @@ def test_a_bad_setting_is_one_line_naming_its_variable_and_an_empty_home_is_refu
     empty = run("ingest", str(tmp_path), RECLOOP_HOME="")
     assert empty.returncode == 2 and "RECLOOP_HOME='': is empty" in empty.stderr, empty.stderr
     assert not (tmp_path / "lake").exists()
+
+
+def test_options_out_of_order_or_range_are_refused_by_name(runner: CliRunner, tmp_path: Path):
+    """`features --start` after `--end` said "empty window" and exited 0; `simulate --seed -3` failed inside
+    numpy ("expected non-negative integer", exit 1); a bad `drift --reference` date was reported as `--start`."""
+    reversed_window = runner.invoke(app, ["features", "--start", "2026-01-02", "--end", "2026-01-01"])
+    assert reversed_window.exit_code == 2 and "--start 2026-01-02 is not before --end 2026-01-01" in reversed_window.output
+    seed = runner.invoke(app, ["simulate", "--seed", "-3", "--out", str(tmp_path / "w")])
+    assert seed.exit_code == 2 and "--seed" in seed.output
+    named = runner.invoke(app, ["drift", "--current", "2026-01-02..2026-01-03", "--reference", "x..2026-01-02"])
+    assert named.exit_code == 2 and "--reference 'x' is not an ISO date" in named.output, named.output

@@ -58,7 +58,12 @@ def test_a_users_own_spec_file_loads(tmp_path: Path):
                      id="text-bound"),
         pytest.param(GOOD + "  - {name: c, role: colour, dtype: string}\n", "columns.3.role", id="unknown-role"),
         pytest.param(GOOD.replace("format: table", "") + "format: criteo_tsv\n", "criteo", id="criteo-no-start"),
+        pytest.param(GOOD + "  - {name: c, role: numeric, dtype: float64, min: 1000, max: 1}\n", "min 1000.0 is above max 1.0",
+                     id="bounds-upside-down"),  # every row was quarantined as out of range
+        pytest.param(GOOD.replace("dtype: timestamp", "dtype: timestamp, min: '2030-01-01', max: '2000-01-01'"),
+                     "is above max", id="time-bounds-upside-down"),
         pytest.param("name: [unclosed\n", "not valid YAML", id="bad-yaml"),
+        pytest.param("name: x\ncolumns: [\n  - {name: a\n", "at line 3, column 3", id="bad-yaml-in-one-line"),
         pytest.param("- just\n- a list\n", "mapping at the top level", id="not-a-mapping"),
     ],
 )
@@ -67,7 +72,14 @@ def test_a_broken_spec_is_refused_with_a_clear_message(tmp_path: Path, text: str
     path.write_text(text)
     with pytest.raises(SpecError, match="broken.yaml") as err:
         load_spec(path)
-    assert message in str(err.value)
+    assert message in str(err.value) and "\n" not in str(err.value)  # one line (YAML's own report took five)
+
+
+def test_a_spec_that_is_not_text_is_named(tmp_path: Path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(SpecError, match="binary.yaml is not UTF-8 text"):  # was: 'utf-8' codec can't decode…
+        load_spec(path)
 
 
 def test_unknown_spec_name_lists_the_shipped_ones():

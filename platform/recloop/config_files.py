@@ -27,10 +27,16 @@ def load_dataclass(path: str | Path, cls: type[T]) -> T:
     import yaml
     from pydantic import TypeAdapter, ValidationError
 
+    from recloop.schema import yaml_problem
+
     try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"{path}: {err}") from err
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(err)}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {err.start})") from err
+    except OSError as err:
+        raise ConfigError(f"{path}: {err.strerror or err}") from err
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of {cls.__name__} fields, got {type(raw).__name__}")
     known = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]

@@ -157,11 +157,13 @@ class ColumnSpec(_Frozen):
             why = " (features join each event to its entity by this key)" if self.role in _AT_MOST_ONE_ROLES else ""
             raise ValueError(f"column {self.name!r}: the {self.role} column cannot be nullable{why}")
         if self.dtype == "timestamp":
-            for bound in (self.min, self.max):
-                if bound is not None:
-                    _parse_utc(bound, f"column {self.name!r} bound")
+            bounds = [None if b is None else _parse_utc(b, f"column {self.name!r} bound") for b in (self.min, self.max)]
         elif isinstance(self.min, str) or isinstance(self.max, str):
             raise ValueError(f"column {self.name!r}: min/max must be numbers for dtype {self.dtype}")
+        else:
+            bounds = [self.min, self.max]
+        if None not in bounds and bounds[0] > bounds[1]:  # every row would be quarantined as out of range
+            raise ValueError(f"column {self.name!r}: min {self.min} is above max {self.max}")
         if self.pattern is not None and self.dtype != "string":
             raise ValueError(f"column {self.name!r}: pattern only applies to string columns")
         if self.vocabulary is not None and self.role != "multi_hot":
@@ -398,6 +400,14 @@ def is_spec_path(name_or_path: str | Path) -> bool:
     return not shipped and (path.exists() or "/" in text)
 
 
+def yaml_problem(err: Exception) -> str:
+    """A YAML parser's error in one line: what it found and where (its report spans five lines with a caret)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or " ".join(str(err).split())
+    return f"{problem}{where}"
+
+
 def load_spec(name_or_path: str | Path) -> DatasetSpec:
     """Load and validate a spec: a shipped one by name (``synthetic``, ``criteo``) or a YAML file.
 
@@ -410,7 +420,10 @@ def load_spec(name_or_path: str | Path) -> DatasetSpec:
             raise SpecError(f"spec {path} is a folder, not a YAML file")
         if not path.is_file():
             raise SpecError(f"spec file {path} does not exist")
-        text, source = path.read_text(encoding="utf-8"), str(path)
+        try:
+            text, source = path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError as err:
+            raise SpecError(f"spec file {path} is not UTF-8 text (byte {err.start})") from None
     else:
         resource = resources.files("recloop") / "specs" / f"{name_or_path}.yaml"
         if not resource.is_file():
@@ -421,7 +434,7 @@ def load_spec(name_or_path: str | Path) -> DatasetSpec:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise SpecError(f"{source} is not valid YAML: {err}") from err
+        raise SpecError(f"{source} is not valid YAML: {yaml_problem(err)}") from err
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: expected a mapping at the top level")
     try:

@@ -120,11 +120,11 @@ def load_spec(settings: Settings, name: str | None):
         raise fail_usage(str(err)) from err
 
 
-def parse_time(value: str) -> datetime:
+def parse_time(value: str, option: str = "--start") -> datetime:
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError as err:
-        raise fail_usage(f"--start {value!r} is not an ISO date such as 2026-01-01") from err
+        raise fail_usage(f"{option} {value!r} is not an ISO date such as 2026-01-01") from err
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 

@@ -91,7 +91,7 @@ def simulate_command(
     out: Annotated[Path | None, typer.Option(help="Output folder (default: $RECLOOP_HOME/landing).")] = None,
     days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 7,
     events_per_day: Annotated[int, typer.Option(min=1, help="Impressions per day.")] = 100_000,
-    seed: Annotated[int, typer.Option(help="Random seed: the world is a function of it.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Random seed: the world is a function of it.")] = 0,
     drift: Annotated[Drift, typer.Option(help="Drift scenario.")] = Drift.none,
     drift_day: Annotated[int, typer.Option(min=0, help="First drifted day, counted from 0.")] = 3,
     start: Annotated[str, typer.Option(help="First simulated midnight (UTC), ISO date.")] = "2026-01-01",
@@ -188,7 +188,9 @@ def features_command(
     """Build features for a window: vocabularies, training rows, entity tables; then update Feast."""
     settings = Settings()
     dataset = load_spec(settings, spec)
-    window = {k: parse_time(v) for k, v in (("start", start), ("end", end)) if v}
+    window = {k: parse_time(v, f"--{k}") for k, v in (("start", start), ("end", end)) if v}
+    if len(window) == 2 and window["start"] >= window["end"]:  # (it said "empty window" and exited 0)
+        raise fail_usage(f"--start {start} is not before --end {end}")
     summary = _run_features(settings, dataset, window, json_out, materialize)
     if json_out:
         emit(summary)

@@ -71,7 +71,7 @@ def _window(option: str, value: str) -> tuple[datetime, datetime]:
     start, sep, end = value.partition("..")
     if not sep:
         raise fail_usage(f"{option} {value!r} is not START..END (e.g. 2015-01-01..2015-02-01)")
-    first, last = parse_time(start), parse_time(end)
+    first, last = parse_time(start, option), parse_time(end, option)  # (it named --start for --current)
     if first >= last:
         raise fail_usage(f"{option} {value!r}: the start must be before the end")
     return first, last
