@@ -333,5 +333,8 @@ def test_options_out_of_order_or_range_are_refused_by_name(runner: CliRunner, tm
     assert reversed_window.exit_code == 2 and "--start 2026-01-02 is not before --end 2026-01-01" in reversed_window.output
     seed = runner.invoke(app, ["simulate", "--seed", "-3", "--out", str(tmp_path / "w")])
     assert seed.exit_code == 2 and "--seed" in seed.output
+    (tmp_path / "a-file").write_text("x")
+    into_a_file = runner.invoke(app, ["simulate", "--out", str(tmp_path / "a-file"), "--days", "1"])
+    assert into_a_file.exit_code == 2 and "is a file, not a folder" in into_a_file.output
     named = runner.invoke(app, ["drift", "--current", "2026-01-02..2026-01-03", "--reference", "x..2026-01-02"])
     assert named.exit_code == 2 and "--reference 'x' is not an ISO date" in named.output, named.output

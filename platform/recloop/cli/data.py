@@ -103,7 +103,10 @@ def simulate_command(
     settings = Settings()
     config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift.value,  # type: ignore[arg-type]
                          drift_day=drift_day, start=parse_time(start))
-    summary = _run_simulation(config, out or settings.landing_dir, quiet=json_out)
+    target = out or settings.landing_dir
+    if target.exists() and not target.is_dir():  # (NotADirectoryError, exit 1, after the world was built)
+        raise fail_usage(f"--out {target} is a file, not a folder")
+    summary = _run_simulation(config, target, quiet=json_out)
     if json_out:
         emit({k: v for k, v in summary.to_dict().items() if k != "paths"})
     else:
