@@ -242,12 +242,12 @@ def _versions(settings, tmp_path: Path, count: int) -> list[str]:
     return [registry.register(settings, str(source)) for _ in range(count)]
 
 
-def test_two_promotes_at_once_end_as_one_after_the_other(tmp_path: Path):
-    """Two `recloop promote` at the same moment each read the old champion: one version was lost (champion 2,
-    previous 1, v3 nowhere) while both commands said they had won. Alias moves take a lock."""
-    import os
-    import subprocess
-    import sys
+def test_two_promotes_at_once_end_as_one_after_the_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Two promotes at the same moment each read the old champion: one version was lost (champion 2, previous 1,
+    v3 nowhere) while both said they had won. Alias moves take a lock. Each alias write is slowed here so that,
+    without the lock, the two always overlap."""
+    import threading
+    import time
 
     from recloop import registry
     from recloop.settings import Settings
@@ -255,12 +255,27 @@ def test_two_promotes_at_once_end_as_one_after_the_other(tmp_path: Path):
     settings = Settings(home=tmp_path / "home")
     first, second, third = _versions(settings, tmp_path, 3)
     registry.promote(settings, first)
-    env = {**os.environ, "RECLOOP_HOME": str(settings.home)}
-    runs = [subprocess.Popen([sys.executable, "-m", "recloop.cli", "promote", version, "--json"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for version in (second, third)]
-    for run in runs:
-        _, err = run.communicate(timeout=120)
-        assert run.returncode == 0, err
+    set_alias = registry.set_alias
+
+    def slow_set_alias(*args, **kwargs):
+        time.sleep(0.5)  # between reading the champion and writing the aliases
+        return set_alias(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "set_alias", slow_set_alias)
+    errors: list[BaseException] = []
+
+    def promote(version: str) -> None:
+        try:
+            registry.promote(settings, version)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=promote, args=(version,)) for version in (second, third)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
     state = registry.aliases(settings)
     assert {state["champion"], state["previous"]} == {second, third}, state  # either order, nothing lost
 
@@ -297,6 +312,9 @@ def test_promoting_the_challenger_by_hand_ends_its_canary_as_promoted(runner: Cl
     controller.set_challenger(settings, second, who="test", why="a challenger")
     controller.start(settings, CanaryConfig())
     assert CanaryTag.from_tags(registry.version_info(settings, second).tags).state == "running"
+    # the version the operator named, not whichever is challenger by then (a gate may have moved it)
+    with pytest.raises(controller.NoCanary, match=f"v{first} is no longer the challenger"):
+        controller.manual(settings, "promote", "by hand", expected=first)
     promoted = runner.invoke(app, ["promote", second, "--json"])
     assert promoted.exit_code == 0, promoted.output
     assert json.loads(promoted.stdout) == {"champion": second, "challenger": None, "previous": first}

@@ -86,6 +86,9 @@ def test_thresholds_load_from_a_file(tmp_path):
     path.write_text("min_auc: .nan\nmax_logloss_ratio: .nan\ncalibration_range: [.nan, .nan]\n")
     with pytest.raises(ValueError, match=r"\['calibration_range', 'max_logloss_ratio', 'min_auc'\]: NaN is not"):
         load_thresholds(path)
+    path.write_text("max_logloss: NaN\nmax_logloss_ratio: nan\n")  # text that pydantic reads as NaN
+    with pytest.raises(ValueError, match=r"\['max_logloss', 'max_logloss_ratio'\]: NaN is not"):
+        load_thresholds(path)
     path.write_text("min_auc: 7\nmin_rows: -5\ncalibration_range: [1.1, 0.9]\n")  # meaningless: accepted before
     with pytest.raises(ValueError, match=r"min_auc 7.0 is not in \[0, 1\]; calibration_range \[1.1, 0.9\].*"
                                          r"min_rows -5 is negative"):

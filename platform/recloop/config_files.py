@@ -48,12 +48,17 @@ def load_dataclass(path: str | Path, cls: type[T]) -> T:
         raise ConfigError(f"{path}: {not_numbers}: NaN is not a setting (write the number, or null where "
                           "the setting may be off)")
     try:
-        return TypeAdapter(cls).validate_python(raw)
+        loaded = TypeAdapter(cls).validate_python(raw)
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
         raise ConfigError(f"{path}: {problems}") from err
     except ValueError as err:  # the dataclass's own checks of its values together (``__post_init__``)
         raise ConfigError(f"{path}: {err}") from err
+    parsed_nan = sorted(f.name for f in dataclasses.fields(loaded) if _has_nan(getattr(loaded, f.name)))
+    if parsed_nan:  # the text "NaN" or "nan", which pydantic reads as a float
+        raise ConfigError(f"{path}: {parsed_nan}: NaN is not a setting (write the number, or null where the "
+                          "setting may be off)")
+    return loaded
 
 
 def _has_nan(value) -> bool:

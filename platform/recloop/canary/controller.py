@@ -365,9 +365,14 @@ class ManualResult:
 
 
 def manual(settings: Settings, action: Literal["promote", "rollback"], reason: str, who: str = "operator",
-           model_name: str = MODEL_NAME) -> ManualResult:
-    """An operator's promote or roll back of the challenger (or, with no challenger, of the champion)."""
+           model_name: str = MODEL_NAME, expected: str | None = None) -> ManualResult:
+    """An operator's promote or roll back of the challenger (or, with no challenger, of the champion).
+    ``expected``: the challenger the operator named; another one (a gate made it challenger meanwhile) is
+    refused rather than acted on."""
     challenger = registry.version_by_alias(settings, "challenger", check_model(model_name))
+    if expected is not None and challenger != expected:
+        raise NoCanary(f"v{expected} is no longer the challenger of {model_name} (now: "
+                       f"{'v' + challenger if challenger else 'none'}): nothing done")
     if challenger is None:
         if action == "rollback" and registry.version_by_alias(settings, "previous", model_name):
             champion = registry.version_by_alias(settings, "champion", model_name)

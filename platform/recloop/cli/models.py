@@ -230,10 +230,11 @@ def promote_command(
         version = registry.require_version(settings, version, name)
         if registry.version_by_alias(settings, "challenger", name) == version:
             # (promoted by alias alone, its canary tag still said "running" at its last share)
-            state = controller.manual(settings, "promote", why, who="operator", model_name=name).aliases
+            state = controller.manual(settings, "promote", why, who="operator", model_name=name,
+                                      expected=version).aliases
         else:
             state = registry.promote(settings, version, why=why, model_name=name)
-    except (registry.UnknownVersion, ValueError) as err:
+    except (registry.UnknownVersion, ValueError, controller.NoCanary) as err:
         raise fail_usage(str(err)) from err
     gate = registry.gate_record(registry.version_info(settings, version, name).tags) or {}
     if gate.get("verdict") == "failed":  # an operator may overrule the gate; the line says they did
