@@ -27,8 +27,6 @@ def load_dataclass(path: str | Path, cls: type[T]) -> T:
     import yaml
     from pydantic import TypeAdapter, ValidationError
 
-    from recloop.schema import yaml_problem
-
     try:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
@@ -44,24 +42,33 @@ def load_dataclass(path: str | Path, cls: type[T]) -> T:
     if unknown:
         raise ConfigError(f"{path}: unknown {cls.__name__} settings {unknown}; known: {sorted(known)}")
     not_numbers = sorted(name for name, value in raw.items() if _has_nan(value))
-    if not_numbers:  # YAML's .nan compares false with everything: a NaN threshold switched its check off
+    if not_numbers:  # NaN compares false with everything: a NaN threshold switched its check off
         raise ConfigError(f"{path}: {not_numbers}: NaN is not a setting (write the number, or null where "
                           "the setting may be off)")
     try:
-        loaded = TypeAdapter(cls).validate_python(raw)
+        return TypeAdapter(cls).validate_python(raw)
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
         raise ConfigError(f"{path}: {problems}") from err
     except ValueError as err:  # the dataclass's own checks of its values together (``__post_init__``)
         raise ConfigError(f"{path}: {err}") from err
-    parsed_nan = sorted(f.name for f in dataclasses.fields(loaded) if _has_nan(getattr(loaded, f.name)))
-    if parsed_nan:  # the text "NaN" or "nan", which pydantic reads as a float
-        raise ConfigError(f"{path}: {parsed_nan}: NaN is not a setting (write the number, or null where the "
-                          "setting may be off)")
-    return loaded
 
 
 def _has_nan(value) -> bool:
-    if isinstance(value, float):
-        return math.isnan(value)
-    return isinstance(value, list | tuple) and any(_has_nan(v) for v in value)
+    """YAML's ``.nan``, or text pydantic would read as NaN (``NaN``, ``nan``), in a value or a list of them."""
+    if isinstance(value, list | tuple):
+        return any(_has_nan(v) for v in value)
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return isinstance(value, float) and math.isnan(value)
+
+
+def yaml_problem(err: Exception) -> str:
+    """A YAML parser's error in one line: what it found and where (its report spans five lines with a caret)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or " ".join(str(err).split())
+    return f"{problem}{where}"

@@ -38,6 +38,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from recloop.config_files import yaml_problem
+
 Role = Literal[
     "event_id", "timestamp", "label", "user_key", "item_key", "categorical", "multi_hot", "numeric", "oracle"
 ]
@@ -398,14 +400,6 @@ def is_spec_path(name_or_path: str | Path) -> bool:
         return True
     shipped = (resources.files("recloop") / "specs" / f"{text}.yaml").is_file() if text and "/" not in text else False
     return not shipped and (path.exists() or "/" in text)
-
-
-def yaml_problem(err: Exception) -> str:
-    """A YAML parser's error in one line: what it found and where (its report spans five lines with a caret)."""
-    mark = getattr(err, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    problem = getattr(err, "problem", None) or " ".join(str(err).split())
-    return f"{problem}{where}"
 
 
 def load_spec(name_or_path: str | Path) -> DatasetSpec:

@@ -460,8 +460,8 @@ class RequestFeatures:
     def rows(self, user_id: int, item_ids: list[int], context: dict[str, Any], ts_us: int,
              whole_row: bool = True) -> tuple[pa.Table, Fallbacks]:
         """One row per candidate, with the training rows' ``d_*``, ``c_*`` and ``m_*`` columns. The context
-        must hold every column the spec allows no null in (``whole_row``, as a served request lands; False
-        for a probe that is never landed)."""
+        must hold every column the spec allows no null in (``whole_row``: a ``/rank`` request, which lands as
+        events); False: what is left out or null is unknown to the model (``_window``)."""
         state = self._current_state()
         window = self._window(user_id, item_ids, context, ts_us, whole_row=whole_row)
         raw = self.online.read(user_id, item_ids)
@@ -531,8 +531,9 @@ class RequestFeatures:
                 whole_row: bool = True) -> pa.Table:
         """The request as a table of events, in the spec's columns (what ingestion would have landed). A
         column the spec allows no null in and the context leaves out is refused (a served row without it
-        lands, with its feedback, in quarantine); ``whole_row`` False (a row for the request alone, which
-        is never landed): not refused, a category unknown to the model and a number left for the catalog."""
+        lands, with its feedback, in quarantine). ``whole_row`` False (the readiness probe, the gate's
+        re-scoring of logged requests, ``/recommend`` whose catalog may lack a value, the retriever's user
+        tower): left out or null, a value is unknown to the model instead."""
         spec, n = self.spec, len(item_ids)
         unknown = sorted(set(context) - set(self._context_columns))
         if spec.history is not None and spec.history.name in unknown:

@@ -305,13 +305,13 @@ def newest_attributes(events: pa.Table, item_key: str, timestamp: str, columns: 
     """Each item's newest value of each raw attribute column in ``events`` (lake rows), aligned with
     ``raw_ids``: float64 for numbers (NaN where the item has no row or the value is null), objects for text
     and lists (None there)."""
-    def text(column: str) -> bool:
+    def as_objects(column: str) -> bool:  # text and lists: kept as Python objects
         return column in events.column_names and (pa.types.is_string(events[column].type)
                                                  or pa.types.is_large_string(events[column].type)
                                                  or pa.types.is_list(events[column].type)
                                                  or pa.types.is_large_list(events[column].type))
 
-    out = {c: np.full(len(raw_ids), None, dtype=object) if text(c) else np.full(len(raw_ids), np.nan)
+    out = {c: np.full(len(raw_ids), None, dtype=object) if as_objects(c) else np.full(len(raw_ids), np.nan)
            for c in columns}
     present = [c for c in columns if c in events.column_names]
     if events.num_rows == 0 or not present:
@@ -324,7 +324,7 @@ def newest_attributes(events: pa.Table, item_key: str, timestamp: str, columns: 
     found = (position < len(ids)) & (ids[np.minimum(position, len(ids) - 1)] == raw_ids)
     rows = order[newest[position[found]]]
     for column in present:
-        values = events[column].combine_chunks() if text(column) else events[column].cast(pa.float64()).combine_chunks()
-        values = object_array(values.to_pylist()) if text(column) else values.to_numpy(zero_copy_only=False)
+        values = events[column].combine_chunks() if as_objects(column) else events[column].cast(pa.float64()).combine_chunks()
+        values = object_array(values.to_pylist()) if as_objects(column) else values.to_numpy(zero_copy_only=False)
         out[column][found] = values[rows]
     return out
