@@ -356,3 +356,10 @@ def test_options_out_of_order_or_range_are_refused_by_name(runner: CliRunner, tm
     assert into_a_file.exit_code == 2 and "is a file, not a folder" in into_a_file.output
     named = runner.invoke(app, ["drift", "--current", "2026-01-02..2026-01-03", "--reference", "x..2026-01-02"])
     assert named.exit_code == 2 and "--reference 'x' is not an ISO date" in named.output, named.output
+    # a drift day past the last day wrote (or ran) a world with no drift in it, exit 0
+    late = runner.invoke(app, ["simulate", "--days", "2", "--drift", "sudden", "--drift-day", "2",
+                               "--out", str(tmp_path / "late")])
+    assert late.exit_code == 2 and "--drift-day 2 is past the last simulated day (1" in late.output, late.output
+    assert not (tmp_path / "late").exists()
+    late_demo = runner.invoke(app, ["demo", "--days", "3", "--drift-day", "3"])
+    assert late_demo.exit_code == 2 and "--drift-day 3 is past the last simulated day (2" in late_demo.output

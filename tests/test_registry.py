@@ -212,6 +212,31 @@ def test_by_default_a_model_that_loses_to_logistic_regression_is_not_promoted(ho
     assert "does not beat the" in outcome.report
 
 
+def test_recloop_gate_exits_4_when_it_refuses_so_a_script_stops_there(home: Settings, tmp_path: Path, monkeypatch):
+    """`recloop gate && recloop promote …` must not go on past a refusal: the refused verdict is printed (one
+    JSON object under --json) and the command exits 4, neither 0 nor an error's 1/2/3."""
+    from typer.testing import CliRunner
+
+    from recloop.cli import app
+
+    base = TrainSummary(**checkpoint.read(first_run(home))["summary"])
+
+    def nudge(state):
+        state["dense_arch.layers.0.weight"][0, 0] += 0.5
+
+    logged = tracking.log_training(home, corrupted(home, base, nudge), example_rows(home))
+    strict = tmp_path / "strict.yaml"
+    strict.write_text("min_auc: 0.999\n")  # no model reaches it
+    monkeypatch.setenv("RECLOOP_HOME", str(home.home))
+    monkeypatch.setenv("RECLOOP_FRAME_BACKEND", "pandas")
+    result = CliRunner().invoke(app, ["gate", "--candidate", logged.version, "--thresholds", str(strict), "--json"])
+    assert result.exit_code == 4, result.output
+    judged = json.loads(result.stdout)
+    assert judged["verdict"] == "refused" and judged["version"] == logged.version
+    assert any("0.999" in r for r in judged["reasons"]), judged["reasons"]
+    assert registry.aliases(home)["challenger"] is None
+
+
 def test_a_slice_too_small_for_its_tolerance_is_reported_not_judged(home: Settings):
     """A model scrambled on tablets (a ~300-row slice of the held-out hours): a drop of 0.01 cannot be told
     from noise on so few rows (the power calculation asks for thousands), so the slice is named as too small

@@ -32,9 +32,10 @@ def walked(tmp_path_factory) -> tuple[Path, dict]:
     runner = CliRunner(env={"RECLOOP_HOME": str(root / "home")})
     out: dict = {}
 
-    def run(name: str, *args: str) -> dict:
+    def run(name: str, *args: str, codes: tuple[int, ...] = (0,)) -> dict:
         result = runner.invoke(app, [*args, "--json"])
-        assert result.exit_code == 0, (args, result.output)
+        assert result.exit_code in codes, (args, result.output)
+        out[f"{name} exit"] = result.exit_code
         out[name] = json.loads(result.stdout)
         return out[name]
 
@@ -45,7 +46,8 @@ def walked(tmp_path_factory) -> tuple[Path, dict]:
     # another seed: with early stopping a second run on the same rows and seed may keep the first run's weights
     # (its second epoch did worse on the held-aside rows), which is the same model and registers no version
     run("train-2", "train", "--mode", "full", "--epochs", "2", "--batch-size", "256", "--seed", "1")
-    run("gate", "gate")
+    gate = run("gate", "gate", codes=(0, 4))  # 4: refused (the pairing is what this walkthrough judges)
+    assert (gate["verdict"] == "refused") == (out["gate exit"] == 4), gate["verdict"]
     retrain = runner.invoke(app, ["retrain", "--json"])  # $RECLOOP_HOME/landing was never made
     out["retrain"] = (retrain.exit_code, retrain.stdout, retrain.stderr)
     return root, out

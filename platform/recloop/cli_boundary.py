@@ -5,6 +5,8 @@ Every command runs inside ``ErrorBoundary`` (the command group's class):
 - a failure prints ``error: <what happened>`` on stderr, one line, and exits non-zero: 2 for a usage
   error (bad option, bad spec), 3 when a service (MLflow, Redis, PostgreSQL, Prefect) is unreachable,
   1 for anything else. ``recloop --debug <command>`` prints the traceback instead, with the same code;
+- a verdict against what was asked is not a failure but has its own code: ``recloop gate`` exits 4 when it
+  refuses the candidate (its report printed as for a pass), so ``recloop gate && …`` stops there;
 - with ``--json``, stdout holds exactly one JSON object whatever happens: the command's summary, or
   ``{"error": ..., "kind": ...}``. ``emit_json`` writes strict JSON: NaN and infinity become ``null``
   (``json.dumps`` would write ``NaN``, which JSON parsers refuse), numpy values plain numbers.
@@ -29,6 +31,7 @@ from typer.core import TyperGroup
 
 DEBUG_KEY, JSON_KEY = "recloop.debug", "recloop.json"
 USAGE_ERROR, FAILURE, SERVICE_UNAVAILABLE = 2, 1, 3
+REFUSED = 4  # a gate's refusal: the command ran, its verdict is no
 INTERRUPTED = 130  # Ctrl-C: the shell's code for a process ended by SIGINT
 
 

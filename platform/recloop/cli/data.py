@@ -101,6 +101,9 @@ def simulate_command(
     from recloop.simulate import WorldConfig
 
     settings = Settings()
+    if drift != Drift.none and drift_day >= days:
+        raise fail_usage(f"--drift-day {drift_day} is past the last simulated day ({days - 1}: days count from 0); "
+                         f"the world would hold no drift")
     config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift.value,  # type: ignore[arg-type]
                          drift_day=drift_day, start=parse_time(start))
     target = out or settings.landing_dir

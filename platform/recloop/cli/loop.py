@@ -224,6 +224,9 @@ def demo_command(
     from recloop.demo import DayRecord, DemoConfig, run_demo
 
     drift = Drift(drift).value
+    if drift != "none" and drift_day >= days:
+        raise fail_usage(f"--drift-day {drift_day} is past the last simulated day ({days - 1}: days count from 0); "
+                         f"the demo would hold no drift")
     settings = Settings()
     config = DemoConfig(days=days, events_per_day=events_per_day, requests_per_day=requests_per_day, seed=seed,
                         drift=drift, drift_day=drift_day, twin=twin, daily_full=daily_full,

@@ -23,7 +23,7 @@ from recloop.cli.base import (
     load_spec,
     no_status,
 )
-from recloop.cli_boundary import stderr
+from recloop.cli_boundary import REFUSED, stderr
 from recloop.settings import Settings
 
 
@@ -194,7 +194,8 @@ def gate_command(
     thresholds: Annotated[Path | None, typer.Option(help="YAML/JSON file of gate thresholds.")] = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Judge a candidate against the champion on the same held-out hours; pass → challenger."""
+    """Judge a candidate against the champion on the same held-out hours; pass → challenger (insufficient
+    evidence: challenger too, its canary decides). Exit 0 when it is champion or challenger, 4 when refused."""
     from recloop.gate import GateError, load_thresholds, run_gate
 
     try:
@@ -205,10 +206,12 @@ def gate_command(
         raise fail_usage(str(err)) from err
     if json_out:
         emit(outcome.to_dict())
-        return
-    console.print(outcome.report)
-    console.print(f"version {outcome.version}: {outcome.verdict}"
-                  + (f", alias {outcome.alias}" if outcome.alias else ""))
+    else:
+        console.print(outcome.report)
+        console.print(f"version {outcome.version}: {outcome.verdict}"
+                      + (f", alias {outcome.alias}" if outcome.alias else ""))
+    if outcome.verdict == "refused":  # a script's `recloop gate && recloop promote …` must stop here
+        raise typer.Exit(REFUSED)
 
 
 @app.command("promote")
