@@ -417,21 +417,52 @@ def test_metrics_name_each_clock_of_a_retrain_request(settings):
     assert "in event time" in exported and "in wall-clock time" in exported
 
 
-def _serve(journal, version: str, start_us: int, requests: int, click_scale: float, rng, prefix: str) -> None:
+def _serve(journal, version: str, start_us: int, requests: int, click_scale: float, rng, prefix: str,
+           overrates: float = 1.0) -> None:
     """Requests served by ``version`` (10 items each, event times an hour apart from ``start_us``) and their
-    clicks: each item clicked with its predicted probability times ``click_scale`` (1: calibrated)."""
+    clicks: each item clicked with its predicted probability times ``click_scale`` (1: calibrated).
+    ``overrates``: the version's predictions are this times the probability the clicks follow."""
     import json
 
     for i in range(requests):
         items = list(range(10))
         predicted = rng.uniform(0.05, 0.3, 10).round(6)
-        payload = {"item_ids": items, "ranked": items, "scores": {version: predicted.tolist()},
+        payload = {"item_ids": items, "ranked": items, "scores": {version: (predicted * overrates).tolist()},
                    "context": {"device": "mobile"}, "per_candidate": {}}
         request_id = f"{prefix}{i}"
         journal.record((request_id, 1.0 + i, start_us + i * 60_000_000, int(rng.integers(0, 300)), "champion",
                         version, 1.0, json.dumps(payload)), [])
         clicked = [it for it, p in zip(items, predicted, strict=True) if rng.random() < p * click_scale]
         journal.add_feedback(request_id, impressions=items, clicks=clicked)
+
+
+def test_a_new_champion_that_overrates_what_it_serves_is_not_concept_drift(tmp_path):
+    """Tastes unchanged, a new champion (promoted at the window's start, nothing served before it) whose
+    predictions run 1.4 times its predecessor's on the same clicks: its calibration against the model line's
+    moved by 1.4, which is the model, not the world (each retrain over-rates its own top items by its own
+    amount). At 1,500 requests a day the check called that concept drift the day after every promotion (a
+    full retrain for nothing, issue 36); across versions only the online CTR's drop is tested now."""
+    from datetime import UTC, datetime
+
+    from recloop.journal import SqliteJournal, journal_path
+    from recloop.monitor.decision import MonitorConfig
+    from recloop.monitor.runner import Champion, champion_concept
+    from recloop.settings import Settings
+
+    settings = Settings(home=tmp_path / "home")
+    window = (datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 6, tzinfo=UTC))
+    start_us = int(window[0].timestamp() * 1_000_000)
+    rng = np.random.default_rng(11)
+    journal = SqliteJournal(journal_path(settings))
+    try:
+        _serve(journal, "1", start_us - 48 * 3_600_000_000, 1500, 1.0, rng, "old-")
+        _serve(journal, "2", start_us, 1500, 1.0, rng, "new-", overrates=1.4)
+    finally:
+        journal.close()
+    found, figures = champion_concept(settings, Champion("2", None, {}), window, MonitorConfig())
+    moved = figures["served_calibration.all"] / figures["served_calibration_baseline.all"]
+    assert 1.3 < moved < 1.5, figures  # the move is there, and reported
+    assert found == [], found
 
 
 # Served traffic around a window (2026-01-05) as (version, hours after the window's start, requests, calibrated):

@@ -43,13 +43,20 @@ def calibration_gap(labels, predictions, users) -> tuple[float, float, float]:
 
 
 def concept_findings(
-    labels, predictions, users, segments: dict[str, np.ndarray], config, baseline: tuple | None = None
+    labels, predictions, users, segments: dict[str, np.ndarray], config, baseline: tuple | None = None,
+    same_model: bool = True,
 ) -> tuple[list[str], dict]:
     """Findings and figures (calibration on served feedback, overall and per segment value).
 
     ``config``: a ``MonitorConfig`` (``max_calibration_error``, ``concept_alpha``, ``min_impressions``,
     ``min_segment_impressions``). ``baseline``: ``(labels, predictions, users, segments)`` of an earlier
     window of the same model: the gap is then the ratio's move against the baseline's ratio.
+    ``same_model`` False: the window or the baseline holds other versions' served feedback (the model line's:
+    a champion promoted daily has little of its own). The calibration's move is then reported, not tested:
+    each version over-rates the items it ranks first by its own amount (winner's curse), so a new champion
+    moves the ratio with no change in tastes (a no-drift world at 1,500 requests a day: 1.21 → 1.59, p 1e-21,
+    a full retrain for nothing; benchmarks/RESULTS.md, issue 36). The online CTR's drop is still tested: a
+    champion that passed its gate and canary serving fewer clicks than the line did is decay.
     """
     labels = np.asarray(labels, dtype=np.float64)
     predictions = np.asarray(predictions, dtype=np.float64)
@@ -83,7 +90,8 @@ def concept_findings(
                               (then[0], np.zeros(len(then[0])), then[2]))  # z of the drop: then − now
             drop = 1.0 - observed / then_observed if then_observed > 0 else 0.0
             tests.append(("ctr " + name, drop, stats.norm.sf(ctr_z), then_observed - observed))
-        tests.append((name, ratio, 2 * stats.norm.sf(abs(z)), predicted - observed))
+        if same_model or baseline is None:
+            tests.append((name, ratio, 2 * stats.norm.sf(abs(z)), predicted - observed))
     if not tests:
         return [], figures
     adjusted = holm([p for _, _, p, _ in tests])
@@ -93,8 +101,9 @@ def concept_findings(
             segment = name[4:]
             if ratio > config.max_ctr_drop and p < config.concept_alpha:
                 where = "served feedback" if segment == "all" else f"served feedback, {segment}"
+                whose = "the champion's own" if same_model else "the model line's"
                 findings.append(
-                    f"online CTR on {where} is {ratio:.0%} below the champion's own earlier served traffic "
+                    f"online CTR on {where} is {ratio:.0%} below {whose} earlier served traffic "
                     f"({figures[f'online_ctr.{segment}']:.4f} vs {figures[f'online_ctr_baseline.{segment}']:.4f}; "
                     f"Holm-adjusted p {p:.2g})"
                 )

@@ -275,7 +275,8 @@ BASELINE_DAYS, DAY_US = 7, 86_400 * 1_000_000
 def champion_concept(settings: Settings, current_champion: Champion | None, window: Window,
                      config: MonitorConfig) -> tuple[list[str], dict] | None:
     """Concept drift (``monitor.concept``) from the champion's served feedback with event time in the window,
-    against its own served history, or the model line's (every champion's) when it has too little of its own."""
+    against its own served history, or the model line's (every champion's) when it has too little of its own:
+    then only the online CTR's drop is tested (``concept_findings``' ``same_model``)."""
     from recloop.journal import open_journal
     from recloop.monitor.concept import concept_findings
 
@@ -283,9 +284,11 @@ def champion_concept(settings: Settings, current_champion: Champion | None, wind
     if journal is None:
         return None
     start, end = lake.to_us(window[0]), lake.to_us(window[1])
+    own = True  # both sides the champion's own served feedback (else its calibration's move is not tested)
     try:
         served = journal.served_predictions(current_champion.version, (start, end))
         if len(served["labels"]) < config.min_impressions:
+            own = False
             # A champion promoted during the window served little of it: the window is the model line's, every
             # impression with the prediction of the version that served it (as the baseline below). With the
             # champion's own rows alone, a loop promoting every day or two judged nothing (gradual drift: 0 of 3
@@ -306,11 +309,12 @@ def champion_concept(settings: Settings, current_champion: Champion | None, wind
             # of the version that served it). Without it the concept check never judged in the real loop
             # (gradual drift: 0 of 3 checks), only beside it with a frozen champion.
             before = journal.served_predictions(None, (start - BASELINE_DAYS * DAY_US, start))
+            own = False
     finally:
         journal.close()
     return concept_findings(served["labels"], served["predictions"], served["users"], {"device": served["device"]},
                             config, baseline=(before["labels"], before["predictions"], before["users"],
-                                              {"device": before["device"]}))
+                                              {"device": before["device"]}), same_model=own)
 
 
 def served_inputs(settings: Settings, version: str, reference: Window, current: Window, rows: int = 50_000
