@@ -622,6 +622,8 @@ def loop_grid(
                 "champions": [d.get("champion") for d in summary["days"]],
                 "promotions": sum(str(c).startswith("promote v") for d in summary["days"] for c in d.get("canary", [])),
                 "retrains": [d.get("retrain") for d in summary["days"]],
+                # why the monitor decided what it did each day (a false alarm's reason says which check fired)
+                "monitor_reasons": [list(d.get("drift_reasons") or []) for d in summary["days"]],
                 # each day's canary moves (start, step, promote, rollback, held), and every day's panel by model:
                 # where the loop trails the reference, whether a challenger was still in its canary says why
                 "canaries": [list(d.get("canary", [])) for d in summary["days"]],

@@ -419,7 +419,7 @@ def test_metrics_name_each_clock_of_a_retrain_request(settings):
 
 def _serve(journal, version: str, start_us: int, requests: int, click_scale: float, rng, prefix: str,
            overrates: float = 1.0) -> None:
-    """Requests served by ``version`` (10 items each, event times an hour apart from ``start_us``) and their
+    """Requests served by ``version`` (10 items each, event times a minute apart from ``start_us``) and their
     clicks: each item clicked with its predicted probability times ``click_scale`` (1: calibrated).
     ``overrates``: the version's predictions are this times the probability the clicks follow."""
     import json
@@ -463,6 +463,17 @@ def test_a_new_champion_that_overrates_what_it_serves_is_not_concept_drift(tmp_p
     moved = figures["served_calibration.all"] / figures["served_calibration_baseline.all"]
     assert 1.3 < moved < 1.5, figures  # the move is there, and reported
     assert found == [], found
+
+    # The same move of one champion against its own served history is changed tastes: still found.
+    own = Settings(home=tmp_path / "own")
+    journal = SqliteJournal(journal_path(own))
+    try:
+        _serve(journal, "2", start_us - 48 * 3_600_000_000, 2500, 1.0, rng, "before-")
+        _serve(journal, "2", start_us, 2500, 1.0, rng, "after-", overrates=1.4)
+    finally:
+        journal.close()
+    found, figures = champion_concept(own, Champion("2", None, {}), window, MonitorConfig())
+    assert any("calibration on served feedback moved by a factor" in f for f in found), (found, figures)
 
 
 # Served traffic around a window (2026-01-05) as (version, hours after the window's start, requests, calibrated):

@@ -3,7 +3,7 @@
 Human-readable output and progress bars go to stderr; with ``--json`` the command prints exactly one JSON
 object on stdout, for scripts and flows, errors included. A failure is one line: errors in what the user
 asked for exit with code 2, an unreachable service with 3, anything else with 1; ``recloop --debug``
-shows the traceback (see ``cli_boundary``).
+shows the traceback (see ``cli_boundary``). ``recloop gate`` exits 4 when it refuses the candidate.
 """
 
 # isort: off

@@ -93,6 +93,20 @@ def fail_usage(message: str, code: int = USAGE_ERROR) -> UserError:
     return fail(message, code)
 
 
+def drift_day_within(ctx: typer.Context, drift: str, drift_day: int, days: int) -> int:
+    """The first drifted day of a world of ``days`` days (counted from 0): a ``--drift-day`` given past the last
+    day is refused (the world would hold no drift); the option's default is moved to the last day instead
+    (``recloop demo --days 2`` drifts on day 1)."""
+    if drift == "none" or drift_day < days:
+        return drift_day
+    from click.core import ParameterSource
+
+    if ctx.get_parameter_source("drift_day") is ParameterSource.DEFAULT:
+        return days - 1
+    raise fail_usage(f"--drift-day {drift_day} is past the last simulated day ({days - 1}: days count from 0); "
+                     f"the world would hold no drift")
+
+
 @contextmanager
 def progress_bar(description: str, total: int, quiet: bool) -> Iterator[Progress]:
     progress = Progress(

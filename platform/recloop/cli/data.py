@@ -15,6 +15,7 @@ from recloop.cli.base import (
     SpecOption,
     app,
     console,
+    drift_day_within,
     emit,
     fail_usage,
     load_spec,
@@ -88,6 +89,7 @@ def _print_ingest(summary: IngestSummary) -> None:
 
 @app.command("simulate")
 def simulate_command(
+    ctx: typer.Context,
     out: Annotated[Path | None, typer.Option(help="Output folder (default: $RECLOOP_HOME/landing).")] = None,
     days: Annotated[int, typer.Option(min=1, help="Simulated days.")] = 7,
     events_per_day: Annotated[int, typer.Option(min=1, help="Impressions per day.")] = 100_000,
@@ -101,9 +103,7 @@ def simulate_command(
     from recloop.simulate import WorldConfig
 
     settings = Settings()
-    if drift != Drift.none and drift_day >= days:
-        raise fail_usage(f"--drift-day {drift_day} is past the last simulated day ({days - 1}: days count from 0); "
-                         f"the world would hold no drift")
+    drift_day = drift_day_within(ctx, drift.value, drift_day, days)
     config = WorldConfig(seed=seed, days=days, events_per_day=events_per_day, drift=drift.value,  # type: ignore[arg-type]
                          drift_day=drift_day, start=parse_time(start))
     target = out or settings.landing_dir

@@ -17,6 +17,7 @@ from recloop.cli.base import (
     SpecOption,
     app,
     console,
+    drift_day_within,
     emit,
     fail_usage,
     figure,
@@ -201,6 +202,7 @@ def down_command(json_out: JsonOption = False) -> None:
 
 @app.command("demo")
 def demo_command(
+    ctx: typer.Context,
     days: Annotated[int, typer.Option(min=2, help="Simulated days (day 0 bootstraps the first model).")] = 5,
     events_per_day: Annotated[int, typer.Option(min=100, help="The world's own impressions per day.")] = 20_000,
     requests_per_day: Annotated[int, typer.Option(min=4, help="Ranking requests simulated users send per day.")]
@@ -224,9 +226,7 @@ def demo_command(
     from recloop.demo import DayRecord, DemoConfig, run_demo
 
     drift = Drift(drift).value
-    if drift != "none" and drift_day >= days:
-        raise fail_usage(f"--drift-day {drift_day} is past the last simulated day ({days - 1}: days count from 0); "
-                         f"the demo would hold no drift")
+    drift_day = drift_day_within(ctx, drift, drift_day, days)
     settings = Settings()
     config = DemoConfig(days=days, events_per_day=events_per_day, requests_per_day=requests_per_day, seed=seed,
                         drift=drift, drift_day=drift_day, twin=twin, daily_full=daily_full,

@@ -44,7 +44,7 @@ def calibration_gap(labels, predictions, users) -> tuple[float, float, float]:
 
 def concept_findings(
     labels, predictions, users, segments: dict[str, np.ndarray], config, baseline: tuple | None = None,
-    same_model: bool = True,
+    same_model: bool = True, reference: str = "the champion's own",
 ) -> tuple[list[str], dict]:
     """Findings and figures (calibration on served feedback, overall and per segment value).
 
@@ -56,7 +56,8 @@ def concept_findings(
     each version over-rates the items it ranks first by its own amount (winner's curse), so a new champion
     moves the ratio with no change in tastes (a no-drift world at 1,500 requests a day: 1.21 → 1.59, p 1e-21,
     a full retrain for nothing; benchmarks/RESULTS.md, issue 36). The online CTR's drop is still tested: a
-    champion that passed its gate and canary serving fewer clicks than the line did is decay.
+    champion that passed its gate and canary serving fewer clicks than the line did is decay. ``reference``:
+    whose earlier served traffic the baseline is, as the findings name it.
     """
     labels = np.asarray(labels, dtype=np.float64)
     predictions = np.asarray(predictions, dtype=np.float64)
@@ -101,9 +102,8 @@ def concept_findings(
             segment = name[4:]
             if ratio > config.max_ctr_drop and p < config.concept_alpha:
                 where = "served feedback" if segment == "all" else f"served feedback, {segment}"
-                whose = "the champion's own" if same_model else "the model line's"
                 findings.append(
-                    f"online CTR on {where} is {ratio:.0%} below {whose} earlier served traffic "
+                    f"online CTR on {where} is {ratio:.0%} below {reference} earlier served traffic "
                     f"({figures[f'online_ctr.{segment}']:.4f} vs {figures[f'online_ctr_baseline.{segment}']:.4f}; "
                     f"Holm-adjusted p {p:.2g})"
                 )

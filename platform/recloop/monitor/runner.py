@@ -285,6 +285,7 @@ def champion_concept(settings: Settings, current_champion: Champion | None, wind
         return None
     start, end = lake.to_us(window[0]), lake.to_us(window[1])
     own = True  # both sides the champion's own served feedback (else its calibration's move is not tested)
+    reference = "the champion's own"
     try:
         served = journal.served_predictions(current_champion.version, (start, end))
         if len(served["labels"]) < config.min_impressions:
@@ -309,12 +310,12 @@ def champion_concept(settings: Settings, current_champion: Champion | None, wind
             # of the version that served it). Without it the concept check never judged in the real loop
             # (gradual drift: 0 of 3 checks), only beside it with a frozen champion.
             before = journal.served_predictions(None, (start - BASELINE_DAYS * DAY_US, start))
-            own = False
+            own, reference = False, "the model line's"
     finally:
         journal.close()
     return concept_findings(served["labels"], served["predictions"], served["users"], {"device": served["device"]},
                             config, baseline=(before["labels"], before["predictions"], before["users"],
-                                              {"device": before["device"]}), same_model=own)
+                                              {"device": before["device"]}), same_model=own, reference=reference)
 
 
 def served_inputs(settings: Settings, version: str, reference: Window, current: Window, rows: int = 50_000
