@@ -420,10 +420,13 @@ def kpi_baseline_at_promotion(figures: dict, mode: Mode) -> dict[str, float]:
     In an A/B canary its own traffic's. Interleaved, no request showed its list alone: the CTR of the
     interleaved lists mixes both teams (half of each list is the champion's), so the level is the
     champion's own CTR (holdout and users outside the experiment) moved by the interleaving's relative
-    effect *at its lower bound*, on the champion's impressions; the AUC (of the challenger's own scores)
-    stays its own. The lower bound, not the estimate: promotion needs only the bound above ``-min_effect``,
-    and at a few hundred requests the estimate is wide (+107 % [-31 %, +245 %] was seen in the demo), so a
-    baseline at the estimate called a model that held its level a 54 % decay and retrained for nothing.
+    effect *at its lower bound*, on the champion's impressions. The lower bound, not the estimate: promotion
+    needs only the bound above ``-min_effect``, and at a few hundred requests the estimate is wide (+107 %
+    [-31 %, +245 %] was seen in the demo), so a baseline at the estimate called a model that held its level a
+    54 % decay and retrained for nothing. No AUC: the challenger's AUC over interleaved lists (half of them the
+    other team's picks, which it rates lower) is not its AUC over the lists it ranks alone, where every item is
+    one it rated high; held to it, a new champion in a world with no drift was 0.04-0.06 "below the baseline"
+    the next day in 3 of 10 seeds, each a full retrain for nothing (benchmarks/RESULTS.md, issue 36).
     """
     baseline = {k: figures.get(f"challenger_{k}") for k in ("ctr", "auc", "impressions")}
     effect, champion_ctr = figures.get("ctr_effect_low"), figures.get("champion_ctr")
@@ -431,6 +434,7 @@ def kpi_baseline_at_promotion(figures: dict, mode: Mode) -> dict[str, float]:
         usable = all(isinstance(v, int | float) and v == v for v in (effect, champion_ctr))
         baseline["ctr"] = champion_ctr * (1.0 + effect) if usable else None
         baseline["impressions"] = figures.get("champion_impressions") if usable else None
+        baseline["auc"] = None
     return {k: float(v) for k, v in baseline.items() if isinstance(v, int | float) and v == v}
 
 
