@@ -449,30 +449,28 @@ def test_a_new_champion_that_overrates_what_it_serves_is_not_concept_drift(tmp_p
     from recloop.monitor.runner import Champion, champion_concept
     from recloop.settings import Settings
 
-    settings = Settings(home=tmp_path / "home")
     window = (datetime(2026, 1, 5, tzinfo=UTC), datetime(2026, 1, 6, tzinfo=UTC))
     start_us = int(window[0].timestamp() * 1_000_000)
     rng = np.random.default_rng(11)
-    journal = SqliteJournal(journal_path(settings))
-    try:
-        _serve(journal, "1", start_us - 48 * 3_600_000_000, 1500, 1.0, rng, "old-")
-        _serve(journal, "2", start_us, 1500, 1.0, rng, "new-", overrates=1.4)
-    finally:
-        journal.close()
-    found, figures = champion_concept(settings, Champion("2", None, {}), window, MonitorConfig())
+
+    def judged(home: str, before: str, requests: int):
+        """Champion v2 judged after ``before`` served two days ahead of the window, calibrated, and v2 served
+        the window over-rating by 1.4."""
+        settings = Settings(home=tmp_path / home)
+        journal = SqliteJournal(journal_path(settings))
+        try:
+            _serve(journal, before, start_us - 48 * 3_600_000_000, requests, 1.0, rng, "before-")
+            _serve(journal, "2", start_us, requests, 1.0, rng, "after-", overrates=1.4)
+        finally:
+            journal.close()
+        return champion_concept(settings, Champion("2", None, {}), window, MonitorConfig())
+
+    found, figures = judged("line", "1", 1500)
     moved = figures["served_calibration.all"] / figures["served_calibration_baseline.all"]
     assert 1.3 < moved < 1.5, figures  # the move is there, and reported
     assert found == [], found
-
     # The same move of one champion against its own served history is changed tastes: still found.
-    own = Settings(home=tmp_path / "own")
-    journal = SqliteJournal(journal_path(own))
-    try:
-        _serve(journal, "2", start_us - 48 * 3_600_000_000, 2500, 1.0, rng, "before-")
-        _serve(journal, "2", start_us, 2500, 1.0, rng, "after-", overrates=1.4)
-    finally:
-        journal.close()
-    found, figures = champion_concept(own, Champion("2", None, {}), window, MonitorConfig())
+    found, figures = judged("own", "2", 2500)
     assert any("calibration on served feedback moved by a factor" in f for f in found), (found, figures)
 
 
