@@ -77,6 +77,8 @@ def test_an_interleaved_promotion_sets_the_kpi_baseline_from_the_champions_own_c
     interleaved = kpi_baseline_at_promotion(figures, "interleave")
     assert interleaved == {"ctr": pytest.approx(0.12), "impressions": 4000.0}
     assert kpi_baseline_at_promotion(figures, "canary") == {"ctr": 0.15, "auc": 0.71, "impressions": 9000.0}
+    # shadowed, it answered nobody and scored only the champion's lists: no AUC of its own lists either
+    assert "auc" not in kpi_baseline_at_promotion(figures, "shadow")
     # no interleaving evidence: no CTR level at all rather than the mixed lists'
     assert "ctr" not in kpi_baseline_at_promotion({**figures, "ctr_effect_low": None}, "interleave")
     held = kpi_baseline_at_promotion({**figures, "ctr_effect_low": -0.25}, "interleave")

@@ -426,7 +426,8 @@ def kpi_baseline_at_promotion(figures: dict, mode: Mode) -> dict[str, float]:
     54 % decay and retrained for nothing. No AUC: the challenger's AUC over interleaved lists (half of them the
     other team's picks, which it rates lower) is not its AUC over the lists it ranks alone, where every item is
     one it rated high; held to it, a new champion in a world with no drift was 0.04-0.06 "below the baseline"
-    the next day in 3 of 10 seeds, each a full retrain for nothing (benchmarks/RESULTS.md, issue 36).
+    the next day in 3 of 10 seeds, each a full retrain for nothing (benchmarks/RESULTS.md, issue 36). Nor in
+    shadow mode, where it scored only the champion's lists.
     """
     baseline = {k: figures.get(f"challenger_{k}") for k in ("ctr", "auc", "impressions")}
     effect, champion_ctr = figures.get("ctr_effect_low"), figures.get("champion_ctr")
@@ -434,6 +435,7 @@ def kpi_baseline_at_promotion(figures: dict, mode: Mode) -> dict[str, float]:
         usable = all(isinstance(v, int | float) and v == v for v in (effect, champion_ctr))
         baseline["ctr"] = champion_ctr * (1.0 + effect) if usable else None
         baseline["impressions"] = figures.get("champion_impressions") if usable else None
+    if mode in ("interleave", "shadow"):  # shadowed, it scored only the champion's lists
         baseline["auc"] = None
     return {k: float(v) for k, v in baseline.items() if isinstance(v, int | float) and v == v}
 
