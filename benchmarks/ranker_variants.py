@@ -15,9 +15,10 @@ baselines). Variants (issue 37: whether the wide part and the layers' rate shoul
 - ``plain`` / ``averaged``: the defaults ending on their last weights, or on the mean of the weights at the
   early-stopping checks (``TrainConfig.average_checks``, the default since 2026-11-29; a one-epoch run has a
   single check, so nothing to average);
-- ``plain3`` / ``averaged3``: the same two with three epochs, as the demo's and the flows' full retrains.
+- ``plain3`` / ``averaged3``: the same two with three epochs, as the demo's and the flows' full retrains;
+- ``dim4`` … ``dim32``: the defaults with every table this wide (issue 37: the embedding width by data size).
 
-The table is each variant's mean and its difference from ``base`` per seed.
+The table is each variant's mean and its difference from ``--reference`` (``base`` unless told) per seed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ VARIANTS = {
     "averaged": ({}, {"average_checks": True}),
     "plain3": ({}, {"epochs": 3, "average_checks": False}),
     "averaged3": ({}, {"epochs": 3, "average_checks": True}),
+    "dim4": ({"embedding_dim": 4}, {}),
+    "dim8": ({"embedding_dim": 8}, {}),
+    "dim16": ({"embedding_dim": 16}, {}),
+    "dim32": ({"embedding_dim": 32}, {}),
 }
 
 
@@ -63,13 +68,14 @@ def main() -> None:
     parser.add_argument("homes", type=Path, nargs="+")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--reference", default="base", help="the variant the others are compared with, per seed")
     parser.add_argument("--json")
     args = parser.parse_args()
     runs = [run(home, variant, seed) for home in args.homes for seed in range(args.seeds)
             for variant in args.variants.split(",")]
     for home in args.homes:
         mine = [r for r in runs if r["home"] == str(home)]
-        base = {r["seed"]: r for r in mine if r["variant"] == "base"}
+        base = {r["seed"]: r for r in mine if r["variant"] == args.reference}
         print(f"{home}: logistic {mine[0]['logistic_auc']:.4f} / {mine[0]['logistic_logloss']:.4f}, "
               f"{mine[0]['validation_rows']} held-out rows")
         for variant in args.variants.split(","):
@@ -77,7 +83,7 @@ def main() -> None:
             gains = [r["auc"] - base[r["seed"]]["auc"] for r in found if r["seed"] in base]
             print(f"  {variant:8s} AUC {np.mean([r['auc'] for r in found]):.4f} log loss "
                   f"{np.mean([r['logloss'] for r in found]):.4f}"
-                  + (f"  − base {np.mean(gains):+.4f} ({' '.join(f'{g:+.3f}' for g in gains)})" if gains else ""))
+                  + (f"  − {args.reference} {np.mean(gains):+.4f} ({' '.join(f'{g:+.3f}' for g in gains)})" if gains else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=2) + "\n")
 

@@ -513,3 +513,26 @@ def test_the_concept_check_judges_a_new_champion_on_the_model_lines_served_feedb
     assert figures.get("served_calibration.all") is not None, figures  # judged
     assert figures.get("served_calibration_baseline.all") is not None, figures  # against the line's history
     assert bool(found) == drift, found
+
+
+def test_the_reference_ends_with_the_hours_the_champion_was_validated_on(tmp_path, lake_factory):
+    """A full retrain answering a step in the inputs (covariate drift from day 2) trains through 18:00 of that day
+    and is validated on its last six hours. A reference of its last 24 *training* hours holds six from before
+    the step and reported the drift again two days later (the loop grid's `covariate` seeds 1, 4, 7, 9: a second
+    full retrain that displaced the next incremental run from its canary); its data window ends with the day."""
+    from recloop.monitor.runner import data_window
+
+    world = WorldConfig(seed=7, days=5, events_per_day=4000, drift="covariate", drift_day=2)
+    settings = lake_factory(tmp_path, world, features=False)
+    trained = data_window(("2026-01-01T00", "2026-01-03T17"), ("2026-01-03T18", "2026-01-03T23"))
+    assert trained == (day(1), day(4))
+    newest = day(5) + 23 * H + timedelta(minutes=59)  # the check after day 4 (the world's days count from 0)
+    reference, current = choose_windows(newest, hours=24, trained=trained, reference_days=7)
+    assert (reference, current) == ((day(3), day(4)), (day(5), day(6)))
+    checked = compare_windows(settings, SPEC, reference, current)
+    assert checked.decision == "ok", checked.reasons
+    training_only, _ = choose_windows(newest, hours=24, trained=data_window(("2026-01-01T00", "2026-01-03T17"), None),
+                                      reference_days=7)
+    assert training_only == (day(2) + 18 * H, day(3) + 18 * H)
+    again = compare_windows(settings, SPEC, training_only, current)
+    assert again.decision == "drift" and {"country", "device"} <= set(again.drifted_columns), again.reasons

@@ -276,9 +276,10 @@ def choose_windows(newest: datetime, hours: int, trained: Window | None, referen
     """The reference and current windows (each ``[start, end)``) of a check.
 
     Current: the ``hours`` up to the end of the hour of the newest event. Reference: the newest stretch
-    of the champion's training window ``trained``, as long as the current one and ending before it starts
-    (like with like: all of a full retrain's week would keep reporting the drift it was retrained on, as
-    long as it holds days from before the change). Without a champion, or when its training ended after
+    of the champion's data window ``trained`` (its training hours and the held-out hours after them,
+    ``runner.data_window``), as long as the current one and ending before it starts (like with like: all of a
+    full retrain's week would keep reporting the drift it was retrained on, as long as it holds days from
+    before the change). Without a champion, or when its training ended after
     the current window began with nothing before it: the ``reference_days`` (or ``hours``) before.
     """
     end = newest.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
