@@ -69,7 +69,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as home:
         settings = Settings(home=Path(home) / "home", frame_backend="pandas")
-        config = DemoConfig(days=args.days, events_per_day=args.events_per_day, twin=False, daily_full=False)
+        # the demo's drift on its day 2, or on the last day of a shorter run (as `recloop demo --days 2`)
+        config = DemoConfig(days=args.days, events_per_day=args.events_per_day, twin=False, daily_full=False,
+                            drift_day=min(DemoConfig.drift_day, args.days - 1),
+                            drift=DemoConfig.drift if args.days > 1 else "none")
         began = time.perf_counter()
         summary = run_demo(settings, config, on_stage=on_stage)
         profiler.disable()

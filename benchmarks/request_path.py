@@ -70,7 +70,7 @@ def main() -> None:
     from recloop_kernels import reference
 
     with tempfile.TemporaryDirectory() as scratch:
-        config = DemoConfig(days=1, events_per_day=10_000, twin=False, daily_full=False)
+        config = DemoConfig(days=1, events_per_day=10_000, drift="none", twin=False, daily_full=False)  # day 0 alone
         if args.home is None:
             settings = Settings(home=Path(scratch) / "home", frame_backend="pandas")
             run_demo(settings, config)

@@ -177,3 +177,14 @@ def test_the_panel_as_served_routes_each_user_as_the_canary_does():
     # the interleaving shows half of each: its reward lies between the two rankings' (on average)
     low, mid, high = reward(champion).mean(), reward(everybody).mean(), reward(challenger).mean()
     assert low < mid < high
+
+
+def test_a_demo_config_refuses_a_drift_past_its_last_day():
+    """`DemoConfig(days=2)` drifting on day 2 ran a world with no drift under the name `sudden` (the CLI refused
+    such a `--drift-day`; benchmarks/demo_stages.py --days 2 built the config itself)."""
+    from recloop.demo import DemoConfig
+
+    with pytest.raises(ValueError, match="drift_day 2 is outside the 2 simulated days"):
+        DemoConfig(days=2, drift_day=2)
+    assert DemoConfig(days=2, drift_day=1).drift_day == 1
+    assert DemoConfig(days=1, drift="none").days == 1  # no drift: any day

@@ -16,7 +16,8 @@ class DemoConfig:
     events_per_day: the world's own impressions per day (the logged traffic every retrain learns from).
     requests_per_day: ranking requests simulated users send to the serving API per day.
     rounds: the day's requests come in this many rounds; the canary is judged after each.
-    drift, drift_day: the world's drift scenario and its first day.
+    drift, drift_day: the world's drift scenario and its first day (counted from 0; within ``days`` unless the
+        scenario is ``none``: a drift past the last day would be a world without one, under another name).
     cooldown_days: after a drift-triggered retrain, no other for this long (simulated time).
     """
 
@@ -76,6 +77,11 @@ class DemoConfig:
     gate: GateThresholds = field(default_factory=lambda: GateThresholds(
         max_auc_drop_incremental=0.01, max_slice_auc_drop=0.03, calibration_range=(0.75, 1.33),
         baseline_auc_margin=None, baseline_logloss_margin=None))
+
+    def __post_init__(self) -> None:
+        if self.drift != "none" and not 0 <= self.drift_day < self.days:
+            raise ValueError(f"drift_day {self.drift_day} is outside the {self.days} simulated days (0..{self.days - 1}): "
+                             f"the '{self.drift}' world would hold no drift")
 
 
 @dataclass
