@@ -262,6 +262,33 @@ def test_a_scheduled_retrain_waits_no_longer_than_canary_wait_hours(champion_hom
 
 
 
+def test_a_scheduled_retrain_that_supersedes_a_canary_continues_from_its_challenger(
+    prefect_server, champion_home, copy_home, tmp_path
+):
+    """Past ``canary_wait_hours`` the scheduled run replaces the challenger, and starts from it: the challenger's
+    training (a drift's full retrain in the loop grid's `covariate` world) must not be thrown away with its
+    canary. Before, the run started from the champion, and the loop served the pre-drift champion plus one day."""
+    from flows.retrain_flow import retrain_flow
+    from recloop import registry
+    from recloop.flow_support import settings_parameter
+
+    home = _home_with_running_canaries(champion_home, copy_home, tmp_path, started=time.time() - 25 * 3600)
+    lenient = tmp_path / "gate.yaml"  # any trained candidate passes: this test is about where training starts
+    lenient.write_text("min_auc: 0.0\nmax_logloss_ratio: 100.0\nmin_rows: 1\ncalibration_range: [0.01, 100.0]\n"
+                       "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\nbaseline_auc_margin: null\n"
+                       "baseline_logloss_margin: null\n")
+    state = retrain_flow(mode="incremental", reason="scheduled", canary_wait_hours=24, gate_thresholds=str(lenient),
+                         retriever=False, settings=settings_parameter(home), return_state=True)
+    assert state.is_completed() and state.name == "Challenger", state
+    result = state.result()
+    assert result["continues_from"] == "2" and "waiting_for" not in result
+    assert result["pending"]["champion"] == "2" and result["pending"]["hours"] > 0
+    warm = Path(result["train"]["warm_start"])  # the challenger's verified copy, not the champion's
+    assert warm.is_relative_to(tmp_path) and "v2" in warm.parts and "v1" not in warm.parts, warm
+    assert result["train"]["mode"] == "incremental" and result["train"]["mlflow"]["version"] == "3"
+    assert registry.aliases(home)["challenger"] == "3" and registry.aliases(home)["champion"] == "1"
+
+
 def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_is_long(
     prefect_server, champion_home, copy_home, tmp_path
 ):
