@@ -198,6 +198,9 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
         runner.record_retrain_outcome(settings_from(settings), deployed=gate["alias"] is not None, now=monitor_clock,
                                       gate_reasons=gate.get("reasons", []), version=str(version))
     if gate["alias"] == "challenger":
+        if base is not None and runner.carry_request(settings_from(settings), base, str(version)):
+            log("v%s continues v%s, the drift monitor's last retrain: its canary holds the monitor's next request",
+                version, base)
         result["canary"] = canary_flow(config_path=canary_config, start=True, settings=settings)
     insufficient = gate.get("verdict") == "insufficient evidence"  # to the canary, which decides
     verdict = "passed" if gate["passed"] else "insufficient" if insufficient else "failed"

@@ -223,6 +223,32 @@ def test_the_monitor_asks_no_new_retrain_while_the_last_ones_challenger_is_in_ca
     assert request_retrain(home, drift, now=100.0 + 7300, config=config).retrain
 
 
+def test_a_scheduled_run_continuing_the_monitors_challenger_keeps_its_hold(home: Settings, challenger: str):
+    """The drift retrain's challenger waited a day undecided; the scheduled run superseded it and continues from
+    it (``flows/retrain_flow.py``). Its successor carries the drift retrain's training, so the monitor's hold
+    passes to it: before, the monitor saw the pre-drift champion still serving and no canary of "its" version,
+    and asked for another full retrain, which superseded the successor in turn (the grid's `covariate` seed 0)."""
+    from recloop.monitor import MonitorDecision, TriggerConfig
+    from recloop.monitor.runner import carry_request, record_retrain_outcome, request_retrain
+
+    config = TriggerConfig(cooldown_seconds=3600)
+    drift = MonitorDecision("drift", ("country: drifted",), 0.4, ("country",))
+    start = 1_000_000.0  # after the requests of this module's other tests
+    assert request_retrain(home, drift, now=start, config=config).retrain
+    record_retrain_outcome(home, deployed=True, now=start + 100, version=challenger)
+    controller.start(home, QUICK, now=start + 100)
+    info = registry.version_info(home, "1")
+    successor = registry.register(home, info.source, info.run_id)
+    controller.set_challenger(home, successor, who="gate", why="passed the gate")  # the scheduled run's candidate
+    assert not carry_request(home, "999", successor)  # a version the request did not make: nothing carried
+    assert carry_request(home, challenger, successor)
+    held = request_retrain(home, drift, now=start + 100 + 7200, config=config)  # past the cool-down
+    assert not held.retrain, held.reason
+    assert f"v{successor} (continuing v{challenger}), the last full retrain, is still in its canary" in held.reason
+    controller.manual(home, "rollback", "worse online", who="test")  # its canary ends: the monitor may ask again
+    assert request_retrain(home, drift, now=start + 100 + 7300, config=config).retrain
+
+
 def test_a_rollback_leaves_a_newer_challenger_alone(home: Settings, challenger: str):
     """A canary check judged v(n) while a retrain's gate made v(n+1) the challenger: the rollback marks the
     version it judged and leaves the alias to the newer one (it used to remove the alias whatever it pointed

@@ -444,13 +444,38 @@ def request_retrain(settings: Settings, decision: MonitorDecision, now: float,
 
 
 def _still_in_canary(settings: Settings, request: dict) -> str | None:
-    """The version a deployed retrain request made, while it is still the challenger (its canary running)."""
+    """The version a deployed retrain request made (or the one continuing it, ``carry_request``), while it is
+    still the challenger (its canary running)."""
     if request.get("outcome") != "deployed" or not request.get("version"):
         return None
     from recloop import registry
 
     challenger = registry.aliases(settings).get("challenger")
-    return challenger if challenger == str(request["version"]) else None
+    if challenger != str(request["version"]):
+        return None
+    made = request.get("made")
+    return f"{challenger} (continuing v{made})" if made and made != challenger else challenger
+
+
+def carry_request(settings: Settings, superseded: str, successor: str) -> bool:
+    """A scheduled retrain superseded ``superseded``, the challenger the last deployed request made, and
+    continues from it as ``successor`` (the new challenger, ``flows/retrain_flow.py``): the request's hold
+    passes to it. Without this the monitor saw its drift retrain gone from the canary, the pre-drift champion
+    still serving, and asked for another full retrain once the cool-down ended, which superseded the very
+    model carrying the first one's training (the loop grid's ``covariate`` seed 0). The hold stays bounded by
+    ``TriggerConfig.canary_hold_seconds`` from the request's outcome. Returns whether a request was carried."""
+    path = _requests_path(settings)
+    if not path.exists():
+        return False
+    with exclusive_lock(path.with_suffix(".lock")):
+        past = retrain_requests(settings)
+        last = max(past, key=lambda t: t["at"], default=None)
+        if last is None or last.get("outcome") != "deployed" or str(last.get("version")) != str(superseded):
+            return False
+        last.setdefault("made", str(superseded))
+        last["version"] = str(successor)
+        _write_requests(path, past)
+    return True
 
 
 def record_retrain_outcome(settings: Settings, deployed: bool, now: float, gate_reasons: list[str] | tuple = (),
