@@ -42,7 +42,7 @@ def running_canary_task(settings: dict | None, model_name: str = "recloop-ranker
         log("v%s's canary has run %.1f h, longer than a scheduled retrain waits (%s h): it is superseded",
             version, hours, max_wait_hours)
         return None
-    return {"version": version, "share": tag.share, "hours": round(hours, 2)}
+    return {"version": version, "share": tag.share, "hours": round(hours, 2), "age_hours": hours}
 
 
 def waits_for(canary: dict, what: str) -> str:

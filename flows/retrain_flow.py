@@ -146,7 +146,7 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             if grown["verdict"] == "passed":  # its canary now promotes it on its guardrails
                 result["canary"] = canary_flow(config_path=canary_config, start=False, settings=settings)
         if _waits(mode, reason) and (canary := running_canary_task(settings)) is not None:
-            if canary["hours"] <= canary_wait_hours:
+            if canary["age_hours"] <= canary_wait_hours:
                 tag_run("mode:incremental", "retrain:skipped")
                 result["waiting_for"] = canary
                 result["skipped"] = waits_for(canary, "retrain") + "; nothing trained, no ranker version registered"
@@ -155,7 +155,7 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             # (or was left to its canary), its canary did not find it worse, and it holds what the champion
             # lacks (a drift's or a periodic full retrain); from the champion, that training would be lost
             # (the loop grid's `covariate` world: day 4 served by the pre-drift champion plus one day).
-            base = result["continues_from"] = canary["version"]
+            base = canary["version"]
             log("v%s's canary has run %.1f h, longer than a scheduled retrain waits (%s h): this run supersedes it "
                 "and continues from it", base, canary["hours"], canary_wait_hours)
             pending = result["pending"] = pending_task(validation_hours, settings, base)
@@ -164,6 +164,7 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
                 result["skipped"] = (f"no new hours: challenger v{base} has trained on every hour up to "
                                      f"{pending['trained_until']} (held-out hours excluded); nothing trained")
                 return _finish(settings, "Skipped", result["skipped"], result, retriever_step)
+            result["continues_from"] = base
         if pending["hours"]:
             log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
         if _waits(mode, reason) and (why := periodic_full_task(validation_hours, periodic[0], settings,
@@ -172,6 +173,9 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             tag_run("retrain:periodic")  # the run's name keeps the mode it was scheduled with; its tags say full
             mode, reason, epochs = "full", "periodic", periodic[1]
             result.update(mode=mode, reason=reason, periodic=why)
+            if base is not None:  # from scratch after all: it supersedes the challenger, it does not continue it
+                result["superseded"] = result.pop("continues_from")
+                base = None
     from recloop.gate.runner import smoke_process_ahead
 
     with smoke_process_ahead():  # the gate's fresh serving-check process imports while the candidate trains
@@ -179,7 +183,8 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
                                      batch_size=batch_size, validation_hours=validation_hours, seed=seed,
                                      warm_start=base if mode == "incremental" else None, settings=settings)
         if reason == "periodic":  # it trained: the next periodic retrain is a period away, whatever the gate says
-            periodic_full_task(validation_hours, periodic[0], settings, record=True, version=base)
+            periodic_full_task(validation_hours, periodic[0], settings, record=True,
+                               version=result.get("superseded"))
         version = result["train"]["mlflow"]["version"]
         record = judged_task(version, settings)
         if (skip := already_judged(version, result["train"]["mlflow"].get("duplicate_of"), record)) is not None:

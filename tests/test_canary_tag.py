@@ -223,6 +223,23 @@ def test_the_monitor_asks_no_new_retrain_while_the_last_ones_challenger_is_in_ca
     assert request_retrain(home, drift, now=100.0 + 7300, config=config).retrain
 
 
+def test_the_monitor_takes_the_champions_window_with_its_held_out_hours(home: Settings):
+    """``monitor.runner.champion`` reads the registered version's training and validation hours: its window ends
+    with the held-out hours, after the training ones (the reference for the next drift checks)."""
+    from datetime import timedelta
+
+    from recloop.hours import parse_hour
+    from recloop.monitor.runner import champion, data_window
+
+    info = registry.version_info(home, "1")
+    assert info.train_window is not None and info.validation_window is not None
+    found = champion(home)
+    assert found is not None and found.version == "1"
+    assert found.trained == data_window(info.train_window, info.validation_window)
+    assert found.trained[1] == parse_hour(info.validation_window[1]) + timedelta(hours=1)
+    assert found.trained[1] > parse_hour(info.train_window[1]) + timedelta(hours=1)
+
+
 def test_a_scheduled_run_continuing_the_monitors_challenger_keeps_its_hold(home: Settings, challenger: str):
     """The drift retrain's challenger waited a day undecided; the scheduled run superseded it and continues from
     it (``flows/retrain_flow.py``). Its successor carries the drift retrain's training, so the monitor's hold

@@ -271,8 +271,13 @@ def test_a_scheduled_retrain_that_supersedes_a_canary_continues_from_its_challen
     from flows.retrain_flow import retrain_flow
     from recloop import registry
     from recloop.flow_support import settings_parameter
+    from recloop.monitor import MonitorDecision
+    from recloop.monitor.runner import record_retrain_outcome, request_retrain, retrain_requests
 
     home = _home_with_running_canaries(champion_home, copy_home, tmp_path, started=time.time() - 25 * 3600)
+    # the challenger is the drift monitor's last retrain: its hold on the monitor passes to the run continuing it
+    assert request_retrain(home, MonitorDecision("drift", ("country: drifted",), 0.4, ("country",)), now=0.0).retrain
+    record_retrain_outcome(home, deployed=True, now=100.0, version="2")
     lenient = tmp_path / "gate.yaml"  # any trained candidate passes: this test is about where training starts
     lenient.write_text("min_auc: 0.0\nmax_logloss_ratio: 100.0\nmin_rows: 1\ncalibration_range: [0.01, 100.0]\n"
                        "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\nbaseline_auc_margin: null\n"
@@ -287,6 +292,8 @@ def test_a_scheduled_retrain_that_supersedes_a_canary_continues_from_its_challen
     assert warm.is_relative_to(tmp_path) and "v2" in warm.parts and "v1" not in warm.parts, warm
     assert result["train"]["mode"] == "incremental" and result["train"]["mlflow"]["version"] == "3"
     assert registry.aliases(home)["challenger"] == "3" and registry.aliases(home)["champion"] == "1"
+    carried = retrain_requests(home)[-1]
+    assert (carried["version"], carried["made"]) == ("3", "2"), carried
 
 
 def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_is_long(

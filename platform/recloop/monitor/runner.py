@@ -492,6 +492,7 @@ def record_retrain_outcome(settings: Settings, deployed: bool, now: float, gate_
         last = max(past, key=lambda t: t["at"])
         last.update(outcome="deployed" if deployed else "refused", outcome_at=now, gate_reasons=list(gate_reasons),
                     version=version)
+        last.pop("made", None)  # a version carried from an earlier outcome of this request no longer stands
         _write_requests(path, past)
     return last
 
