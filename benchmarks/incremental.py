@@ -169,7 +169,10 @@ def chain(args) -> None:
                 full = train(settings, TrainConfig(mode="full", days=day + 1, epochs=args.full_epochs, **common))
                 full_walls.append(time.perf_counter() - began)
                 for variant in variants:
-                    epochs, replay, decay, every, lr = variant
+                    epochs, replay, decay, every, lr, discarded = variant
+                    if every and day % every == 0 and discarded:  # trained, never used: the head stays
+                        finals.setdefault(variant, base)
+                        continue
                     if every and day % every == 0:  # the loop's periodic full retrain: it becomes the head
                         heads[variant], finals[variant] = Path(full.checkpoint), full
                         continue
@@ -231,19 +234,24 @@ def chain(args) -> None:
            rows, {**machine(), "pairs": json.dumps(pairs), "daily": json.dumps(daily)}, args.json_path)
 
 
-def _label(variant: tuple[int, float, float, int, float | None]) -> str:
-    epochs, replay, decay, every, lr = variant
+def _label(variant: tuple[int, float, float, int, float | None, bool]) -> str:
+    epochs, replay, decay, every, lr, discarded = variant
     return f"{epochs} epochs, {replay:.0%} replay" + (f", Adagrad state x{decay:g} at warm start" if decay != 1.0 else "") \
-        + (f", dense rate {lr:g}" if lr is not None else "") + (f", full retrain every {every} days" if every else "")
+        + (f", dense rate {lr:g}" if lr is not None else "") + (f", full retrain every {every} days" if every else "") \
+        + (" (thrown away: the next run continues the line before it)" if discarded else "")
 
 
-def _variant(text: str) -> tuple[int, float, float, int, float | None]:
-    """``EPOCHS[:REPLAY[:DECAY[:LR]]][/K]`` → (epochs, replay fraction, ``warm_state_decay``, full retrain every K
-    days or 0, the dense rate or None for the shipped ``INCREMENTAL_LR``)."""
+def _variant(text: str) -> tuple[int, float, float, int, float | None, bool]:
+    """``EPOCHS[:REPLAY[:DECAY[:LR]]][/K[x]]`` → (epochs, replay fraction, ``warm_state_decay``, full retrain every K
+    days or 0, the dense rate or None for the shipped ``INCREMENTAL_LR``, whether that full retrain is thrown
+    away: with ``x`` the day's model is not used and the next day's incremental run starts from the one before,
+    over both days' hours, as the retrain flow did when it superseded an undecided challenger before
+    2026-11-29's change)."""
     text, _, every = text.partition("/")
+    discarded = every.endswith("x")
     parts = text.split(":")
     return (int(parts[0]), float(parts[1]) if len(parts) > 1 else 0.0, float(parts[2]) if len(parts) > 2 else 1.0,
-            int(every or 0), float(parts[3]) if len(parts) > 3 else None)
+            int(every.rstrip("x") or 0), float(parts[3]) if len(parts) > 3 else None, discarded)
 
 
 def _panel_rewards(settings: Settings, world: World, day: int, args, runs: dict) -> dict:
