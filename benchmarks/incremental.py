@@ -245,8 +245,7 @@ def _variant(text: str) -> tuple[int, float, float, int, float | None, bool]:
     """``EPOCHS[:REPLAY[:DECAY[:LR]]][/K[x]]`` → (epochs, replay fraction, ``warm_state_decay``, full retrain every K
     days or 0, the dense rate or None for the shipped ``INCREMENTAL_LR``, whether that full retrain is thrown
     away: with ``x`` the day's model is not used and the next day's incremental run starts from the one before,
-    over both days' hours, as the retrain flow did when it superseded an undecided challenger before
-    2026-11-29's change)."""
+    over both days' hours, as the retrain flow does when its scheduled run replaces an undecided challenger)."""
     text, _, every = text.partition("/")
     discarded = every.endswith("x")
     parts = text.split(":")

@@ -10,9 +10,9 @@ registered. A scheduled incremental retrain while a canary runs ends ``Skipped``
 (the ranker's and the retriever's canaries each hold back their own retrain): a new challenger would replace
 the one being judged and reset its sequential evidence, so no canary would ever finish. It waits no longer
 than the canary, which always ends (non-inferiority shown, significantly worse, or ``max_users`` reached), and
-than ``canary_wait_hours``: past that the ranker's run supersedes the challenger and **continues from it** (its
-warm start and its new hours are the challenger's, not the champion's: the challenger's training, a drift's
-full retrain say, is not thrown away with its canary); drift, manual and requested full retrains supersede a running canary (a drift retrain must not wait behind a
+than ``canary_wait_hours``: past that its candidate replaces the challenger (trained from the champion, over
+every hour the champion has not seen; if the challenger was the drift monitor's retrain, the monitor's hold
+passes to it, ``monitor.runner.carry_request``); drift, manual and requested full retrains supersede a running canary (a drift retrain must not wait behind a
 pre-drift challenger). Before it waits or supersedes, a scheduled run judges a challenger the gate handed to the
 canary on insufficient evidence again, on its held-out hours and every hour landed since
 (``gate.runner.grown_evidence``): shown non-inferior, its canary promotes it on its guardrails; shown worse, it
@@ -49,21 +49,20 @@ from recloop.train import TrainConfig
 
 
 @task
-def pending_task(validation_hours: int, settings: dict | None, version: str | None = None) -> dict:
-    """The hours an incremental run from the champion (or from registered ``version``) would train on."""
-    return pipeline.pending_hours(settings_from(settings), TrainConfig(validation_hours=validation_hours),
-                                  version).to_dict()
+def pending_task(validation_hours: int, settings: dict | None) -> dict:
+    """The hours an incremental run from the champion would train on."""
+    return pipeline.pending_hours(settings_from(settings), TrainConfig(validation_hours=validation_hours)).to_dict()
 
 
 @task
 def periodic_full_task(validation_hours: int, every_hours: float | None, settings: dict | None,
-                       record: bool = False, version: str | None = None) -> str | None:
+                       record: bool = False) -> str | None:
     """Why this scheduled run should start over from scratch (``pipeline.periodic_full_due``), or None;
     ``record``: the periodic retrain has trained, remember it (``pipeline.record_periodic_full``)."""
     if not every_hours:
         return None
     resolved = settings_from(settings)
-    pending = pipeline.pending_hours(resolved, TrainConfig(validation_hours=validation_hours), version)
+    pending = pipeline.pending_hours(resolved, TrainConfig(validation_hours=validation_hours))
     if record:
         pipeline.record_periodic_full(resolved, pending)
         return None
@@ -130,7 +129,6 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
     log("%s retrain (%s)", mode, reason)
     result["ingest"] = ingest_flow(spec, settings=settings)
     result["features"] = features_flow(spec, settings=settings)
-    base = None  # an incremental run starts from the champion, or from the challenger it supersedes
     if mode == "incremental":
         pending = result["pending"] = pending_task(validation_hours, settings)
         if pending["champion"] is not None and not pending["hours"]:
@@ -151,40 +149,28 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
                 result["waiting_for"] = canary
                 result["skipped"] = waits_for(canary, "retrain") + "; nothing trained, no ranker version registered"
                 return _finish(settings, "Skipped", result["skipped"], result, retriever_step)  # the retriever's rule
-            # Waited long enough: this run supersedes the challenger, and continues from it. It passed the gate
-            # (or was left to its canary), its canary did not find it worse, and it holds what the champion
-            # lacks (a drift's or a periodic full retrain); from the champion, that training would be lost
-            # (the loop grid's `covariate` world: day 4 served by the pre-drift champion plus one day).
-            base = canary["version"]
-            log("v%s's canary has run %.1f h, longer than a scheduled retrain waits (%s h): this run supersedes it "
-                "and continues from it", base, canary["hours"], canary_wait_hours)
-            pending = result["pending"] = pending_task(validation_hours, settings, base)
-            if not pending["hours"]:
-                tag_run("mode:incremental", "retrain:skipped")
-                result["skipped"] = (f"no new hours: challenger v{base} has trained on every hour up to "
-                                     f"{pending['trained_until']} (held-out hours excluded); nothing trained")
-                return _finish(settings, "Skipped", result["skipped"], result, retriever_step)
-            result["continues_from"] = base
+            # Waited long enough: this run's candidate will replace the challenger. It still starts from the
+            # champion, over every hour the champion has not seen (the challenger's too): on the loop's chain
+            # that beat continuing from the challenger, a drift's full retrain (benchmarks/RESULTS.md, "Issue 36:
+            # the monitor reported a drift retrain's own change again").
+            result["superseding"] = canary["version"]
+            log("v%s's canary has run %.1f h, longer than a scheduled retrain waits (%s h): it is superseded",
+                canary["version"], canary["hours"], canary_wait_hours)
         if pending["hours"]:
             log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
-        if _waits(mode, reason) and (why := periodic_full_task(validation_hours, periodic[0], settings,
-                                                                version=base)) is not None:
+        if _waits(mode, reason) and (why := periodic_full_task(validation_hours, periodic[0], settings)) is not None:
             log("%s", why)
             tag_run("retrain:periodic")  # the run's name keeps the mode it was scheduled with; its tags say full
             mode, reason, epochs = "full", "periodic", periodic[1]
             result.update(mode=mode, reason=reason, periodic=why)
-            if base is not None:  # from scratch after all: it supersedes the challenger, it does not continue it
-                result["superseded"] = result.pop("continues_from")
-                base = None
     from recloop.gate.runner import smoke_process_ahead
 
     with smoke_process_ahead():  # the gate's fresh serving-check process imports while the candidate trains
         result["train"] = train_flow(mode=mode, days=days, epochs=epochs, replay_fraction=replay_fraction,
                                      batch_size=batch_size, validation_hours=validation_hours, seed=seed,
-                                     warm_start=base if mode == "incremental" else None, settings=settings)
+                                     settings=settings)
         if reason == "periodic":  # it trained: the next periodic retrain is a period away, whatever the gate says
-            periodic_full_task(validation_hours, periodic[0], settings, record=True,
-                               version=result.get("superseded"))
+            periodic_full_task(validation_hours, periodic[0], settings, record=True)
         version = result["train"]["mlflow"]["version"]
         record = judged_task(version, settings)
         if (skip := already_judged(version, result["train"]["mlflow"].get("duplicate_of"), record)) is not None:
@@ -203,9 +189,10 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
         runner.record_retrain_outcome(settings_from(settings), deployed=gate["alias"] is not None, now=monitor_clock,
                                       gate_reasons=gate.get("reasons", []), version=str(version))
     if gate["alias"] == "challenger":
-        if base is not None and runner.carry_request(settings_from(settings), base, str(version)):
-            log("v%s continues v%s, the drift monitor's last retrain: its canary holds the monitor's next request",
-                version, base)
+        if (replaced := result.get("superseding")) and runner.carry_request(settings_from(settings), replaced,
+                                                                             str(version)):
+            log("v%s replaces v%s, the drift monitor's last retrain, and trained on the hours it answered: its "
+                "canary holds the monitor's next request", version, replaced)
         result["canary"] = canary_flow(config_path=canary_config, start=True, settings=settings)
     insufficient = gate.get("verdict") == "insufficient evidence"  # to the canary, which decides
     verdict = "passed" if gate["passed"] else "insufficient" if insufficient else "failed"

@@ -26,9 +26,7 @@ from recloop.train import TrainConfig
 
 @task(retries=1, retry_delay_seconds=30, persist_result=True, result_serializer="json")
 def train_task(config: dict, settings: dict | None) -> dict:
-    config = dict(config)
-    warm_start = config.pop("warm_start", None)
-    return pipeline.train_and_register(settings_from(settings), TrainConfig(**config), warm_start).to_dict()
+    return pipeline.train_and_register(settings_from(settings), TrainConfig(**config)).to_dict()
 
 
 def _settings_environment(settings: dict | None) -> dict[str, str]:
@@ -50,8 +48,6 @@ def train_processes_task(config: dict, nproc: int, settings: dict | None) -> dic
         command += ["--batch-size", str(config["batch_size"])]
     if config.get("seed"):
         command += ["--seed", str(config["seed"])]
-    if config.get("warm_start"):
-        command += ["--from", str(config["warm_start"])]
     done = subprocess.run(command, env={**os.environ, **_settings_environment(settings)}, capture_output=True,
                           text=True, check=False)
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -64,17 +60,14 @@ def train_processes_task(config: dict, nproc: int, settings: dict | None) -> dic
 @flow(name="train", flow_run_name=train_run_name, log_prints=True)
 def train_flow(mode: Literal["incremental", "full"] = "incremental", days: int = 7, epochs: int = 1,
                batch_size: int | None = None, validation_hours: int = 6, replay_fraction: float = 0.0,
-               slot_timeout_seconds: float = 3600, nproc: int = 1, seed: int = 0, warm_start: str | None = None,
+               slot_timeout_seconds: float = 3600, nproc: int = 1, seed: int = 0,
                settings: dict | None = None) -> dict:
     """Holds the ``recloop-model`` slot while it trains (``flow_support.model_slot``); a run that waited
     ``slot_timeout_seconds`` for it ends Cancelled, having done nothing. ``nproc`` > 1 trains as that many
     processes (one per GPU of the machine or pod: the deployment asks for as many, prefect.yaml). ``seed``:
-    ``TrainConfig.seed`` (initialization and batch order). ``warm_start``: incremental, the registered version
-    to start from (None: the champion)."""
+    ``TrainConfig.seed`` (initialization and batch order)."""
     config = {"mode": mode, "days": days, "epochs": epochs, "batch_size": batch_size,
               "validation_hours": validation_hours, "replay_fraction": replay_fraction, "seed": seed}
-    if warm_start is not None:
-        config["warm_start"] = warm_start
     try:
         with model_slot(slot_timeout_seconds, settings_from(settings).home):
             result = (train_processes_task(config, nproc, settings) if nproc > 1

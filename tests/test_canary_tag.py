@@ -240,11 +240,12 @@ def test_the_monitor_takes_the_champions_window_with_its_held_out_hours(home: Se
     assert found.trained[1] > parse_hour(info.train_window[1]) + timedelta(hours=1)
 
 
-def test_a_scheduled_run_continuing_the_monitors_challenger_keeps_its_hold(home: Settings, challenger: str):
-    """The drift retrain's challenger waited a day undecided; the scheduled run superseded it and continues from
-    it (``flows/retrain_flow.py``). Its successor carries the drift retrain's training, so the monitor's hold
-    passes to it: before, the monitor saw the pre-drift champion still serving and no canary of "its" version,
-    and asked for another full retrain, which superseded the successor in turn (the grid's `covariate` seed 0)."""
+def test_a_scheduled_run_replacing_the_monitors_challenger_takes_over_its_hold(home: Settings, challenger: str):
+    """The drift retrain's challenger waited a day undecided; the scheduled run's candidate replaced it, trained on
+    every hour the champion had not seen (``flows/retrain_flow.py``), the drifted ones included, so the monitor's
+    hold passes to it: before, the monitor saw the pre-drift champion still serving and no canary of "its"
+    version, and asked for another full retrain, which replaced the successor in turn (the grid's `covariate`
+    seed 0)."""
     from recloop.monitor import MonitorDecision, TriggerConfig
     from recloop.monitor.runner import carry_request, record_retrain_outcome, request_retrain
 
@@ -261,7 +262,7 @@ def test_a_scheduled_run_continuing_the_monitors_challenger_keeps_its_hold(home:
     assert carry_request(home, challenger, successor)
     held = request_retrain(home, drift, now=start + 100 + 7200, config=config)  # past the cool-down
     assert not held.retrain, held.reason
-    assert f"v{successor} (continuing v{challenger}), the last full retrain, is still in its canary" in held.reason
+    assert f"v{successor} (which replaced v{challenger}), the last full retrain, is still in its canary" in held.reason
     controller.manual(home, "rollback", "worse online", who="test")  # its canary ends: the monitor may ask again
     assert request_retrain(home, drift, now=start + 100 + 7300, config=config).retrain
 

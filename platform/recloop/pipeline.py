@@ -149,17 +149,16 @@ class Pending:
                 "full_trained_until": self.full_trained_until, "chain_hours": self.chain_hours}
 
 
-def pending_hours(settings: Settings, config: TrainConfig, version: str | None = None) -> Pending:
-    """The hours an incremental run from the champion (or from registered ``version``) would train on (no
-    champion: ``champion`` is None; ``Pending.champion`` names the version the run would start from)."""
+def pending_hours(settings: Settings, config: TrainConfig) -> Pending:
+    """The hours an incremental run from the champion would train on (no champion: ``champion`` is None)."""
     from recloop import checkpoint, registry
     from recloop.train import chain_origin, trainable_files, unseen
 
-    start = version or registry.version_by_alias(settings, "champion")
-    if start is None:
+    champion = registry.version_by_alias(settings, "champion")
+    if champion is None:
         return Pending(None, None, [])
-    base = checkpoint.read(checkpoint.resolve(settings, start))
-    return Pending(start, base["trained_until"], [f.stem for f in unseen(trainable_files(settings, config), base)],
+    base = checkpoint.read(checkpoint.resolve(settings, champion))
+    return Pending(champion, base["trained_until"], [f.stem for f in unseen(trainable_files(settings, config), base)],
                    chain_origin(base))
 
 
@@ -186,7 +185,7 @@ def periodic_full_due(settings: Settings, pending: Pending, every_hours: float |
         return None
     since = (f"its chain of incremental runs spans {chain:g} hours since its last full retrain" if chain is not None
              else "where its chain of incremental runs begins is not recorded")
-    return f"periodic full retrain: v{pending.champion}'s {since} (every {every_hours:g} hours)"
+    return f"periodic full retrain: champion v{pending.champion}'s {since} (every {every_hours:g} hours)"
 
 
 def record_periodic_full(settings: Settings, pending: Pending) -> None:

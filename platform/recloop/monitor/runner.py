@@ -444,7 +444,7 @@ def request_retrain(settings: Settings, decision: MonitorDecision, now: float,
 
 
 def _still_in_canary(settings: Settings, request: dict) -> str | None:
-    """The version a deployed retrain request made (or the one continuing it, ``carry_request``), while it is
+    """The version a deployed retrain request made (or the one that replaced it, ``carry_request``), while it is
     still the challenger (its canary running)."""
     if request.get("outcome") != "deployed" or not request.get("version"):
         return None
@@ -454,15 +454,16 @@ def _still_in_canary(settings: Settings, request: dict) -> str | None:
     if challenger != str(request["version"]):
         return None
     made = request.get("made")
-    return f"{challenger} (continuing v{made})" if made and made != challenger else challenger
+    return f"{challenger} (which replaced v{made})" if made and made != challenger else challenger
 
 
 def carry_request(settings: Settings, superseded: str, successor: str) -> bool:
-    """A scheduled retrain superseded ``superseded``, the challenger the last deployed request made, and
-    continues from it as ``successor`` (the new challenger, ``flows/retrain_flow.py``): the request's hold
-    passes to it. Without this the monitor saw its drift retrain gone from the canary, the pre-drift champion
-    still serving, and asked for another full retrain once the cool-down ended, which superseded the very
-    model carrying the first one's training (the loop grid's ``covariate`` seed 0). The hold stays bounded by
+    """A scheduled retrain's candidate ``successor`` replaced ``superseded``, the challenger the last deployed
+    request made, after it waited ``canary_wait_hours`` undecided (``flows/retrain_flow.py``); it trained on
+    every hour the champion had not seen, the ones the request answered included, so the request's hold passes
+    to it. Without this the monitor saw its retrain gone from the canary, the pre-drift champion still
+    serving, and asked for another full retrain once the cool-down ended, which superseded the model trained
+    on the drifted days in turn (the loop grid's ``covariate`` seed 0). The hold stays bounded by
     ``TriggerConfig.canary_hold_seconds`` from the request's outcome. Returns whether a request was carried."""
     path = _requests_path(settings)
     if not path.exists():
