@@ -12,8 +12,8 @@ the one being judged and reset its sequential evidence, so no canary would ever 
 than the canary, which always ends (non-inferiority shown, significantly worse, or ``max_users`` reached), and
 than ``canary_wait_hours``: past that its candidate replaces the challenger (trained from the champion, over
 every hour the champion has not seen; if the challenger was the drift monitor's retrain, the monitor's hold
-passes to it, ``monitor.runner.carry_request``); drift, manual and requested full retrains supersede a running canary (a drift retrain must not wait behind a
-pre-drift challenger). Before it waits or supersedes, a scheduled run judges a challenger the gate handed to the
+passes to it, ``monitor.runner.carry_request``); drift, manual and requested full retrains supersede a running
+canary (a drift retrain must not wait behind a pre-drift challenger). Before it waits or supersedes, a scheduled run judges a challenger the gate handed to the
 canary on insufficient evidence again, on its held-out hours and every hour landed since
 (``gate.runner.grown_evidence``): shown non-inferior, its canary promotes it on its guardrails; shown worse, it
 is rolled back. The run's final state names the outcome (``Skipped``, ``Refused``, ``Challenger``,

@@ -175,6 +175,15 @@ def _home_with_running_canaries(champion_home, copy_home, root: Path, started: f
     return home
 
 
+def _lenient_gate(root: Path) -> Path:
+    """A gate thresholds file any trained candidate passes (for tests about what is trained and who waits)."""
+    path = root / "gate.yaml"
+    path.write_text("min_auc: 0.0\nmax_logloss_ratio: 100.0\nmin_rows: 1\ncalibration_range: [0.01, 100.0]\n"
+                    "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\nbaseline_auc_margin: null\n"
+                    "baseline_logloss_margin: null\n")
+    return path
+
+
 def _versions(model_name: str) -> list[str]:
     from mlflow import MlflowClient
 
@@ -230,10 +239,7 @@ def test_a_drift_retrain_supersedes_a_running_canary(prefect_server, champion_ho
     from recloop.flow_support import settings_parameter
 
     home = _home_with_running_canaries(champion_home, copy_home, tmp_path)
-    lenient = tmp_path / "gate.yaml"  # any trained candidate passes: this test is about who waits, not quality
-    lenient.write_text("min_auc: 0.0\nmax_logloss_ratio: 100.0\nmin_rows: 1\ncalibration_range: [0.01, 100.0]\n"
-                       "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\nbaseline_auc_margin: null\n"
-                       "baseline_logloss_margin: null\n")
+    lenient = _lenient_gate(tmp_path)  # any trained candidate passes: this test is about who waits, not quality
     canary = tmp_path / "canary.json"
     canary.write_text(json.dumps(QUICK_CANARY))
     state = retrain_flow(mode="incremental", reason="drift", gate_thresholds=str(lenient), canary_config=str(canary),
@@ -280,10 +286,7 @@ def test_a_scheduled_retrain_that_supersedes_a_canary_trains_from_the_champion_a
     # the challenger is the drift monitor's last retrain
     assert request_retrain(home, MonitorDecision("drift", ("country: drifted",), 0.4, ("country",)), now=0.0).retrain
     record_retrain_outcome(home, deployed=True, now=100.0, version="2")
-    lenient = tmp_path / "gate.yaml"  # any trained candidate passes: this test is about what is trained and held
-    lenient.write_text("min_auc: 0.0\nmax_logloss_ratio: 100.0\nmin_rows: 1\ncalibration_range: [0.01, 100.0]\n"
-                       "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\nbaseline_auc_margin: null\n"
-                       "baseline_logloss_margin: null\n")
+    lenient = _lenient_gate(tmp_path)  # any trained candidate passes: this test is about what is trained and held
     state = retrain_flow(mode="incremental", reason="scheduled", canary_wait_hours=24, gate_thresholds=str(lenient),
                          retriever=False, settings=settings_parameter(home), return_state=True)
     assert state.is_completed() and state.name == "Challenger", state
@@ -311,10 +314,7 @@ def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_i
 
     home = copy_home(champion_home, tmp_path / "home", feast=True)
     home.landing_dir.mkdir(parents=True, exist_ok=True)
-    lenient = tmp_path / "gate.yaml"  # any trained candidate passes: this test is about what is trained
-    lenient.write_text("min_auc: 0.0\nmax_logloss_ratio: 100.0\nmin_rows: 1\ncalibration_range: [0.01, 100.0]\n"
-                       "max_auc_drop_incremental: 1.0\nmax_slice_auc_drop: 1.0\nbaseline_auc_margin: null\n"
-                       "baseline_logloss_margin: null\n")
+    lenient = _lenient_gate(tmp_path)  # any trained candidate passes: this test is about what is trained
     champion = checkpoint.read(checkpoint.resolve(home, "1"))
     assert chain_origin(champion) == champion["trained_until"]  # a full run begins its own chain
     # the features flow inside the retrain builds day four; its hours are what an incremental run would train on
