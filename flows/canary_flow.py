@@ -38,11 +38,18 @@ def running_canary_task(settings: dict | None, model_name: str = "recloop-ranker
         return None
     version, tag = found
     hours = (time.time() - tag.started_at) / 3600 if tag.started_at is not None else 0.0
-    if max_wait_hours is not None and hours > max_wait_hours:
-        log("v%s's canary has run %.1f h, longer than a scheduled retrain waits (%s h): it is superseded",
-            version, hours, max_wait_hours)
-        return None
-    return {"version": version, "share": tag.share, "hours": round(hours, 2), "age_hours": hours}
+    canary = {"version": version, "share": tag.share, "hours": round(hours, 2), "age_hours": hours}
+    return None if max_wait_hours is not None and outwaited(canary, max_wait_hours) else canary
+
+
+def outwaited(canary: dict, max_wait_hours: float) -> bool:
+    """Whether a scheduled run supersedes this running canary (``running_canary_task``'s): it has run longer
+    than the run waits. Says so in the run's log when it has."""
+    if canary["age_hours"] <= max_wait_hours:
+        return False
+    log("v%s's canary has run %.1f h, longer than a scheduled retrain waits (%s h): it is superseded",
+        canary["version"], canary["age_hours"], max_wait_hours)
+    return True
 
 
 def waits_for(canary: dict, what: str) -> str:

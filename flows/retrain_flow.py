@@ -26,7 +26,7 @@ from typing import Literal
 from prefect import flow, task
 from prefect.states import Cancelled
 
-from flows.canary_flow import canary_flow, running_canary_task, waits_for
+from flows.canary_flow import canary_flow, outwaited, running_canary_task, waits_for
 from flows.features_flow import features_flow
 from flows.gate_flow import already_judged, gate_flow, judged_task
 from flows.ingest_flow import ingest_flow
@@ -144,7 +144,7 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             if grown["verdict"] == "passed":  # its canary now promotes it on its guardrails
                 result["canary"] = canary_flow(config_path=canary_config, start=False, settings=settings)
         if _waits(mode, reason) and (canary := running_canary_task(settings)) is not None:
-            if canary["age_hours"] <= canary_wait_hours:
+            if not outwaited(canary, canary_wait_hours):
                 tag_run("mode:incremental", "retrain:skipped")
                 result["waiting_for"] = canary
                 result["skipped"] = waits_for(canary, "retrain") + "; nothing trained, no ranker version registered"
@@ -154,8 +154,6 @@ def _retrain(mode: str, reason: str, spec: str | None, days: int, epochs: int, b
             # that beat continuing from the challenger, a drift's full retrain (benchmarks/RESULTS.md, "Issue 36:
             # the monitor reported a drift retrain's own change again").
             result["superseding"] = canary["version"]
-            log("v%s's canary has run %.1f h, longer than a scheduled retrain waits (%s h): it is superseded",
-                canary["version"], canary["hours"], canary_wait_hours)
         if pending["hours"]:
             log("%s new hours to train on: %s..%s", pending["hours"], pending["first"], pending["last"])
         if _waits(mode, reason) and (why := periodic_full_task(validation_hours, periodic[0], settings)) is not None:
