@@ -551,6 +551,34 @@ def test_works_under_torch_compile_and_export():
     torch.testing.assert_close(exported.module()(values, offsets), eager(values, offsets))
 
 
+def test_an_eager_forward_calls_the_function_itself_and_a_fresh_process_never_imports_dynamo():
+    """Eager calls skip the op's dispatch (its first call imported torch._dynamo: seconds of every fresh process
+    that only scores, such as the gate's serving check); the result is the op's, and compiled or exported graphs
+    still hold the op (``test_works_under_torch_compile_and_export``)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    values, offsets, _ = make_batch(MIXED, 4, seed=3)
+    model = EmbeddingBagCollection(MIXED, seed=1)
+    layout = embedding_bag.layout_args(model._layout)
+    errors = torch.zeros(len(MIXED), dtype=torch.int64)
+    through_op = embedding_bag.embedding_bags(model.weights, values, offsets, None, errors, *layout, 4, False)
+    direct = embedding_bag.pool(model.weights, values, offsets, None, errors.clone(), *layout, 4, False)
+    torch.testing.assert_close(direct, through_op, rtol=0, atol=0)
+    kernels = Path(embedding_bag.__file__).resolve().parents[1]
+    code = ("import sys, torch\n"
+            "from recloop_kernels import EmbeddingBagCollection, TableConfig\n"
+            "ebc = EmbeddingBagCollection([TableConfig('a', 10, 4), TableConfig('b', 5, 4, pooling='mean')])\n"
+            "with torch.no_grad():\n"
+            "    out = ebc(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4]))\n"
+            "print(tuple(out.shape), 'torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(kernels)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == "(2, 8) False", done.stdout
+
+
 def test_fused_optimizer_trains_under_torch_compile_in_one_graph():
     values, offsets, _ = make_batch(MIXED, 4, seed=3, ids="powerlaw")
     eager = TinyRanker(seed=2, optimizer="rowwise_adagrad", lr=0.1)

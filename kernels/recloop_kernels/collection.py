@@ -43,8 +43,8 @@ from recloop_kernels.embedding_bag import (
     FusedEmbeddingBags,
     choose_triton,
     device_layout,
-    embedding_bags,
     layout_args,
+    pool,
 )
 
 GROWTH = 1.5  # capacity reserved when a table outgrows its buffer
@@ -349,7 +349,7 @@ class _SparseGradientEmbeddingBags(torch.autograd.Function):
     def forward(ctx, weight, errors, values, offsets, per_sample_weights, layout: Layout, args):
         ctx.save_for_backward(values, offsets, per_sample_weights)
         ctx.layout, ctx.batch_size, ctx.shape, ctx.dtype = layout, args[-2], weight.shape, weight.dtype
-        return embedding_bags(weight, values, offsets, per_sample_weights, errors, *args)
+        return pool(weight, values, offsets, per_sample_weights, errors, *args)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -39,6 +39,7 @@ import os
 from functools import lru_cache
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from recloop_kernels import reference
 from recloop_kernels.config import Layout, OptimizerConfig
@@ -542,11 +543,10 @@ def layout_args(layout: Layout) -> tuple[list[int], list[int], list[int], list[i
 # --- ops -------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("recloop::embedding_bags", mutates_args=("errors",))
-def embedding_bags(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
-                   per_sample_weights: torch.Tensor | None, errors: torch.Tensor, dims: list[int],
-                   capacities: list[int], rows: list[int], poolings: list[int], align: int, batch_size: int,
-                   use_triton: bool) -> torch.Tensor:
+def _pooled(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+            per_sample_weights: torch.Tensor | None, errors: torch.Tensor, dims: list[int],
+            capacities: list[int], rows: list[int], poolings: list[int], align: int, batch_size: int,
+            use_triton: bool) -> torch.Tensor:
     """Pooled embeddings (B, ΣD), fp32. Ids outside a table pool as zeros and are counted in ``errors``."""
     layout = _layout(dims, capacities, rows, poolings, align)
     values, offsets = values.contiguous(), offsets.contiguous()
@@ -576,10 +576,27 @@ def embedding_bags(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Te
     return out
 
 
+# The op: what compiled and exported graphs hold (opaque to the compiler; the fake kernel gives its shape).
+embedding_bags = torch.library.custom_op("recloop::embedding_bags", mutates_args=("errors",))(_pooled)
+
+
 @embedding_bags.register_fake
 def _(weight, values, offsets, per_sample_weights, errors, dims, capacities, rows, poolings, align, batch_size,
       use_triton):
     return weight.new_empty((batch_size, sum(dims)), dtype=torch.float32)
+
+
+def pool(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
+         errors: torch.Tensor, *layout: int | list[int] | bool) -> torch.Tensor:
+    """``embedding_bags``: through the op when a compiler, an exporter or a tracing mode is around the call or the
+    tensors are not plain ones (fake, functional); else the same function called directly. A custom op's first
+    eager call imports ``torch._dynamo`` (torch wraps every op implementation in a lazy dynamo-disable): 2.5 s of
+    a fresh process that only scores (the gate's serving check, a new serving replica) for a call that runs the
+    same function either way."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or \
+            not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (weight, values, offsets, errors)):
+        return embedding_bags(weight, values, offsets, per_sample_weights, errors, *layout)
+    return _pooled(weight, values, offsets, per_sample_weights, errors, *layout)
 
 
 def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, offsets, per_sample_weights,
@@ -705,7 +722,7 @@ class DenseGradientEmbeddingBags(torch.autograd.Function):
     def forward(ctx, weight, errors, values, offsets, per_sample_weights, layout_args):
         ctx.save_for_backward(weight, values, offsets, per_sample_weights)
         ctx.layout_args = layout_args
-        return embedding_bags(weight, values, offsets, per_sample_weights, errors, *layout_args)
+        return pool(weight, values, offsets, per_sample_weights, errors, *layout_args)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -727,7 +744,7 @@ class FusedEmbeddingBags(torch.autograd.Function):
         ctx.save_for_backward(values, offsets, per_sample_weights)
         ctx.weight, ctx.state1, ctx.state2, ctx.step = weight, state1, state2, step
         ctx.layout_args, ctx.config = layout_args, config
-        return embedding_bags(weight, values, offsets, per_sample_weights, errors, *layout_args)
+        return pool(weight, values, offsets, per_sample_weights, errors, *layout_args)
 
     @staticmethod
     def backward(ctx, grad_output):
