@@ -552,9 +552,9 @@ def test_works_under_torch_compile_and_export():
 
 
 def test_an_eager_forward_calls_the_function_itself_and_a_fresh_process_never_imports_dynamo():
-    """Eager calls skip the op's dispatch (its first call imported torch._dynamo: seconds of every fresh process
-    that only scores, such as the gate's serving check); the result is the op's, and compiled or exported graphs
-    still hold the op (``test_works_under_torch_compile_and_export``)."""
+    """Eager calls skip the ops' dispatch (their first call imported torch._dynamo: seconds of every fresh process
+    that scores, such as the gate's serving check, or trains eagerly on a CPU); the result is the op's, and
+    compiled or exported graphs still hold the ops (``test_works_under_torch_compile_and_export``)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -569,9 +569,12 @@ def test_an_eager_forward_calls_the_function_itself_and_a_fresh_process_never_im
     kernels = Path(embedding_bag.__file__).resolve().parents[1]
     code = ("import sys, torch\n"
             "from recloop_kernels import EmbeddingBagCollection, TableConfig\n"
-            "ebc = EmbeddingBagCollection([TableConfig('a', 10, 4), TableConfig('b', 5, 4, pooling='mean')])\n"
+            "tables = [TableConfig('a', 10, 4), TableConfig('b', 5, 4, pooling='mean')]\n"
+            "batch = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4])\n"
             "with torch.no_grad():\n"
-            "    out = ebc(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 2, 3, 4]))\n"
+            "    out = EmbeddingBagCollection(tables)(*batch)\n"
+            "for kind in ({'optimizer': 'rowwise_adagrad'}, {}):\n"  # a fused update, a dense gradient
+            "    EmbeddingBagCollection(tables, **kind)(*batch).sum().backward()\n"
             "print(tuple(out.shape), 'torch._dynamo' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(kernels)})

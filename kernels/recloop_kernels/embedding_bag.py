@@ -588,15 +588,23 @@ def _(weight, values, offsets, per_sample_weights, errors, dims, capacities, row
 
 def pool(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
          errors: torch.Tensor, *layout: int | list[int] | bool) -> torch.Tensor:
-    """``embedding_bags``: through the op when a compiler, an exporter or a tracing mode is around the call or the
-    tensors are not plain ones (fake, functional); else the same function called directly. A custom op's first
-    eager call imports ``torch._dynamo`` (torch wraps every op implementation in a lazy dynamo-disable): 2.5 s of
-    a fresh process that only scores (the gate's serving check, a new serving replica) for a call that runs the
-    same function either way."""
+    """``embedding_bags``, through the op only where it must be (``_dispatch``)."""
+    return _dispatch(embedding_bags, _pooled, weight, values, offsets, per_sample_weights, errors, *layout)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _dispatch(op, function, *args):
+    """``op`` when a compiler, an exporter or a tracing mode is around the call or a tensor argument is not a plain
+    one (fake, functional); else ``function``, the op's own implementation, called directly. A custom op's first
+    eager call imports ``torch._dynamo`` (torch wraps every op implementation in a lazy dynamo-disable): 2.3 s of
+    a fresh process that only scores (the gate's serving check, a serving replica) or trains eagerly (on a CPU),
+    for a call that runs the same function either way (benchmarks/fresh_score.py)."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or \
-            not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (weight, values, offsets, errors)):
-        return embedding_bags(weight, values, offsets, per_sample_weights, errors, *layout)
-    return _pooled(weight, values, offsets, per_sample_weights, errors, *layout)
+            any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args):
+        return op(*args)
+    return function(*args)
 
 
 def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, offsets, per_sample_weights,
@@ -656,11 +664,9 @@ def _backward(opt_code: int, weight, state1, state2, step, grad_output, values, 
         OPT=opt_code, ROUNDING_BITS=rounding, num_warps=max(1, block_d // 128), **shape)
 
 
-@torch.library.custom_op("recloop::embedding_bags_weight_grad", mutates_args=())
-def embedding_bags_weight_grad(grad_output: torch.Tensor, weight: torch.Tensor, values: torch.Tensor,
-                               offsets: torch.Tensor, per_sample_weights: torch.Tensor | None, dims: list[int],
-                               capacities: list[int], rows: list[int], poolings: list[int], align: int,
-                               batch_size: int, use_triton: bool) -> torch.Tensor:
+def _weight_grad(grad_output: torch.Tensor, weight: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+                 per_sample_weights: torch.Tensor | None, dims: list[int], capacities: list[int], rows: list[int],
+                 poolings: list[int], align: int, batch_size: int, use_triton: bool) -> torch.Tensor:
     """The dense gradient of the flat weight (for ``optimizer=None``)."""
     layout = _layout(dims, capacities, rows, poolings, align)
     if not use_triton:
@@ -672,20 +678,21 @@ def embedding_bags_weight_grad(grad_output: torch.Tensor, weight: torch.Tensor, 
     return grad.to(weight.dtype)
 
 
+embedding_bags_weight_grad = torch.library.custom_op("recloop::embedding_bags_weight_grad", mutates_args=())(
+    _weight_grad)
+
+
 @embedding_bags_weight_grad.register_fake
 def _(grad_output, weight, values, offsets, per_sample_weights, dims, capacities, rows, poolings, align, batch_size,
       use_triton):
     return torch.empty_like(weight)
 
 
-@torch.library.custom_op("recloop::embedding_bags_sparse_update",
-                         mutates_args=("weight", "state1", "state2", "step"))
-def embedding_bags_sparse_update(grad_output: torch.Tensor, weight: torch.Tensor, state1: torch.Tensor,
-                                 state2: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
-                                 per_sample_weights: torch.Tensor | None, dims: list[int], capacities: list[int],
-                                 rows: list[int], poolings: list[int], align: int, batch_size: int,
-                                 use_triton: bool, optimizer: str, lr: float, eps: float, weight_decay: float,
-                                 beta1: float, beta2: float, step: torch.Tensor) -> None:
+def _sparse_update(grad_output: torch.Tensor, weight: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
+                   values: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
+                   dims: list[int], capacities: list[int], rows: list[int], poolings: list[int], align: int,
+                   batch_size: int, use_triton: bool, optimizer: str, lr: float, eps: float, weight_decay: float,
+                   beta1: float, beta2: float, step: torch.Tensor) -> None:
     """Apply the fused sparse optimizer to every row the batch touched, in place.
 
     ``state1``/``state2``: adagrad → (sum, unused); rowwise_adagrad → (per-row sums, unused);
@@ -704,6 +711,10 @@ def embedding_bags_sparse_update(grad_output: torch.Tensor, weight: torch.Tensor
         return
     _backward(OPT_CODES[optimizer], weight, state1, state2, step, grad_output, values, offsets, per_sample_weights,
               layout, batch_size, (lr, eps, weight_decay, beta1, beta2))
+
+
+embedding_bags_sparse_update = torch.library.custom_op(
+    "recloop::embedding_bags_sparse_update", mutates_args=("weight", "state1", "state2", "step"))(_sparse_update)
 
 
 @embedding_bags_sparse_update.register_fake
@@ -727,7 +738,8 @@ class DenseGradientEmbeddingBags(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         weight, values, offsets, per_sample_weights = ctx.saved_tensors
-        grad = embedding_bags_weight_grad(grad_output, weight, values, offsets, per_sample_weights, *ctx.layout_args)
+        grad = _dispatch(embedding_bags_weight_grad, _weight_grad, grad_output, weight, values, offsets,
+                         per_sample_weights, *ctx.layout_args)
         return grad, None, None, None, None, None
 
 
@@ -750,7 +762,7 @@ class FusedEmbeddingBags(torch.autograd.Function):
     def backward(ctx, grad_output):
         values, offsets, per_sample_weights = ctx.saved_tensors
         config = ctx.config
-        embedding_bags_sparse_update(grad_output, ctx.weight, ctx.state1, ctx.state2, values, offsets,
-                                     per_sample_weights, *ctx.layout_args, config.name, config.lr, config.eps,
-                                     config.weight_decay, config.beta1, config.beta2, ctx.step)
+        _dispatch(embedding_bags_sparse_update, _sparse_update, grad_output, ctx.weight, ctx.state1, ctx.state2,
+                  values, offsets, per_sample_weights, *ctx.layout_args, config.name, config.lr, config.eps,
+                  config.weight_decay, config.beta1, config.beta2, ctx.step)
         return (None,) * 11
