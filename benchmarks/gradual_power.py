@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "platform")]
 
+from recloop.evidence.sequential import cluster_mean  # noqa: E402 - the monitor's concept check's estimator
 from recloop.simulate import DEVICES, World, WorldConfig  # noqa: E402
 
 EPS = 1e-7
@@ -53,14 +54,6 @@ def day_rows(world: World, day: int) -> dict[str, np.ndarray]:
 def log_loss(p: np.ndarray, y: np.ndarray) -> np.ndarray:
     p = np.clip(p, EPS, 1 - EPS)
     return -(y * np.log(p) + (1 - y) * np.log(1 - p))
-
-
-def cluster_mean(values: np.ndarray, users: np.ndarray) -> tuple[float, float]:
-    """Mean of ``values`` and its variance with users as clusters."""
-    mean = float(values.mean())
-    _, inverse = np.unique(users, return_inverse=True)
-    sums = np.bincount(inverse, weights=values - mean)
-    return mean, float((sums ** 2).sum() / len(values) ** 2)
 
 
 def score(world: World, rows: dict, shift_days: float | None, pre_drift: bool) -> np.ndarray:
