@@ -85,6 +85,9 @@ def test_every_drift_check_leaves_a_snapshot_the_evidently_workspace_lists(runne
         (["simulate", "--start", "soon"], "not an ISO date"),
         (["ingest", "/no/such/folder"], "does not exist"),
         (["ingest", "--spec", "nope"], "unknown spec"),
+        (["train", "--embedding-l2-choices", "0.1,lots"], "comma-separated numbers"),
+        (["train", "--embedding-l2-choices", "-1"], "a penalty is a number of 0 or more"),
+        (["replay", "--data", ".", "--embedding-l2-choices", "nan"], "a penalty is a number of 0 or more"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(runner: CliRunner, args: list[str], message: str):

@@ -550,3 +550,26 @@ def test_a_tiny_window_without_early_stopping_rows_is_not_raised_to_a_hundred_ep
     # with rows to stop it, min_steps (100 steps of one 256-row batch) still raises it
     _, checked = fit_to_data(full, Windows(train=[hour], validation=[], epochs=1, tuning=(hour,)), torch.device("cpu"))
     assert checked.epochs == 100
+
+
+def test_the_embedding_penalty_is_chosen_on_the_newest_rows_only_when_it_beats_the_configured_one(home: Settings):
+    """``embedding_l2_choices``: a trial per penalty holds the newest rows aside (forward in time, unlike the
+    spread early-stopping rows); the run itself trains with a choice only when its trial beat the configured
+    penalty's on those rows by ``selection_z`` standard errors of the paired per-row difference, else with the
+    configured one."""
+    asked = config(embedding_l2=1000.0, embedding_l2_choices=(0.01,))  # configured: the ids held near zero
+    first = train(home, asked)
+    figures = first.selection["embedding_l2"]
+    z = figures["0.01"]["z"]
+    assert figures["0.01"]["logloss"] < figures["1000"]["logloss"] and z > 0  # the ids help on the newest rows
+    assert first.selection["kept"] == (0.01 if z >= 2.0 else 1000.0)
+    assert any(o.startswith(f"embedding_l2 {first.selection['kept']:g} ") for o in first.overrides), first.overrides
+    # a lower bar on the same trials (found completed, not retrained): the choice now clears it
+    chosen = train(home, replace(asked, selection_z=z / 2))
+    assert chosen.selection["kept"] == 0.01 and chosen.selection["embedding_l2"]["0.01"]["z"] == z
+    assert any(o.startswith("embedding_l2 0.01 chosen") for o in chosen.overrides), chosen.overrides
+    assert chosen.run_id == train(home, config(embedding_l2=0.01)).run_id  # the run itself, as if configured so
+    # its early-stopping rows are spread over its window; its trial's were the newest files
+    assert min(chosen.early_stopping["files"]) < max(chosen.train_hours)
+    trial = train(home, config(embedding_l2=0.01, early_stopping_rows="newest", baselines=False))  # found done
+    assert trial.early_stopping["files"] and max(trial.train_hours) < min(trial.early_stopping["files"])

@@ -79,6 +79,12 @@ class ReplayConfig:
     min_period_rows: ``auto`` picks the shortest period in which every replayed period holds this many events.
     min_bootstrap_rows: events the bootstrap needs before the first model is trained.
     epochs: passes of each full retrain (an incremental run makes one).
+    embedding_l2_choices: the ranker's full retrains try these embedding penalties besides the trainer's default
+        and keep one that scores the newest rows better by ``TrainConfig.selection_z`` standard errors
+        (``TrainConfig.embedding_l2_choices``; empty: the default, untried). On MovieLens 1M's last four weeks
+        this took the ranker from 0.0048 AUC behind the user + item CTR baseline (significant) to level with it
+        and ahead of the logistic regression on log loss; ml-latest-small and Criteo's sample kept the default
+        in every retrain (benchmarks/RESULTS.md, issue 37). Costs three trainings per full retrain.
     batch_size: rows per step (None: the device's default).
     device: ``auto``, ``cpu`` or ``cuda``.
     materialize: publish each period's entity features through Feast (the online store serving reads).
@@ -97,6 +103,7 @@ class ReplayConfig:
     min_period_rows: int = 500
     min_bootstrap_rows: int = 1000
     epochs: int = 3
+    embedding_l2_choices: tuple[float, ...] = (0.1, 1.0)
     batch_size: int | None = None
     device: str = "auto"
     materialize: bool = True
@@ -399,6 +406,7 @@ def _train(settings: Settings, config: ReplayConfig, mode: str):
         # an incremental run makes one pass over its new period (as documented): given the full retrain's
         # epochs, a 900-row Criteo day was trained on 10 times and scored a log loss of 1.2-2.3
         epochs=config.epochs if mode == "full" else 1,
+        embedding_l2_choices=config.embedding_l2_choices if mode == "full" else (),
         batch_size=config.batch_size,
         device=config.device,
         baselines=False,

@@ -144,6 +144,12 @@ class TrainConfig:
             the champion it started from (tests/test_registry.py's world, mean over three champion seeds: -0.016
             with both this and ``embedding_l2``, +0.002 without early-stopping rows, +0.007 without either;
             benchmarks/RESULTS.md).
+        early_stopping_rows: ``spread`` (the default: every k-th file, see ``held_aside``) or ``newest``: the newest
+            files holding that share of the rows, forward in time like what the model will next score. Spread rows
+            share their hours' users and sessions with the rows trained on, so they cannot see a model that learnt
+            its ids' past too well: on MovieLens 1M they preferred an embedding penalty of 0.01 (best check 0.5437
+            against 0.5507 at 1.0) while the next week's rows preferred 1.0 (AUC 0.7684 against 0.7612). Used to
+            choose ``embedding_l2`` (``embedding_l2_choices``); the run that is kept holds spread rows aside.
         early_stopping_min_rows: fewer early-stopping rows than this (or a window of one file): none are held
             aside, every epoch runs, and the calibration falls back to a base-rate correction on training rows.
             200: at 1000 a 3,600-row Criteo sample held none aside, ran all its 10 epochs and scored a held-out
@@ -184,6 +190,17 @@ class TrainConfig:
             None (the default): 0.01 for a full retrain, 0 for an incremental run (``embedding_penalty``): a warm
             start takes it at full weight from its first step, on rows the champion already shaped under it (on
             the world above, without early-stopping rows: +0.002 with it, +0.007 without).
+        embedding_l2_choices: a full run from scratch first trains once with the configured penalty and once with
+            each of these, its newest rows held aside (``early_stopping_rows`` ``newest``), and then trains as
+            configured with the choice that scored those rows best, if it beat the configured penalty there by
+            ``selection_z`` (2) standard errors of the paired per-row difference (the summary's ``selection`` and
+            ``overrides`` say which and why). Empty (the default): ``embedding_l2`` as given. What the ids should
+            be allowed to learn depends on the log: on MovieLens 1M a 100x stronger penalty took the ranker from
+            behind the user + item CTR baseline to ahead of it; on Criteo's sample and the synthetic world it cost
+            AUC (benchmarks/RESULTS.md, issue 37). Costs a training per choice and one with the configured penalty.
+        selection_z: how many standard errors of the paired per-row log-loss difference on the newest rows a
+            choice must beat the configured penalty by (on Criteo's 3,600-row sample the 300 to 570 newest rows
+            picked by noise without it, and the replay lost 0.03 AUC against the logistic regression).
         weight_decay: decoupled weight decay of the dense layers (AdamW).
         min_steps: see ``fit_to_data`` (0: batch size and epochs exactly as given).
         train_rows: a full run's window grows back in time beyond ``days`` until it holds this many rows (a
@@ -220,6 +237,7 @@ class TrainConfig:
     data_shards: int = 0
     row_wise_above: int = 0
     early_stopping_share: float | None = None
+    early_stopping_rows: Literal["spread", "newest"] = "spread"
     early_stopping_min_rows: int = 200
     patience: int = 1
     restore_z: float = 2.0
@@ -229,6 +247,8 @@ class TrainConfig:
     calibration_rows: int = 200_000
     calibration_slope: bool = False
     embedding_l2: float | None = None
+    embedding_l2_choices: tuple[float, ...] = ()
+    selection_z: float = 2.0
     weight_decay: float = 0.0
     baselines: bool = True
     min_steps: int = 100
@@ -236,7 +256,18 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        # at their defaults, the settings added after runs were first identified by this dict leave it as it was
+        # (a run started before them resumes under its own id)
+        if out["early_stopping_rows"] == "spread":
+            del out["early_stopping_rows"]
+        if not out["embedding_l2_choices"]:
+            del out["embedding_l2_choices"]
+        else:
+            out["embedding_l2_choices"] = list(out["embedding_l2_choices"])
+        if out["selection_z"] == 2.0:
+            del out["selection_z"]
+        return out
 
     @property
     def dense_lr(self) -> float:
@@ -294,6 +325,9 @@ class TrainSummary:
     overrides: list[str] = field(default_factory=list)
     # the early-stopping rows' log loss after each epoch, the epoch kept and the rows (empty: none held aside)
     early_stopping: dict = field(default_factory=dict)
+    # ``embedding_l2_choices``: each choice's log loss on the newest rows, its z against the configured penalty,
+    # and the penalty kept (empty: no choice made)
+    selection: dict = field(default_factory=dict)
     # trained by several ranks, not validated yet: the figures above are the training's alone and
     # ``checkpoint`` is the ranks' last (sharded) one, which ``complete`` turns into the run's completed one
     awaits_completion: bool = False
@@ -378,8 +412,15 @@ def held_aside(windows: Windows, config: TrainConfig) -> Windows:
     if config.held_aside_share <= 0 or len(windows.train) < 2:
         return windows
     rows = [_rows(f) for f in windows.train]
-    every = max(2, round(1 / config.held_aside_share))
-    picked = set(range(len(rows) - 2, -1, -every))
+    if config.early_stopping_rows == "newest":  # the newest files holding the share (one file stays to train on)
+        first, held = len(rows), 0
+        while first > 1 and held < config.held_aside_share * sum(rows):
+            first -= 1
+            held += rows[first]
+        picked = set(range(first, len(rows)))
+    else:
+        every = max(2, round(1 / config.held_aside_share))
+        picked = set(range(len(rows) - 2, -1, -every))
     if sum(rows[i] for i in picked) < config.early_stopping_min_rows:
         return windows
     return replace(windows, train=[f for i, f in enumerate(windows.train) if i not in picked],
@@ -547,12 +588,60 @@ def train(settings: Settings, config: TrainConfig, *, warm_start: Path | None = 
         on_step: ``(step)`` after each step (tests use it to simulate a crash).
         tracker: follows the run from its first step to its summary (not told about a run found completed).
     """
+    if config.embedding_l2_choices and config.mode == "full":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise TrainError("embedding_l2_choices: the choice is made in one process (train with it, then under "
+                             "torchrun with the penalty it kept)")
+        return _train_selected(settings, config, on_progress, on_step, tracker)
     ranks, joined = distributed.join(config.device)
     try:
         return _train(settings, replace(config, data_shards=config.data_shards or ranks.world), ranks,
                       warm_start, on_progress, on_step, tracker if ranks.leader else None)
     finally:
         distributed.leave(joined)
+
+
+def _train_selected(settings: Settings, config: TrainConfig, on_progress, on_step, tracker) -> TrainSummary:
+    """``embedding_l2_choices``: a trial with the configured penalty and one with each choice, each holding the
+    newest rows aside; then the run itself with the choice whose trial scored those rows best, when it beat the
+    configured penalty's trial there by ``selection_z`` standard errors of the paired per-row log-loss difference
+    (fewer rows, or a closer call, keep the configured one: on Criteo's 3,600-row sample, 300 to 570 newest rows
+    picked by noise and cost the replay 0.03 AUC). Every trial is a run of its own (rerun: found completed)."""
+    from recloop.checkpoint import load_model
+
+    configured = config.embedding_penalty
+    choices = [configured] + [c for c in config.embedding_l2_choices if c != configured]
+    losses: dict[float, np.ndarray] = {}
+    for choice in choices:
+        trial = train(settings, replace(config, embedding_l2=choice, embedding_l2_choices=(), selection_z=2.0,
+                                        early_stopping_rows="newest", baselines=False))
+        held = (trial.early_stopping or {}).get("files") or []
+        if not held:  # too few rows to hold any aside: nothing to choose on
+            break
+        model, _ = load_model(trial.checkpoint)
+        layout = FeatureLayout.for_settings(settings)
+        losses[choice] = _row_losses(model, [layout.training / f"{stem}.parquet" for stem in held],
+                                     FeatureSchema.load(layout.schema), distributed.device_for(config.device, distributed.Ranks()))
+    figures: dict[str, dict] = {}
+    kept, best_z = configured, float(config.selection_z)
+    if len(losses) == len(choices):
+        for choice in choices[1:]:
+            gain = losses[configured] - losses[choice]  # per row: > 0 where the choice scored better
+            z = float(gain.mean() / (gain.std(ddof=1) / math.sqrt(len(gain)))) if gain.std() > 0 else 0.0
+            figures[f"{choice:g}"] = {"logloss": float(losses[choice].mean()), "z": z}
+            if z >= best_z:
+                kept, best_z = choice, z
+        figures[f"{configured:g}"] = {"logloss": float(losses[configured].mean()), "z": 0.0}
+    summary = train(settings, replace(config, embedding_l2=kept, embedding_l2_choices=(), selection_z=2.0),
+                    on_progress=on_progress,
+                    on_step=on_step, tracker=tracker)
+    if not figures:
+        why = f"embedding_l2 {configured:g} kept: too few rows to hold the newest aside and judge the choices"
+    else:
+        said = ", ".join(f"{k}: {v['logloss']:.4f} (z {v['z']:+.1f})" for k, v in figures.items())
+        why = (f"embedding_l2 {kept:g} {'kept' if kept == configured else 'chosen'} from {choices} on the "
+               f"{len(losses[configured]):,} newest rows' log loss ({said}; a choice needs z >= {config.selection_z:g})")
+    return replace(summary, selection={"embedding_l2": figures, "kept": kept}, overrides=[*summary.overrides, why])
 
 
 def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, warm_start: Path | None,
@@ -1003,8 +1092,14 @@ def _early_stopping(model: RankingModel, windows: Windows, schema: FeatureSchema
 def _tuning_losses(model: RankingModel, windows: Windows, schema: FeatureSchema, config: TrainConfig,
                    device: torch.device) -> np.ndarray:
     """The log loss of each early-stopping row (N,) under ``model``, uncalibrated (the row order is fixed)."""
-    loader = ChunkLoader(list(windows.tuning), schema, max(config.batch_size or default_batch_size(device), 8192),
-                         device=device, shuffle=False)
+    return _row_losses(model, list(windows.tuning), schema, device,
+                       max(config.batch_size or default_batch_size(device), 8192))
+
+
+def _row_losses(model: RankingModel, files: list[Path], schema: FeatureSchema, device: torch.device,
+                batch_size: int = 8192) -> np.ndarray:
+    """The log loss of each row of ``files`` (N,) under ``model``, uncalibrated (the row order is fixed)."""
+    loader = ChunkLoader(files, schema, batch_size, device=device, shuffle=False)
     was_calibrated, model.calibration = model.calibration, None
     labels, scores, _ = predict(model, loader.epoch(0))
     model.calibration = was_calibrated

@@ -89,6 +89,17 @@ def drop_deprecation_notices() -> None:
         warnings.showwarning = shown
 
 
+def penalties(text: str, flag: str) -> tuple[float, ...]:
+    """A comma-separated list of non-negative numbers (``0.1,1.0``; empty: none), or a usage error naming ``flag``."""
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise fail_usage(f"{flag} {text!r}: comma-separated numbers, such as 0.1,1.0") from None
+    if any(not value >= 0 for value in values):
+        raise fail_usage(f"{flag} {text!r}: a penalty is a number of 0 or more")
+    return values
+
+
 def fail_usage(message: str, code: int = USAGE_ERROR) -> UserError:
     return fail(message, code)
 

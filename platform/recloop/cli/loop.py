@@ -23,6 +23,7 @@ from recloop.cli.base import (
     figure,
     load_spec,
     parse_time,
+    penalties,
     quiet_logs,
 )
 from recloop.cli_boundary import FAILURE
@@ -353,6 +354,9 @@ def replay_command(
     = "auto",
     periods: Annotated[int, typer.Option(min=1, help="Periods replayed after the first model's bootstrap.")] = 6,
     epochs: Annotated[int, typer.Option(min=1, help="Passes of each full retrain.")] = 3,
+    embedding_l2_choices: Annotated[str, typer.Option(help="Embedding penalties each full retrain of the ranker "
+                                                      "tries besides the default (kept only when better on the "
+                                                      "newest rows); empty: none tried.")] = "0.1,1.0",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     json_out: JsonOption = False,
 ) -> None:
@@ -368,7 +372,9 @@ def replay_command(
         raise fail_usage(f"--data {data} does not exist")
     settings = Settings()
     dataset = load_spec(settings, spec)
-    config = ReplayConfig(period=period, periods=periods, epochs=epochs, device=device)  # type: ignore[arg-type]
+    choices = penalties(embedding_l2_choices, "--embedding-l2-choices")
+    config = ReplayConfig(period=period, periods=periods, epochs=epochs, device=device,  # type: ignore[arg-type]
+                          embedding_l2_choices=choices)
 
     def on_period(record: PeriodRecord) -> None:
         if json_out:

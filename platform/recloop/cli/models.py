@@ -22,6 +22,7 @@ from recloop.cli.base import (
     fail_usage,
     load_spec,
     no_status,
+    penalties,
 )
 from recloop.cli_boundary import REFUSED, stderr
 from recloop.settings import Settings
@@ -43,6 +44,10 @@ def train_command(
     deterministic: Annotated[bool, typer.Option(help="Results independent of thread scheduling.")] = False,
     seed: Annotated[int, typer.Option(help="Seeds the initialization and the batch order: another seed trains "
                                       "another model on the same rows.")] = 0,
+    embedding_l2_choices: Annotated[str, typer.Option(help="Full: embedding penalties to try besides the default, "
+                                                      "comma-separated (0.1,1.0): each trains once on all but the "
+                                                      "newest rows, and one that scores those rows better by 2 "
+                                                      "standard errors is used (costs a training each).")] = "",
     track: Annotated[bool, typer.Option(help="Log the run to MLflow and register the model.")] = True,
     nproc: Annotated[int, typer.Option(min=1, help="Processes (one per GPU): runs this command under torchrun, "
                                        "tables sharded and dense layers under DDP, then completes the run here "
@@ -61,9 +66,11 @@ def train_command(
     rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     if rank is not None and rank != "0":  # under torchrun only rank 0 tracks the training
         track, json_out = False, True
+    choices = penalties(embedding_l2_choices, "--embedding-l2-choices")
     config = TrainConfig(mode=mode, days=days, epochs=epochs, batch_size=batch_size,  # type: ignore[arg-type]
                          validation_hours=validation_hours, replay_fraction=replay, device=device,
-                         deterministic=deterministic, min_validation_rows=min_validation_rows, seed=seed)
+                         deterministic=deterministic, min_validation_rows=min_validation_rows, seed=seed,
+                         embedding_l2_choices=choices)
     try:
         if complete or (nproc > 1 and rank is None):  # this process completes what ranks trained
             summary = _completed(nproc if not complete else 0, tracking.TrainingRun(Settings()) if track else None)
