@@ -34,24 +34,31 @@ GENRES = ("(no genres listed)", "Action", "Adventure", "Animation", "Children", 
           "Drama", "Fantasy", "Film-Noir", "Horror", "IMAX", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller",
           "War", "Western")
 
-MOVIELENS_SPEC = """\
-# GroupLens' ml-latest-small as benchmarks/public_logs.py writes it: a rating of 4 or more is a like.
-name: movielens
-description: MovieLens ratings (liked = 4 stars or more), keys as MovieLens names them.
+def _movielens_spec(comment: str, name: str, description: str, first_day: str, genres: int, extra: str = "") -> str:
+    """A MovieLens ratings spec as this script writes the log: a rating of 4 or more is a like, keys as
+    MovieLens names them, genres as a list of ids, the movie's year; ``extra``: more column lines."""
+    return f"""\
+# {comment}
+name: {name}
+description: {description}
 format: table
 on_extra_columns: quarantine
 integral_floats: true
 events: chosen
 columns:
-  - {name: rating_id, role: event_id, dtype: string}
-  - {name: timestamp, role: timestamp, dtype: timestamp, format: epoch_s, min: "1995-01-01"}
-  - {name: userId, role: user_key, dtype: int64, min: 1}
-  - {name: movieId, role: item_key, dtype: int64, min: 1}
-  - {name: liked, role: label, dtype: int8, allowed: [0, 1], description: "rating >= 4"}
-  - {name: genres, role: multi_hot, dtype: list<int64>, min: 0, max: 19, separator: "|", nullable: true}
-  - {name: year, role: numeric, dtype: int64, min: 1900, max: 2030, nullable: true}
-"""
+  - {{name: rating_id, role: event_id, dtype: string}}
+  - {{name: timestamp, role: timestamp, dtype: timestamp, format: epoch_s, min: "{first_day}"}}
+  - {{name: userId, role: user_key, dtype: int64, min: 1}}
+  - {{name: movieId, role: item_key, dtype: int64, min: 1}}
+  - {{name: liked, role: label, dtype: int8, allowed: [0, 1], description: "rating >= 4"}}
+  - {{name: genres, role: multi_hot, dtype: list<int64>, min: 0, max: {genres - 1}, separator: "|", nullable: true}}
+  - {{name: year, role: numeric, dtype: int64, min: 1900, max: 2030, nullable: true}}
+{extra}"""
 
+
+MOVIELENS_SPEC = _movielens_spec(
+    "GroupLens' ml-latest-small as benchmarks/public_logs.py writes it: a rating of 4 or more is a like.",
+    "movielens", "MovieLens ratings (liked = 4 stars or more), keys as MovieLens names them.", "1995-01-01", 20)
 
 def movielens(source: Path, out: Path) -> Path:
     """``ratings.csv`` + ``movies.csv`` → ``out/log/ratings.csv`` and ``out/movielens.yaml``; returns ``out``."""
@@ -75,27 +82,15 @@ def movielens(source: Path, out: Path) -> Path:
     return out
 
 
-MOVIELENS_1M_SPEC = """\
-# GroupLens' MovieLens 1M as benchmarks/public_logs.py writes it: a rating of 4 or more is a like; the user's
-# demographics (users.dat) ride on each rating as categorical columns.
-name: movielens_1m
-description: MovieLens 1M ratings (liked = 4 stars or more) with the raters' gender, age band and occupation.
-format: table
-on_extra_columns: quarantine
-integral_floats: true
-events: chosen
-columns:
-  - {name: rating_id, role: event_id, dtype: string}
-  - {name: timestamp, role: timestamp, dtype: timestamp, format: epoch_s, min: "2000-01-01"}
-  - {name: userId, role: user_key, dtype: int64, min: 1}
-  - {name: movieId, role: item_key, dtype: int64, min: 1}
-  - {name: liked, role: label, dtype: int8, allowed: [0, 1], description: "rating >= 4"}
-  - {name: genres, role: multi_hot, dtype: list<int64>, min: 0, max: 17, separator: "|", nullable: true}
-  - {name: year, role: numeric, dtype: int64, min: 1900, max: 2030, nullable: true}
+MOVIELENS_1M_SPEC = _movielens_spec(
+    "GroupLens' MovieLens 1M as benchmarks/public_logs.py writes it: a rating of 4 or more is a like; the raters'\n"
+    "# demographics (users.dat) ride on each rating as categorical columns.",
+    "movielens_1m", "MovieLens 1M ratings (liked = 4 stars or more) with the raters' gender, age band and occupation.",
+    "2000-01-01", 18, """\
   - {name: gender, role: categorical, dtype: string, nullable: true}
   - {name: age, role: categorical, dtype: int64, nullable: true, description: "age band: 1, 18, 25, 35, 45, 50, 56"}
   - {name: occupation, role: categorical, dtype: int64, nullable: true, description: "0-20, users.dat's codes"}
-"""
+""")
 GENRES_1M = ("Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama", "Fantasy",
              "Film-Noir", "Horror", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller", "War", "Western")
 

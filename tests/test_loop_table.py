@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def loop():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import loop as module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+    return benchmark_script("loop")
 
 
 def _row(seed: int, champion: float, served: float, challenger: float | None, reference: float) -> dict:

@@ -5,26 +5,19 @@ published format, byte for byte as GroupLens ships it (``::``-separated, the mov
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from benchmark_scripts import benchmark_script
 
 from recloop.schema import load_spec
 from recloop.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def public_logs():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import public_logs as module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+    return benchmark_script("public_logs")
 
 
 def _movielens_1m(folder: Path) -> Path:
