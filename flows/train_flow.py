@@ -26,7 +26,9 @@ from recloop.train import TrainConfig
 
 @task(retries=1, retry_delay_seconds=30, persist_result=True, result_serializer="json")
 def train_task(config: dict, settings: dict | None) -> dict:
-    return pipeline.train_and_register(settings_from(settings), TrainConfig(**config)).to_dict()
+    choices = tuple(config.get("embedding_l2_choices") or ())  # a list once the parameters went through JSON
+    return pipeline.train_and_register(settings_from(settings),
+                                       TrainConfig(**{**config, "embedding_l2_choices": choices})).to_dict()
 
 
 def _settings_environment(settings: dict | None) -> dict[str, str]:
@@ -48,6 +50,8 @@ def train_processes_task(config: dict, nproc: int, settings: dict | None) -> dic
         command += ["--batch-size", str(config["batch_size"])]
     if config.get("seed"):
         command += ["--seed", str(config["seed"])]
+    if config.get("embedding_l2_choices"):  # refused under torchrun, with the reason: not dropped silently
+        command += ["--embedding-l2-choices", ",".join(str(c) for c in config["embedding_l2_choices"])]
     done = subprocess.run(command, env={**os.environ, **_settings_environment(settings)}, capture_output=True,
                           text=True, check=False)
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -61,13 +65,16 @@ def train_processes_task(config: dict, nproc: int, settings: dict | None) -> dic
 def train_flow(mode: Literal["incremental", "full"] = "incremental", days: int = 7, epochs: int = 1,
                batch_size: int | None = None, validation_hours: int = 6, replay_fraction: float = 0.0,
                slot_timeout_seconds: float = 3600, nproc: int = 1, seed: int = 0,
-               settings: dict | None = None) -> dict:
+               embedding_l2_choices: list[float] | None = None, settings: dict | None = None) -> dict:
     """Holds the ``recloop-model`` slot while it trains (``flow_support.model_slot``); a run that waited
     ``slot_timeout_seconds`` for it ends Cancelled, having done nothing. ``nproc`` > 1 trains as that many
     processes (one per GPU of the machine or pod: the deployment asks for as many, prefect.yaml). ``seed``:
-    ``TrainConfig.seed`` (initialization and batch order)."""
+    ``TrainConfig.seed`` (initialization and batch order). ``embedding_l2_choices``: a full run tries these
+    embedding penalties besides the default and keeps one that does better on the newest rows
+    (``TrainConfig.embedding_l2_choices``; one process only)."""
     config = {"mode": mode, "days": days, "epochs": epochs, "batch_size": batch_size,
-              "validation_hours": validation_hours, "replay_fraction": replay_fraction, "seed": seed}
+              "validation_hours": validation_hours, "replay_fraction": replay_fraction, "seed": seed,
+              "embedding_l2_choices": list(embedding_l2_choices or [])}
     try:
         with model_slot(slot_timeout_seconds, settings_from(settings).home):
             result = (train_processes_task(config, nproc, settings) if nproc > 1

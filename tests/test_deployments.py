@@ -323,7 +323,7 @@ def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_i
     assert pending.chain_hours is not None and pending.chain_hours > 12
     state = retrain_flow(mode="incremental", reason="scheduled", full_every_hours=12, full_epochs=1, days=4,
                          gate_thresholds=str(lenient), retriever=False, settings=settings_parameter(home),
-                         return_state=True)
+                         full_embedding_l2_choices=[1000.0], return_state=True)
     assert state.is_completed(), state
     result = state.result()
     assert result["mode"] == "full" and result["reason"] == "periodic"
@@ -338,6 +338,11 @@ def test_a_scheduled_retrain_starts_over_from_scratch_when_the_champions_chain_i
     assert state_of_new["train"]["mode"] == "full" and state_of_new["train"]["epochs"] == 1
     assert state_of_new["full_trained_until"] == state_of_new["trained_until"]
     assert state_of_new["train"]["days"] == 4
+    # the full retrain tried the flow's embedding penalty beside the default and trained with the one it kept
+    selection = result["train"]["selection"]
+    assert set(selection["embedding_l2"]) == {"0.01", "1000"}, selection
+    assert state_of_new["train"]["embedding_l2"] == selection["kept"]
+    assert any(line.startswith(f"embedding_l2 {selection['kept']:g} ") for line in result["train"]["overrides"])
     # the attempt is remembered: within 12 hours of data, the policy says no more (even for the old champion)
     assert json.loads((home.home / "loop" / "periodic_full.json").read_text())["until"] == \
         hour_after(pending.hours[-1])
