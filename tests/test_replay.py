@@ -106,6 +106,11 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
     for period in summary["periods"]:
         state = checkpoint.read(checkpoint.resolve(settings, period["incremental_version"]))
         assert (state["train"]["mode"], state["train"]["epochs"]) == ("incremental", 1), state["train"]
+    # every full retrain chose its embedding penalty among the replay's (the default 0.01, or 0.1 or 1.0)
+    assert summary["bootstrap_gate"]["embedding_l2"] in (0.01, 0.1, 1.0)
+    assert all(p["full_embedding_l2"] in (0.01, 0.1, 1.0) for p in summary["periods"]), summary["periods"]
+    first = checkpoint.read(checkpoint.resolve(settings, summary["bootstrap_gate"]["version"]))
+    assert first["train"]["embedding_l2"] == summary["bootstrap_gate"]["embedding_l2"]
     report = Path(summary["report"]).read_text()
     assert "baseline:logistic AUC" in report and "recloop replay: ratings" in report
     assert "champion − baseline (95 % paired bootstrap)" in report and "logistic: auc " in report
@@ -113,6 +118,7 @@ def test_the_replay_scores_each_period_before_training_on_it(replayed):
     assert "Recommendations: /recommend against popularity and co-occurrence" in report
     assert "<tr><td>all</td>" in report  # the pooled row under the periods'
     assert "Over every replayed period's" in report
+    assert f"(penalty {summary['periods'][0]['full_embedding_l2']:g})" in report
 
 
 def test_features_and_feast_follow_the_spec_keys_and_genre_vocabulary(replayed):

@@ -138,6 +138,8 @@ class PeriodRecord:
     gate: str = "-"
     gate_reasons: list[str] = field(default_factory=list)
     full_retrain: str = "-"
+    # the embedding penalty the period's full retrain trained with, chosen among ``embedding_l2_choices``
+    full_embedding_l2: float | None = None
     canary: str = "-"  # what the canary did at the period's end (step 5): promoted, rolled back, held, started
     # /recommend against popularity and co-occurrence, asked as of the period's start (``_recommend_period``)
     recommend: dict = field(default_factory=dict)
@@ -203,7 +205,7 @@ def run_replay(
     lineage = _Lineage()
     bootstrap = _land(events, ts_us, None, starts[0], spec, landing / "bootstrap.parquet")
     _ingest_and_build(settings, spec, bootstrap, config)
-    lineage.full = _train(settings, config, "full")
+    lineage.full = first_model = _train(settings, config, "full")
     first = _register_and_gate(settings, lineage.full, config)
     if not first.passed and all("baseline's" in r for r in first.reasons):
         # A first model that loses to a baseline is measured, not served: the replay's periods say by how much
@@ -263,6 +265,7 @@ def run_replay(
         if recommending:
             record.retriever_version, record.retriever_gate = _next_retriever(settings, config)
         lineage.full = _train(settings, config, "full")
+        record.full_embedding_l2 = _penalty(lineage.full)
         if record.drift in ("drift", "kpi_decay"):
             full = _register_and_gate(settings, lineage.full, config)
             record.full_retrain = f"v{full.version} {full.verdict}"
@@ -284,7 +287,8 @@ def run_replay(
         "data": str(data),
         "period": period,
         "bootstrap_rows": bootstrap_rows,
-        "bootstrap_gate": {"version": first.version, "verdict": first.verdict, "reasons": list(first.reasons)},
+        "bootstrap_gate": {"version": first.version, "verdict": first.verdict, "reasons": list(first.reasons),
+                           "embedding_l2": _penalty(first_model)},
         "source": {
             "rows_in": loaded.rows_in,
             "rows_landed": loaded.rows_landed,
@@ -414,6 +418,17 @@ def _train(settings: Settings, config: ReplayConfig, mode: str):
     )
     base = pipeline.warm_start_checkpoint(settings) if mode == "incremental" else None
     return train(settings, train_config, warm_start=base)
+
+
+def _penalty_note(period: dict) -> str:
+    """`` (penalty 1)`` after a period's full retrain in the report, when it chose one."""
+    kept = period.get("full_embedding_l2")
+    return "" if kept is None else f" (penalty {kept:g})"
+
+
+def _penalty(summary) -> float | None:
+    """The embedding penalty a full retrain kept among its choices (None: no choice made)."""
+    return (summary.selection or {}).get("kept")
 
 
 def _register_and_gate(settings: Settings, summary, config: ReplayConfig):
@@ -783,7 +798,7 @@ def write_report(settings: Settings, summary: dict) -> Path:
             for n in names
         )
         + f"<td>{_versus(p['scores'].get('model', {}).get('versus', {}))}</td>"
-        + f"<td>{p['drift']}</td><td>v{p['incremental_version']} {p['gate']}</td><td>{p['full_retrain']}</td>"
+        + f"<td>{p['drift']}</td><td>v{p['incremental_version']} {p['gate']}</td><td>{p['full_retrain']}{_penalty_note(p)}</td>"
         f"<td>{p.get('canary', '-')}</td><td>{p['champion'] or '-'}</td></tr>"
         for p in periods
     )
@@ -816,7 +831,7 @@ model trained on the {summary["bootstrap_rows"]:,} before the replayed {summary[
 before any model trains on it.</p>
 <table><tr><th>period</th><th>start</th><th>landed</th><th>quarantined</th>{header}
 <th>champion − baseline (95 % paired bootstrap)</th><th>drift</th>
-<th>incremental → gate</th><th>full retrain</th><th>canary (on the period's logged rows)</th>
+<th>incremental → gate</th><th>full retrain (its embedding penalty)</th><th>canary (on the period's logged rows)</th>
 <th>champion</th></tr>{rows}</table>
 {overall_scores}
 {recommend_table}

@@ -383,7 +383,9 @@ def replay_command(
                             if scores.get("auc") is not None)
         console.print(f"period {record.period} ({record.start[:10]}): {record.landed:,} events; AUC {figures}; "
                       f"drift {record.drift}; incremental v{record.incremental_version} {record.gate}; "
-                      f"full {record.full_retrain} ({record.seconds} s)")
+                      f"full {record.full_retrain}"
+                      + (f" (embedding penalty {record.full_embedding_l2:g})" if record.full_embedding_l2 is not None
+                         else "") + f" ({record.seconds} s)")
         if record.canary != "-":
             console.print(f"  canary: {record.canary}")
         recommend = record.recommend
