@@ -257,16 +257,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        # at their defaults, the settings added after runs were first identified by this dict leave it as it was
-        # (a run started before them resumes under its own id)
-        if out["early_stopping_rows"] == "spread":
-            del out["early_stopping_rows"]
-        if not out["embedding_l2_choices"]:
-            del out["embedding_l2_choices"]
-        else:
+        # settings added after runs were first identified by this dict: at their defaults they leave it as it
+        # was (a run started before them resumes under its own id)
+        for name in ("early_stopping_rows", "embedding_l2_choices", "selection_z"):
+            if out[name] == getattr(TrainConfig, name):
+                del out[name]
+        if "embedding_l2_choices" in out:
             out["embedding_l2_choices"] = list(out["embedding_l2_choices"])
-        if out["selection_z"] == 2.0:
-            del out["selection_z"]
         return out
 
     @property
@@ -611,15 +608,15 @@ def _train_selected(settings: Settings, config: TrainConfig, on_progress, on_ste
 
     configured = config.embedding_penalty
     choices = [configured] + [c for c in config.embedding_l2_choices if c != configured]
+    plain = replace(config, embedding_l2_choices=(), selection_z=TrainConfig.selection_z)  # one run, no choosing
+    layout = FeatureLayout.for_settings(settings)
     losses: dict[float, np.ndarray] = {}
     for choice in choices:
-        trial = train(settings, replace(config, embedding_l2=choice, embedding_l2_choices=(), selection_z=2.0,
-                                        early_stopping_rows="newest", baselines=False))
+        trial = train(settings, replace(plain, embedding_l2=choice, early_stopping_rows="newest", baselines=False))
         held = (trial.early_stopping or {}).get("files") or []
         if not held:  # too few rows to hold any aside: nothing to choose on
             break
         model, _ = load_model(trial.checkpoint)
-        layout = FeatureLayout.for_settings(settings)
         losses[choice] = _row_losses(model, [layout.training / f"{stem}.parquet" for stem in held],
                                      FeatureSchema.load(layout.schema), distributed.device_for(config.device, distributed.Ranks()))
     figures: dict[str, dict] = {}
@@ -632,8 +629,7 @@ def _train_selected(settings: Settings, config: TrainConfig, on_progress, on_ste
             if z >= best_z:
                 kept, best_z = choice, z
         figures[f"{configured:g}"] = {"logloss": float(losses[configured].mean()), "z": 0.0}
-    summary = train(settings, replace(config, embedding_l2=kept, embedding_l2_choices=(), selection_z=2.0),
-                    on_progress=on_progress,
+    summary = train(settings, replace(plain, embedding_l2=kept), on_progress=on_progress,
                     on_step=on_step, tracker=tracker)
     if not figures:
         why = f"embedding_l2 {configured:g} kept: too few rows to hold the newest aside and judge the choices"
