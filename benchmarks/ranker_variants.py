@@ -16,7 +16,10 @@ baselines). Variants (issue 37: whether the wide part and the layers' rate shoul
   early-stopping checks (``TrainConfig.average_checks``, the default since 2026-11-29; a one-epoch run has a
   single check, so nothing to average);
 - ``plain3`` / ``averaged3``: the same two with three epochs, as the demo's and the flows' full retrains;
-- ``dim4`` … ``dim32``: the defaults with every table this wide (issue 37: the embedding width by data size).
+- ``dim4`` … ``dim32``: the defaults with every table this wide (issue 37: the embedding width by data size);
+- ``no_id_dropout`` / ``no_id_dropout2`` / ``shipped2``: the defaults without dropping the key ids of training
+  rows (``TrainConfig.id_dropout`` 0; by default the rate is measured on the window), and both at two epochs (the
+  flows' full retrains).
 
 The table is each variant's mean and its difference from ``--reference`` (``base`` unless told) per seed.
 """
@@ -46,6 +49,9 @@ VARIANTS = {
     "dim8": ({"embedding_dim": 8}, {}),
     "dim16": ({"embedding_dim": 16}, {}),
     "dim32": ({"embedding_dim": 32}, {}),
+    "no_id_dropout": ({}, {"id_dropout": 0.0}),
+    "no_id_dropout2": ({}, {"id_dropout": 0.0, "epochs": 2}),
+    "shipped2": ({}, {"epochs": 2}),
 }
 
 
@@ -60,7 +66,7 @@ def run(home: Path, variant: str, seed: int) -> dict:
     logistic = summary.baselines.get("logistic", {})
     return {"home": str(home), "variant": variant, "seed": seed, "auc": summary.auc, "logloss": summary.logloss,
             "logistic_auc": logistic.get("auc"), "logistic_logloss": logistic.get("logloss"),
-            "validation_rows": summary.validation_rows, "steps": summary.steps}
+            "validation_rows": summary.validation_rows, "steps": summary.steps, "id_dropout": summary.id_dropout}
 
 
 def main() -> None:

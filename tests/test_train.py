@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from recloop.checkpoint import read as read_checkpoint
+from recloop.data.cold_ids import cold_shares, dropout_rates
 from recloop.features.config import FeatureConfig
 from recloop.features.definition import FeatureLayout
 from recloop.features.job import build_features
-from recloop.model import ModelConfig
+from recloop.model import ModelConfig, RankingModel
 from recloop.schema import load_spec
 from recloop.settings import Settings
 from recloop.simulate import WorldConfig
@@ -63,9 +64,20 @@ def test_a_small_full_run_learns(home: Settings):
 
 def test_incremental_warm_start_grows_tables_and_keeps_untouched_rows(home: Settings):
     base = train(home, config())
+    penalized = train(home, config(embedding_l2=0.5, id_dropout=0.3))  # a chain given its penalty (or choosing it)
     build_features(home, SPEC, FeatureConfig.for_spec(SPEC))  # day four: new users and a new catalog wave
     incremental = train(home, config(mode="incremental"), warm_start=Path(base.checkpoint))
     assert incremental.warm_start == base.checkpoint
+    assert incremental.id_dropout == base.id_dropout == {}  # the chain's id dropout (TrainConfig.id_dropout)
+    # the embedding penalty: the mode's default (0) after a base at its own, the chain's after one given it
+    assert read_checkpoint(Path(incremental.checkpoint))["train"]["embedding_l2"] is None
+    assert not any(o.startswith("embedding_l2") for o in incremental.overrides)
+    continued = train(home, config(mode="incremental"), warm_start=Path(penalized.checkpoint))
+    assert read_checkpoint(Path(continued.checkpoint))["train"]["embedding_l2"] == 0.5
+    assert any(o.startswith("embedding_l2 0.5: the penalty its chain") for o in continued.overrides)
+    assert continued.id_dropout == {"c_user_id": 0.3, "c_item_id": 0.3}
+    own = train(home, config(mode="incremental", embedding_l2=0.0), warm_start=Path(penalized.checkpoint))
+    assert read_checkpoint(Path(own.checkpoint))["train"]["embedding_l2"] == 0.0 and own.run_id != continued.run_id
     # the chain's origin: a full run's own end, inherited by the incremental runs that follow it
     assert base.full_trained_until == base.trained_until < incremental.trained_until
     assert incremental.full_trained_until == base.trained_until
@@ -87,6 +99,32 @@ def test_incremental_warm_start_grows_tables_and_keeps_untouched_rows(home: Sett
             assert torch.equal(_row(old, layout_old, "c_country", row), _row(new, layout_new, "c_country", row))
     with pytest.raises(TrainError, match="nothing new"):
         train(home, config(mode="incremental", seed=1), warm_start=Path(incremental.checkpoint))
+
+
+def test_training_rows_lose_their_key_ids_at_the_rate_the_newest_rows_meet_unknown_ones(home: Settings):
+    """``TrainConfig.id_dropout``: measured on the window by default, continued by an incremental run, as
+    configured otherwise; at 1.0 no key id but the unknown one is ever trained."""
+    measured = train(home, config())
+    files = [FeatureLayout.for_settings(home).training / f"{hour}.parquet" for hour in measured.train_hours]
+    shares = cold_shares(files, ["c_user_id", "c_item_id"])
+    assert 0 < shares["c_user_id"] < 0.05 and measured.id_dropout == dropout_rates(shares) == {}  # few new users
+    assert read_checkpoint(Path(measured.checkpoint))["id_dropout"] == measured.id_dropout
+    assert train(home, config(id_dropout=0.0)).id_dropout == {}
+    with pytest.raises(TrainError, match="id_dropout: ids are dropped in one data shard"):
+        train(home, config(id_dropout=0.3, data_shards=2))  # said, not silently skipped
+    everything = train(home, config(id_dropout=1.0, epochs=1))
+    assert everything.id_dropout == {"c_user_id": 1.0, "c_item_id": 1.0}
+    info = read_checkpoint(Path(everything.checkpoint))
+    trained = load_file(Path(everything.checkpoint) / "model.safetensors")["sparse_arch.embeddings.weights"]
+    initial = RankingModel(ModelConfig.from_dict(info["model"]), len(info["dense"]), [tuple(t) for t in info["tables"]],
+                           seed=0).state_dict()["sparse_arch.embeddings.weights"]
+    layout = _layout(info)
+    rows = dict((n, r) for n, r in info["tables"])
+    for table in ("c_user_id", "c_item_id"):
+        assert not torch.equal(_row(trained, layout, table, 1), _row(initial, layout, table, 1))  # the unknown row
+        assert all(torch.equal(_row(trained, layout, table, row), _row(initial, layout, table, row))
+                   for row in range(2, rows[table]))
+    assert not torch.equal(_row(trained, layout, "c_country", 2), _row(initial, layout, "c_country", 2))
 
 
 def _layout(info: dict) -> dict[str, tuple[int, int]]:
@@ -456,7 +494,7 @@ def test_a_training_killed_mid_epoch_resumes_to_the_same_weights(home: Settings,
     import sys
     import time
 
-    from recloop.model import ModelConfig
+    from recloop.model import ModelConfig, RankingModel
 
     config = eval(KILLED_CONFIG, {"TrainConfig": TrainConfig, "ModelConfig": ModelConfig})  # noqa: S307 - ours
     other = Settings(home=tmp_path / "other", frame_backend="pandas")
@@ -573,3 +611,8 @@ def test_the_embedding_penalty_is_chosen_on_the_newest_rows_only_when_it_beats_t
     assert min(chosen.early_stopping["files"]) < max(chosen.train_hours)
     trial = train(home, config(embedding_l2=0.01, early_stopping_rows="newest", baselines=False))  # found done
     assert trial.early_stopping["files"] and max(trial.train_hours) < min(trial.early_stopping["files"])
+    # the default kept by default stays unset: the run no choosing would have made (the same trials, found done)
+    unset = train(home, config(embedding_l2_choices=(1000.0,)))
+    assert unset.selection["kept"] == 0.01 and any(o.startswith("embedding_l2 0.01 kept") for o in unset.overrides)
+    assert read_checkpoint(Path(unset.checkpoint))["train"]["embedding_l2"] is None
+    assert unset.run_id == train(home, config()).run_id

@@ -48,6 +48,12 @@ def train_command(
                                                       "comma-separated (0.1,1.0): each trains once on all but the "
                                                       "newest rows, and one that scores those rows better by 2 "
                                                       "standard errors is used (costs a training each).")] = "",
+    id_dropout: Annotated[float | None, typer.Option(min=0.0, max=1.0, help="Share of training rows whose user "
+                                                     "and item ids are replaced by the unknown id, so the model "
+                                                     "learns to score ids it will not know (default: full: the "
+                                                     "share of the window's newest rows whose ids the rows before "
+                                                     "them lack, at most 0.5; incremental: its base's; 0: none; "
+                                                     "one process only).")] = None,
     track: Annotated[bool, typer.Option(help="Log the run to MLflow and register the model.")] = True,
     nproc: Annotated[int, typer.Option(min=1, help="Processes (one per GPU): runs this command under torchrun, "
                                        "tables sharded and dense layers under DDP, then completes the run here "
@@ -70,7 +76,7 @@ def train_command(
     config = TrainConfig(mode=mode, days=days, epochs=epochs, batch_size=batch_size,  # type: ignore[arg-type]
                          validation_hours=validation_hours, replay_fraction=replay, device=device,
                          deterministic=deterministic, min_validation_rows=min_validation_rows, seed=seed,
-                         embedding_l2_choices=choices)
+                         embedding_l2_choices=choices, id_dropout=id_dropout)
     try:
         if complete or (nproc > 1 and rank is None):  # this process completes what ranks trained
             summary = _completed(nproc if not complete else 0, tracking.TrainingRun(Settings()) if track else None)
@@ -97,6 +103,9 @@ def train_command(
             f"{name} {scores['auc']:.4f}" for name, scores in summary.baselines.items()))
     if summary.grown_tables:
         console.print(f"tables grown: {summary.grown_tables}")
+    if summary.id_dropout:
+        console.print("ids dropped from training rows: " + ", ".join(
+            f"{table} {rate:.0%}" for table, rate in summary.id_dropout.items()))
     for override in summary.overrides:
         console.print(f"[yellow]overridden[/]: {override}")
     console.print(f"checkpoint: {summary.checkpoint}")
