@@ -494,7 +494,7 @@ def test_a_training_killed_mid_epoch_resumes_to_the_same_weights(home: Settings,
     import sys
     import time
 
-    from recloop.model import ModelConfig, RankingModel
+    from recloop.model import ModelConfig
 
     config = eval(KILLED_CONFIG, {"TrainConfig": TrainConfig, "ModelConfig": ModelConfig})  # noqa: S307 - ours
     other = Settings(home=tmp_path / "other", frame_backend="pandas")
