@@ -307,6 +307,7 @@ def test_the_baselines_are_fitted_once_per_window_and_refitted_when_a_file_chang
 
     from recloop import baselines, registry
     from recloop.data import FeatureSchema
+    from recloop.evaluate import auc
     from recloop.features.definition import FeatureLayout
     from recloop.gate.runner import held_out_files
 
@@ -330,6 +331,12 @@ def test_the_baselines_are_fitted_once_per_window_and_refitted_when_a_file_chang
     assert refitted["logistic"]["train_rows"] == min(baselines.MAX_TRAIN_ROWS,
                                                      sum(pq.ParquetFile(f).metadata.num_rows for f in before))
     assert len(list((layout.root / "baselines").glob("*.json"))) == 2
+    # each baseline's per-row scores are kept beside its figures, for the gate's paired test on the same rows
+    scored = baselines.window_baselines(layout, held, schema, with_scores=True)
+    labels = np.concatenate([pq.read_table(f, columns=["label"])["label"].to_numpy() for f in held])
+    for name in ("ctr", "logistic"):
+        assert abs(auc(labels, scored[name]["scores"]) - refitted[name]["auc"]) < 1e-12
+    assert len(list((layout.root / "baselines").glob("*.npz"))) == 2
 
 
 def test_the_gate_report_renders_cleanly_and_names_each_auc():

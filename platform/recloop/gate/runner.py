@@ -596,9 +596,12 @@ def _judge(settings: Settings, client, info, candidate_version: str, champion_ve
             if reason:
                 reasons.append(reason)
     baseline_figures = _baselines(settings, files, schema)
-    reasons += baselines.failures(candidate.overall.get("auc", float("nan")), baseline_figures,
-                                  thresholds.baseline_auc_margin, candidate.overall.get("logloss", float("nan")),
-                                  thresholds.baseline_logloss_margin)
+    lost, shown = _baseline_test(rows, keep, mine, candidate.overall, baseline_figures, thresholds)
+    reasons += lost
+    # the per-row scores stay out of the report and the logged JSON; what the paired test found goes in
+    baseline_figures = {name: {**{k: v for k, v in entry.items() if k != "scores"},
+                               **({"paired": (shown or {})[name]} if name in (shown or {}) else {})}
+                        for name, entry in baseline_figures.items()}
     if smoke is not None:
         problem, timing = smoke.result()
         decision.figures["serving smoke check"] = timing
@@ -648,7 +651,32 @@ def _judge(settings: Settings, client, info, candidate_version: str, champion_ve
 
 def _baselines(settings: Settings, held_out: list[Path], schema) -> dict[str, dict]:
     """``recloop.baselines`` on the held-out files, learning from the training files before them (the training
-    run that made the candidate scored the same window: its figures are read back, not refitted)."""
+    run that made the candidate scored the same window: its figures and per-row scores are read back, not
+    refitted)."""
     from recloop.features.definition import FeatureLayout
 
-    return baselines.window_baselines(FeatureLayout.for_settings(settings), held_out, schema)
+    return baselines.window_baselines(FeatureLayout.for_settings(settings), held_out, schema, with_scores=True)
+
+
+def _baseline_test(rows: dict, keep, mine: dict, overall: dict, figures: dict[str, dict],
+                   thresholds: GateThresholds) -> tuple[list[str], dict | None]:
+    """The candidate against the baselines on the rows it was judged on: the paired test
+    (``baselines.paired_failures``) when its scores and the baselines' line up with the held-out rows (each
+    baseline's AUC over them as its cached figures say), else the point estimates (``baselines.failures``)
+    from ``overall`` (the candidate's figures). Returns the reasons and the paired figures (None: not paired)."""
+    from recloop.evaluate import auc
+
+    labels = np.asarray(rows["labels"])
+    scored = {name: entry for name, entry in figures.items() if "scores" in entry}
+    judged_rows = int(keep.sum()) if keep is not None else len(labels)
+    aligned = bool(scored) and len(mine.get("scores", ())) == judged_rows and np.isfinite(mine["scores"]).all() and \
+        all(len(entry["scores"]) == len(labels) and abs(auc(labels, entry["scores"]) - entry["auc"]) < 1e-9
+            for entry in scored.values())
+    if not aligned:
+        return baselines.failures(overall.get("auc", float("nan")), figures, thresholds.baseline_auc_margin,
+                                  overall.get("logloss", float("nan")), thresholds.baseline_logloss_margin), None
+    kept = (lambda a: np.asarray(a)[keep]) if keep is not None else np.asarray
+    judged = {name: {**entry, "scores": kept(entry["scores"])} for name, entry in scored.items()}
+    users = rows.get("users")
+    return baselines.paired_failures(mine["labels"], mine["scores"], kept(users) if users is not None else None,
+                                     judged, thresholds.baseline_auc_margin, thresholds.baseline_logloss_margin)
