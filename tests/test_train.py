@@ -382,6 +382,13 @@ def test_an_incremental_window_is_its_new_hours_plus_a_replay_sample_of_a_full_r
     assert len({f.stem for f in older}) == 9
     full = choose_windows(files, TrainConfig(mode="full", **settings), None)
     assert full.train[0].stem == "2026-01-03T18" and full.epochs == 3
+    # a sparse log: 2,000 held-out rows reach back past every new hour; an incremental run's held-out hours
+    # take at most half of its new rows (a full run's grow as before)
+    sparse = dict(validation_hours=1, validation_rows=2000, min_validation_rows=100)
+    grown = choose_windows(files, TrainConfig(mode="incremental", **sparse), base)
+    assert sum(len(pq.read_table(f)) for f in grown.validation) <= 24 * 100 / 2 and grown.train
+    assert [f.stem for f in grown.train] == [f.stem for f in files[96:108]]
+    assert len(choose_windows(files, TrainConfig(mode="full", **sparse), None).validation) == 20
 
 
 def test_a_periodic_full_retrain_is_due_once_the_chain_is_long_and_tried_once_per_period(tmp_path: Path):

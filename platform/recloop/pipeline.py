@@ -207,13 +207,37 @@ def _periodic_path(settings: Settings) -> Path:
 
 def register_training(settings: Settings, summary: TrainSummary) -> LoggedModel:
     """Log a training run to MLflow and register its model (once per run: a rerun finds it)."""
-    import pyarrow.parquet as pq
 
     from recloop import tracking
     from recloop.features.definition import FeatureLayout
 
-    newest = sorted(FeatureLayout.for_settings(settings).training.glob("*.parquet"))[-1]
-    return tracking.log_training(settings, summary, pq.read_table(newest).slice(0, 5).to_pandas())
+    files = sorted(FeatureLayout.for_settings(settings).training.glob("*.parquet"))
+    return tracking.log_training(settings, summary, example_rows(files))
+
+
+def example_rows(files: list[Path], rows: int = 5, look_back: int = 48):
+    """The model's input example: the first ``rows`` rows of the newest of ``files`` (up to ``look_back`` of
+    them) whose list columns (``m_*``) are all non-empty, else the newest file's first rows. MLflow infers the
+    signature's list types from the example: on ml-latest-small's replay the newest file's rows were movies
+    without genres, every list empty, and MLflow warned that it could not infer the schema and that the
+    example failed its own check."""
+    import numpy as np
+    import pandas as pd
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    found: list[pd.DataFrame] = []
+    for path in reversed(files[-look_back:]):
+        table = pq.read_table(path)
+        full = np.ones(table.num_rows, dtype=bool)
+        for name in (c for c in table.column_names if c.startswith("m_")):
+            full &= pc.list_value_length(table[name]).fill_null(0).to_numpy(zero_copy_only=False) > 0
+        found.append(table.to_pandas()[full].head(rows - sum(len(f) for f in found)))
+        if sum(len(f) for f in found) >= rows:
+            return pd.concat(found, ignore_index=True)
+    if any(len(f) for f in found):
+        return pd.concat([f for f in found if len(f)], ignore_index=True)
+    return pq.read_table(files[-1]).slice(0, rows).to_pandas()
 
 
 def train_and_register(settings: Settings, config: TrainConfig, warm_start: str | Path | None = None

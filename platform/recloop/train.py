@@ -440,16 +440,20 @@ def _rows(path: Path) -> int:
     return pq.ParquetFile(path).metadata.num_rows
 
 
-def held_out_from(files: list[Path], config: TrainConfig) -> int:
+def held_out_from(files: list[Path], config: TrainConfig, trained_until: str | None = None) -> int:
     """Where the held-out files start: the newest ``validation_hours`` of time, grown back a file at a time
     until they hold ``validation_rows`` rows or ``max_validation_share`` of all rows (at least one file stays
-    to train on)."""
+    to train on). ``trained_until``: an incremental run's base's; growing, the held-out files take at most half
+    of the rows the base has not seen, so the run has new rows to train on (on a sparse log the 2,000 rows
+    reached back past everything new, and ml-latest-small's replay ended with "nothing new to train on")."""
     newest = file_hour(files[-1])
     cut = len(files) - 1
     while cut > 0 and file_hour(files[cut - 1]) > newest - timedelta(hours=config.validation_hours):
         cut -= 1
     held = sum(_rows(f) for f in files[cut:])
     cap = config.max_validation_share * sum(_rows(f) for f in files)
+    if trained_until is not None:
+        cap = min(cap, sum(_rows(f) for f in files if f.stem >= trained_until) / 2)
     while held < config.validation_rows and cut > 1 and held + _rows(files[cut - 1]) <= cap:
         cut -= 1
         held += _rows(files[cut])
@@ -464,7 +468,7 @@ def choose_windows(files: list[Path], config: TrainConfig, base: dict | None) ->
     if len(files) < 2:
         raise TrainError(f"only {len(files)} period(s) of training rows: one is held out for validation, so "
                          "nothing is left to train on")
-    cut = held_out_from(files, config)
+    cut = held_out_from(files, config, base["trained_until"] if base is not None else None)
     if cut == 0:
         raise TrainError(f"the {config.validation_hours} hours held out for validation cover all {len(files)} "
                          "files of training rows: nothing is left to train on")
