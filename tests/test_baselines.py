@@ -48,3 +48,14 @@ def test_a_model_shown_behind_a_baseline_on_auc_or_log_loss_is_refused_with_the_
     # a margin wider than the shortfall lets it through; None checks nothing
     assert paired_failures(labels, worse, users, baselines, 0.5, None)[0] == []
     assert paired_failures(labels, worse, users, baselines, None, None) == ([], {})
+
+
+def test_without_a_user_key_every_row_is_its_own_unit():
+    """The gate's rows carry user 0 everywhere when the spec has no user key (Criteo's): one unit, an interval of
+    ±inf, and nothing was ever refused. Rows are resampled instead."""
+    labels, _, signal, logistic = _rows()
+    worse = 1 / (1 + np.exp(-(signal + np.random.default_rng(3).normal(scale=2.0, size=len(signal)) - 1)))
+    reasons, figures = paired_failures(labels, worse, np.zeros(len(labels)), {"logistic": {"scores": logistic}},
+                                       0.0, None)
+    assert any("resampled by row" in r for r in reasons), reasons
+    assert np.isfinite(figures["logistic"]["auc"]["low"]) and figures["logistic"]["auc"]["users"] == len(labels)

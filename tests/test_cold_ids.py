@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from recloop.data import FeatureSchema
+from recloop.data import FeatureSchema, cold_ids
 from recloop.data.cold_ids import MAX_RATE, cold_shares, dropout_rates, key_tables
 from recloop.model.fit import OOV_ID, drop_ids
 
@@ -38,6 +38,18 @@ def test_the_cold_share_is_the_newest_rows_ids_that_the_rows_before_them_do_not_
     assert dropout_rates(shares) == {"c_user": 0.4}  # no item is new: their ids are kept
     assert dropout_rates({"c_user": 0.4, "c_item": 0.9}) == {"c_user": 0.4, "c_item": MAX_RATE}
     assert cold_shares(_files(tmp_path)[:1], ["c_user"]) == {}  # one file: nothing before the newest rows
+
+
+def test_the_cold_share_reads_the_file_before_the_newest_rows_however_large_and_copes_with_null_ids(
+        tmp_path: Path, monkeypatch):
+    files = _files(tmp_path)
+    monkeypatch.setattr(cold_ids, "MAX_EARLIER_ROWS", 50)  # smaller than one file: that file is read all the same
+    assert cold_shares(files, ["c_user"])["c_user"] >= 0.4
+    nulls = tmp_path / "nulls"
+    nulls.mkdir()
+    for hour in range(3):
+        pq.write_table(pa.table({"c_user": np.zeros(10, dtype=np.int32)}), nulls / f"2026-01-01T{hour:02d}.parquet")
+    assert cold_shares(sorted(nulls.glob("*.parquet")), ["c_user"]) == {"c_user": 0.0}  # null everywhere: known
 
 
 def test_only_vocabulary_tables_of_the_user_and_item_keys_have_their_ids_dropped():

@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -244,6 +245,9 @@ def window_baselines(layout: FeatureLayout, held_out: Sequence[Path], schema,
     for stale in sorted(cache.glob("*.json"), key=lambda p: p.stat().st_mtime)[:-CACHE_ENTRIES]:
         stale.unlink(missing_ok=True)
         stale.with_suffix(".npz").unlink(missing_ok=True)
+    for orphan in cache.glob("*.npz"):  # scores whose figures were never written (a crash between the two)
+        if not orphan.with_suffix(".json").exists() and orphan.stat().st_mtime < time.time() - 3600:
+            orphan.unlink(missing_ok=True)
     return {name: {**entry, **({"scores": arrays[name]} if with_scores and name in arrays else {})}
             for name, entry in scored.items()}
 
@@ -281,7 +285,9 @@ def paired_failures(labels: np.ndarray, model: np.ndarray, units: np.ndarray | N
     full retrain at 0.7568 against 0.7571 (benchmarks/RESULTS.md)."""
     from recloop.evidence.ranking import paired_bootstrap, paired_logloss
 
-    units = units if units is not None and len(units) == len(labels) else np.arange(len(labels))
+    over = "user"
+    if units is None or len(units) != len(labels) or len(np.unique(units)) < 2:  # no user key: every row its own
+        units, over = np.arange(len(labels)), "row"
     reasons: list[str] = []
     figures_: dict[str, dict] = {}
     for name in ("ctr", "logistic"):
@@ -294,7 +300,7 @@ def paired_failures(labels: np.ndarray, model: np.ndarray, units: np.ndarray | N
         if result.high < -margin:
             reasons.append(f"auc {result.candidate:.4f} is shown below the {name} baseline's {result.champion:.4f} "
                            f"on the same rows: {result.difference:+.4f} [{result.low:+.4f}, {result.high:+.4f}], "
-                           f"resampled by user" + (f" (margin {margin})" if margin else ""))
+                           f"resampled by {over}" + (f" (margin {margin})" if margin else ""))
     logistic = (baselines.get("logistic") or {}).get("scores")
     if logloss_margin is not None and logistic is not None and len(logistic) == len(labels):
         result = paired_logloss(labels, model, logistic, units, resamples=resamples)
@@ -302,7 +308,7 @@ def paired_failures(labels: np.ndarray, model: np.ndarray, units: np.ndarray | N
         if result.low > logloss_margin:
             reasons.append(f"log loss {result.candidate:.4f} is shown worse than the logistic baseline's "
                            f"{result.champion:.4f} on the same rows: {result.difference:+.4f} [{result.low:+.4f}, "
-                           f"{result.high:+.4f}], resampled by user" + (f" (margin {logloss_margin})" if logloss_margin else ""))
+                           f"{result.high:+.4f}], resampled by {over}" + (f" (margin {logloss_margin})" if logloss_margin else ""))
     return reasons, figures_
 
 

@@ -223,6 +223,7 @@ def example_rows(files: list[Path], rows: int = 5, look_back: int = 48):
     example failed its own check."""
     import numpy as np
     import pandas as pd
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -232,7 +233,7 @@ def example_rows(files: list[Path], rows: int = 5, look_back: int = 48):
         full = np.ones(table.num_rows, dtype=bool)
         for name in (c for c in table.column_names if c.startswith("m_")):
             full &= pc.list_value_length(table[name]).fill_null(0).to_numpy(zero_copy_only=False) > 0
-        found.append(table.to_pandas()[full].head(rows - sum(len(f) for f in found)))
+        found.append(table.filter(pa.array(full)).slice(0, rows - sum(len(f) for f in found)).to_pandas())
         if sum(len(f) for f in found) >= rows:
             return pd.concat(found, ignore_index=True)
     if any(len(f) for f in found):

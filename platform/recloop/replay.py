@@ -650,7 +650,7 @@ def _score_period(settings: Settings, lineage: _Lineage, start: int, stop: int, 
     if per_row is not None:
         per_row.update(scored=scored, groups=groups)
     # The baselines as the gate scores them (learnt from the rows before the period), with their per-row scores
-    # for the paired intervals: not read from the gate's cache, which keeps figures only.
+    # for the paired intervals (the replay's own fit on the period's rows, not the gate's cached window).
     before = sorted(p for p in layout.training.glob("*.parquet") if p.stem < files[0].stem)
     user_key = json.loads(layout.schema.read_text()).get("user_key") if layout.schema.exists() else None
     found = baselines.score_baselines(before, files, schema, user_key, with_scores=True)

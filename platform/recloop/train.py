@@ -728,6 +728,9 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
     if config.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if (config.data_shards > 1 or ranks.world > 1) and config.id_dropout:
+        raise TrainError("id_dropout: ids are dropped in one data shard's training only; leave it unset or 0 with "
+                         "data_shards or under torchrun")
     device = distributed.device_for(config.device, ranks)
     model, optimizer, grown, resumed = _build(config, schema, device, run_dir, base, windows.train, ranks)
     position, resume_note = resume_position(resumed)
@@ -738,9 +741,6 @@ def _train(settings: Settings, config: TrainConfig, ranks: distributed.Ranks, wa
         raise TrainError(f"tables {list(model.dynamic_tables)} have row budgets: dynamic tables train in one process "
                          "with one data shard (sharding them is not built yet)")
     trained = distributed.wrap(model, ranks) if sharded else model
-    if sharded and config.id_dropout:
-        raise TrainError("id_dropout: ids are dropped in one data shard's training only; leave it unset or 0 with "
-                         "data_shards or under torchrun")
     dropout = {} if sharded else id_dropout_rates(config, layout, schema, windows.train, base, model.dynamic_tables)
     held = distributed.held_tables(model, ranks) if ranks.world > 1 else None  # what each rank holds of the tables
 

@@ -53,7 +53,7 @@ def cold_shares(files: Sequence[Path], tables: Sequence[str]) -> dict[str, float
     rows = np.array([pq.ParquetFile(f).metadata.num_rows for f in files])
     newest_rows = np.cumsum(rows[::-1])
     cut = len(files) - min(int(np.searchsorted(newest_rows, NEWEST_SHARE * rows.sum())) + 1, len(files) - 1)
-    earlier = cut
+    earlier = cut - 1  # the file before them at least, then back while the rows stay within MAX_EARLIER_ROWS
     while earlier > 0 and rows[earlier - 1:cut].sum() <= MAX_EARLIER_ROWS:
         earlier -= 1
 
@@ -63,9 +63,9 @@ def cold_shares(files: Sequence[Path], tables: Sequence[str]) -> dict[str, float
     shares = {}
     for table in tables:
         newest, before = ids(files[cut:], table), ids(files[earlier:cut], table)
-        if not len(newest):
+        if not len(newest) or not len(before):
             continue
-        known = np.zeros(max(int(newest.max()), int(before.max()) if len(before) else 0) + 1, dtype=bool)
+        known = np.zeros(max(int(newest.max()), int(before.max()), OOV) + 1, dtype=bool)
         known[before] = True
         known[OOV] = False
         shares[table] = float(np.mean(~known[newest]))

@@ -219,10 +219,12 @@ def _paired_pooled_auc(
     diff = float(cand - champ)
     if n_units < 2 or not np.isfinite(diff):
         return PairedResult("auc", float(cand), float(champ), diff, -np.inf, np.inf, 1.0, margin, n_units)
-    weights = rng.poisson(1.0, size=(resamples, n_units)).astype(np.float64)[:, index]
-    boot = _pooled_auc_resamples(labels, candidate, weights) - _pooled_auc_resamples(
-        labels, champion, weights
-    )
+    boot = np.empty(resamples)
+    for start in range(0, resamples, 50):  # (50, rows) weights at a time: the same draws, bounded memory
+        weights = rng.poisson(1.0, size=(min(50, resamples - start), n_units)).astype(np.float64)[:, index]
+        boot[start:start + len(weights)] = _pooled_auc_resamples(labels, candidate, weights) - _pooled_auc_resamples(
+            labels, champion, weights
+        )
     tail = (1 - confidence) / 2
     low, high = np.quantile(boot, [tail, 1 - tail])
     se = float(boot.std(ddof=1))

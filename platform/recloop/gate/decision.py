@@ -51,11 +51,12 @@ class GateThresholds:
     ``max_logloss_ratio``: 1.1 lets a young model that ranks well be a little less sure than the constant base
     rate (a first model on a few thousand rows); the old absolute ceiling (0.6) allowed twice that at a 9 %
     click rate and refused good models at 48 %.
-    ``baseline_auc_margin``: the candidate's AUC must reach the best simple baseline's (``recloop.baselines``:
-    the logistic regression on the model's own inputs, the user+item CTR ranking) minus this, on the same
-    held-out rows; ``baseline_logloss_margin``: its log loss may exceed the logistic regression's by at most
-    this. On by default (0: a model that loses to logistic regression is not promoted, and the report says
-    so); None: the baselines are reported, not enforced.
+    ``baseline_auc_margin``: the candidate is refused when its AUC is shown below a simple baseline's
+    (``recloop.baselines``: the logistic regression on the model's own inputs, the user+item CTR ranking) by
+    more than this, on the same held-out rows (the paired bootstrap's 95 % interval over users entirely below
+    ``-margin``: ``baselines.paired_failures``); ``baseline_logloss_margin``: the same for its log loss above
+    the logistic regression's. On by default (0: a model that loses to logistic regression is not promoted,
+    and the report gives each difference with its interval); None: the baselines are reported, not enforced.
     ``auc_margin``: the overall non-inferiority margin of the paired comparison (grouped AUC): a candidate
     passes when its interval's bottom is above ``-auc_margin``; more than this worse is what the gate
     exists to stop.

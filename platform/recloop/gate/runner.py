@@ -424,9 +424,10 @@ def run_gate(settings: Settings, candidate_version: str | None = None, threshold
     """Judge a registered version (default: the newest) against the champion and move the aliases:
     pass → ``challenger`` (the first model ever → ``champion``); fail → tagged with the reasons.
 
-    The baselines (``recloop.baselines``) are scored on the same rows and reported; the candidate must also
-    reach the best baseline's AUC minus the thresholds' ``baseline_auc_margin`` and keep its log loss within
-    ``baseline_logloss_margin`` of the logistic regression's (None: not enforced).
+    The baselines (``recloop.baselines``) are scored on the same rows and reported; the candidate is also
+    refused when shown below a baseline's AUC by more than the thresholds' ``baseline_auc_margin``, or its log
+    loss shown above the logistic regression's by more than ``baseline_logloss_margin``, by the paired test on
+    those rows (``baselines.paired_failures``; None: not enforced).
     """
     from mlflow import MlflowClient
 
@@ -669,13 +670,14 @@ def _baseline_test(rows: dict, keep, mine: dict, overall: dict, figures: dict[st
     labels = np.asarray(rows["labels"])
     scored = {name: entry for name, entry in figures.items() if "scores" in entry}
     judged_rows = int(keep.sum()) if keep is not None else len(labels)
+    kept = (lambda a: np.asarray(a)[keep]) if keep is not None else np.asarray
     aligned = bool(scored) and len(mine.get("scores", ())) == judged_rows and np.isfinite(mine["scores"]).all() and \
+        np.array_equal(kept(labels).astype(np.float32), np.asarray(mine["labels"]).astype(np.float32)) and \
         all(len(entry["scores"]) == len(labels) and abs(auc(labels, entry["scores"]) - entry["auc"]) < 1e-9
             for entry in scored.values())
     if not aligned:
         return baselines.failures(overall.get("auc", float("nan")), figures, thresholds.baseline_auc_margin,
                                   overall.get("logloss", float("nan")), thresholds.baseline_logloss_margin), None
-    kept = (lambda a: np.asarray(a)[keep]) if keep is not None else np.asarray
     judged = {name: {**entry, "scores": kept(entry["scores"])} for name, entry in scored.items()}
     users = rows.get("users")
     return baselines.paired_failures(mine["labels"], mine["scores"], kept(users) if users is not None else None,
