@@ -87,6 +87,7 @@ def test_every_drift_check_leaves_a_snapshot_the_evidently_workspace_lists(runne
         (["ingest", "--spec", "nope"], "unknown spec"),
         (["train", "--embedding-l2-choices", "0.1,lots"], "comma-separated numbers"),
         (["train", "--embedding-l2-choices", "-1"], "a penalty is a number of 0 or more"),
+        (["train", "--id-dropout", "1.5"], "less than or equal to 1"),
         (["replay", "--data", ".", "--embedding-l2-choices", "nan"], "a penalty is a number of 0 or more"),
     ],
 )

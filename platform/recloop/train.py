@@ -1021,9 +1021,9 @@ def _fit(model: RankingModel, optimizer: torch.optim.Optimizer, windows: Windows
                 save(False)
                 if average is not None:
                     average.persist(run_dir, position["step"])
-            if position["step"] % 10 == 0 and on_progress:
-                rate = (position["samples"] - first_samples) / (time.perf_counter() - started)
-                on_progress(position["samples"], total, rate)
+            if position["step"] % 10 == 0 and on_progress:  # (``rate`` is the learning rate: not reused here)
+                speed = (position["samples"] - first_samples) / (time.perf_counter() - started)
+                on_progress(position["samples"], total, speed)
             if tracker is not None and len(step.loss_curve) > told:
                 told = _tell_losses(tracker, step.loss_curve, told)
             if on_step:
