@@ -223,33 +223,47 @@ def window_baselines(layout: FeatureLayout, held_out: Sequence[Path], schema,
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
     cache = layout.root / "baselines"
     path = cache / f"{key}.json"
-    scores_path = path.with_suffix(".npz")
+    found = _cached(path, with_scores)
+    if found is None:  # not scored yet (or a torn file from a crash, or figures kept before their scores were)
+        found = score_baselines(before, held_out, schema, user_key, max_train_rows, with_scores=True)
+        _keep(path, found)
+    if not with_scores:
+        return {name: {k: v for k, v in entry.items() if k != "scores"} for name, entry in found.items()}
+    return found
+
+
+def _cached(path: Path, with_scores: bool) -> dict[str, dict] | None:
+    """``window_baselines``' cache entry at ``path`` (with the per-row scores beside it when asked), or None."""
     try:
         figures_ = json.loads(path.read_text())
-        if not with_scores:
-            return figures_
-        with np.load(scores_path, allow_pickle=False) as saved:
-            return {name: {**entry, **({"scores": saved[name]} if name in saved.files else {})}
-                    for name, entry in figures_.items()}
+        if with_scores:
+            with np.load(path.with_suffix(".npz"), allow_pickle=False) as saved:
+                figures_ = {name: {**entry, **({"scores": saved[name]} if name in saved.files else {})}
+                            for name, entry in figures_.items()}
+        return figures_
     except (OSError, ValueError, KeyError):
-        pass  # not scored yet (or a torn file from a crash, or figures kept before their scores were): score it
-    scored = score_baselines(before, held_out, schema, user_key, max_train_rows, with_scores=True)
-    arrays = {name: entry.pop("scores") for name, entry in scored.items() if "scores" in entry}
+        return None
+
+
+def _keep(path: Path, scored: dict[str, dict]) -> None:
+    """Write ``scored`` (entries with per-row ``scores``) as the cache entry at ``path``: the scores as ``.npz``
+    first, then the figures as JSON, each atomically (figures found mean their scores are there); the oldest
+    entries beyond ``CACHE_ENTRIES`` go."""
+    cache = path.parent
     cache.mkdir(parents=True, exist_ok=True)
-    partial = cache / f"{key}.{os.getpid()}.tmp.npz"
-    np.savez_compressed(partial, **arrays)
-    partial.replace(scores_path)  # the scores first: figures found mean their scores are there
+    partial = cache / f"{path.stem}.{os.getpid()}.tmp.npz"
+    np.savez_compressed(partial, **{name: entry["scores"] for name, entry in scored.items() if "scores" in entry})
+    partial.replace(path.with_suffix(".npz"))
     partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(scored, allow_nan=True))
-    partial.replace(path)  # atomic: a reader sees the whole file or none
+    partial.write_text(json.dumps({name: {k: v for k, v in entry.items() if k != "scores"}
+                                   for name, entry in scored.items()}, allow_nan=True))
+    partial.replace(path)
     for stale in sorted(cache.glob("*.json"), key=lambda p: p.stat().st_mtime)[:-CACHE_ENTRIES]:
         stale.unlink(missing_ok=True)
         stale.with_suffix(".npz").unlink(missing_ok=True)
     for orphan in cache.glob("*.npz"):  # scores whose figures were never written (a crash between the two)
         if not orphan.with_suffix(".json").exists() and orphan.stat().st_mtime < time.time() - 3600:
             orphan.unlink(missing_ok=True)
-    return {name: {**entry, **({"scores": arrays[name]} if with_scores and name in arrays else {})}
-            for name, entry in scored.items()}
 
 
 def _stamp(path: Path) -> list:

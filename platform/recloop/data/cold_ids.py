@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from recloop.data.loader import FeatureSchema
+from recloop.model.fit import OOV_ID
 
 NEWEST_SHARE = 0.1  # the newest rows of the window: the ones most like what the model scores next
 MAX_EARLIER_ROWS = 2_000_000  # the rows before them read for the ids they hold (the newest of them)
@@ -30,7 +31,6 @@ MAX_RATE = 0.5  # on MovieLens 1M, 0.4 / 0.75 / 1.0 held out alike (AUC 0.7793 /
 # Below this share a model meets next to no unknown ids, and its rows keep theirs: the synthetic world's newest rows
 # hold 0.8 % new users, and dropping them there moved a full run's held-out AUC by -0.001 (noise; 3 seeds).
 MIN_SHARE = 0.05
-OOV = 1  # a vocabulary's out-of-vocabulary id (0 is null): already unknown to any model
 
 
 def key_tables(schema: FeatureSchema, raw_schema: dict) -> list[str]:
@@ -65,9 +65,9 @@ def cold_shares(files: Sequence[Path], tables: Sequence[str]) -> dict[str, float
         newest, before = ids(files[cut:], table), ids(files[earlier:cut], table)
         if not len(newest) or not len(before):
             continue
-        known = np.zeros(max(int(newest.max()), int(before.max()), OOV) + 1, dtype=bool)
+        known = np.zeros(max(int(newest.max()), int(before.max()), OOV_ID) + 1, dtype=bool)
         known[before] = True
-        known[OOV] = False
+        known[OOV_ID] = False  # already unknown to any model
         shares[table] = float(np.mean(~known[newest]))
     return shares
 

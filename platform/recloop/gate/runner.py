@@ -571,13 +571,21 @@ def _paired_test(rows: dict, keep, mine: dict, theirs: dict, thresholds: GateThr
     """The paired tests (``gate.paired.compare``) on the held-out rows both versions scored (``score_version``'s
     arrays of the rows ``keep`` kept); None when the scorings do not line up with the rows or hold a NaN."""
     kept = (lambda a: a[keep]) if keep is not None else (lambda a: a)
-    if len(rows["labels"]) != len(rows["served"]) or \
-            not np.array_equal(kept(rows["labels"]).astype(np.float32), mine["labels"].astype(np.float32)) or \
-            not all(np.isfinite(m["scores"]).all() for m in (mine, theirs)):
+    if not _lined_up(rows, keep, mine, theirs):
         return None
     held = HeldOut(mine["labels"], mine["scores"], theirs["scores"], kept(rows["groups"]), kept(rows["users"]),
                    mine["slices"], int(rows["served"].sum()) if keep is not None else 0)
     return compare(held, thresholds.auc_margin, thresholds.max_slice_auc_drop, PairedConfig())
+
+
+def _lined_up(rows: dict, keep, *scorings: dict) -> bool:
+    """Whether each scoring (``score_version``'s arrays) holds the labels of the held-out rows ``keep`` kept, in
+    their order, and no NaN score."""
+    labels = np.asarray(rows["labels"])
+    kept = labels[keep] if keep is not None else labels
+    return len(labels) == len(rows["served"]) and all(
+        "scores" in s and np.array_equal(kept.astype(np.float32), np.asarray(s["labels"]).astype(np.float32))
+        and np.isfinite(s["scores"]).all() for s in scorings)
 
 
 def _judge(settings: Settings, client, info, candidate_version: str, champion_version: str | None, mode: str,
@@ -669,10 +677,8 @@ def _baseline_test(rows: dict, keep, mine: dict, overall: dict, figures: dict[st
 
     labels = np.asarray(rows["labels"])
     scored = {name: entry for name, entry in figures.items() if "scores" in entry}
-    judged_rows = int(keep.sum()) if keep is not None else len(labels)
     kept = (lambda a: np.asarray(a)[keep]) if keep is not None else np.asarray
-    aligned = bool(scored) and len(mine.get("scores", ())) == judged_rows and np.isfinite(mine["scores"]).all() and \
-        np.array_equal(kept(labels).astype(np.float32), np.asarray(mine["labels"]).astype(np.float32)) and \
+    aligned = bool(scored) and _lined_up(rows, keep, mine) and \
         all(len(entry["scores"]) == len(labels) and abs(auc(labels, entry["scores"]) - entry["auc"]) < 1e-9
             for entry in scored.values())
     if not aligned:
